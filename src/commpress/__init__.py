@@ -1,0 +1,37 @@
+"""commpress: compression of gradients and activations for distributed PyTorch training.
+
+>>> import commpress, torch
+>>> codec = commpress.get_codec("topk", ratio=0.01)
+>>> payload = codec.encode(torch.randn(1000))
+>>> payload.bits_per_coordinate      # 48 * K / d
+0.48
+>>> codec.decode(payload).shape
+torch.Size([1000])
+"""
+
+from commpress.codecs import (
+    Codec,
+    CodecContext,
+    Payload,
+    Reduced,
+    codec_ids,
+    get_codec,
+    list_codecs,
+    simulate,
+)
+from commpress.errors import CommpressError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Codec",
+    "CodecContext",
+    "CommpressError",
+    "Payload",
+    "Reduced",
+    "__version__",
+    "codec_ids",
+    "get_codec",
+    "list_codecs",
+    "simulate",
+]

@@ -1,0 +1,1 @@
+"""Benchmarks: each suite measures its contenders side by side in one run and reports ratios."""

@@ -1,0 +1,455 @@
+"""The codec contract: a tensor becomes a :class:`Payload` and a payload becomes a tensor.
+
+A codec is a frozen, slotted, keyword-only dataclass whose fields are its parameters. Its
+configuration round-trips through JSON (:meth:`Codec.get_config` /
+:func:`commpress.codecs.registry.get_codec`). Codecs are pure functions of their inputs: the
+only state they touch is the per-tensor ``state`` dict that the caller owns and hands over in a
+:class:`CodecContext`, and they never communicate. Aggregation across workers is described by
+:meth:`Codec.reduce`, a generator of requests (see :mod:`commpress.codecs.protocol`).
+
+Writing a codec::
+
+    @register_codec
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Halve(Codec):
+        codec_id: ClassVar[str] = "halve"
+        summable: ClassVar[bool] = True
+        scale: float = param(0.5, "multiplier applied before the cast")
+
+        def validate(self) -> None:
+            require(self.scale > 0, "scale must be > 0", self.scale)
+
+        def _encode(self, x, ctx):
+            return self.make_payload(x, {"values": (x * self.scale).to(torch.float16)})
+
+        def _decode(self, payload, ctx):
+            v = self.part(payload, "values", numel=payload.numel, dtype=torch.float16)
+            return (v.float() / self.scale).reshape(payload.shape).to(payload.dtype)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import types
+import typing
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced
+from commpress.errors import CommpressError, error_context
+
+#: Input dtypes every codec accepts.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+)
+
+
+def param(default: Any, doc: str) -> Any:
+    """Declare a codec parameter with its default and a one-line description."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def require(condition: bool, message: str, value: Any = dataclasses.MISSING) -> None:
+    """Raise :class:`CommpressError` with ``message`` (and the offending value) unless true."""
+    if not condition:
+        if value is not dataclasses.MISSING:
+            message = f"{message}, got {value!r}"
+        raise CommpressError(message)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Payload:
+    """What crosses the network for one tensor: named tensors plus what the receiver knows.
+
+    ``shape``, ``dtype`` and the codec configuration are agreed by all workers beforehand (every
+    rank holds the same model), so only ``parts`` are counted as wire bytes.
+
+    Attributes:
+        codec: id of the codec that produced it.
+        fingerprint: fingerprint of that codec's configuration; decoding with a differently
+            configured codec is refused.
+        shape: shape of the encoded tensor.
+        dtype: dtype of the encoded tensor.
+        parts: the wire tensors, by name.
+        lane_bits: logical bits per element for parts whose in-memory dtype is wider than what
+            is sent (for example 4-bit integer lanes held in ``int8``); other parts count their
+            dtype's full width.
+        summed: how many workers' payloads were added into this one (1 for a fresh payload).
+    """
+
+    codec: str
+    fingerprint: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: Mapping[str, torch.Tensor]
+    lane_bits: Mapping[str, int] = field(default_factory=dict)
+    summed: int = 1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Exact size on the wire in bytes (sum over parts, at their logical lane width)."""
+        total = 0
+        for name, t in self.parts.items():
+            bits = self.lane_bits.get(name, t.element_size() * 8)
+            total += math.ceil(t.numel() * bits / 8)
+        return total
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        """Wire bits per element of the original tensor (0 for an empty tensor)."""
+        return 8.0 * self.nbytes / self.numel if self.numel else 0.0
+
+    @property
+    def device(self) -> torch.device:
+        for t in self.parts.values():
+            return t.device
+        return torch.device("cpu")
+
+    def replace(self, **changes: Any) -> Payload:
+        """A copy with some fields changed (for example the summed ``parts``)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(slots=True, kw_only=True)
+class CodecContext:
+    """Everything a codec may know besides the tensor: who it is and the caller-owned state.
+
+    Attributes:
+        rank: this worker's index in ``[0, world_size)``.
+        world_size: number of workers taking part in the reduction.
+        step: training step (or any counter the caller advances); seeds depend on it, so two
+            encodings with equal ``step``, ``key`` and ``rank`` are identical.
+        key: a stable name for the tensor (parameter or bucket name); seeds and state use it.
+        state: mutable per-tensor codec state owned by the caller, for example PowerSGD's warm
+            start ``Q``. Keep one dict per (codec, key) and pass it again next step. It holds
+            only tensors and plain values, so it can be checkpointed.
+        need_local: ask :meth:`Codec.reduce` for this worker's decoded contribution (error
+            feedback needs it; skipping it saves a decode).
+        average: ask :meth:`Codec.reduce` for the mean over workers instead of the sum (codecs
+            may then scale before exchanging, as the fp16 cast does to avoid overflow).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    step: int = 0
+    key: str = ""
+    state: dict[str, Any] = field(default_factory=dict)
+    need_local: bool = False
+    average: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.world_size >= 1, "CodecContext.world_size must be >= 1", self.world_size)
+        require(
+            0 <= self.rank < self.world_size,
+            f"CodecContext.rank must be in [0, {self.world_size})",
+            self.rank,
+        )
+        require(self.step >= 0, "CodecContext.step must be >= 0", self.step)
+
+    def generator(self, seed: int, *, shared: bool, device: torch.device) -> torch.Generator:
+        """A torch generator seeded from ``(seed, key, step)`` and, unless ``shared``, the rank.
+
+        ``shared=True`` gives every worker the same stream (Random-K's common coordinates,
+        THC's common rotation); ``shared=False`` gives independent streams (stochastic rounding).
+        """
+        who = "shared" if shared else f"rank{self.rank}"
+        material = f"{seed}/{self.key}/{self.step}/{who}".encode()
+        digest = hashlib.blake2b(material, digest_size=8).digest()
+        g = torch.Generator(device=device)
+        g.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+        return g
+
+
+_HINTS_CACHE: dict[type, dict[str, Any]] = {}
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS_CACHE:
+        _HINTS_CACHE[cls] = typing.get_type_hints(cls)
+    return _HINTS_CACHE[cls]
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` fits a simple parameter annotation (int, float, bool, str, Literal)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return value in typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True  # richer annotations are checked by the codec's own validate()
+
+
+def _describe_hint(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_describe_hint(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    return getattr(hint, "__name__", str(hint))
+
+
+class Codec(ABC):
+    """Base class of all codecs. Subclasses are frozen slotted keyword-only dataclasses.
+
+    Class attributes every codec sets:
+        codec_id: registry id (``"topk"``).
+        summable: payloads of different workers may be added element-wise by a plain
+            all-reduce, and decoding the sum gives the sum of the decodings.
+        lossless: ``decode(encode(x))`` is bit-identical to ``x``.
+        fixed_size: payload part shapes depend only on the configuration and the input's shape
+            and dtype (collectives can then skip exchanging sizes).
+        multi_round: :meth:`reduce` needs more than one exchange.
+    """
+
+    __slots__ = ()
+
+    codec_id: ClassVar[str]
+    summable: ClassVar[bool] = False
+    lossless: ClassVar[bool] = False
+    fixed_size: ClassVar[bool] = True
+    multi_round: ClassVar[bool] = False
+    #: One line shown by ``commpress codecs``.
+    summary: ClassVar[str] = ""
+    #: What the codec does with NaN/Inf inputs (shown in docs, checked by tests).
+    nonfinite: ClassVar[str] = "non-finite inputs give non-finite outputs"
+
+    # ------------------------------------------------------------------ configuration
+    def __post_init__(self) -> None:
+        hints = _type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            hint = hints.get(f.name)
+            if hint is not None and not _matches(value, hint):
+                raise CommpressError(
+                    f"{self.codec_id}: parameter {f.name!r} must be {_describe_hint(hint)}, "
+                    f"got {value!r}"
+                )
+            if hint is float and isinstance(value, int):
+                object.__setattr__(self, f.name, float(value))
+        with error_context(self.codec_id):
+            self.validate()
+
+    def validate(self) -> None:  # noqa: B027 - optional hook, empty by default
+        """Check parameter values; raise via :func:`require`. Called after construction."""
+
+    @classmethod
+    def parameters(cls) -> list[tuple[str, Any, str]]:
+        """``(name, default, description)`` for each parameter, in declaration order."""
+        return [
+            (f.name, f.default, f.metadata.get("doc", ""))
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        ]
+
+    def get_config(self) -> dict[str, Any]:
+        """JSON-serialisable configuration: ``{"id": codec_id, **parameters}``."""
+        config: dict[str, Any] = {"id": self.codec_id}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            config[f.name] = getattr(self, f.name)
+        return config
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Codec:
+        """Build a codec from :meth:`get_config` output (the id must match this class)."""
+        from commpress.codecs.registry import get_codec
+
+        codec = get_codec(config)
+        if not isinstance(codec, cls):
+            raise CommpressError(
+                f"config id {config.get('id')!r} does not describe a {cls.__name__} codec"
+            )
+        return codec
+
+    def fingerprint(self) -> str:
+        """A short stable hash of the configuration (equal on every rank for equal configs)."""
+        text = json.dumps(self.get_config(), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+    # ------------------------------------------------------------------ public API
+    def encode(self, tensor: torch.Tensor, ctx: CodecContext | None = None) -> Payload:
+        """Encode ``tensor`` into a payload (``ctx`` defaults to a single worker at step 0)."""
+        x = self.check_input(tensor)
+        with error_context(f"{self.codec_id}.encode"):
+            return self._encode(x, ctx if ctx is not None else CodecContext())
+
+    def decode(
+        self,
+        payload: Payload,
+        ctx: CodecContext | None = None,
+        *,
+        shape: tuple[int, ...] | torch.Size | None = None,
+    ) -> torch.Tensor:
+        """Decode ``payload`` into a tensor of its original shape, dtype and device.
+
+        ``shape``, when given, is the shape the caller expects; a payload of another shape is
+        refused instead of being silently reshaped.
+        """
+        self.check_payload(payload, shape)
+        with error_context(f"{self.codec_id}.decode"):
+            out = self._decode(payload, ctx if ctx is not None else CodecContext())
+        if tuple(out.shape) != tuple(payload.shape) or out.dtype != payload.dtype:
+            raise CommpressError(
+                f"{self.codec_id}.decode produced {tuple(out.shape)} {out.dtype}, expected "
+                f"{tuple(payload.shape)} {payload.dtype} (codec bug)"
+            )
+        return out
+
+    def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
+        """Aggregate ``tensor`` with the other workers: a generator of exchange requests.
+
+        The default protocol has one round: summable codecs all-reduce their payload parts and
+        decode the sum; the others all-gather payloads and add the decodings in rank order.
+        With ``ctx.average`` the sum is divided by the world size. Multi-round codecs override
+        this.
+        """
+        payload = self.encode(tensor, ctx)
+        local = self.decode(payload, ctx) if ctx.need_local else None
+        if self.summable:
+            summed = yield AllReduce(tensors=dict(payload.parts), **self.sum_lanes(payload))
+            total_payload = payload.replace(parts=dict(summed), summed=ctx.world_size)
+            total = self.decode(total_payload, ctx)
+        else:
+            gathered = yield AllGather(payload)
+            total = self.sum_decoded(gathered, ctx)
+        return Reduced(total=self.finish_total(total, ctx), local=local)
+
+    # ------------------------------------------------------------------ hooks to implement
+    @abstractmethod
+    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        """Encode a checked floating-point tensor (any shape, possibly empty or 0-d)."""
+
+    @abstractmethod
+    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        """Decode a payload already checked to come from this codec and configuration."""
+
+    @staticmethod
+    def finish_total(total: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        """Turn an aggregated sum into what ``ctx`` asked for (divide when averaging)."""
+        if ctx.average and ctx.world_size > 1:
+            return total / ctx.world_size
+        return total
+
+    def sum_lanes(self, payload: Payload) -> dict[str, Any]:
+        """Extra :class:`AllReduce` arguments for summing this codec's payloads (lane widths)."""
+        return {}
+
+    # ------------------------------------------------------------------ helpers for codecs
+    def make_payload(
+        self,
+        x: torch.Tensor,
+        parts: Mapping[str, torch.Tensor],
+        *,
+        lane_bits: Mapping[str, int] | None = None,
+    ) -> Payload:
+        """A payload for input ``x`` with the given wire parts."""
+        return Payload(
+            codec=self.codec_id,
+            fingerprint=self.fingerprint(),
+            shape=tuple(x.shape),
+            dtype=x.dtype,
+            parts=dict(parts),
+            lane_bits=dict(lane_bits or {}),
+        )
+
+    def part(
+        self,
+        payload: Payload,
+        name: str,
+        *,
+        numel: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Fetch part ``name`` from a payload, checking its element count and dtype."""
+        if name not in payload.parts:
+            raise CommpressError(
+                f"payload has no part {name!r} (parts: {sorted(payload.parts)}); corrupted?"
+            )
+        t = payload.parts[name]
+        if numel is not None and t.numel() != numel:
+            raise CommpressError(
+                f"payload part {name!r} has {t.numel()} elements, expected {numel} for a "
+                f"tensor of shape {tuple(payload.shape)}"
+            )
+        if dtype is not None and t.dtype != dtype:
+            raise CommpressError(f"payload part {name!r} is {t.dtype}, expected {dtype}")
+        return t
+
+    def sum_decoded(self, payloads: list[Payload], ctx: CodecContext) -> torch.Tensor:
+        """Decode payloads and add them in list order, accumulating in float32 (or float64)."""
+        if not payloads:
+            raise CommpressError("nothing to sum: empty list of payloads")
+        first = payloads[0]
+        acc_dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
+        acc = torch.zeros(first.shape, dtype=acc_dtype, device=first.device)
+        for p in payloads:
+            acc += self.decode(p, ctx, shape=first.shape).to(acc_dtype)
+        return acc.to(first.dtype)
+
+    def check_input(self, tensor: Any) -> torch.Tensor:
+        """Refuse anything but a floating-point tensor of a supported dtype."""
+        if not isinstance(tensor, torch.Tensor):
+            raise CommpressError(
+                f"{self.codec_id}.encode expects a torch.Tensor, got {type(tensor).__name__}"
+            )
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+            raise CommpressError(
+                f"{self.codec_id}.encode expects a floating-point tensor ({names}), "
+                f"got {str(tensor.dtype).replace('torch.', '')}"
+            )
+        return tensor.detach()
+
+    def check_payload(
+        self, payload: Any, shape: tuple[int, ...] | torch.Size | None = None
+    ) -> None:
+        """Refuse payloads of another codec or configuration, or of an unexpected shape."""
+        if not isinstance(payload, Payload):
+            raise CommpressError(
+                f"{self.codec_id}.decode expects a Payload, got {type(payload).__name__}"
+            )
+        if payload.codec != self.codec_id:
+            raise CommpressError(
+                f"payload was produced by codec {payload.codec!r}; cannot decode with "
+                f"{self.codec_id!r}"
+            )
+        if payload.fingerprint != self.fingerprint():
+            raise CommpressError(
+                f"payload was produced by a {self.codec_id!r} codec with another configuration "
+                f"(fingerprint {payload.fingerprint}, this codec {self.fingerprint()}: "
+                f"{self.get_config()})"
+            )
+        if shape is not None and tuple(shape) != tuple(payload.shape):
+            raise CommpressError(
+                f"payload holds a tensor of shape {tuple(payload.shape)}, expected {tuple(shape)}"
+            )
+        if payload.summed < 1:
+            raise CommpressError(f"payload.summed must be >= 1, got {payload.summed}")
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
+        return f"{self.codec_id}({args})"

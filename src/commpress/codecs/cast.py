@@ -1,0 +1,86 @@
+"""Baselines: send the tensor as it is, or cast to a 16-bit float format.
+
+* ``identity``: the tensor itself (lossless, summable; 8x the element size in bits).
+* ``fp16``: IEEE half precision, 16 bits per coordinate. Values beyond +-65504 become +-Inf,
+  tiny values flush towards zero, exactly as ``tensor.half()`` does. With ``average`` the
+  half-precision payload is divided by the world size *before* the all-reduce (the order of
+  PyTorch's ``fp16_compress_hook``), which keeps sums of large gradients finite.
+* ``bf16``: bfloat16, 16 bits per coordinate, fp32's range with 8 mantissa bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from commpress.codecs.base import Codec, CodecContext, Payload
+from commpress.codecs.protocol import AllReduce, Protocol, Reduced
+from commpress.codecs.registry import register_codec
+
+
+@register_codec
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Identity(Codec):
+    """No compression: the payload is the tensor (shares its memory)."""
+
+    codec_id: ClassVar[str] = "identity"
+    summable: ClassVar[bool] = True
+    lossless: ClassVar[bool] = True
+    summary: ClassVar[str] = "no compression (reference)"
+    nonfinite: ClassVar[str] = "passed through unchanged"
+
+    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        return self.make_payload(x, {"values": x.reshape(-1)})
+
+    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        v = self.part(payload, "values", numel=payload.numel, dtype=payload.dtype)
+        return v.reshape(payload.shape)
+
+
+class _FloatCast(Codec):
+    """Shared behaviour of the 16-bit casts."""
+
+    __slots__ = ()
+    summable: ClassVar[bool] = True
+    wire_dtype: ClassVar[torch.dtype]
+
+    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        return self.make_payload(x, {"values": x.reshape(-1).to(self.wire_dtype)})
+
+    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        v = self.part(payload, "values", numel=payload.numel, dtype=self.wire_dtype)
+        return v.to(payload.dtype).reshape(payload.shape)
+
+    def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
+        payload = self.encode(tensor, ctx)
+        local = self.decode(payload, ctx) if ctx.need_local else None
+        values = payload.parts["values"]
+        if ctx.average and ctx.world_size > 1:
+            values = values / ctx.world_size
+        summed = yield AllReduce(tensors={"values": values})
+        total = self.decode(payload.replace(parts=dict(summed), summed=ctx.world_size), ctx)
+        return Reduced(total=total, local=local)
+
+
+@register_codec
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fp16(_FloatCast):
+    """Cast to IEEE float16."""
+
+    codec_id: ClassVar[str] = "fp16"
+    wire_dtype: ClassVar[torch.dtype] = torch.float16
+    summary: ClassVar[str] = "cast to float16 (the usual baseline)"
+    nonfinite: ClassVar[str] = "NaN/Inf kept; finite values beyond +-65504 become +-Inf"
+
+
+@register_codec
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bf16(_FloatCast):
+    """Cast to bfloat16."""
+
+    codec_id: ClassVar[str] = "bf16"
+    wire_dtype: ClassVar[torch.dtype] = torch.bfloat16
+    summary: ClassVar[str] = "cast to bfloat16"
+    nonfinite: ClassVar[str] = "NaN/Inf kept"

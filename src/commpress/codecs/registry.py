@@ -1,0 +1,107 @@
+"""The registry of codec ids: ``get_codec("topk", ratio=0.01)`` and friends."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from commpress.codecs.base import Codec
+from commpress.errors import CommpressError
+
+_REGISTRY: dict[str, type[Codec]] = {}
+
+C = TypeVar("C", bound=type[Codec])
+
+
+def register_codec(cls: C) -> C:
+    """Class decorator adding a codec class to the registry under its ``codec_id``."""
+    codec_id = getattr(cls, "codec_id", None)
+    if not isinstance(codec_id, str) or not codec_id:
+        raise CommpressError(f"{cls.__name__} has no codec_id string")
+    if not dataclasses.is_dataclass(cls):
+        raise CommpressError(f"{cls.__name__} must be a dataclass to be registered")
+    existing = _REGISTRY.get(codec_id)
+    if existing is not None and existing.__qualname__ != cls.__qualname__:
+        raise CommpressError(
+            f"codec id {codec_id!r} is already registered by {existing.__module__}."
+            f"{existing.__qualname__}"
+        )
+    _REGISTRY[codec_id] = cls
+    return cls
+
+
+def codec_ids() -> list[str]:
+    """All registered ids, sorted."""
+    return sorted(_REGISTRY)
+
+
+def list_codecs() -> list[type[Codec]]:
+    """All registered codec classes, sorted by id."""
+    return [_REGISTRY[i] for i in codec_ids()]
+
+
+def codec_class(codec_id: str) -> type[Codec]:
+    """The class registered under ``codec_id``; unknown ids list the known ones."""
+    try:
+        return _REGISTRY[codec_id]
+    except KeyError:
+        raise CommpressError(
+            f"unknown codec id {codec_id!r}; known ids: {', '.join(codec_ids())}"
+        ) from None
+
+
+def parse_codec_spec(spec: str) -> dict[str, Any]:
+    """Parse ``"powersgd:rank=4,warm_start=true"`` into ``{"id": "powersgd", "rank": 4, ...}``.
+
+    Values are read as JSON where possible (numbers, ``true``/``false``, ``null``) and as plain
+    strings otherwise.
+    """
+    codec_id, _, rest = spec.partition(":")
+    config: dict[str, Any] = {"id": codec_id.strip()}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        name, sep, raw = item.partition("=")
+        if not sep or not name.strip():
+            raise CommpressError(f"codec spec {spec!r}: expected name=value, got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        config[name.strip()] = value
+    return config
+
+
+def get_codec(spec: str | Mapping[str, Any] | Codec, **params: Any) -> Codec:
+    """Build a codec from an id plus keyword parameters, a config mapping, or a spec string.
+
+    >>> get_codec("topk", ratio=0.01)              # doctest: +SKIP
+    >>> get_codec({"id": "topk", "ratio": 0.01})   # doctest: +SKIP
+    >>> get_codec("powersgd:rank=4")               # doctest: +SKIP
+    """
+    if isinstance(spec, Codec):
+        if params:
+            config = {**spec.get_config(), **params}
+            return get_codec(config)
+        return spec
+    if isinstance(spec, str):
+        config = parse_codec_spec(spec)
+    elif isinstance(spec, Mapping):
+        config = dict(spec)
+    else:
+        raise CommpressError(
+            f"a codec is given by an id string or a config mapping, got {type(spec).__name__}"
+        )
+    if "id" not in config:
+        raise CommpressError(f"codec config has no 'id' key: {config!r}")
+    codec_id = config.pop("id")
+    config.update(params)
+    cls = codec_class(codec_id)
+    accepted = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    unknown = sorted(set(config) - set(accepted))
+    if unknown:
+        raise CommpressError(
+            f"{codec_id}: unknown parameter(s) {', '.join(unknown)}; accepted: "
+            f"{', '.join(accepted) if accepted else '(none)'}"
+        )
+    return cls(**config)
