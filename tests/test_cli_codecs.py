@@ -1,0 +1,61 @@
+"""`commpress codecs` and `commpress bench codecs` from the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from commpress.bench.codecs import run_bench
+from commpress.cli import main
+from commpress.codecs import codec_ids
+
+
+def test_codecs_table_lists_every_codec(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["codecs"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0]
+    for column in ("id", "summable", "lossless", "parameters"):
+        assert column in header
+    ids_in_table = {line.split("|")[1].strip() for line in out.splitlines()[2:] if "|" in line}
+    assert ids_in_table == set(codec_ids())
+
+
+def test_codecs_json_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["codecs", "--json"]) == 0
+    configs = json.loads(capsys.readouterr().out)
+    assert sorted(c["id"] for c in configs) == codec_ids()
+
+
+def test_bench_codecs_measures_every_requested_codec(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_file = tmp_path / "rows.json"  # type: ignore[operator]
+    code = main([
+        "bench", "codecs", "--size-mb", "0.05", "--repeat", "1",
+        "--codecs", "identity", "fp16", "--json", str(out_file),
+    ])
+    assert code == 0
+    rows = json.loads(out_file.read_text())
+    assert [r["codec"] for r in rows] == ["identity()", "fp16()"]
+    fp16 = rows[1]
+    assert fp16["bits_per_coordinate"] == 16.0
+    assert 0 < fp16["nmse_gaussian"] < 2.0**-22  # fp16 unit roundoff squared
+    assert fp16["encode_gbps"] > 0 and fp16["memcpy_gbps"] > 0
+    assert "copy ceilings" in capsys.readouterr().out
+
+
+def test_bench_all_codecs_small() -> None:
+    rows = run_bench(codec_ids(), size_mb=0.02, repeat=1, progress=False)
+    assert len(rows) == len(codec_ids())
+    for r in rows:
+        assert r.bits_per_coordinate > 0 and r.encode_gbps > 0 and r.decode_gbps > 0, r
+        # Unbiased sparsifiers (randomk) have NMSE ~ d/k - 1, so only finiteness is universal.
+        assert math.isfinite(r.nmse_gaussian) and math.isfinite(r.nmse_heavy), r
+
+
+def test_bad_arguments_give_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "codecs", "--repeat", "0"]) == 2
+    assert "error" in capsys.readouterr().err
+    assert main(["bench", "codecs", "--codecs", "nope", "--size-mb", "0.01"]) == 2
