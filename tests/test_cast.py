@@ -53,7 +53,7 @@ def test_fp16_average_matches_pytorch_hook_arithmetic() -> None:
     from commpress.codecs.base import CodecContext
 
     contexts = [CodecContext(rank=r, world_size=3, average=True) for r in range(3)]
-    gens = [get_codec("fp16").reduce(x, c) for x, c in zip(inputs, contexts)]
+    gens = [get_codec("fp16").reduce(x, c) for x, c in zip(inputs, contexts, strict=True)]
     reqs = [next(g) for g in gens]
     acc = reqs[0].tensors["values"].clone()
     for r in reqs[1:]:

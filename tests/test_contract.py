@@ -77,12 +77,16 @@ def test_missing_id_and_bad_spec_are_refused() -> None:
 
 
 def test_error_context_prefixes_and_converts() -> None:
-    with pytest.raises(CommpressError, match=r"^outer: inner: boom$"):
-        with error_context("outer"), error_context("inner"):
-            raise CommpressError("boom")
-    with pytest.raises(CommpressError, match=r"^doing x: RuntimeError: bad$"):
-        with error_context("doing x"):
-            raise RuntimeError("bad")
+    with (
+        pytest.raises(CommpressError, match=r"^outer: inner: boom$"),
+        error_context("outer"),
+        error_context("inner"),
+    ):
+        raise CommpressError("boom")
+    with pytest.raises(CommpressError, match=r"^doing x: RuntimeError: bad$"), error_context(
+        "doing x"
+    ):
+        raise RuntimeError("bad")
 
 
 def test_context_validates_and_seeds_reproducibly() -> None:

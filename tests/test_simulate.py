@@ -46,7 +46,7 @@ def test_driver_reports_rounds_bytes_and_identical_totals() -> None:
     assert sim.rounds == ["allreduce"]
     assert sim.wire_bytes == [200, 200, 200]
     assert all(torch.equal(t, sim.totals[0]) for t in sim.totals)
-    for local, x in zip(sim.locals, inputs):
+    for local, x in zip(sim.locals, inputs, strict=True):
         assert local is not None and torch.equal(local, x.half().float())
 
 

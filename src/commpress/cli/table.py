@@ -27,7 +27,7 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
             widths[i] = max(widths[i], len(c))
 
     def line(values: Sequence[str]) -> str:
-        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)) + " |"
 
     out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out.extend(line(row) for row in cells)

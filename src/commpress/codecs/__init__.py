@@ -2,6 +2,7 @@
 
 Importing this package registers every built-in codec.
 """
+# ruff: noqa: I001  (the family imports at the end are ordered by hand)
 
 from commpress.codecs import cast  # noqa: F401  (registers identity, fp16, bf16)
 from commpress.codecs.base import (

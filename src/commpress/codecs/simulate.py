@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from commpress.codecs.base import Codec, CodecContext
-from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced, Request
+from commpress.codecs.protocol import AllReduce, Protocol, Reduced, Request
 from commpress.errors import CommpressError
 
 
