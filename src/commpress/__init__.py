@@ -23,6 +23,9 @@ from commpress.errors import CommpressError
 
 __version__ = "0.1.0"
 
+# The DDP comm hook (imported last: it builds on the codecs and the collectives layer).
+from commpress import ddp  # noqa: E402,I001
+
 __all__ = [
     "Codec",
     "CodecContext",
@@ -31,6 +34,7 @@ __all__ = [
     "Reduced",
     "__version__",
     "codec_ids",
+    "ddp",
     "get_codec",
     "list_codecs",
     "simulate",

@@ -17,6 +17,9 @@ from commpress.errors import CommpressError
 COMMANDS: list[str] = [
     "codecs_cmd",
     "bench_cmd",
+    "cluster_cmd",
+    "launch_cmd",
+    "capture_cmd",
 ]
 
 

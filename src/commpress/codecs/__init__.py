@@ -30,6 +30,7 @@ from commpress.codecs import (  # noqa: E402,F401,I001
     thc,
     sparse,
     topkc,
+    randomk,
     powersgd,
 )
 

@@ -1,1 +1,233 @@
-"""(being written)"""
+"""PowerSGD: low-rank compression by one step of subspace (power) iteration per training step.
+
+A gradient ``M`` of shape ``(n, m)`` is approximated by ``P Q^T`` with ``P`` of shape ``(n, r)``
+and ``Q`` of shape ``(m, r)``, so ``r (n + m)`` float32 numbers cross the network instead of
+``n m``: a compression rate of ``n m / (r (n + m))`` over float32. Both factors are computed so
+that they can be *summed* across workers by a plain all-reduce, which makes the aggregate the
+low-rank approximation of the summed gradient, at the price of two exchange rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from commpress.codecs.base import Codec, CodecContext, Payload, param, require
+from commpress.codecs.protocol import AllReduce, Protocol, Reduced
+from commpress.codecs.registry import register_codec
+from commpress.errors import CommpressError, error_context
+
+#: Key of the warm-start factor in ``CodecContext.state``.
+STATE_Q = "q"
+
+
+def orthonormalize(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning ``p`` (float32, ``(n, r)`` with ``n >= r``), by QR.
+
+    Householder QR always returns orthonormal columns, also for rank-deficient or zero input,
+    and it is a fixed sequence of operations, so every worker holding the same ``p`` gets the
+    same result. Non-finite columns are zeroed before the factorisation (LAPACK is not asked to
+    work on NaN) and set to NaN afterwards, so a NaN or Inf gradient still poisons the output.
+    This needs no host synchronisation.
+    """
+    finite = torch.isfinite(p).all(dim=0)
+    clean = torch.where(finite, p, torch.zeros((), dtype=p.dtype, device=p.device))
+    q, _ = torch.linalg.qr(clean, mode="reduced")
+    return torch.where(finite, q, torch.full((), math.nan, dtype=q.dtype, device=q.device))
+
+
+@register_codec
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PowerSGD(Codec):
+    """PowerSGD low-rank compression with warm-started power iteration.
+
+    Tensors are viewed as matrices ``M`` of shape ``(n, m)``, ``n = shape[0]`` and ``m`` the
+    product of the other dimensions (a convolution weight ``(out, in, kh, kw)`` becomes
+    ``(out, in * kh * kw)``). 0-d, empty and 1-D tensors (biases, norms), tensors with fewer
+    than ``min_numel`` elements, and matrices that would not shrink by at least
+    ``min_compression_rate`` (``r (n + m) * min_compression_rate >= n m``) are sent uncompressed
+    in a single all-reduce round, in their own dtype.
+
+    Algorithm for a compressed matrix, on every worker ``i`` holding ``M_i`` (all arithmetic in
+    float32; ``r = min(rank, n, m)``):
+
+    1. Start from ``Q`` of shape ``(m, r)``: the previous step's ``Q`` from ``ctx.state`` when
+       ``warm_start`` is on and one is stored, otherwise standard normal values from a stream
+       seeded by ``(seed, key, step)`` and shared by all workers, so every worker starts from
+       the same ``Q``. Stored columns that are zero or non-finite are re-drawn the same way, so
+       one bad step cannot disable a rank component forever.
+    2. ``P_i = M_i Q``; all-reduce (sum): ``P = sum_i P_i = (sum_i M_i) Q``.
+    3. Orthonormalize ``P`` by QR in float32. Every worker holds the same ``P`` and runs the
+       same operations, so ``P_hat`` is identical everywhere.
+    4. ``Q_i = M_i^T P_hat``; all-reduce (sum): ``Q = (sum_i M_i)^T P_hat``.
+    5. Repeat 2-4 ``power_iterations - 1`` more times starting from this ``Q``.
+    6. The aggregate is ``P_hat Q^T = P_hat P_hat^T sum_i M_i``, the projection of the summed
+       gradient onto an ``r``-dimensional subspace (divided by the world size when the context
+       asks for the mean). This worker's own contribution, for error feedback, is
+       ``P_hat Q_i^T``. With ``warm_start`` the summed ``Q`` is stored in ``ctx.state`` for the
+       next step.
+
+    Without warm start each step is one power iteration from a random start. With it,
+    consecutive steps continue the same subspace iteration, so on slowly changing gradients the
+    subspace converges towards the top-``r`` singular subspace and the error approaches the
+    Eckart-Young optimum (the energy in singular values beyond ``r``).
+
+    ``encode`` alone is the single-worker version: the payload holds ``p`` (``P_hat``, ``n x r``)
+    and ``q`` (``m x r``), both float32, i.e. ``32 r (n + m) / (n m)`` bits per coordinate, and
+    it updates ``ctx.state`` like a reduction would.
+
+    The codec is declared ``summable`` because its exchanges are plain sums of float32 factors,
+    and ``multi_round`` because it needs two of them: aggregate it through :meth:`reduce`, never
+    by summing standalone payloads.
+
+    Tuning:
+        rank: the main knob. Rank 1 already trains many CNNs with error feedback; 2-4 is a
+            safe default for most models, larger transformers may need 8-32. Communication
+            grows linearly with it, the orthogonalisation (QR of an ``n x r`` matrix, the
+            dominant compute cost) faster than linearly.
+        warm_start: keep it on. It turns consecutive steps into a power iteration and costs
+            only ``m * r`` floats of state per tensor; turn it off only to compare with the
+            cold-start variant.
+        power_iterations: more than 1 sharpens the subspace within one step, at two extra
+            all-reduce rounds each; with warm start 1 is usually enough.
+        min_compression_rate: skip matrices that would shrink by less than this factor. Such
+            matrices cost two latency-bound rounds plus approximation error for little saving;
+            2 (the default) is a good floor, raise it when exchanges are latency-bound.
+        min_numel: also skip tensors smaller than this many elements (they are cheap to send
+            exactly, and two rounds cost more latency than they save bandwidth).
+        seed: base of the shared stream that draws the initial ``Q``; it must be equal on all
+            workers (it is part of the configuration, so it is).
+    """
+
+    codec_id: ClassVar[str] = "powersgd"
+    summable: ClassVar[bool] = True
+    multi_round: ClassVar[bool] = True
+    summary: ClassVar[str] = "rank-r power iteration P Q^T, warm-started; two all-reduce rounds"
+    nonfinite: ClassVar[str] = (
+        "a NaN/Inf poisons its P (and the whole approximation) with NaN; QR is never run on it"
+    )
+
+    rank: int = param(4, "rank r of the approximation P Q^T (>= 1)")
+    warm_start: bool = param(True, "reuse the previous step's Q from ctx.state")
+    power_iterations: int = param(1, "power iterations per step, two all-reduce rounds each")
+    min_compression_rate: float = param(
+        2.0, "send exactly unless n*m >= min_compression_rate * r*(n+m) (>= 1)"
+    )
+    min_numel: int = param(0, "send tensors with fewer elements than this exactly (>= 0)")
+    seed: int = param(0, "seed of the shared stream drawing the initial Q")
+
+    def validate(self) -> None:
+        require(self.rank >= 1, "rank must be >= 1", self.rank)
+        require(self.power_iterations >= 1, "power_iterations must be >= 1", self.power_iterations)
+        require(
+            math.isfinite(self.min_compression_rate) and self.min_compression_rate >= 1.0,
+            "min_compression_rate must be a finite number >= 1",
+            self.min_compression_rate,
+        )
+        require(self.min_numel >= 0, "min_numel must be >= 0", self.min_numel)
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, int, int] | None:
+        """``(n, m, r)`` when a tensor of ``shape`` is compressed, ``None`` when sent exactly."""
+        if len(shape) < 2:
+            return None
+        n = int(shape[0])
+        m = math.prod(int(s) for s in shape[1:])
+        if n * m == 0 or n * m < self.min_numel:
+            return None
+        r = min(self.rank, n, m)
+        if r * (n + m) * self.min_compression_rate >= n * m:
+            return None
+        return n, m, r
+
+    def compression_rate(self, shape: tuple[int, ...] | torch.Size) -> float:
+        """``n m / (r (n + m))`` for a compressed shape, 1.0 for one sent exactly."""
+        planned = self.plan(shape)
+        if planned is None:
+            return 1.0
+        n, m, r = planned
+        return n * m / (r * (n + m))
+
+    # ------------------------------------------------------------------ the factor Q
+    def initial_q(self, ctx: CodecContext, m: int, r: int, device: torch.device) -> torch.Tensor:
+        """The starting ``Q`` (step 1): warm start from ``ctx.state`` or a shared random draw."""
+        g = ctx.generator(self.seed, shared=True, device=device)
+        fresh = torch.randn(m, r, generator=g, device=device, dtype=torch.float32)
+        stored = ctx.state.get(STATE_Q) if self.warm_start else None
+        if stored is None:
+            return fresh
+        if not isinstance(stored, torch.Tensor) or tuple(stored.shape) != (m, r):
+            got = tuple(stored.shape) if isinstance(stored, torch.Tensor) else type(stored)
+            raise CommpressError(
+                f"ctx.state[{STATE_Q!r}] holds {got}, expected a ({m}, {r}) tensor; the state "
+                f"belongs to another tensor or configuration (key {ctx.key!r}): pass a fresh "
+                "state dict"
+            )
+        q = stored.to(device=device, dtype=torch.float32)
+        usable = torch.isfinite(q).all(dim=0) & (q != 0).any(dim=0)
+        return torch.where(usable, q, fresh)
+
+    def _store(self, ctx: CodecContext, q: torch.Tensor) -> None:
+        if self.warm_start:
+            ctx.state[STATE_Q] = q.detach().clone()
+
+    # ------------------------------------------------------------------ codec hooks
+    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        planned = self.plan(x.shape)
+        if planned is None:
+            return self.make_payload(x, {"values": x.reshape(-1)})
+        n, m, r = planned
+        mat = x.reshape(n, m).to(torch.float32)
+        q = self.initial_q(ctx, m, r, x.device)
+        p_hat = q  # replaced below; power_iterations >= 1
+        for _ in range(self.power_iterations):
+            p_hat = orthonormalize(mat @ q)
+            q = mat.T @ p_hat
+        self._store(ctx, q)
+        return self.make_payload(x, {"p": p_hat, "q": q})
+
+    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        planned = self.plan(payload.shape)
+        if planned is None:
+            values = self.part(payload, "values", numel=payload.numel, dtype=payload.dtype)
+            return values.reshape(payload.shape)
+        n, m, r = planned
+        p = self.part(payload, "p", numel=n * r, dtype=torch.float32).reshape(n, r)
+        q = self.part(payload, "q", numel=m * r, dtype=torch.float32).reshape(m, r)
+        return (p @ q.T).to(payload.dtype).reshape(payload.shape)
+
+    def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
+        """Aggregate with the other workers: one round when sent exactly, otherwise two
+        all-reduce rounds per power iteration (steps 1-6 above)."""
+        x = self.check_input(tensor)
+        planned = self.plan(x.shape)
+        if planned is None:
+            summed = yield AllReduce(tensors={"values": x.reshape(-1)})
+            total = summed["values"].reshape(x.shape)
+            return Reduced(
+                total=self.finish_total(total, ctx), local=x if ctx.need_local else None
+            )
+        n, m, r = planned
+        with error_context(f"{self.codec_id}.reduce"):
+            mat = x.reshape(n, m).to(torch.float32)
+            q = self.initial_q(ctx, m, r, x.device)
+        p_hat = q_local = q  # replaced below; power_iterations >= 1
+        for _ in range(self.power_iterations):
+            p_sum = (yield AllReduce(tensors={"p": mat @ q}))["p"]
+            with error_context(f"{self.codec_id}.reduce"):
+                p_hat = orthonormalize(p_sum)
+                q_local = mat.T @ p_hat
+            q = (yield AllReduce(tensors={"q": q_local}))["q"]
+        with error_context(f"{self.codec_id}.reduce"):
+            self._store(ctx, q)
+            total = self.finish_total(p_hat @ q.T, ctx).to(x.dtype).reshape(x.shape)
+            local = None
+            if ctx.need_local:
+                local = (p_hat @ q_local.T).to(x.dtype).reshape(x.shape)
+        return Reduced(total=total, local=local)
+
+
+__all__ = ["STATE_Q", "PowerSGD", "orthonormalize"]

@@ -1,0 +1,477 @@
+"""``commpress launch``: one ``torchrun`` per emulated node, output streamed, always cleaned up.
+
+Algorithm of :func:`launch_on`:
+
+1. For each node ``k``, start ``python -m torch.distributed.run --nnodes N --node-rank k
+   --nproc-per-node P --master-addr <node 0> --master-port PORT --no-python CMD...`` inside
+   the node (``ip netns exec``) in its own session, with ``GLOO_SOCKET_IFNAME`` = the node's
+   veth. torchrun gives each worker the usual RANK, WORLD_SIZE, LOCAL_RANK,
+   LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, so the same script and command shape work
+   on a real cluster.
+2. Stream every line: worker lines come prefixed ``[rank<r>]:`` (torchrun's ``--tee`` with a
+   rank template), torchrun's own lines get ``[node <k>]``.
+3. Wait. When a node exits non-zero, give the others ``grace_s`` seconds (they usually fail
+   on their own once a peer is gone) and then stop them: a survivor could otherwise wait in a
+   collective until gloo's 30-minute timeout. ``timeout_s`` bounds the whole job (exit 124).
+4. Always, also on an exception or a signal: SIGTERM each torchrun's process group (torchrun
+   then stops its workers), SIGKILL whatever is left after ``stop_grace_s``, including every
+   descendant seen while the job ran (workers live in sessions of their own).
+
+:func:`launch` wraps it: it brings a fresh :class:`EmulatedCluster` up, turns SIGINT, SIGTERM
+and SIGHUP into an orderly teardown (exit code 128 + signal), and tears the cluster down. Without
+root or namespace support it runs the same torchrun commands as local processes on loopback
+and says that the links are not shaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import IO, Any, Protocol
+
+from commpress.cluster import netns
+from commpress.cluster.emulated import EmulatedCluster
+from commpress.cluster.shaping import LinkShape
+from commpress.errors import CommpressError
+
+#: Master port inside an emulated cluster (each cluster has its own namespaces, so the
+#: default torchrun port never collides).
+DEFAULT_MASTER_PORT = 29500
+#: torchrun's worker-line prefix; ``${rank}`` is the global rank.
+RANK_PREFIX_TEMPLATE = "[rank${rank}]:"
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class LaunchInterrupted(BaseException):
+    """SIGTERM/SIGHUP (or SIGINT) arrived while a job ran; the job has been torn down."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class NodeHost(Protocol):
+    """What :func:`launch_on` needs from a cluster (an :class:`EmulatedCluster` or
+    :class:`LocalHost`)."""
+
+    num_nodes: int
+    procs_per_node: int
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def master_addr(self) -> str: ...
+
+    def popen(self, node: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen: ...
+
+
+class LocalHost:
+    """The fallback "cluster": every node is a set of plain local processes on loopback.
+
+    Nothing is shaped; ``GLOO_SOCKET_IFNAME=lo``. The torchrun commands are the same as on an
+    emulated cluster, so scripts run unchanged.
+    """
+
+    name = "local (unshaped loopback)"
+    master_addr = "127.0.0.1"
+
+    def __init__(self, nodes: int, procs_per_node: int) -> None:
+        self.num_nodes = nodes
+        self.procs_per_node = procs_per_node
+
+    def node_env(self, node: int) -> dict[str, str]:
+        return {"GLOO_SOCKET_IFNAME": "lo", "COMMPRESS_CLUSTER_NODE": str(node)}
+
+    def popen(self, node: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        env = dict(kwargs.pop("env", None) or os.environ)
+        env.update(self.node_env(node))
+        return subprocess.Popen(list(argv), env=env, **kwargs)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_argv(
+    cmd: Sequence[str],
+    *,
+    nnodes: int,
+    node_rank: int,
+    nproc_per_node: int,
+    master_addr: str,
+    master_port: int,
+    log_dir: str,
+    python: str | None = None,
+) -> list[str]:
+    """The torchrun command line of one node (``cmd`` runs as given: ``--no-python``)."""
+    return [
+        python or sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--master-addr={master_addr}",
+        f"--master-port={master_port}",
+        "--max-restarts=0",
+        f"--log-dir={log_dir}",
+        "--tee=3",
+        "--no-python",
+        *cmd,
+    ]
+
+
+# ------------------------------------------------------------------------ process tracking
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) for every process we can read."""
+    table: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                fields = fh.read().rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        # fields[0] is the state (stat field 3): ppid is field 4, starttime field 22.
+        table[int(entry)] = (int(fields[1]), fields[19])
+    return table
+
+
+class ProcessTracker:
+    """Remembers every descendant of the started torchruns (pid and start time), so they can
+    be killed even after their parent died and they were re-parented."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, str] = {}
+
+    def refresh(self, roots: Sequence[int]) -> None:
+        if not os.path.isdir("/proc"):
+            return
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        stack = [*roots, *self.seen]
+        while stack:
+            pid = stack.pop()
+            for child in children.get(pid, []):
+                if child not in self.seen:
+                    self.seen[child] = table[child][1]
+                    stack.append(child)
+
+    def alive(self) -> list[int]:
+        """Tracked pids still running as the same process (start time unchanged)."""
+        if not self.seen or not os.path.isdir("/proc"):
+            return []
+        table = _proc_table()
+        return [
+            pid
+            for pid, start in self.seen.items()
+            if pid in table and table[pid][1] == start and netns.pid_alive(pid)
+        ]
+
+
+# ---------------------------------------------------------------------------- signals
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Turn SIGTERM/SIGHUP into :class:`LaunchInterrupted` (SIGINT stays KeyboardInterrupt)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise LaunchInterrupted(signum)
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    for s in old:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def _shielded() -> Iterator[None]:
+    """Ignore SIGINT/SIGTERM/SIGHUP while tearing down, so a second Ctrl-C cannot leave
+    half-deleted namespaces or orphaned workers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.getsignal(s) for s in _FORWARDED_SIGNALS}
+    for s in old:
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# ---------------------------------------------------------------------------- streaming
+def _pump(pipe: IO[bytes], dest: IO[str], prefix: str, lock: threading.Lock) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace")
+            if not line.startswith("[rank"):
+                line = prefix + line
+            if not line.endswith("\n"):
+                line += "\n"
+            with lock:
+                dest.write(line)
+                dest.flush()
+    with contextlib.suppress(OSError):
+        pipe.close()
+
+
+def _exit_code(returncode: int) -> int:
+    """Popen's ``-signal`` as the shell's ``128 + signal``."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def launch_on(
+    cluster: NodeHost,
+    cmd: Sequence[str],
+    *,
+    master_port: int | None = None,
+    timeout_s: float | None = None,
+    grace_s: float = 5.0,
+    stop_grace_s: float = 10.0,
+    env: dict[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Run ``cmd`` on every node of ``cluster`` under torchrun (steps 1-4 above).
+
+    Returns 0, or the first non-zero exit code of a node's torchrun (a worker failure makes
+    torchrun exit 1; a node killed by a signal gives 128 + signal; 124 on ``timeout_s``).
+    A KeyboardInterrupt or :class:`LaunchInterrupted` is re-raised after the teardown.
+
+    Args:
+        cluster: an :class:`EmulatedCluster` that is up, or a :class:`LocalHost`.
+        cmd: the command as on a real cluster, e.g. ``["python", "train.py", "--lr", "0.1"]``.
+        master_port: rendezvous port on node 0 (default 29500 in a cluster, a free port on
+            loopback).
+        timeout_s: stop everything after this many seconds (None: no limit).
+        grace_s: how long the other nodes may keep running after one failed.
+        stop_grace_s: how long torchrun gets to stop its workers before SIGKILL.
+        env: extra environment variables for every worker.
+        stdout, stderr: where to stream output (default: this process's).
+    """
+    if not cmd:
+        raise CommpressError(
+            "no command to launch; put it after `--`, e.g. `commpress launch --nodes 2 -- "
+            "python train.py`"
+        )
+    out = stdout or sys.stdout
+    err = stderr or sys.stderr
+    if master_port is None:
+        master_port = DEFAULT_MASTER_PORT if isinstance(cluster, EmulatedCluster) else free_port()
+    if not 1 <= master_port <= 65535:
+        raise CommpressError(f"master_port must be in [1, 65535], got {master_port}")
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = RANK_PREFIX_TEMPLATE
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    log_root = tempfile.mkdtemp(prefix="commpress-launch-")
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    tracker = ProcessTracker()
+    lock = threading.Lock()
+    try:
+        with _signals_raise():
+            for k in range(cluster.num_nodes):
+                argv = torchrun_argv(
+                    cmd,
+                    nnodes=cluster.num_nodes,
+                    node_rank=k,
+                    nproc_per_node=cluster.procs_per_node,
+                    master_addr=cluster.master_addr,
+                    master_port=master_port,
+                    log_dir=os.path.join(log_root, f"node{k}"),
+                )
+                proc = cluster.popen(
+                    k, argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )
+                procs.append(proc)
+                for pipe, dest in ((proc.stdout, out), (proc.stderr, err)):
+                    assert pipe is not None
+                    t = threading.Thread(
+                        target=_pump, args=(pipe, dest, f"[node {k}] ", lock), daemon=True
+                    )
+                    t.start()
+                    pumps.append(t)
+            return _wait(procs, tracker, timeout_s, grace_s, err, lock)
+    finally:
+        with _shielded():
+            _stop(procs, tracker, stop_grace_s)
+            for t in pumps:
+                t.join(5.0)
+            shutil.rmtree(log_root, ignore_errors=True)
+
+
+def _wait(
+    procs: list[subprocess.Popen],
+    tracker: ProcessTracker,
+    timeout_s: float | None,
+    grace_s: float,
+    err: IO[str],
+    lock: threading.Lock,
+) -> int:
+    start = time.monotonic()
+    first_bad: int | None = None
+    failed_at = 0.0
+    last_scan = 0.0
+    roots = [p.pid for p in procs]
+    while True:
+        now = time.monotonic()
+        if now - last_scan > 0.5:
+            tracker.refresh(roots)
+            last_scan = now
+        codes = [p.poll() for p in procs]
+        for k, code in enumerate(codes):
+            if code not in (None, 0) and first_bad is None:
+                first_bad, failed_at = _exit_code(code), now
+                running = sum(c is None for c in codes)
+                with lock:
+                    err.write(
+                        f"[node {k}] torchrun exited with code {first_bad}"
+                        + (f"; stopping the other {running} node(s) in {grace_s:g} s\n"
+                           if running else "\n")
+                    )
+        if all(c is not None for c in codes):
+            return first_bad or 0
+        if first_bad is not None and now - failed_at > grace_s:
+            return first_bad
+        if timeout_s is not None and now - start > timeout_s:
+            with lock:
+                err.write(f"commpress launch: timed out after {timeout_s:g} s; stopping\n")
+            return first_bad or 124
+        time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen], tracker: ProcessTracker, stop_grace_s: float) -> None:
+    running = [p for p in procs if p.poll() is None]
+    if running:
+        tracker.refresh([p.pid for p in running])
+    for p in running:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + stop_grace_s
+    for p in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5.0)
+    # Workers sit in sessions of their own; anything torchrun did not stop dies here.
+    netns.kill_pids(tracker.alive(), grace_s=2.0)
+
+
+def launch(
+    cmd: Sequence[str],
+    *,
+    nodes: int = 2,
+    procs_per_node: int = 1,
+    bandwidth: str | float | None = None,
+    latency: str | float | None = None,
+    loss: str | float | None = None,
+    burst: str | int | None = None,
+    use_netns: bool | None = None,
+    cluster_id: int | None = None,
+    check: bool = False,
+    master_port: int | None = None,
+    timeout_s: float | None = None,
+    grace_s: float = 5.0,
+    env: dict[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Bring a cluster up, run ``cmd`` on it with torchrun, tear it down; returns an exit code.
+
+    Args:
+        cmd: the training command, e.g. ``["python", "train.py"]``.
+        nodes, procs_per_node, bandwidth, latency, loss, burst: the cluster (see
+            :class:`EmulatedCluster`).
+        use_netns: ``None`` (default) emulates when root and namespaces are available and
+            otherwise falls back to local unshaped processes with a notice; ``True`` refuses
+            to fall back; ``False`` always runs locally.
+        cluster_id: run on the existing cluster with this id (``commpress cluster up``), which
+            is left up afterwards; the shape arguments must then be left unset.
+        check: print the link check before starting the job.
+        master_port, timeout_s, grace_s, env, stdout, stderr: see :func:`launch_on`.
+
+    A SIGINT, SIGTERM or SIGHUP tears everything down and returns 128 + signal number.
+    """
+    err = stderr or sys.stderr
+    shape = LinkShape.parse(bandwidth, latency, loss, burst, warn=False)
+    code: int
+    with _signals_raise():
+        try:
+            if cluster_id is not None:
+                if shape.shaped:
+                    raise CommpressError(
+                        "--cluster runs on an existing cluster, whose links are already "
+                        "shaped; drop --bandwidth/--latency/--loss/--burst"
+                    )
+                attached = EmulatedCluster.attach(cluster_id)
+                if check:
+                    print(attached.check_links().table(), file=stdout or sys.stdout)
+                return launch_on(attached, cmd, master_port=master_port, timeout_s=timeout_s,
+                                 grace_s=grace_s, env=env, stdout=stdout, stderr=stderr)
+            available, reason = netns.namespaces_available()
+            if use_netns is True and not available:
+                raise CommpressError(f"cannot emulate a cluster: {reason}")
+            if use_netns is False or not available:
+                why = "as asked" if use_netns is False else f"because {reason}"
+                ignored = f" (requested {shape.describe()} is ignored)" if shape.shaped else ""
+                err.write(
+                    f"commpress launch: running {nodes} node(s) x {procs_per_node} process(es) "
+                    f"as local processes on loopback {why}: links are NOT shaped{ignored}\n"
+                )
+                host = LocalHost(nodes, procs_per_node)
+                return launch_on(host, cmd, master_port=master_port, timeout_s=timeout_s,
+                                 grace_s=grace_s, env=env, stdout=stdout, stderr=stderr)
+            cluster = EmulatedCluster(
+                nodes=nodes, procs_per_node=procs_per_node, bandwidth=bandwidth,
+                latency=latency, loss=loss, burst=burst,
+            )
+            try:
+                cluster.up()
+                err.write(
+                    f"commpress launch: {cluster.name}: {nodes} node(s) x {procs_per_node} "
+                    f"process(es), links {shape.describe()}, master {cluster.master_addr}\n"
+                )
+                if check:
+                    print(cluster.check_links().table(), file=stdout or sys.stdout)
+                code = launch_on(cluster, cmd, master_port=master_port, timeout_s=timeout_s,
+                                 grace_s=grace_s, env=env, stdout=stdout, stderr=stderr)
+            finally:
+                with _shielded():
+                    cluster.down()
+            return code
+        except LaunchInterrupted as exc:
+            err.write(f"commpress launch: {exc}; everything was torn down\n")
+            return 128 + exc.signum
+        except KeyboardInterrupt:
+            err.write("commpress launch: interrupted; everything was torn down\n")
+            return 128 + signal.SIGINT

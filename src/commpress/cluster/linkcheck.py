@@ -1,0 +1,341 @@
+"""The built-in link check: measured bandwidth and round-trip time of each emulated link.
+
+Everything runs in the calling process: sockets are opened inside the nodes' namespaces
+(:func:`commpress.cluster.netns.socket_in_netns`) and driven by threads, so no tool beyond
+Python is needed (no iperf, no ping).
+
+Algorithm of :func:`check_links`:
+
+1. For every node ``k``, stream ``nbytes`` over TCP from node ``k`` to node ``(k+1) mod N``
+   (so every node's upload and download are each measured once). The receiver times the
+   transfer after the first ``skip`` bytes, which pass at line speed while the token buckets
+   drain; goodput = bytes after skip / time. The rate on the wire (what ``tbf`` limits) is
+   goodput x 1514/1448, the Ethernet+IP+TCP framing at MTU 1500.
+2. Time ``pings`` one-byte TCP round trips on the same path (Nagle off), after a short
+   warm-up; the minimum and the median are reported.
+3. Do the same inside every node over its own address: that is the intra-node (loopback)
+   path, unshaped; its RTT is the base that Python and the kernel add to every ping.
+4. A link passes when its wire rate is within ``tolerance`` of the requested rate, and its
+   minimum RTT minus the base (the smallest loopback RTT) is within ``tolerance`` of the
+   requested latency plus ``rtt_slack_s`` (scheduling noise of a busy machine). Netem's delay
+   is deterministic and noise only lengthens a round trip, so minima are the robust estimate.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from commpress.cluster.shaping import WIRE_BYTES_PER_PAYLOAD_BYTE, format_duration, format_rate
+from commpress.errors import CommpressError
+
+if TYPE_CHECKING:
+    from commpress.cluster.emulated import EmulatedCluster
+
+#: Socket timeout of every measurement: a dead link fails the check, never hangs it.
+SOCKET_TIMEOUT_S = 30.0
+_CHUNK = 1 << 20
+
+
+@dataclass
+class LinkResult:
+    """One measured path.
+
+    Attributes:
+        kind: ``"inter"`` (node to node, shaped) or ``"intra"`` (within a node, loopback).
+        src, dst: node indices.
+        requested_bps / requested_rtt_s: what was asked for (``None``: nothing to check).
+        goodput_bps: TCP payload rate measured at the receiver.
+        wire_bps: goodput x framing overhead at MTU 1500: the rate ``tbf`` enforces (for the
+            loopback, whose MTU is 64 KB, it only overstates goodput by 4.6%).
+        rtt_s / rtt_min_s: median and minimum of the one-byte round trips.
+        bandwidth_ok / rtt_ok: within tolerance (``None`` when nothing was requested).
+    """
+
+    kind: str
+    src: int
+    dst: int
+    requested_bps: float | None
+    goodput_bps: float
+    wire_bps: float
+    requested_rtt_s: float | None
+    rtt_s: float
+    rtt_min_s: float
+    bandwidth_ok: bool | None = None
+    rtt_ok: bool | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.bandwidth_ok is not False and self.rtt_ok is not False
+
+    @property
+    def name(self) -> str:
+        return f"node {self.src} (loopback)" if self.kind == "intra" else f"{self.src} -> {self.dst}"
+
+
+@dataclass
+class LinkReport:
+    """All paths of one cluster, with the request they were checked against."""
+
+    cluster: str
+    shape_description: str
+    tolerance: float
+    base_rtt_s: float
+    links: list[LinkResult]
+
+    @property
+    def ok(self) -> bool:
+        """True when every checked link is within tolerance."""
+        return all(link.ok for link in self.links)
+
+    @property
+    def inter(self) -> list[LinkResult]:
+        return [link for link in self.links if link.kind == "inter"]
+
+    @property
+    def intra(self) -> list[LinkResult]:
+        return [link for link in self.links if link.kind == "intra"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+    def table(self) -> str:
+        from commpress.cli.table import render_table
+
+        def verdict(flag: bool | None) -> str:
+            return "-" if flag is None else ("ok" if flag else "OUT")
+
+        rows = []
+        for link in self.links:
+            rows.append([
+                link.name,
+                "-" if link.kind == "intra" else format_rate(link.requested_bps),
+                "-" if link.kind == "intra" else format_rate(link.wire_bps),
+                format_rate(link.goodput_bps),
+                verdict(link.bandwidth_ok),
+                format_duration(link.requested_rtt_s),
+                f"{format_duration(link.rtt_min_s)} / {format_duration(link.rtt_s)}",
+                verdict(link.rtt_ok),
+            ])
+        headers = [
+            "link", "requested", "measured (wire)", "goodput", "bw",
+            "requested RTT", "RTT (min / median)", "rtt",
+        ]
+        tol = f"{self.tolerance:.0%}"
+        return (
+            f"{self.cluster}: {self.shape_description}; checked within {tol}, base RTT "
+            f"{format_duration(self.base_rtt_s)}\n" + render_table(headers, rows)
+        )
+
+
+def _listener(sock: socket.socket, address: str) -> int:
+    sock.settimeout(SOCKET_TIMEOUT_S)
+    sock.bind((address, 0))
+    sock.listen(1)
+    return int(sock.getsockname()[1])
+
+
+def measure_throughput(
+    sender: socket.socket,
+    listener: socket.socket,
+    address: str,
+    nbytes: int,
+    skip: int,
+) -> float:
+    """Goodput (bits/s) of one TCP stream of ``nbytes`` from ``sender`` to ``listener``.
+
+    ``sender`` and ``listener`` are fresh sockets (in whatever namespaces); ``listener`` is
+    bound to ``address``. Timing starts once ``skip`` bytes have arrived. Both are closed.
+    """
+    if not 0 <= skip < nbytes:
+        raise CommpressError(f"skip must be in [0, nbytes), got skip={skip} nbytes={nbytes}")
+    result: dict[str, Any] = {}
+    try:
+        port = _listener(listener, address)
+
+        def receive() -> None:
+            try:
+                conn, _ = listener.accept()
+                conn.settimeout(SOCKET_TIMEOUT_S)
+                with conn:
+                    buf = bytearray(_CHUNK)
+                    got = 0
+                    t_skip = None
+                    while got < nbytes:
+                        n = conn.recv_into(buf)
+                        if not n:
+                            break
+                        got += n
+                        if t_skip is None and got > skip:
+                            t_skip, result["skipped"] = time.perf_counter(), got
+                    result["end"] = time.perf_counter()
+                    result["got"] = got
+                    result["t_skip"] = t_skip
+            except OSError as exc:
+                result["error"] = exc
+
+        thread = threading.Thread(target=receive, name="linkcheck-recv", daemon=True)
+        thread.start()
+        sender.settimeout(SOCKET_TIMEOUT_S)
+        sender.connect((address, port))
+        payload = memoryview(bytes(_CHUNK))
+        left = nbytes
+        while left > 0:
+            n = min(left, _CHUNK)
+            sender.sendall(payload[:n])
+            left -= n
+        sender.shutdown(socket.SHUT_WR)
+        thread.join(SOCKET_TIMEOUT_S * 2)
+    except OSError as exc:
+        raise CommpressError(f"throughput test to {address}: {exc}") from exc
+    finally:
+        sender.close()
+        listener.close()
+    if "error" in result:
+        raise CommpressError(f"throughput test to {address}: {result['error']}")
+    if result.get("got") != nbytes or result.get("t_skip") is None:
+        raise CommpressError(
+            f"throughput test to {address}: received {result.get('got')} of {nbytes} bytes"
+        )
+    elapsed = result["end"] - result["t_skip"]
+    return (nbytes - result["skipped"]) * 8 / max(elapsed, 1e-9)
+
+
+def measure_rtt(
+    client: socket.socket, listener: socket.socket, address: str, pings: int = 30
+) -> list[float]:
+    """``pings`` one-byte TCP round trips (seconds each) from ``client`` to an echo server on
+    ``listener`` (bound to ``address``). Both sockets are closed."""
+    if pings < 1:
+        raise CommpressError(f"pings must be >= 1, got {pings}")
+    warmup = 3
+    times: list[float] = []
+    err: dict[str, OSError] = {}
+    try:
+        port = _listener(listener, address)
+
+        def echo() -> None:
+            try:
+                conn, _ = listener.accept()
+                conn.settimeout(SOCKET_TIMEOUT_S)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with conn:
+                    while True:
+                        b = conn.recv(1)
+                        if not b:
+                            return
+                        conn.sendall(b)
+            except OSError as exc:
+                err["error"] = exc
+
+        thread = threading.Thread(target=echo, name="linkcheck-echo", daemon=True)
+        thread.start()
+        client.settimeout(SOCKET_TIMEOUT_S)
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client.connect((address, port))
+        for i in range(warmup + pings):
+            t0 = time.perf_counter()
+            client.sendall(b"x")
+            if client.recv(1) != b"x":
+                raise OSError("echo server closed the connection")
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        client.shutdown(socket.SHUT_WR)
+        thread.join(SOCKET_TIMEOUT_S)
+    except OSError as exc:
+        raise CommpressError(f"round-trip test to {address}: {exc}") from exc
+    finally:
+        client.close()
+        listener.close()
+    if "error" in err:
+        raise CommpressError(f"round-trip test to {address}: {err['error']}")
+    return times
+
+
+def transfer_size(rate_bps: float | None, seconds: float) -> int:
+    """Bytes that take ``seconds`` at ``rate_bps``, within 2..64 MiB (64 MiB when unshaped)."""
+    if rate_bps is None:
+        return 64 << 20
+    return int(min(64 << 20, max(2 << 20, rate_bps / 8 * seconds)))
+
+
+def check_links(
+    cluster: EmulatedCluster,
+    *,
+    seconds: float = 0.3,
+    nbytes: int | None = None,
+    pings: int = 30,
+    tolerance: float = 0.10,
+    rtt_slack_s: float = 50e-6,
+    intra: bool = True,
+) -> LinkReport:
+    """Measure every inter-node link (and each node's loopback) of ``cluster``.
+
+    Args:
+        cluster: a cluster that is up.
+        seconds: target duration of each inter-node transfer at the requested rate; longer
+            averages out more scheduling noise (0.3 s keeps a 4-node check near 2 s).
+        nbytes: override the transfer size (bytes); default from ``seconds`` (2..64 MiB).
+        pings: round trips per path (minimum and median are reported).
+        tolerance: relative tolerance of the bandwidth and latency checks (0.10 = 10%).
+        rtt_slack_s: absolute allowance on the latency check for a busy CPU (Python wakes
+            up within tens of microseconds on an idle machine, later on a loaded one).
+        intra: also measure each node's loopback (the intra-node link).
+    """
+    cluster._require_up()
+    if not 0 < tolerance < 1:
+        raise CommpressError(f"tolerance must be in (0, 1), got {tolerance}")
+    shape = cluster.shape
+    size = nbytes or transfer_size(shape.bandwidth_bps, seconds)
+    burst = shape.burst or 0
+    skip = min(size // 4, max(2 * burst, size // 8))
+    links: list[LinkResult] = []
+    n = cluster.num_nodes
+
+    def path(src: int, dst: int, kind: str, nb: int, sk: int) -> LinkResult:
+        addr = cluster.nodes[dst].address
+        goodput = measure_throughput(cluster.socket(src), cluster.socket(dst), addr, nb, sk)
+        rtts = measure_rtt(cluster.socket(src), cluster.socket(dst), addr, pings)
+        return LinkResult(
+            kind=kind,
+            src=src,
+            dst=dst,
+            requested_bps=shape.bandwidth_bps if kind == "inter" else None,
+            goodput_bps=goodput,
+            wire_bps=goodput * WIRE_BYTES_PER_PAYLOAD_BYTE,
+            requested_rtt_s=shape.latency_s if kind == "inter" and shape.latency_s else None,
+            rtt_s=statistics.median(rtts),
+            rtt_min_s=min(rtts),
+        )
+
+    intra_links = [path(k, k, "intra", 32 << 20, 4 << 20) for k in range(n)] if intra else []
+    inter_links = [path(k, (k + 1) % n, "inter", size, skip) for k in range(n) if n > 1]
+    # Netem's delay is deterministic and scheduling noise only adds to a round trip, so the
+    # minimum over the pings is the robust estimate on both sides of the subtraction.
+    base = min((link.rtt_min_s for link in intra_links), default=0.0)
+    for link in inter_links:
+        if link.requested_bps is not None:
+            link.bandwidth_ok = abs(link.wire_bps - link.requested_bps) <= (
+                tolerance * link.requested_bps
+            )
+        if link.requested_rtt_s is not None:
+            added = link.rtt_min_s - base
+            link.rtt_ok = abs(added - link.requested_rtt_s) <= (
+                tolerance * link.requested_rtt_s + rtt_slack_s
+            )
+    links = inter_links + intra_links
+    for link in links:
+        if not math.isfinite(link.goodput_bps):
+            raise CommpressError(f"link {link.name}: measurement failed (non-finite rate)")
+    return LinkReport(
+        cluster=cluster.name,
+        shape_description=shape.describe(),
+        tolerance=tolerance,
+        base_rtt_s=base,
+        links=links,
+    )

@@ -1,0 +1,480 @@
+"""Fused CPU kernels (numba) for the single-pass quantizers, with a switch back to plain torch.
+
+The plain-torch implementations in :mod:`commpress.codecs.quantize` run on every device; on a
+CPU they make one memory pass per elementary operation (subtract, multiply, round, clamp, cast,
+pack...). The kernels here do the whole encode or decode of ``minmax`` and ``sign`` in one or
+two passes over the input, parallel over blocks, and are used automatically for CPU tensors.
+
+Choosing the implementation:
+
+* ``COMMPRESS_KERNELS=torch`` in the environment disables the kernels (``numba`` forces them
+  and fails loudly if numba is missing; ``auto``, the default, uses them when numba imports).
+* :func:`set_backend` / :func:`use_backend` override the environment from Python (tests use
+  them to compare both paths).
+
+Both paths produce bit-identical payloads and decodings for deterministic rounding (the same
+fp32 operations in the same order, no fused multiply-add, ``fastmath=False``). For stochastic
+rounding the kernel draws its own uniform noise from a counter-based generator (SplitMix64 of
+the element index and a seed taken from the caller's torch generator) because drawing a
+64 MB tensor of ``torch.rand`` costs more than the whole encode; given the same noise tensor
+(``noise=`` argument) the kernel reproduces the torch path bit for bit.
+
+Kernels are compiled on first use (a few seconds) and cached on disk (``cache=True``). Calls
+are serialised by a lock, because numba's default ``workqueue`` threading layer aborts the
+process on concurrent parallel launches from several Python threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, TypeAlias
+
+import numpy as np
+import torch
+
+from commpress.errors import CommpressError
+
+Backend: TypeAlias = Literal["auto", "numba", "torch"]
+_BACKENDS: tuple[str, ...] = ("auto", "numba", "torch")
+ENV_VAR = "COMMPRESS_KERNELS"
+
+#: Codes handled by one parallel work item (a multiple of 8, so items own whole bytes).
+UNIT = 16384
+#: Longest stretch of one chunk scanned for its min/max by one work item.
+SEGMENT = 16384
+
+_override: str | None = None
+_lock = threading.Lock()
+_compiled: dict[str, Callable[..., Any]] | None = None
+_import_error: str | None = None
+
+
+# ---------------------------------------------------------------------- backend selection
+def set_backend(name: Backend | None) -> None:
+    """Choose the implementation for CPU tensors: ``"auto"`` (kernels when numba imports),
+    ``"numba"`` (kernels, error if unavailable), ``"torch"`` (plain torch ops) or ``None``
+    (follow the ``COMMPRESS_KERNELS`` environment variable again)."""
+    global _override
+    if name is not None and name not in _BACKENDS:
+        raise CommpressError(
+            f"kernel backend must be one of {', '.join(_BACKENDS)} (or None), got {name!r}"
+        )
+    _override = name
+
+
+@contextmanager
+def use_backend(name: Backend) -> Iterator[None]:
+    """Temporarily choose the implementation (see :func:`set_backend`)."""
+    previous = _override
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)  # type: ignore[arg-type]
+
+
+def requested_backend() -> str:
+    """The backend asked for: the override, else ``$COMMPRESS_KERNELS``, else ``"auto"``."""
+    if _override is not None:
+        return _override
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in _BACKENDS:
+        raise CommpressError(
+            f"environment variable {ENV_VAR}={value!r} is not one of {', '.join(_BACKENDS)}"
+        )
+    return value
+
+
+def available() -> bool:
+    """Whether the numba kernels can be used (numba imports and the kernels compile)."""
+    return _load() is not None
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """Whether operations on ``t`` should go through the fused kernels."""
+    if t.device.type != "cpu":
+        return False
+    wanted = requested_backend()
+    if wanted == "torch":
+        return False
+    if _load() is None:
+        if wanted == "numba":
+            raise CommpressError(
+                f"{ENV_VAR}=numba (or set_backend('numba')) but the numba kernels are "
+                f"unavailable: {_import_error}"
+            )
+        return False
+    return True
+
+
+def _load() -> dict[str, Callable[..., Any]] | None:
+    global _compiled, _import_error
+    if _compiled is None and _import_error is None:
+        try:
+            _compiled = _build()
+        except Exception as exc:  # pragma: no cover - depends on the installation
+            _import_error = f"{type(exc).__name__}: {exc}"
+    return _compiled
+
+
+# ---------------------------------------------------------------------- the kernels
+# Written as plain Python at module level and compiled by _build(): numba's on-disk cache only
+# works for module-level functions, and importing numba is deferred to the first CPU call.
+u8 = np.uint8
+u64 = np.uint64
+i32 = np.int32
+f32 = np.float32
+_KEY_POS_INF = i32(0x7F800000)  # order key of +inf; larger keys are NaNs
+_KEY_NEG_INF = i32(-0x7F800001)  # order key of -inf (0xFF800000 ^ 0x7FFFFFFF); smaller: NaNs
+prange = range  # replaced by numba.prange in _build()
+
+
+def _nb_uniform(seed: Any, i: Any) -> Any:
+    # SplitMix64 of (seed + (i+1) * golden gamma); the top 24 bits give u in [0, 1).
+    z = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+    z = z ^ (z >> u64(31))
+    return f32(z >> u64(40)) * f32(5.9604644775390625e-08)
+
+
+def _nb_pack_unit(buf: Any, count: Any, bits: Any, out: Any, start: Any) -> None:
+    # codes buf[:count] -> out[start:...]: a little-endian bit stream, 8 codes per b bytes.
+    if bits == 8:
+        for k in range(count):
+            out[start + k] = buf[k]
+        return
+    for k in range(count, (count + 7) // 8 * 8):
+        buf[k] = 0
+    total = (count * bits + 7) // 8
+    if bits == 1 or bits == 2 or bits == 4:
+        per = 8 // bits
+        for k in range(total):
+            byte = u8(0)
+            for j in range(per):
+                byte |= buf[k * per + j] << u8(j * bits)
+            out[start + k] = byte
+        return
+    ub = u64(bits)
+    for g in range((count + 7) // 8):
+        word = u64(0)
+        for j in range(8):
+            word |= u64(buf[8 * g + j]) << (u64(j) * ub)
+        base = g * bits
+        for m in range(min(bits, total - base)):
+            out[start + base + m] = u8((word >> u64(8 * m)) & u64(0xFF))
+
+
+def _nb_unpack_unit(packed: Any, start: Any, count: Any, bits: Any, buf: Any) -> None:
+    # inverse of _nb_pack_unit; buf receives count codes (rounded up to a multiple of 8)
+    if bits == 8:
+        for k in range(count):
+            buf[k] = packed[start + k]
+        return
+    total = (count * bits + 7) // 8
+    mask = u8((1 << bits) - 1)
+    if bits == 1 or bits == 2 or bits == 4:
+        per = 8 // bits
+        for k in range(total):
+            byte = packed[start + k]
+            for j in range(per):
+                buf[k * per + j] = (byte >> u8(j * bits)) & mask
+        return
+    ub = u64(bits)
+    for g in range((count + 7) // 8):
+        base = g * bits
+        word = u64(0)
+        for m in range(min(bits, total - base)):
+            word |= u64(packed[start + base + m]) << u64(8 * m)
+        for j in range(8):
+            buf[8 * g + j] = u8((word >> (u64(j) * ub)) & u64(mask))
+
+
+def _nb_minmax_keys(xi: Any, s: Any, e: Any) -> Any:
+    # min and max of x[s:e] as order-preserving integer keys of the fp32 bit patterns
+    # (key = bits ^ ((bits >> 31) & 0x7FFFFFFF)): integer reductions vectorize without fast
+    # math, and NaNs land outside [key(-inf), key(+inf)] where they are easy to detect.
+    lo = i32(0x7FFFFFFF)
+    hi = i32(-0x80000000)
+    for i in range(s, e):
+        v = xi[i]
+        k = v ^ ((v >> i32(31)) & i32(0x7FFFFFFF))
+        lo = k if k < lo else lo
+        hi = k if k > hi else hi
+    return lo, hi
+
+
+def _nb_chunk_params(lo_key: Any, hi_key: Any, levels: Any, scratch: Any) -> Any:
+    # (min, scale, 1/scale or 0) of a chunk from its key range; NaN anywhere -> NaN min/scale
+    if hi_key > _KEY_POS_INF or lo_key < _KEY_NEG_INF:
+        lo = f32(np.nan)
+        hi = f32(np.nan)
+    else:
+        scratch[0] = lo_key ^ ((lo_key >> i32(31)) & i32(0x7FFFFFFF))
+        scratch[1] = hi_key ^ ((hi_key >> i32(31)) & i32(0x7FFFFFFF))
+        as_float = scratch.view(np.float32)
+        lo = as_float[0]
+        hi = as_float[1]
+    scale = (hi - lo) / levels
+    r = f32(1.0) / scale
+    inv = r if (scale > f32(0.0) and r < f32(np.inf)) else f32(0.0)
+    return lo, scale, inv
+
+
+def _nb_quantize(
+    x: Any, s: Any, e: Any, lo: Any, inv: Any, levels: Any,
+    mode: Any, seed: Any, noise: Any, buf: Any, off: Any,
+) -> None:
+    # buf[off + k - s] = clamp(floor((x[k] - lo) * inv + u), 0, levels), NaN -> 0
+    zero = f32(0.0)
+    if mode == 0:
+        half = f32(0.5)
+        for k in range(s, e):
+            t = np.floor((x[k] - lo) * inv + half)
+            t = t if t >= zero else zero
+            t = t if t <= levels else levels
+            buf[off + k - s] = u8(t)
+    elif mode == 1:
+        for k in range(s, e):
+            t = np.floor((x[k] - lo) * inv + _nb_uniform(seed, k))
+            t = t if t >= zero else zero
+            t = t if t <= levels else levels
+            buf[off + k - s] = u8(t)
+    else:
+        for k in range(s, e):
+            t = np.floor((x[k] - lo) * inv + noise[k])
+            t = t if t >= zero else zero
+            t = t if t <= levels else levels
+            buf[off + k - s] = u8(t)
+
+
+def _nb_minmax_encode(
+    x: Any, chunk: Any, bits: Any, mode: Any, seed: Any, noise: Any,
+    packed: Any, lo_out: Any, scale_out: Any,
+) -> None:
+    # mode 0: nearest; 1: stochastic with the internal generator; 2: with ``noise``.
+    n = x.size
+    nchunks = lo_out.size
+    levels = f32((1 << bits) - 1)
+    xi = x.view(np.int32)
+    if chunk <= UNIT:
+        # One pass: a work item owns whole chunks (and whole output bytes); each chunk is
+        # scanned for its range and quantized while it is still in cache.
+        align = 8 // np.gcd(chunk, 8)
+        per = (max(1, UNIT // chunk) + align - 1) // align * align
+        nitems = (nchunks + per - 1) // per
+        for item in prange(nitems):
+            scratch = np.empty(2, np.int32)
+            buf = np.empty(per * chunk + 8, np.uint8)
+            a = item * per * chunk
+            b = min(a + per * chunk, n)
+            for c in range(item * per, min((item + 1) * per, nchunks)):
+                s = c * chunk
+                e = min(s + chunk, n)
+                lo_key, hi_key = _nb_minmax_keys(xi, s, e)
+                lo, scale, inv = _nb_chunk_params(lo_key, hi_key, levels, scratch)
+                lo_out[c] = lo
+                scale_out[c] = scale
+                _nb_quantize(x, s, e, lo, inv, levels, mode, seed, noise, buf, s - a)
+            _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+        return
+    # Long chunks: pass 1 finds the ranges of segments in parallel, pass 2 quantizes UNIT
+    # consecutive codes per work item.
+    spc = (chunk + SEGMENT - 1) // SEGMENT
+    seg_len = (chunk + spc - 1) // spc
+    nseg = nchunks * spc
+    seg_lo = np.empty(nseg, np.int32)
+    seg_hi = np.empty(nseg, np.int32)
+    for g in prange(nseg):
+        c = g // spc
+        s = c * chunk + (g - c * spc) * seg_len
+        e = min(s + seg_len, min((c + 1) * chunk, n))
+        seg_lo[g], seg_hi[g] = _nb_minmax_keys(xi, s, e)
+    inv_all = np.empty(nchunks, np.float32)
+    scratch = np.empty(2, np.int32)
+    for c in range(nchunks):
+        lo_key = seg_lo[c * spc : (c + 1) * spc].min()
+        hi_key = seg_hi[c * spc : (c + 1) * spc].max()
+        lo_out[c], scale_out[c], inv_all[c] = _nb_chunk_params(lo_key, hi_key, levels, scratch)
+    nunits = (n + UNIT - 1) // UNIT
+    for unit in prange(nunits):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        buf = np.empty(UNIT + 8, np.uint8)
+        i = a
+        c = a // chunk
+        while i < b:
+            e = min((c + 1) * chunk, b)
+            _nb_quantize(x, i, e, lo_out[c], inv_all[c], levels, mode, seed, noise, buf, i - a)
+            i = e
+            c += 1
+        _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+
+
+def _nb_minmax_decode(
+    packed: Any, lo_in: Any, scale_in: Any, chunk: Any, bits: Any, out: Any
+) -> None:
+    n = out.size
+    nunits = (n + UNIT - 1) // UNIT
+    for unit in prange(nunits):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        buf = np.empty(UNIT + 8, np.uint8)
+        _nb_unpack_unit(packed, a // 8 * bits, b - a, bits, buf)
+        i = a
+        c = a // chunk
+        while i < b:
+            e = min((c + 1) * chunk, b)
+            lo = lo_in[c]
+            scale = scale_in[c]
+            for k in range(i, e):
+                out[k] = f32(buf[k - a]) * scale + lo
+            i = e
+            c += 1
+
+
+def _nb_sign_encode(x: Any, packed: Any, partial: Any) -> None:
+    n = x.size
+    nunits = (n + UNIT - 1) // UNIT
+    for unit in prange(nunits):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        acc = 0.0
+        for k in range(a, b):
+            acc += abs(np.float64(x[k]))
+        partial[unit] = acc
+        for g in range((b - a + 7) // 8):
+            base = a + 8 * g
+            byte = 0
+            for j in range(min(8, b - base)):
+                byte |= (1 if x[base + j] >= f32(0.0) else 0) << j
+            packed[base // 8] = u8(byte)
+
+
+def _nb_sign_decode(packed: Any, scale: Any, out: Any) -> None:
+    n = out.size
+    neg = -scale
+    nunits = (n + UNIT - 1) // UNIT
+    for unit in prange(nunits):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        for k in range(a, b):
+            bit = (packed[k >> 3] >> (k & 7)) & 1
+            out[k] = scale if bit else neg
+
+
+_HELPERS = (
+    "_nb_uniform",
+    "_nb_pack_unit",
+    "_nb_unpack_unit",
+    "_nb_minmax_keys",
+    "_nb_chunk_params",
+    "_nb_quantize",
+)
+_KERNELS = ("_nb_minmax_encode", "_nb_minmax_decode", "_nb_sign_encode", "_nb_sign_decode")
+
+
+def _build() -> dict[str, Callable[..., Any]]:
+    import numba
+
+    module = globals()
+    module["prange"] = numba.prange
+    for name in _HELPERS:
+        module[name] = numba.njit(cache=True, inline="always")(module[name])
+    return {
+        name[len("_nb_"):]: numba.njit(cache=True, parallel=True, fastmath=False)(module[name])
+        for name in _KERNELS
+    }
+
+
+def _kernel(name: str) -> Callable[..., Any]:
+    compiled = _load()
+    if compiled is None:  # pragma: no cover - callers check use_kernels first
+        raise CommpressError(f"numba kernels are unavailable: {_import_error}")
+    return compiled[name]
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+# ---------------------------------------------------------------------- tensor entry points
+def minmax_encode(
+    x: torch.Tensor,
+    *,
+    chunk: int,
+    bits: int,
+    stochastic: bool,
+    seed: int = 0,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a 1-D contiguous fp32 CPU tensor per chunk to ``bits``-bit codes.
+
+    Returns ``(packed codes, per-chunk min, per-chunk scale)``. With ``stochastic`` the noise
+    comes from ``noise`` (``n`` uniforms in [0, 1)) when given, else from the internal
+    generator keyed by ``seed`` (an integer in ``[0, 2**63)``).
+    """
+    n = x.numel()
+    nchunks = -(-n // chunk)
+    packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+    lo = torch.empty(nchunks, dtype=torch.float32)
+    scale = torch.empty(nchunks, dtype=torch.float32)
+    if noise is not None:
+        mode, noise_np = 2, _np(noise)
+    else:
+        mode, noise_np = (1 if stochastic else 0), np.zeros(1, np.float32)
+    with _lock:
+        _kernel("minmax_encode")(
+            _np(x), chunk, bits, mode, np.uint64(seed), noise_np,
+            _np(packed), _np(lo), _np(scale),
+        )
+    return packed, lo, scale
+
+
+def minmax_decode(
+    packed: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, *, chunk: int, bits: int, n: int
+) -> torch.Tensor:
+    """Inverse of :func:`minmax_encode`: ``n`` fp32 values ``code * scale + min``."""
+    out = torch.empty(n, dtype=torch.float32)
+    with _lock:
+        _kernel("minmax_decode")(
+            _np(packed.contiguous()), _np(lo.contiguous()), _np(scale.contiguous()),
+            chunk, bits, _np(out),
+        )
+    return out
+
+
+def sign_encode(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Sign bits (1 for ``x >= 0``) of a 1-D contiguous fp32 CPU tensor, and ``sum |x|``
+    accumulated in fp64."""
+    n = x.numel()
+    packed = torch.empty(-(-n // 8), dtype=torch.uint8)
+    partial = np.zeros(-(-n // UNIT), np.float64)
+    with _lock:
+        _kernel("sign_encode")(_np(x), _np(packed), partial)
+    return packed, float(partial.sum())
+
+
+def sign_decode(packed: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` fp32 values: ``+scale`` where the bit is 1, ``-scale`` where it is 0."""
+    out = torch.empty(n, dtype=torch.float32)
+    with _lock:
+        _kernel("sign_decode")(_np(packed.contiguous()), np.float32(scale.item()), _np(out))
+    return out
+
+
+__all__ = [
+    "ENV_VAR",
+    "available",
+    "minmax_decode",
+    "minmax_encode",
+    "requested_backend",
+    "set_backend",
+    "sign_decode",
+    "sign_encode",
+    "use_backend",
+    "use_kernels",
+]

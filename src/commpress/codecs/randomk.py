@@ -1,0 +1,147 @@
+"""Random-K: every worker sends the same ``k`` randomly chosen coordinates, no indices.
+
+The coordinates come from a seed shared by all workers (derived from the codec's ``seed``, the
+tensor key and the step), so the chosen values line up and add with a plain all-reduce, and the
+receiver regenerates the indices instead of reading them from the wire. Scaling by ``d/k``
+makes the estimate unbiased.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from commpress.codecs.base import Codec, CodecContext, Payload, param, require
+from commpress.codecs.protocol import AllReduce, Protocol, Reduced
+from commpress.codecs.registry import register_codec
+from commpress.codecs.thc import reply_part
+from commpress.errors import error_context
+
+_VALUE_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_INDEX_STREAM = 0x52B
+
+
+@register_codec
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RandomK(Codec):
+    r"""Random-K sparsification with shared coordinates and unbiased ``d/k`` scaling.
+
+    Aggregation of a tensor ``x`` (``d`` elements) over ``n`` workers:
+
+    1. Draw ``k = max(1, round(ratio * d))`` distinct coordinates uniformly at random
+       (``min(k, d)``; none for an empty tensor) from a generator seeded by ``seed``, the tensor
+       key and the step, identical on every worker.
+    2. Send those ``k`` values of ``x`` (in ``value_dtype``). A NaN/Inf anywhere in ``x`` turns
+       every sent value into NaN, since a non-finite value at an unsent coordinate would
+       otherwise vanish silently.
+    3. One ``AllReduce`` (sum) adds the workers' values: the coordinates coincide, so no indices
+       are needed (with ``average`` values are divided by ``n`` first, to keep 16-bit sums in
+       range).
+    4. Decode: regenerate the same coordinates, scatter the values there, multiply by ``d/k``
+       and leave the other coordinates at zero. Every coordinate is kept with probability
+       ``k/d``, so ``E[decode] = x``; the error is ``E||x_hat - x||^2 = (d/k - 1) ||x||^2``.
+
+    Wire size per worker: exactly ``k * bits(value_dtype)`` bits.
+
+    The indices are a function of ``(seed, key, step)``: **encode and decode must be given the
+    same step and key** (the same :class:`CodecContext` fields), or the values land on the wrong
+    coordinates. The draw is made on the tensor's device; all workers must use the same kind of
+    device (CPU and CUDA generators give different streams).
+
+    Args:
+        ratio: fraction of coordinates sent, in ``(0, 1]``. The variance grows as
+            ``d/k - 1``: ``ratio = 0.01`` multiplies the squared error by 99 relative to the
+            signal, which usually needs error feedback (or many workers averaging it down) to
+            train well; Random-K is mostly a baseline for TopK-style methods.
+        value_dtype: wire type of the values: ``"float32"`` (exact), ``"float16"`` or
+            ``"bfloat16"`` (half the bytes, adds rounding error far below the sampling error).
+        seed: base seed mixed with the key and step; change it to draw another sequence.
+    """
+
+    codec_id: ClassVar[str] = "randomk"
+    summable: ClassVar[bool] = True
+    summary: ClassVar[str] = "Random-K: shared random coordinates scaled by d/k (unbiased)"
+    nonfinite: ClassVar[str] = (
+        "any NaN/Inf in the input makes every sent value NaN (it could otherwise go unsent)"
+    )
+
+    ratio: float = param(0.01, "fraction of coordinates sent: k = max(1, round(ratio * d))")
+    value_dtype: Literal["float32", "float16", "bfloat16"] = param(
+        "float32", "wire type of the sent values"
+    )
+    seed: int = param(0, "base seed for the shared coordinates (mixed with key and step)")
+
+    def validate(self) -> None:
+        require(
+            0.0 < self.ratio <= 1.0 and math.isfinite(self.ratio),
+            "ratio must be in (0, 1]", self.ratio,
+        )
+
+    def num_selected(self, numel: int) -> int:
+        """``k`` for a tensor of ``numel`` elements."""
+        if numel == 0:
+            return 0
+        return min(numel, max(1, round(self.ratio * numel)))
+
+    def indices(self, numel: int, ctx: CodecContext, device: torch.device) -> torch.Tensor:
+        """The ``k`` shared coordinates (sorted) for this tensor, key and step."""
+        k = self.num_selected(numel)
+        if k == numel:
+            return torch.arange(numel, device=device)
+        g = ctx.generator(self.seed + _INDEX_STREAM, shared=True, device=device)
+        chosen = torch.randperm(numel, generator=g, device=device)[:k]
+        return torch.sort(chosen).values
+
+    def _values(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1)
+        values = flat[idx].to(_VALUE_DTYPES[self.value_dtype])
+        if flat.numel():
+            finite = torch.isfinite(flat).all()
+            values = torch.where(finite, values, torch.full_like(values, math.nan))
+        return values
+
+    def _expand(self, values: torch.Tensor, idx: torch.Tensor, payload: Payload) -> torch.Tensor:
+        d = payload.numel
+        work = torch.float64 if payload.dtype == torch.float64 else torch.float32
+        out = torch.zeros(d, dtype=work, device=values.device)
+        if d:
+            out[idx] = values.to(work) * (d / idx.numel())
+        return out.reshape(payload.shape).to(payload.dtype)
+
+    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        idx = self.indices(x.numel(), ctx, x.device)
+        return self.make_payload(x, {"values": self._values(x, idx)})
+
+    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        k = self.num_selected(payload.numel)
+        values = self.part(
+            payload, "values", numel=k, dtype=_VALUE_DTYPES[self.value_dtype]
+        )
+        idx = self.indices(payload.numel, ctx, values.device)
+        return self._expand(values, idx, payload)
+
+    def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
+        """One all-reduce of the ``k`` shared coordinates' values."""
+        x = self.check_input(tensor)
+        with error_context(f"{self.codec_id}.reduce"):
+            idx = self.indices(x.numel(), ctx, x.device)
+            values = self._values(x, idx)
+            payload = self.make_payload(x, {"values": values})
+            averaging = ctx.average and ctx.world_size > 1
+            sent = values / ctx.world_size if averaging else values
+        reply = yield AllReduce(tensors={"values": sent})
+        summed = reply_part(reply, "values", sent)
+        with error_context(f"{self.codec_id}.reduce"):
+            total = self._expand(summed, idx, payload)
+            local = self._expand(values, idx, payload) if ctx.need_local else None
+        return Reduced(total=total, local=local)
+
+
+__all__ = ["RandomK"]

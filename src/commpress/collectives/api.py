@@ -1,0 +1,471 @@
+"""``commpress.all_reduce``: a compressed all-reduce over ``torch.distributed``.
+
+Example (every rank runs the same code)::
+
+    import commpress, torch.distributed as dist
+    dist.init_process_group("gloo")  # or "nccl"
+    grad = torch.randn(1_000_000)
+    mean = commpress.all_reduce(grad, "fp16")                       # mean over ranks
+    total = commpress.all_reduce(grad, "topk:ratio=0.01", op="sum")
+    fut = commpress.all_reduce_async(grad, "qsgd", key="layer1", step=step)
+    ...
+    mean = fut.wait()
+
+Every call runs on the group's :class:`~commpress.collectives.queue.OrderedQueue`, so calls
+from many threads (DDP buckets, pipelines) are issued in submission order on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, TypeAlias, get_args
+
+import torch
+import torch.distributed as dist
+
+from commpress.codecs.base import Codec, CodecContext
+from commpress.codecs.protocol import Reduced
+from commpress.codecs.registry import get_codec
+from commpress.collectives.driver import (
+    Exchange,
+    Pending,
+    dtype_code,
+    name_hash,
+    prefetch,
+    prefetched_task,
+    protocol_task,
+    run_tasks,
+)
+from commpress.collectives.queue import queue_for
+from commpress.collectives.strategies import (
+    RING_TAG_BASE,
+    gather_protocol,
+    hierarchical_task,
+    local_size_from_env,
+    ring_task,
+)
+from commpress.errors import CommpressError, error_context
+
+Strategy: TypeAlias = Literal[
+    "auto", "allreduce", "allgather", "ring", "hierarchical", "hierarchical-compress-first"
+]
+Op: TypeAlias = Literal["mean", "sum"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+CodecSpec: TypeAlias = "Codec | str | Mapping[str, Any]"
+
+# ---------------------------------------------------------------------------- per-group memory
+_LOCK = threading.Lock()
+#: Codec state kept for callers that pass no ``ctx``: (group id, fingerprint, key) -> dict.
+_STATES: dict[tuple[int, str, str], dict[str, Any]] = {}
+#: Call signatures already checked to agree across ranks: (group id, signature hash).
+_VERIFIED: set[tuple[int, int]] = set()
+_OFFLOAD: ThreadPoolExecutor | None = None
+
+
+def _group_id(group: Any) -> int:
+    if group is None or group is getattr(dist.group, "WORLD", None):
+        return id(dist.distributed_c10d._get_default_group())
+    return id(group)
+
+
+def reset_state(group: Any = None) -> None:
+    """Forget the codec state and agreement checks kept for calls without ``ctx`` on
+    ``group`` (all groups when ``None``)."""
+    with _LOCK:
+        if group is None:
+            _STATES.clear()
+            _VERIFIED.clear()
+            return
+        gid = _group_id(group)
+        for k in [k for k in _STATES if k[0] == gid]:
+            del _STATES[k]
+        for v in [v for v in _VERIFIED if v[0] == gid]:
+            _VERIFIED.discard(v)
+
+
+def _offload_pool() -> ThreadPoolExecutor:
+    global _OFFLOAD
+    with _LOCK:
+        if _OFFLOAD is None:
+            _OFFLOAD = ThreadPoolExecutor(1, thread_name_prefix="commpress-offload")
+        return _OFFLOAD
+
+
+# ---------------------------------------------------------------------------- checks
+def _as_codec(codec: CodecSpec) -> Codec:
+    with error_context("all_reduce codec"):
+        return get_codec(codec)  # type: ignore[arg-type]
+
+
+def _resolve_strategy(codec: Codec, strategy: str) -> str:
+    if strategy not in STRATEGIES:
+        raise CommpressError(
+            f"unknown strategy {strategy!r}; accepted: {', '.join(repr(s) for s in STRATEGIES)}"
+        )
+    if strategy == "auto":
+        return "protocol"
+    if strategy == "allreduce":
+        if not (codec.summable or codec.multi_round):
+            raise CommpressError(
+                f"codec {codec.codec_id!r} is not summable: its payloads cannot be added by an "
+                "all-reduce; use strategy 'auto', 'allgather' or 'ring'"
+            )
+        return "protocol"
+    if strategy in ("allgather", "ring", "hierarchical-compress-first") and codec.multi_round:
+        raise CommpressError(
+            f"codec {codec.codec_id!r} needs several exchange rounds; strategy {strategy!r} "
+            "supports single-round codecs only (use 'auto', 'allreduce' or 'hierarchical')"
+        )
+    return strategy
+
+
+def _check_agreement(
+    ex: Exchange,
+    codec: Codec,
+    x: torch.Tensor,
+    *,
+    key: str,
+    strategy: str,
+    op: str,
+    bucket_elems: int,
+    local_size: int,
+) -> None:
+    """On the first call with this signature, make sure every rank made the same call.
+
+    Each rank contributes its codec fingerprint, tensor size and dtype, strategy, op and
+    bucketing; every rank sees every contribution, so either all proceed or all raise the same
+    :class:`CommpressError` (never a hang on mismatched collectives).
+    """
+    fp = codec.fingerprint()
+    fields = {
+        "codec fingerprint": int(fp[:15], 16),
+        "tensor key": name_hash(key),
+        "numel": x.numel(),
+        "dtype": dtype_code(x.dtype),
+        "strategy": name_hash(strategy),
+        "op": name_hash(op),
+        "bucket elements": bucket_elems,
+        "local size": local_size,
+    }
+    signature = hash(tuple(fields.values()))
+    gid = _group_id(ex.group)
+    with _LOCK:
+        if (gid, signature) in _VERIFIED:
+            return
+    if ex.world_size > 1:
+        mine = torch.tensor(list(fields.values()), dtype=torch.int64)
+        device = ex.comm_device(x.device)
+        rows = [torch.empty_like(mine, device=device) for _ in range(ex.world_size)]
+        ex.wait(
+            Pending(
+                [dist.all_gather(rows, mine.to(device), group=ex.group, async_op=True)],
+                "agreement check",
+            )
+        )
+        table = [r.cpu().tolist() for r in rows]
+        mismatched = [
+            name for i, name in enumerate(fields) if any(row[i] != table[0][i] for row in table)
+        ]
+        if mismatched:
+            differing = [r for r, row in enumerate(table) if row != table[0]]
+            raise CommpressError(
+                f"{ex.label}: ranks disagree on {', '.join(mismatched)} (ranks {differing} "
+                f"differ from rank 0; this rank {ex.rank} has codec {codec} fingerprint {fp}, "
+                f"shape {tuple(x.shape)} {x.dtype}, strategy {strategy!r}, op {op!r}). Every rank "
+                "must call all_reduce with the same codec configuration, tensor shape and "
+                "options, in the same order"
+            )
+    with _LOCK:
+        _VERIFIED.add((gid, signature))
+
+
+# ---------------------------------------------------------------------------- the reduction
+def _bucket_slices(numel: int, bucket_elems: int) -> list[tuple[int, int]]:
+    if bucket_elems <= 0 or numel <= bucket_elems:
+        return [(0, numel)]
+    return [(lo, min(lo + bucket_elems, numel)) for lo in range(0, numel, bucket_elems)]
+
+
+def reduce(
+    tensor: torch.Tensor,
+    codec: CodecSpec,
+    *,
+    group: Any = None,
+    op: Op = "mean",
+    strategy: Strategy = "auto",
+    ctx: CodecContext | None = None,
+    key: str = "",
+    step: int = 0,
+    timeout: float | None = None,
+    bucket_bytes: int | None = None,
+    need_local: bool = False,
+    local_size: int | None = None,
+    offload: bool = False,
+    pipeline_depth: int = 2,
+    check: bool = True,
+) -> Reduced:
+    """Reduce ``tensor`` across ``group`` on the calling thread; returns a :class:`Reduced`.
+
+    This is the engine behind :func:`all_reduce`; it does not go through the ordered queue,
+    so it must be called from the group's queue thread or from a single thread per group
+    (:func:`all_reduce` and :func:`all_reduce_async` take care of that). Arguments are those
+    of :func:`all_reduce`, plus:
+
+    Args:
+        need_local: also return this rank's decoded contribution (``Reduced.local``) for
+            error feedback. For ``ring`` and ``hierarchical*`` it is ``decode(encode(x))``.
+        pipeline_depth: buckets in flight at once (2 overlaps encoding with transfer).
+        check: on the first call with a given signature, check that all ranks agree on codec
+            configuration, shape, dtype and options.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise CommpressError(f"all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
+    codec = _as_codec(codec)
+    if op not in ("mean", "sum"):
+        raise CommpressError(f"op must be 'mean' or 'sum', got {op!r}")
+    plan = _resolve_strategy(codec, strategy)
+    x = codec.check_input(tensor)
+    label = f"all_reduce of {key!r}" if key else "all_reduce"
+    ex = Exchange.of(group, timeout=timeout, label=f"{label} with {codec.codec_id}")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or bucket_bytes <= 0):
+        raise CommpressError(
+            f"bucket_bytes must be a positive integer or None, got {bucket_bytes!r}"
+        )
+    bucket_elems = 0 if bucket_bytes is None else max(1, bucket_bytes // x.element_size())
+    if plan.startswith("hierarchical"):
+        local_size = local_size_from_env(ex.world_size) if local_size is None else local_size
+    else:
+        local_size = 0
+    if ctx is None:
+        gid = _group_id(group)
+        with _LOCK:
+            state = _STATES.setdefault((gid, codec.fingerprint(), key), {})
+        ctx = CodecContext(rank=ex.rank, world_size=ex.world_size, step=step, key=key, state=state)
+    elif (ctx.rank, ctx.world_size) != (ex.rank, ex.world_size):
+        raise CommpressError(
+            f"ctx says rank {ctx.rank} of {ctx.world_size}, but this process is rank {ex.rank} "
+            f"of {ex.world_size} in the group"
+        )
+    ctx = dataclasses.replace(ctx, average=op == "mean", need_local=need_local or ctx.need_local)
+    if check:
+        _check_agreement(
+            ex,
+            codec,
+            x,
+            key=ctx.key,
+            strategy=strategy,
+            op=op,
+            bucket_elems=bucket_elems,
+            local_size=local_size,
+        )
+
+    flat = x.reshape(-1)
+    slices = _bucket_slices(flat.numel(), bucket_elems)
+    many = len(slices) > 1
+
+    def bucket_ctx(i: int) -> CodecContext:
+        if not many:
+            return ctx
+        return dataclasses.replace(
+            ctx, key=f"{ctx.key}[{i}]", state=ctx.state.setdefault(f"bucket{i}", {})
+        )
+
+    def piece(i: int) -> torch.Tensor:
+        lo, hi = slices[i]
+        return x if not many else flat[lo:hi]
+
+    def make_protocol(i: int) -> Any:
+        if plan == "allgather":
+            return gather_protocol(codec, piece(i), bucket_ctx(i))
+        return codec.reduce(piece(i), bucket_ctx(i))
+
+    def make_task(i: int) -> Any:
+        tag = RING_TAG_BASE + 4 * (i % 4096)
+        if plan == "ring":
+            return ring_task(codec, piece(i), bucket_ctx(i), ex, tag=tag)
+        if plan.startswith("hierarchical"):
+            return hierarchical_task(
+                codec,
+                piece(i),
+                bucket_ctx(i),
+                ex,
+                local_size=local_size,
+                compress_first=plan == "hierarchical-compress-first",
+                tag=tag,
+            )
+        return protocol_task(make_protocol(i), ex)
+
+    if offload and plan in ("protocol", "allgather"):
+        pool = _offload_pool()
+        futures: dict[int, Any] = {}
+
+        def offloaded(i: int) -> Any:
+            # Encode up to `pipeline_depth` buckets ahead on the offload thread.
+            for j in range(i, min(i + pipeline_depth + 1, len(slices))):
+                if j not in futures:
+                    futures[j] = prefetch(pool, lambda j=j: make_protocol(j))
+            return prefetched_task(futures.pop(i), ex)
+
+        tasks = [lambda i=i: offloaded(i) for i in range(len(slices))]
+    else:
+        tasks = [lambda i=i: make_task(i) for i in range(len(slices))]
+
+    results: list[Reduced] = run_tasks(tasks, ex, depth=pipeline_depth)
+    if not many:
+        return results[0]
+    total = torch.cat([r.total.reshape(-1) for r in results]).reshape(x.shape)
+    local = None
+    if ctx.need_local:
+        local = torch.cat([r.local.reshape(-1) for r in results if r.local is not None])
+        local = local.reshape(x.shape)
+    return Reduced(total=total, local=local)
+
+
+def all_reduce_async(
+    tensor: torch.Tensor,
+    codec: CodecSpec,
+    *,
+    group: Any = None,
+    op: Op = "mean",
+    strategy: Strategy = "auto",
+    ctx: CodecContext | None = None,
+    key: str = "",
+    step: int = 0,
+    timeout: float | None = None,
+    bucket_bytes: int | None = None,
+    **options: Any,
+) -> torch.futures.Future:
+    """Like :func:`all_reduce` but returns a ``torch.futures.Future`` of the result at once.
+
+    The reduction runs on the group's ordered queue thread; futures complete in submission
+    order. The input must not be modified until the future completes. Extra ``options`` are
+    those of :func:`reduce` (``need_local`` is not available here: use :func:`reduce_async`).
+    """
+    if "need_local" in options:
+        raise CommpressError("all_reduce_async returns the total only; use reduce_async")
+    kwargs = dict(
+        group=group,
+        op=op,
+        strategy=strategy,
+        ctx=ctx,
+        key=key,
+        step=step,
+        timeout=timeout,
+        bucket_bytes=bucket_bytes,
+        **options,
+    )
+    return queue_for(group).submit(_total_of_reduce, tensor, codec, kwargs)
+
+
+def _total_of_reduce(tensor: torch.Tensor, codec: CodecSpec, kwargs: dict[str, Any]) -> Any:
+    return reduce(tensor, codec, **kwargs).total
+
+
+def reduce_async(tensor: torch.Tensor, codec: CodecSpec, **kwargs: Any) -> torch.futures.Future:
+    """:func:`reduce` on the group's ordered queue; returns a future of the :class:`Reduced`.
+
+    This is what a DDP communication hook with error feedback uses (``need_local=True``).
+    """
+    return queue_for(kwargs.get("group")).submit(reduce, tensor, codec, **kwargs)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    codec: CodecSpec,
+    *,
+    group: Any = None,
+    op: Op = "mean",
+    strategy: Strategy = "auto",
+    ctx: CodecContext | None = None,
+    key: str = "",
+    step: int = 0,
+    timeout: float | None = None,
+    bucket_bytes: int | None = None,
+    **options: Any,
+) -> torch.Tensor:
+    """Sum or average ``tensor`` over the ranks of ``group``, compressed with ``codec``.
+
+    Returns a new tensor (the input is never modified) that is **bit-identical on every rank**.
+
+    Algorithm:
+
+    1. On the first call with a given signature (key, codec configuration, shape, dtype,
+       options), all ranks exchange a fingerprint of it; a mismatch raises
+       :class:`CommpressError` on every rank instead of pairing up mismatched collectives.
+    2. The flattened tensor is split into buckets of ``bucket_bytes``; each bucket gets its
+       own codec key and state (``key[i]``).
+    3. Buckets are reduced by the chosen strategy, up to two in flight: encoding bucket
+       ``i + 1`` overlaps the transfer of bucket ``i``.
+    4. The buckets' totals are concatenated (and divided by the world size for ``"mean"``).
+
+    Args:
+        tensor: floating-point tensor (fp32, fp16, bf16, fp64), any shape, 0-d and empty
+            included, on the group's device (CPU for gloo, CUDA for NCCL).
+        codec: a codec, an id with parameters (``"topk:ratio=0.01"``) or a config mapping.
+            Must be configured identically on every rank.
+        group: process group (default: the default group).
+        op: ``"mean"`` (default, what data parallelism needs) or ``"sum"``.
+        strategy: how payloads travel:
+
+            * ``"auto"`` (default): the codec's own protocol -- an all-reduce of payloads for
+              summable codecs, an all-gather for the others, several rounds for PowerSGD.
+            * ``"allreduce"``: the same, but refuses codecs whose payloads cannot be added.
+            * ``"allgather"``: gather every payload and decode all of them (any single-round
+              codec; costs ``world_size`` times the received bytes, avoids adding lanes).
+            * ``"ring"``: reduce-scatter plus all-gather from point-to-point messages,
+              decoding, adding and re-encoding at each hop; bit-identical to an uncompressed
+              ring for lossless codecs. Bandwidth-optimal for non-summable (lossless) codecs.
+            * ``"hierarchical"``: uncompressed reduce-scatter inside each node (``local_size``
+              ranks, or ``LOCAL_WORLD_SIZE``), compressed exchange of each shard between
+              nodes, all-gather inside the node. Use when intra-node links are much faster.
+            * ``"hierarchical-compress-first"``: as above with compression on the intra-node
+              hops too (when even the local link is the bottleneck).
+        ctx: codec context with caller-owned ``state``; rank and world size must match the
+            group. Without it commpress keeps state per (group, codec, ``key``).
+        key: stable name of the tensor (seeds and state depend on it). Use distinct keys
+            for distinct tensors.
+        step: training step (seeds depend on it); pass the iteration number.
+        timeout: seconds any exchange may wait for peers before :class:`CommpressError`
+            (default: the process group's timeout). A dead or stalled peer never hangs us.
+        bucket_bytes: split tensors larger than this into buckets that are pipelined
+            (``None``: one bucket). 4-25 MB buckets overlap well; very small buckets add
+            per-call latency.
+        **options: ``local_size`` (hierarchical node size), ``offload=True`` (encode
+            upcoming buckets on a separate codec worker thread), ``pipeline_depth`` (2),
+            ``check`` (True).
+    """
+    fut = all_reduce_async(
+        tensor,
+        codec,
+        group=group,
+        op=op,
+        strategy=strategy,
+        ctx=ctx,
+        key=key,
+        step=step,
+        timeout=timeout,
+        bucket_bytes=bucket_bytes,
+        **options,
+    )
+    return fut.wait()  # type: ignore[no-any-return]
+
+
+def wire_bytes_estimate(tensor: torch.Tensor, codec: CodecSpec) -> int:
+    """Bytes one rank's payload of ``tensor`` takes on the wire (encodes it once)."""
+    return _as_codec(codec).encode(tensor).nbytes if tensor.numel() else 0
+
+
+__all__ = [
+    "STRATEGIES",
+    "Op",
+    "Strategy",
+    "all_reduce",
+    "all_reduce_async",
+    "reduce",
+    "reduce_async",
+    "reset_state",
+    "wire_bytes_estimate",
+]

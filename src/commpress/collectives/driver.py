@@ -1,0 +1,655 @@
+"""Drive codec protocols with real ``torch.distributed`` calls.
+
+A codec describes aggregation as a generator of requests (:mod:`commpress.codecs.protocol`).
+This module turns those requests into collectives on a process group:
+
+* :class:`~commpress.codecs.protocol.AllReduce` -> one ``all_reduce`` per dtype (the named
+  tensors are copied into one flat buffer per dtype; request tensors are never modified).
+  Integer lanes narrower than their dtype (``int_bits``) are summed in a dtype wide enough for
+  the world size and checked for overflow; *saturating* lanes are all-gathered and added on
+  every rank with :func:`commpress.codecs.simulate.reduce_tensors` in rank order, so the result
+  is bit-identical to the simulator's and identical on all ranks.
+* :class:`~commpress.codecs.protocol.AllGather` -> ``all_gather`` of the payload's parts packed
+  into one byte buffer; when the codec is not ``fixed_size`` the part shapes are exchanged
+  first, buffers are padded to the largest and trimmed after.
+
+The building block is a *task*: a generator that issues asynchronous ``torch.distributed``
+operations and yields the list of their work handles; the scheduler waits for them and resumes
+the task. :func:`execute` runs one protocol; :func:`run_tasks` interleaves many (one per bucket)
+in a fixed first-in-first-out order, so every rank issues the same operations in the same order
+while encoding one bucket overlaps the network transfer of another.
+
+Every wait is bounded by ``timeout`` (or the process group's own timeout): a peer that dies or
+stalls makes the survivors raise :class:`~commpress.errors.CommpressError`, never hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future as ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import torch
+import torch.distributed as dist
+
+from commpress.codecs.base import Payload
+from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced, Request
+from commpress.codecs.simulate import reduce_tensors
+from commpress.errors import CommpressError
+
+ProcessGroup: TypeAlias = dist.ProcessGroup
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """What a task yields: the work handles of operations it just issued, and what they are.
+
+    Attributes:
+        works: ``torch.distributed`` work handles (``None`` entries are skipped).
+        what: a short description for error messages (``"round 0 all-gather"``).
+    """
+
+    works: Sequence[Any]
+    what: str
+
+
+#: A task issues operations, yields them as :class:`Pending`, is resumed once they complete.
+Task: TypeAlias = Generator[Pending, None, Any]
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+#: Dtypes gloo reduces natively (NCCL reduces all of these except bool); others travel wider.
+_NATIVE_REDUCE_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+    }
+)
+
+#: Stable small codes for dtypes in exchanged metadata.
+_DTYPE_CODES: dict[torch.dtype, int] = {
+    dt: i
+    for i, dt in enumerate(
+        (
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+            torch.float64,
+            torch.int8,
+            torch.uint8,
+            torch.int16,
+            torch.int32,
+            torch.int64,
+            torch.bool,
+            torch.uint16,
+            torch.uint32,
+            torch.uint64,
+        )
+    )
+}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+_MAX_PART_DIMS = 8
+_ALIGN = 8
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small integer naming ``dtype`` in exchanged metadata."""
+    try:
+        return _DTYPE_CODES[dtype]
+    except KeyError:
+        raise CommpressError(
+            f"cannot send tensors of dtype {dtype}; supported: "
+            f"{', '.join(str(d).replace('torch.', '') for d in _DTYPE_CODES)}"
+        ) from None
+
+
+def code_dtype(code: int) -> torch.dtype:
+    """Inverse of :func:`dtype_code`."""
+    try:
+        return _CODE_DTYPES[code]
+    except KeyError:
+        raise CommpressError(f"unknown dtype code {code} in received metadata") from None
+
+
+def name_hash(*names: str) -> int:
+    """A stable 31-bit hash of strings (part names, fingerprints) for metadata checks."""
+    return zlib.crc32("\x00".join(names).encode()) & 0x7FFFFFFF
+
+
+# ---------------------------------------------------------------------------- exchange
+@dataclass(slots=True)
+class Exchange:
+    """Where and how operations are issued: a process group, this rank, a timeout.
+
+    Attributes:
+        group: the process group (``None`` is the default group).
+        rank: this process's rank in ``group``.
+        world_size: size of ``group``.
+        timeout: seconds each wait may take before the exchange is declared failed
+            (``None``: the process group's own timeout).
+        label: what is being exchanged, for error messages (``"all_reduce of 'w'"``).
+        device: device for exchanged metadata (``None``: follow the data).
+    """
+
+    group: ProcessGroup | None
+    rank: int
+    world_size: int
+    timeout: float | None = None
+    label: str = "exchange"
+    device: torch.device | None = None
+    _backend: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(
+        cls,
+        group: ProcessGroup | None = None,
+        *,
+        timeout: float | None = None,
+        label: str = "exchange",
+    ) -> Exchange:
+        """The exchange over ``group`` (the default group when ``None``) for this process."""
+        require_initialized()
+        if timeout is not None and not timeout > 0:
+            raise CommpressError(f"timeout must be a positive number of seconds, got {timeout}")
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise CommpressError(
+                "this process is not a member of the given process group; only members may "
+                "take part in its collectives"
+            )
+        return cls(group, rank, dist.get_world_size(group), timeout, label)
+
+    @property
+    def backend(self) -> str:
+        if self._backend is None:
+            self._backend = str(dist.get_backend(self.group)).lower()
+        return self._backend
+
+    def comm_device(self, hint: torch.device | None) -> torch.device:
+        """The device on which tensors for this group's collectives must live."""
+        if self.device is not None:
+            return self.device
+        if "nccl" in self.backend and (hint is None or hint.type != "cuda"):
+            return torch.device("cuda", torch.cuda.current_device())
+        return hint if hint is not None else torch.device("cpu")
+
+    def global_rank(self, group_rank: int) -> int:
+        """The default-group rank of ``group_rank`` in this exchange's group."""
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def wait(self, pending: Pending) -> None:
+        """Wait for pending works; a failure or a timeout becomes a :class:`CommpressError`."""
+        start = time.monotonic()
+        what = pending.what
+        for work in pending.works:
+            if work is None:
+                continue
+            try:
+                if self.timeout is None:
+                    work.wait()
+                else:
+                    work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError
+                elapsed = time.monotonic() - start
+                limit = "" if self.timeout is None else f" (timeout {self.timeout:g}s)"
+                raise CommpressError(
+                    f"{self.label}: {what} failed on rank {self.rank} of {self.world_size} after "
+                    f"{elapsed:.1f}s{limit}: {type(exc).__name__}: {exc}. A peer probably died, "
+                    "stalled or issued a different operation; this process group can no longer "
+                    "be used safely"
+                ) from exc
+
+
+def require_initialized() -> None:
+    """Raise a clear error unless ``torch.distributed`` is available and initialized."""
+    if not dist.is_available():
+        raise CommpressError("torch.distributed is not available in this PyTorch build")
+    if not dist.is_initialized():
+        raise CommpressError(
+            "torch.distributed is not initialized; call torch.distributed.init_process_group "
+            "(for example with backend 'gloo' or 'nccl') before using commpress collectives"
+        )
+
+
+# ---------------------------------------------------------------------------- byte packing
+def _part_nbytes(numel: int, dtype: torch.dtype) -> int:
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def packed_layout(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
+    """Byte offsets (aligned to 8) of tensors of the given shapes and dtypes packed in a row."""
+    offsets, pos = [], 0
+    for shape, dtype in specs:
+        offsets.append(pos)
+        pos += _part_nbytes(math.prod(shape), dtype)
+        pos = -(-pos // _ALIGN) * _ALIGN
+    return offsets, pos
+
+
+def pack_bytes(
+    tensors: Sequence[torch.Tensor], size: int | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """Copy ``tensors`` into one uint8 buffer at the offsets of :func:`unpack_bytes`.
+
+    ``size`` pads the buffer (to the largest of all ranks for an all-gather).
+    """
+    offsets, total = packed_layout([(tuple(t.shape), t.dtype) for t in tensors])
+    size = total if size is None else size
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
+    buf = torch.zeros(size, dtype=torch.uint8, device=device)
+    for off, t in zip(offsets, tensors, strict=True):
+        if t.numel():
+            flat = t.detach().reshape(-1).contiguous()
+            buf[off : off + flat.numel() * flat.element_size()] = flat.view(torch.uint8).to(device)
+    return buf
+
+
+def unpack_bytes(
+    buf: torch.Tensor, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]
+) -> list[torch.Tensor]:
+    """Tensors of the given shapes and dtypes read from a buffer made by :func:`pack_bytes`.
+
+    The results are views into ``buf``.
+    """
+    offsets, total = packed_layout(specs)
+    if buf.numel() < total:
+        raise CommpressError(
+            f"received {buf.numel()} bytes, the announced parts need {total}; corrupted exchange"
+        )
+    out = []
+    for off, (shape, dtype) in zip(offsets, specs, strict=True):
+        nbytes = _part_nbytes(math.prod(shape), dtype)
+        out.append(buf[off : off + nbytes].view(dtype).reshape(shape))
+    return out
+
+
+def payload_meta(payload: Payload) -> torch.Tensor:
+    """Fixed-layout int64 metadata of a payload's parts (names hash, dtypes, shapes)."""
+    names = sorted(payload.parts)
+    row = [len(names), name_hash(payload.codec, *names)]
+    for name in names:
+        t = payload.parts[name]
+        if t.dim() > _MAX_PART_DIMS:
+            raise CommpressError(
+                f"payload part {name!r} has {t.dim()} dimensions; at most {_MAX_PART_DIMS} "
+                "can be exchanged"
+            )
+        dims = list(t.shape) + [0] * (_MAX_PART_DIMS - t.dim())
+        row += [dtype_code(t.dtype), t.dim(), *dims]
+    return torch.tensor(row, dtype=torch.int64)
+
+
+def parse_payload_meta(row: Sequence[int]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Part shapes and dtypes from :func:`payload_meta` (parts in sorted-name order)."""
+    n, out = int(row[0]), []
+    for i in range(n):
+        base = 2 + i * (2 + _MAX_PART_DIMS)
+        dtype = code_dtype(int(row[base]))
+        ndim = int(row[base + 1])
+        out.append((tuple(int(d) for d in row[base + 2 : base + 2 + ndim]), dtype))
+    return out
+
+
+# ---------------------------------------------------------------------------- requests
+def _wide_int_dtype(limit: int, world_size: int) -> torch.dtype:
+    need = limit * world_size
+    if need <= 127:
+        return torch.int8
+    if need <= 2**31 - 1:
+        return torch.int32
+    return torch.int64
+
+
+def _transport_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
+    if dtype in _NATIVE_REDUCE_DTYPES:
+        return dtype
+    if dtype == torch.bool:
+        return torch.uint8 if op in ("max", "min") else torch.int32
+    if dtype.is_floating_point:
+        raise CommpressError(f"cannot all-reduce {dtype} tensors; use a supported float dtype")
+    return torch.int64  # int16/uint16/uint32: wider lanes, wrapped back by the cast afterwards
+
+
+def all_reduce_task(
+    request: AllReduce, ex: Exchange, *, what: str = "all-reduce"
+) -> Generator[Pending, None, dict[str, torch.Tensor]]:
+    """Task performing one :class:`AllReduce` request; returns the reply dict."""
+    names = sorted(request.tensors)
+    tensors = [request.tensors[n] for n in names]
+    if ex.world_size == 1:
+        return {n: reduce_tensors([t], request, [0]) for n, t in zip(names, tensors, strict=True)}
+    if sum(t.numel() for t in tensors) == 0:
+        return {n: t.clone() for n, t in zip(names, tensors, strict=True)}
+    if request.saturate:
+        # Saturating addition depends on the order of additions: gather every rank's lanes
+        # and add them on each rank in rank order, exactly as the simulator does.
+        specs = [(tuple(t.shape), t.dtype) for t in tensors]
+        device = ex.comm_device(tensors[0].device)
+        mine = pack_bytes(tensors, device=device)
+        bufs = [torch.empty_like(mine) for _ in range(ex.world_size)]
+        yield Pending(
+            [dist.all_gather(bufs, mine, group=ex.group, async_op=True)],
+            f"{what} (saturating all-reduce as all-gather)",
+        )
+        per_rank = [unpack_bytes(b.to(tensors[0].device), specs) for b in bufs]
+        order = list(range(ex.world_size))
+        return {
+            n: reduce_tensors([lanes[i] for lanes in per_rank], request, order)
+            for i, n in enumerate(names)
+        }
+    if request.int_bits is not None and request.op == "sum":
+        limit = request.lane_limit
+        assert limit is not None
+        wide = _wide_int_dtype(limit, ex.world_size)
+        flat = torch.cat([t.reshape(-1).to(wide) for t in tensors])
+        flat = flat.to(ex.comm_device(flat.device))
+        yield Pending(
+            [dist.all_reduce(flat, _REDUCE_OPS["sum"], group=ex.group, async_op=True)],
+            f"{what} (integer all-reduce)",
+        )
+        peak = int(flat.abs().max()) if flat.numel() else 0
+        if peak > limit:
+            raise CommpressError(
+                f"integer sum overflows {request.int_bits}-bit lanes (|sum| = {peak} > {limit}); "
+                "the codec must size its lanes for the world size or saturate"
+            )
+        out, pos = {}, 0
+        for n, t in zip(names, tensors, strict=True):
+            out[n] = flat[pos : pos + t.numel()].to(t.device, t.dtype).reshape(t.shape)
+            pos += t.numel()
+        return out
+    # Plain reduction: one flat buffer per transport dtype (a copy: requests stay untouched).
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(_transport_dtype(t.dtype, request.op), []).append(i)
+    flats: dict[torch.dtype, torch.Tensor] = {}
+    works = []
+    for wire, idx in groups.items():
+        flat = torch.cat([tensors[i].reshape(-1).to(wire) for i in idx])
+        flat = flat.to(ex.comm_device(flat.device))
+        flats[wire] = flat
+        if flat.numel():
+            works.append(
+                dist.all_reduce(flat, _REDUCE_OPS[request.op], group=ex.group, async_op=True)
+            )
+    yield Pending(works, f"{what} (all-reduce)")
+    out = {}
+    for wire, idx in groups.items():
+        pos = 0
+        for i in idx:
+            t = tensors[i]
+            piece = flats[wire][pos : pos + t.numel()].reshape(t.shape)
+            if t.dtype == torch.bool:
+                piece = piece != 0
+            out[names[i]] = piece.to(t.device, t.dtype)
+            pos += t.numel()
+    return out
+
+
+def _fixed_size(payload: Payload) -> bool:
+    from commpress.codecs.registry import codec_class
+
+    try:
+        return bool(codec_class(payload.codec).fixed_size)
+    except CommpressError:
+        return False
+
+
+def all_gather_task(
+    payload: Payload, ex: Exchange, *, fixed_size: bool | None = None, what: str = "all-gather"
+) -> Generator[Pending, None, list[Payload]]:
+    """Task gathering every rank's payload (rank order); returns the list of payloads.
+
+    Parts travel as one byte buffer per rank. Unless the codec is ``fixed_size`` the part
+    shapes are all-gathered first (a small extra exchange) and buffers are padded to the
+    largest rank's size.
+    """
+    if ex.world_size == 1:
+        return [payload]
+    names = sorted(payload.parts)
+    local = [payload.parts[n] for n in names]
+    local_specs = [(tuple(t.shape), t.dtype) for t in local]
+    device = ex.comm_device(payload.device)
+    if fixed_size is None:
+        fixed_size = _fixed_size(payload)
+    if fixed_size:
+        specs_by_rank = [local_specs] * ex.world_size
+    else:
+        meta = payload_meta(payload).to(device)
+        metas = [torch.empty_like(meta) for _ in range(ex.world_size)]
+        yield Pending(
+            [dist.all_gather(metas, meta, group=ex.group, async_op=True)],
+            f"{what} (payload sizes)",
+        )
+        rows = [m.cpu().tolist() for m in metas]
+        for r, row in enumerate(rows):
+            if row[:2] != rows[0][:2]:
+                raise CommpressError(
+                    f"{ex.label}: ranks disagree on the payload's parts (rank {r} differs from "
+                    "rank 0); were they configured with the same codec?"
+                )
+        specs_by_rank = [parse_payload_meta(row) for row in rows]
+        for r, specs in enumerate(specs_by_rank):
+            if [dt for _, dt in specs] != [dt for _, dt in local_specs]:
+                raise CommpressError(
+                    f"{ex.label}: rank {r} sends payload parts of dtypes "
+                    f"{[str(dt) for _, dt in specs]}, this rank "
+                    f"{[str(dt) for _, dt in local_specs]}"
+                )
+    sizes = [packed_layout(specs)[1] for specs in specs_by_rank]
+    size = max(sizes)
+    if size == 0:
+        bufs = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(ex.world_size)]
+    else:
+        mine = pack_bytes(local, size, device=device)
+        bufs = [torch.empty_like(mine) for _ in range(ex.world_size)]
+        yield Pending(
+            [dist.all_gather(bufs, mine, group=ex.group, async_op=True)], f"{what} (payloads)"
+        )
+    out: list[Payload] = []
+    for r, (buf, specs) in enumerate(zip(bufs, specs_by_rank, strict=True)):
+        if r == ex.rank:
+            out.append(payload)
+            continue
+        parts = unpack_bytes(buf.to(payload.device), specs)
+        out.append(payload.replace(parts=dict(zip(names, parts, strict=True)), summed=1))
+    return out
+
+
+def protocol_task(
+    protocol: Protocol, ex: Exchange, *, first: tuple[str, Any] | None = None
+) -> Generator[Pending, None, Reduced]:
+    """Task driving a codec's :meth:`~commpress.codecs.base.Codec.reduce` generator.
+
+    ``first`` is the outcome of advancing ``protocol`` to its first request when that was done
+    elsewhere (see :func:`prefetch`): ``("request", request)`` or ``("done", reduced)``.
+    """
+    if first is None:
+        try:
+            first = ("request", next(protocol))
+        except StopIteration as stop:
+            first = ("done", stop.value)
+    kind, value = first
+    if kind == "done":
+        return _check_reduced(value)
+    request: Request = value
+    round_index = 0
+    while True:
+        if isinstance(request, AllReduce):
+            reply: Any = yield from all_reduce_task(request, ex, what=f"round {round_index}")
+        elif isinstance(request, AllGather):
+            reply = yield from all_gather_task(request.payload, ex, what=f"round {round_index}")
+        else:
+            raise CommpressError(
+                f"{ex.label}: the codec's protocol yielded {type(request).__name__}; expected "
+                "AllReduce or AllGather"
+            )
+        round_index += 1
+        try:
+            request = protocol.send(reply)
+        except StopIteration as stop:
+            return _check_reduced(stop.value)
+
+
+def _check_reduced(value: Any) -> Reduced:
+    if not isinstance(value, Reduced):
+        raise CommpressError(
+            f"a codec protocol returned {type(value).__name__}; it must return Reduced"
+        )
+    return value
+
+
+# ---------------------------------------------------------------------------- scheduling
+def run_tasks(
+    tasks: Sequence[Task | Callable[[], Task]], ex: Exchange, *, depth: int = 2
+) -> list[Any]:
+    """Run tasks with up to ``depth`` in flight; returns their results in task order.
+
+    Scheduling is a first-in-first-out rotation that never depends on timing:
+
+    1. Start tasks in order (run each to its first yield, which issues its first operations)
+       until ``depth`` are in flight.
+    2. Wait for the oldest in-flight task's operations, resume it (it computes on the reply
+       and issues its next operations), and put it at the back; a finished task is retired.
+    3. Repeat from 1 until every task has finished.
+
+    Every rank therefore issues identical operation sequences, and the computation done when
+    starting task ``i + 1`` (encoding its bucket) runs while task ``i``'s data is on the wire.
+
+    Args:
+        tasks: tasks, or zero-argument factories called when the task is started (so that
+            its encoding happens in pipeline order rather than up front).
+        ex: supplies the timeout, this rank and labels for errors.
+        depth: tasks in flight at once; 1 runs them one after the other. Larger values
+            overlap more but hold more buffers; 2 suffices to hide encoding behind transfer.
+    """
+    if depth < 1:
+        raise CommpressError(f"pipeline depth must be >= 1, got {depth}")
+    results: list[Any] = [None] * len(tasks)
+    inflight: deque[tuple[int, Task, Pending]] = deque()
+    next_task = 0
+
+    def start(i: int) -> None:
+        item = tasks[i]
+        task: Task = item if isinstance(item, Generator) else item()
+        try:
+            pending = next(task)
+        except StopIteration as stop:
+            results[i] = stop.value
+            return
+        inflight.append((i, task, pending))
+
+    try:
+        while next_task < len(tasks) or inflight:
+            while next_task < len(tasks) and len(inflight) < depth:
+                start(next_task)
+                next_task += 1
+            if not inflight:
+                continue
+            i, task, pending = inflight.popleft()
+            if len(tasks) > 1:
+                pending = Pending(pending.works, f"part {i}: {pending.what}")
+            ex.wait(pending)
+            try:
+                pending = task.send(None)
+            except StopIteration as stop:
+                results[i] = stop.value
+                continue
+            inflight.append((i, task, pending))
+    except BaseException:
+        for _, task, _ in inflight:
+            task.close()
+        raise
+    return results
+
+
+def prefetch(
+    pool: ThreadPoolExecutor, protocol_factory: Callable[[], Protocol]
+) -> ConcurrentFuture[tuple[Protocol, tuple[str, Any]]]:
+    """Build a protocol on ``pool`` and advance it to its first request there.
+
+    The codec work before the first request (encoding) is pure, so it may run on another
+    thread (the "offload" worker); the request itself is issued later, in schedule order, by
+    :func:`prefetched_task`.
+    """
+
+    def first() -> tuple[Protocol, tuple[str, Any]]:
+        protocol = protocol_factory()
+        try:
+            return protocol, ("request", next(protocol))
+        except StopIteration as stop:
+            return protocol, ("done", stop.value)
+
+    return pool.submit(first)
+
+
+def prefetched_task(
+    future: ConcurrentFuture[tuple[Protocol, tuple[str, Any]]], ex: Exchange
+) -> Generator[Pending, None, Reduced]:
+    """Task driving a protocol whose first step ran on an offload thread."""
+    protocol, first = future.result()
+    return (yield from protocol_task(protocol, ex, first=first))
+
+
+def execute(
+    protocol: Protocol,
+    *,
+    group: ProcessGroup | None = None,
+    timeout: float | None = None,
+    label: str = "collective",
+) -> Reduced:
+    """Run one codec protocol over ``group`` with real collectives; returns its :class:`Reduced`.
+
+    Args:
+        protocol: the generator returned by ``codec.reduce(tensor, ctx)``; ``ctx.rank`` and
+            ``ctx.world_size`` must be this process's rank and the size of ``group``.
+        group: the process group (default: the default group). Every member must call
+            ``execute`` with protocols of the same codec configuration, in the same order.
+        timeout: seconds each exchange may wait for peers before raising
+            :class:`CommpressError` (default: the process group's own timeout).
+        label: what is being reduced, used in error messages.
+
+    Calls from several threads on one group must be serialized (use
+    :func:`commpress.collectives.queue.queue_for`), otherwise ranks may issue collectives in
+    different orders.
+    """
+    ex = Exchange.of(group, timeout=timeout, label=label)
+    return run_tasks([protocol_task(protocol, ex)], ex, depth=1)[0]
+
+
+__all__ = [
+    "Exchange",
+    "Pending",
+    "Task",
+    "all_gather_task",
+    "all_reduce_task",
+    "code_dtype",
+    "dtype_code",
+    "execute",
+    "name_hash",
+    "pack_bytes",
+    "packed_layout",
+    "payload_meta",
+    "prefetch",
+    "prefetched_task",
+    "protocol_task",
+    "require_initialized",
+    "run_tasks",
+    "unpack_bytes",
+]

@@ -1,0 +1,526 @@
+"""Per-layer codec choice and the checkpointable state of compressed gradient reduction.
+
+* :class:`CodecPolicy` maps a tensor's name and shape to a codec: one codec for everything,
+  glob rules on parameter names (``{"*.bias": "identity", "embed.*": "fp16"}``), size
+  thresholds (``{0: "fp16", 65536: "powersgd:rank=4"}``) and/or a function.
+* :class:`CompressionState` is everything that persists between steps: the policy, the
+  :class:`~commpress.collectives.feedback.Schedule`, the error-feedback memory, every codec's
+  per-tensor state (PowerSGD's ``Q``) and the step counter. It turns one tensor into a
+  reduction protocol (:meth:`CompressionState.reduce`) that any driver can run. Like PyTorch's
+  ``PowerSGDState`` it pickles without its process group, and :meth:`~CompressionState.
+  state_dict` gives plain CPU tensors for checkpoints.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import torch
+
+from commpress.codecs.base import Codec, CodecContext
+from commpress.codecs.protocol import Protocol, Reduced
+from commpress.codecs.registry import get_codec
+from commpress.collectives.feedback import (
+    ChoiceReason,
+    FeedbackConfig,
+    FeedbackMemory,
+    Schedule,
+)
+from commpress.errors import CommpressError, error_context
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+#: A codec given as an id/spec string (``"powersgd:rank=4"``), a config mapping or a codec.
+CodecSpec: TypeAlias = "str | Mapping[str, Any] | Codec"
+#: ``fn(name, shape) -> codec spec`` or ``None`` for "no opinion" (the next rule decides).
+PolicyFunction: TypeAlias = "Callable[[str, tuple[int, ...]], CodecSpec | None]"
+
+#: Version of the :meth:`CompressionState.state_dict` layout.
+STATE_VERSION = 1
+
+
+def _as_codec(spec: Any, what: str) -> Codec:
+    with error_context(what):
+        if isinstance(spec, (str, Mapping, Codec)):
+            return get_codec(spec)
+        raise CommpressError(
+            f"expected a codec id/spec string, a config mapping or a Codec, got "
+            f"{type(spec).__name__}"
+        )
+
+
+class CodecPolicy:
+    """Which codec each tensor is sent with.
+
+    Resolution order for a tensor ``name`` of shape ``shape`` (``n`` elements):
+
+    1. ``function(name, shape)``, when given and it returns a spec (``None``: no opinion);
+    2. the first rule in ``rules`` whose glob pattern matches ``name`` (``fnmatch``-style,
+       case-sensitive: ``"*.bias"``, ``"blocks.0.*"``, or an exact name);
+    3. ``by_size``: the spec of the largest threshold ``<= n``;
+    4. ``default``.
+
+    The result is cached per ``(name, shape)``; every rank must resolve to the same codec, so
+    the function must be deterministic.
+
+    Args:
+        default: codec for tensors no rule matches.
+        rules: glob pattern -> codec spec, tried in order (a mapping keeps insertion order;
+            a sequence of pairs works too). Use ``"identity"`` to leave a tensor uncompressed.
+        by_size: element-count threshold -> codec spec. ``{0: "fp16", 65536: "powersgd"}``
+            sends tensors of at least 65536 elements with PowerSGD and smaller ones in fp16.
+        function: a deterministic ``fn(name, shape)``; make it a module-level function (not a
+            lambda) if the state holding the policy is to be pickled.
+
+    Tuning: compress the big matrices (embeddings, attention/MLP weights) and leave vectors
+    (biases, LayerNorm) to a dense format; a lossy codec on a 128-element bias saves nothing
+    measurable and costs a collective's latency.
+    """
+
+    __slots__ = ("default", "rules", "by_size", "function", "_cache", "_lock")
+
+    def __init__(
+        self,
+        default: CodecSpec = "identity",
+        *,
+        rules: Mapping[str, CodecSpec] | Sequence[tuple[str, CodecSpec]] = (),
+        by_size: Mapping[int, CodecSpec] | None = None,
+        function: PolicyFunction | None = None,
+    ) -> None:
+        self.default = _as_codec(default, "policy default codec")
+        pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+        self.rules: list[tuple[str, Codec]] = []
+        for item in pairs:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise CommpressError(
+                    f"policy rules must be (glob pattern, codec spec) pairs, got {item!r}"
+                )
+            self.rules.append((item[0], _as_codec(item[1], f"policy rule {item[0]!r}")))
+        self.by_size: list[tuple[int, Codec]] = []
+        for threshold, spec in sorted((by_size or {}).items()):
+            if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+                raise CommpressError(
+                    f"by_size thresholds must be ints >= 0 (element counts), got {threshold!r}"
+                )
+            self.by_size.append((threshold, _as_codec(spec, f"by_size[{threshold}]")))
+        if function is not None and not callable(function):
+            raise CommpressError(f"policy function must be callable, got {function!r}")
+        self.function = function
+        self._cache: dict[tuple[str, tuple[int, ...]], Codec] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def build(
+        cls,
+        spec: CodecPolicy | CodecSpec | Callable[..., Any] | None = None,
+        **codec_params: Any,
+    ) -> CodecPolicy:
+        """A policy from whatever the user passed.
+
+        * a :class:`CodecPolicy`: returned as is;
+        * a codec (id/spec string, config mapping with an ``"id"`` key, or a ``Codec``), plus
+          optional ``codec_params``: that codec for every tensor;
+        * a mapping *without* ``"id"``: glob rules, with ``"*"`` (if present) as the default
+          and ``identity`` otherwise;
+        * a callable: ``fn(name, shape)``, with ``identity`` where it returns ``None``.
+        """
+        if isinstance(spec, CodecPolicy):
+            if codec_params:
+                raise CommpressError(
+                    f"codec parameters {sorted(codec_params)} given with a ready CodecPolicy; "
+                    "put them in the policy's codec specs"
+                )
+            return spec
+        if spec is None:
+            spec = "identity"
+        if isinstance(spec, (str, Codec)) or (isinstance(spec, Mapping) and "id" in spec):
+            return cls(get_codec(spec, **codec_params) if codec_params else spec)
+        if codec_params:
+            raise CommpressError(
+                f"codec parameters {sorted(codec_params)} need a single codec, not a "
+                f"{type(spec).__name__} policy"
+            )
+        if isinstance(spec, Mapping):
+            rules = dict(spec)
+            default = rules.pop("*", "identity")
+            return cls(default, rules=rules)
+        if callable(spec):
+            return cls("identity", function=spec)
+        raise CommpressError(
+            "a policy is a codec spec, a mapping of name globs to codec specs, a function "
+            f"(name, shape) -> codec spec, or a CodecPolicy; got {type(spec).__name__}"
+        )
+
+    def codec_for(self, name: str, shape: tuple[int, ...] | torch.Size) -> Codec:
+        """The codec for tensor ``name`` of ``shape`` (see the class doc for the order)."""
+        shape = tuple(int(s) for s in shape)
+        cache_key = (name, shape)
+        with self._lock:
+            cached = self._cache.get(cache_key)
+        if cached is not None:
+            return cached
+        codec = self._resolve(name, shape)
+        with self._lock:
+            self._cache[cache_key] = codec
+        return codec
+
+    def _resolve(self, name: str, shape: tuple[int, ...]) -> Codec:
+        if self.function is not None:
+            with error_context(f"policy function for {name!r} {shape}"):
+                spec = self.function(name, shape)
+            if spec is not None:
+                return _as_codec(spec, f"policy function result for {name!r}")
+        for pattern, codec in self.rules:
+            if fnmatch.fnmatchcase(name, pattern):
+                return codec
+        numel = math.prod(shape)
+        chosen: Codec | None = None
+        for threshold, codec in self.by_size:
+            if numel >= threshold:
+                chosen = codec
+        return chosen if chosen is not None else self.default
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-friendly description (configs of the default, rules and size thresholds)."""
+        return {
+            "default": self.default.get_config(),
+            "rules": [[p, c.get_config()] for p, c in self.rules],
+            "by_size": [[t, c.get_config()] for t, c in self.by_size],
+            "function": None if self.function is None else getattr(
+                self.function, "__qualname__", repr(self.function)
+            ),
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"default": self.default, "rules": self.rules, "by_size": self.by_size,
+                "function": self.function}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.default = state["default"]
+        self.rules = state["rules"]
+        self.by_size = state["by_size"]
+        self.function = state["function"]
+        self._cache = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        parts = [f"default={self.default}"]
+        if self.rules:
+            parts.append(f"rules={[(p, str(c)) for p, c in self.rules]}")
+        if self.by_size:
+            parts.append(f"by_size={[(t, str(c)) for t, c in self.by_size]}")
+        if self.function is not None:
+            parts.append(f"function={getattr(self.function, '__qualname__', self.function)}")
+        return f"CodecPolicy({', '.join(parts)})"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How one tensor is sent at one step.
+
+    Attributes:
+        key: the tensor's name.
+        codec: the codec that encodes it.
+        reason: why (see :class:`~commpress.collectives.feedback.Choice`).
+        feedback: whether error feedback (and momentum correction) applies.
+    """
+
+    key: str
+    codec: Codec
+    reason: ChoiceReason
+    feedback: bool
+
+    @property
+    def fallback(self) -> bool:
+        """The schedule replaced the policy's codec by a dense one (warm-up, small tensor)."""
+        return self.reason in ("warmup", "min_numel", "min_rate")
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    return value
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    return value
+
+
+class CompressionState:
+    """What compressed gradient reduction keeps between steps; checkpointable, group-free.
+
+    For each tensor and step, :meth:`reduce` runs this algorithm:
+
+    1. **Choose the codec**: the policy gives the tensor's codec ``C``; the schedule may
+       replace it by a dense one (warm-up, tensors below ``min_numel`` or below
+       ``min_compression_rate``); lossless codecs are never replaced.
+    2. **Compensate** (if error feedback applies to ``C``): add the remembered error (and, with
+       DGC momentum correction, the velocity) to the gradient.
+    3. **Reduce**: run ``codec.reduce`` with the codec's persistent per-tensor state (PowerSGD's
+       ``Q``), asking for the mean over workers and, with feedback, the local contribution.
+    4. **Remember** (with feedback): error = compensated input - local contribution.
+
+    Error feedback applies when ``error_feedback`` is ``True`` and ``C`` is lossy, or, with
+    ``error_feedback=None`` (automatic), when ``C`` is lossy and not a plain 16-bit cast
+    (``fp16``/``bf16``, whose rounding error is far below gradient noise; this keeps the fp16
+    path identical to PyTorch's ``fp16_compress_hook``).
+
+    The step counter is advanced by the caller (:meth:`advance`; the DDP hook does it after
+    each step's last bucket). Keys must be stable across steps and ranks: parameter names.
+
+    Pickling keeps everything but the process group (restored as ``None``, meaning the default
+    group), like PyTorch's ``PowerSGDState``; the policy is pickled too, so a policy function
+    must be a module-level function. :meth:`state_dict` returns only plain data and CPU tensors
+    (step, memory, codec states) for ``torch.save`` checkpoints; :meth:`load_state_dict` puts
+    it back into a state built with the same configuration.
+
+    Args:
+        policy: anything :meth:`CodecPolicy.build` accepts.
+        process_group: the group gradients are reduced over (``None``: the default group).
+        schedule: warm-up and size rules (default: none).
+        error_feedback: ``True``, ``False`` or ``None`` (automatic, see above).
+        momentum: DGC momentum correction (see :class:`FeedbackConfig`); run the optimizer
+            without momentum when using it.
+        momentum_masking: DGC momentum factor masking.
+        timeout: seconds a single collective may take before a peer is declared lost
+            (``None``: the process group's own timeout).
+    """
+
+    __slots__ = (
+        "process_group",
+        "policy",
+        "schedule",
+        "error_feedback",
+        "memory",
+        "codec_states",
+        "step",
+        "timeout",
+        "_lock",
+    )
+    #: Slots left out of pickles: the process group cannot be pickled, the lock is rebuilt.
+    _TRANSIENT: tuple[str, ...] = ("process_group", "_lock")
+
+    def __init__(
+        self,
+        policy: Any = "identity",
+        *,
+        process_group: ProcessGroup | None = None,
+        schedule: Schedule | None = None,
+        error_feedback: bool | None = None,
+        momentum: float = 0.0,
+        momentum_masking: bool = True,
+        timeout: float | None = None,
+    ) -> None:
+        if error_feedback not in (True, False, None):
+            raise CommpressError(
+                f"error_feedback must be True, False or None (automatic), got {error_feedback!r}"
+            )
+        if timeout is not None and not (
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+        ):
+            raise CommpressError(
+                f"timeout must be a number of seconds > 0 or None, got {timeout!r}"
+            )
+        if schedule is not None and not isinstance(schedule, Schedule):
+            raise CommpressError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+        self.process_group = process_group
+        self.policy = CodecPolicy.build(policy)
+        self.schedule = schedule if schedule is not None else Schedule()
+        self.error_feedback = error_feedback
+        self.memory = FeedbackMemory(
+            FeedbackConfig(
+                error_feedback=error_feedback is not False,
+                momentum=momentum,
+                momentum_masking=momentum_masking,
+            )
+        )
+        self.codec_states: dict[str, dict[str, Any]] = {}
+        self.step = 0
+        self.timeout = timeout
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ planning
+    def uses_feedback(self, codec: Codec) -> bool:
+        """Whether error feedback applies to tensors whose policy codec is ``codec``."""
+        if codec.lossless or self.error_feedback is False:
+            return False
+        if self.error_feedback is None:
+            return codec.codec_id not in ("fp16", "bf16")
+        return True
+
+    def plan(
+        self,
+        key: str,
+        shape: tuple[int, ...] | torch.Size,
+        dtype: torch.dtype = torch.float32,
+        *,
+        step: int | None = None,
+    ) -> Plan:
+        """Decide how tensor ``key`` is sent at ``step`` (default: the current step)."""
+        step = self.step if step is None else step
+        policy_codec = self.policy.codec_for(key, shape)
+        choice = self.schedule.choose(policy_codec, shape, dtype, step=step)
+        return Plan(key, choice.codec, choice.reason, self.uses_feedback(policy_codec))
+
+    def codec_state(self, plan: Plan, device: torch.device) -> dict[str, Any]:
+        """The persistent codec state dict for ``plan`` (fresh for dense fallbacks).
+
+        It is reset when the codec's configuration changed since it was stored (for example
+        a checkpoint resumed with another rank).
+        """
+        if plan.fallback:
+            return {}
+        fingerprint = plan.codec.fingerprint()
+        with self._lock:
+            entry = self.codec_states.get(plan.key)
+            if entry is None or entry.get("fingerprint") != fingerprint:
+                entry = {"fingerprint": fingerprint, "codec": plan.codec.get_config(), "state": {}}
+                self.codec_states[plan.key] = entry
+            elif entry.get("device") != str(device):
+                entry["state"] = _to_device(entry["state"], device)
+            entry["device"] = str(device)
+        state: dict[str, Any] = entry["state"]
+        return state
+
+    # ------------------------------------------------------------------ reduction
+    def reduce(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        *,
+        rank: int,
+        world_size: int,
+        step: int | None = None,
+        average: bool = True,
+        plan: Plan | None = None,
+    ) -> Protocol:
+        """The reduction protocol of ``tensor`` (named ``key``) with compensation and memory.
+
+        A generator like :meth:`Codec.reduce`, to be driven by
+        :func:`commpress.collectives.driver.execute` (or any driver). Its ``Reduced.total`` is
+        the mean over workers (sum when ``average=False``) in ``tensor``'s dtype; its
+        ``local`` is this worker's decoded contribution when feedback applied.
+        """
+        step = self.step if step is None else step
+        if plan is None:
+            plan = self.plan(key, tensor.shape, tensor.dtype, step=step)
+        x = self.memory.compensate(key, tensor) if plan.feedback else tensor
+        ctx = CodecContext(
+            rank=rank,
+            world_size=world_size,
+            step=step,
+            key=key,
+            state=self.codec_state(plan, tensor.device),
+            need_local=plan.feedback,
+            average=average,
+        )
+        result = yield from plan.codec.reduce(x, ctx)
+        if plan.feedback:
+            self.memory.update(key, x, result.local, mask_momentum=not plan.fallback)
+        total = result.total
+        if total.dtype != tensor.dtype:
+            total = total.to(tensor.dtype)
+        return Reduced(total=total, local=result.local)
+
+    def advance(self) -> int:
+        """Move to the next step; returns the step that just ended."""
+        with self._lock:
+            done = self.step
+            self.step += 1
+        return done
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data for a checkpoint: step, error-feedback memory and codec states, with
+        every tensor copied to the CPU. The process group and the policy are not included
+        (rebuild them from your configuration)."""
+        with self._lock:
+            codec_states = {
+                key: {"fingerprint": e["fingerprint"], "codec": dict(e["codec"]),
+                      "state": _to_cpu(e["state"])}
+                for key, e in self.codec_states.items()
+            }
+            step = self.step
+        return {
+            "version": STATE_VERSION,
+            "step": step,
+            "memory": self.memory.state_dict(),
+            "codec_states": codec_states,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (tensors move to the device at their next use)."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            version = state.get("version") if isinstance(state, Mapping) else None
+            raise CommpressError(
+                f"CompressionState.load_state_dict expects a state_dict of version "
+                f"{STATE_VERSION}, got {type(state).__name__} with version {version!r}"
+            )
+        step = state.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CommpressError(f"state_dict['step'] must be an int >= 0, got {step!r}")
+        codec_states = state.get("codec_states")
+        if not isinstance(codec_states, Mapping):
+            raise CommpressError("state_dict['codec_states'] must be a mapping of tensor names")
+        loaded: dict[str, dict[str, Any]] = {}
+        for key, entry in codec_states.items():
+            if not isinstance(entry, Mapping) or not {"fingerprint", "codec", "state"} <= set(
+                entry
+            ):
+                raise CommpressError(
+                    f"state_dict['codec_states'][{key!r}] needs fingerprint, codec and state"
+                )
+            loaded[key] = {
+                "fingerprint": entry["fingerprint"],
+                "codec": dict(entry["codec"]),
+                "state": _to_cpu(entry["state"]),
+                "device": "cpu",
+            }
+        self.memory.load_state_dict(state.get("memory", {}))
+        with self._lock:
+            self.codec_states = loaded
+            self.step = step
+
+    def __getstate__(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for cls in type(self).__mro__:
+            for slot in getattr(cls, "__slots__", ()):
+                if slot not in self._TRANSIENT and hasattr(self, slot):
+                    out[slot] = getattr(self, slot)
+        return out
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        self.process_group = None
+        self._lock = threading.Lock()
+        for slot, value in state.items():
+            setattr(self, slot, value)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(policy={self.policy!r}, schedule={self.schedule}, "
+            f"error_feedback={self.error_feedback}, momentum={self.memory.config.momentum}, "
+            f"step={self.step})"
+        )
+
+
+__all__ = ["STATE_VERSION", "CodecPolicy", "CodecSpec", "CompressionState", "Plan"]

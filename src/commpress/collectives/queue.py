@@ -1,0 +1,235 @@
+"""One worker thread per process group that issues collectives strictly in submission order.
+
+Collectives on a group must be issued in the same order on every rank. Chaining them inside
+future callbacks (as PyTorch's own PowerSGD hook does for each DDP bucket) lets callbacks of
+different buckets run in whatever order their futures complete, which differs between ranks:
+with several multi-round buckets in flight the ranks then pair up different collectives, and
+gloo aborts with a size mismatch or hangs. :class:`OrderedQueue` removes that race: every job
+touching a group is submitted to the group's single worker thread, which runs jobs one at a
+time in submission order. As long as every rank submits the same jobs in the same order (DDP
+buckets become ready in a deterministic order), every rank issues the same collectives in the
+same order.
+
+Jobs return :class:`torch.futures.Future` objects, so they compose with DDP communication hooks
+and ``torch.futures.collect_all``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import queue as _queue
+import threading
+import traceback
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from commpress.errors import CommpressError
+
+T = TypeVar("T")
+
+_STOP = object()
+
+
+class OrderedQueue:
+    """Runs submitted jobs on one daemon thread, strictly first in, first out.
+
+    Args:
+        name: a label for the thread and error messages.
+        group: the process group the jobs communicate over (kept to detect that it was
+            destroyed; ``None`` for a queue not tied to a group).
+        idle_check: seconds between checks, while idle, that the group still exists; a queue
+            whose group was destroyed stops its thread.
+
+    A job that raises completes its future with a :class:`CommpressError` naming the job; the
+    queue keeps running the following jobs. A job submitted *from* the worker thread itself (a
+    job that calls an API which would itself submit) runs immediately, inline, so nesting never
+    deadlocks.
+    """
+
+    def __init__(
+        self, name: str = "commpress", group: Any = None, *, idle_check: float = 0.5
+    ) -> None:
+        self.name = name
+        self.group = group
+        self._idle_check = idle_check
+        self._jobs: _queue.SimpleQueue[Any] = _queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._counter = itertools.count()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-queue", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> torch.futures.Future:
+        """Queue ``fn(*args, **kwargs)``; returns a future completed with its result.
+
+        Raises :class:`CommpressError` if the queue was shut down.
+        """
+        fut: torch.futures.Future = torch.futures.Future()
+        job_id = next(self._counter)
+        if self.on_worker_thread():
+            self._run_job(job_id, fut, fn, args, kwargs)
+            return fut
+        with self._lock:
+            if self._closed:
+                raise CommpressError(
+                    f"the ordered queue {self.name!r} is shut down (its process group was "
+                    "destroyed or the process is exiting); no more jobs can be submitted"
+                )
+            self._jobs.put((job_id, fut, fn, args, kwargs))
+        return fut
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Submit ``fn`` and wait for its result (re-raising its exception)."""
+        return self.submit(fn, *args, **kwargs).wait()  # type: ignore[no-any-return]
+
+    def on_worker_thread(self) -> bool:
+        """Whether the caller is this queue's worker thread."""
+        return threading.current_thread() is self._thread
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._thread.is_alive()
+
+    def shutdown(self, *, wait: bool = True, timeout: float | None = 10.0) -> None:
+        """Stop accepting jobs; the jobs already queued still run, then the thread exits."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._jobs.put(_STOP)
+        if wait and not self.on_worker_thread():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._jobs.get(timeout=self._idle_check)
+            except _queue.Empty:
+                if self.group is not None and not _group_alive(self.group):
+                    self._close_from_worker("its process group was destroyed")
+                    return
+                continue
+            if item is _STOP:
+                self._drain("the queue was shut down")
+                return
+            self._run_job(*item)
+
+    def _run_job(
+        self,
+        job_id: int,
+        fut: torch.futures.Future,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:  # every failure goes into the future, never lost
+            name = getattr(fn, "__qualname__", repr(fn))
+            if isinstance(exc, CommpressError):
+                err = CommpressError(f"{self.name} job {job_id} ({name}): {exc}")
+            else:
+                tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                err = CommpressError(f"{self.name} job {job_id} ({name}) failed: {tb}")
+            err.__cause__ = exc
+            fut.set_exception(err)
+            if not isinstance(exc, Exception):  # KeyboardInterrupt/SystemExit: stop the thread
+                self._close_from_worker(f"job {job_id} raised {type(exc).__name__}")
+                raise
+            return
+        fut.set_result(result)
+
+    def _close_from_worker(self, why: str) -> None:
+        with self._lock:
+            self._closed = True
+        self._drain(why)
+
+    def _drain(self, why: str) -> None:
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except _queue.Empty:
+                return
+            if item is _STOP:
+                continue
+            _, fut, fn, _, _ = item
+            fut.set_exception(
+                CommpressError(f"{self.name}: job {getattr(fn, '__qualname__', fn)} dropped: {why}")
+            )
+
+    def __repr__(self) -> str:
+        state = "alive" if self.alive else "closed"
+        return f"OrderedQueue({self.name!r}, {state})"
+
+
+# ---------------------------------------------------------------------------- per group
+_QUEUES: dict[tuple[int, Hashable], tuple[Any, OrderedQueue]] = {}
+_QUEUES_LOCK = threading.Lock()
+
+
+def _group_alive(group: Any) -> bool:
+    """Whether ``group`` is still a live process group of this process."""
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    world = getattr(dist.distributed_c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    if pg_map is None:  # private layout changed: assume alive while initialized
+        return True
+    return group in pg_map
+
+
+def _resolve(group: Any) -> Any:
+    if not dist.is_available() or not dist.is_initialized():
+        raise CommpressError(
+            "torch.distributed is not initialized; call torch.distributed.init_process_group "
+            "before using commpress collectives"
+        )
+    if group is None or group is getattr(dist.group, "WORLD", None):
+        return dist.distributed_c10d._get_default_group()
+    return group
+
+
+def queue_for(group: Any = None, lane: Hashable = "collective") -> OrderedQueue:
+    """The ordered queue of ``group`` (default group when ``None``), created on first use.
+
+    ``lane`` selects an independent queue on the same group; collectives use the default lane,
+    point-to-point transfers use one lane per peer and direction so that a blocking receive
+    never holds up collectives or the opposite transfer.
+
+    A queue whose group was destroyed (``torch.distributed.destroy_process_group``) stops its
+    thread, and the next call for a new group with the same identity gets a fresh queue. All
+    queues are shut down at interpreter exit.
+    """
+    pg = _resolve(group)
+    key = (id(pg), lane)
+    with _QUEUES_LOCK:
+        entry = _QUEUES.get(key)
+        if entry is not None and entry[0] is pg and entry[1].alive:
+            return entry[1]
+        if entry is not None:
+            entry[1].shutdown(wait=False)
+        name = f"commpress-{getattr(pg, 'group_name', '') or id(pg)}-{lane}"
+        q = OrderedQueue(name, pg)
+        _QUEUES[key] = (pg, q)
+        return q
+
+
+def shutdown_queues(timeout: float = 10.0) -> None:
+    """Shut every queue down, letting queued jobs finish (called at interpreter exit)."""
+    with _QUEUES_LOCK:
+        entries = list(_QUEUES.values())
+        _QUEUES.clear()
+    for _, q in entries:
+        q.shutdown(wait=False)
+    for _, q in entries:
+        q.shutdown(wait=True, timeout=timeout)
+
+
+atexit.register(shutdown_queues, 2.0)
+
+__all__ = ["OrderedQueue", "queue_for", "shutdown_queues"]

@@ -1,0 +1,454 @@
+"""Ways of exchanging a tensor across ranks, each a *task* run by :func:`driver.run_tasks`.
+
+* :func:`gather_protocol` -- all-gather of payloads, then decode and add in rank order (any
+  single-round codec, summable or not).
+* :func:`ring_task` -- reduce-scatter and all-gather built from point-to-point messages with the
+  codec in the wire: at each hop of the reduce-scatter the received partial sum is decoded, the
+  local chunk is added and the result is re-encoded for the next hop (how a compressing NIC
+  such as NetZIP sits in a ring). With a lossless codec the result is bit-identical to the
+  uncompressed ring.
+* :func:`hierarchical_task` -- ranks on one node reduce-scatter uncompressed (fast local link),
+  each local rank exchanges its shard compressed with its peers on the other nodes, then the
+  node all-gathers (SqueezeNIC's "local reduction, then compression"). The
+  ``compress_first`` variant compresses before the local reduction too (the intra-node
+  reduce-scatter is a ring with the codec in the wire).
+
+Every strategy leaves the **identical** result on every rank: whatever is lossy is decoded from
+one payload that all ranks decode, and float additions happen once, on one rank, before the
+result is distributed bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Generator
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commpress.codecs.base import Codec, CodecContext, Payload
+from commpress.codecs.protocol import AllGather, Protocol, Reduced
+from commpress.collectives.driver import (
+    Exchange,
+    Pending,
+    packed_layout,
+    name_hash,
+    pack_bytes,
+    parse_payload_meta,
+    payload_meta,
+    protocol_task,
+    unpack_bytes,
+)
+from commpress.errors import CommpressError
+
+#: Tags of ring messages (user point-to-point traffic should use tags below this).
+RING_TAG_BASE = 0x5C0000
+#: Most payload parts a point-to-point message header can describe.
+MAX_P2P_PARTS = 8
+_DIMS = 8
+_META_LEN = 2 + MAX_P2P_PARTS * (2 + _DIMS)
+
+
+# ---------------------------------------------------------------------------- all-gather
+def gather_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext) -> Protocol:
+    """Protocol that all-gathers payloads and adds the decodings in rank order.
+
+    It is the default protocol of non-summable codecs, offered for summable ones too (it trades
+    ``world_size`` times the received bytes for decoding each payload once and never adding
+    compressed lanes).
+    """
+    payload = codec.encode(x, ctx)
+    local = codec.decode(payload, ctx) if ctx.need_local else None
+    gathered = yield AllGather(payload)
+    total = codec.sum_decoded(gathered, ctx)
+    return Reduced(total=codec.finish_total(total, ctx), local=local)
+
+
+# ---------------------------------------------------------------------------- p2p messages
+def _meta_row(payload: Payload) -> torch.Tensor:
+    names = sorted(payload.parts)
+    if len(names) > MAX_P2P_PARTS:
+        raise CommpressError(
+            f"payload of {payload.codec!r} has {len(names)} parts; point-to-point messages carry "
+            f"at most {MAX_P2P_PARTS}"
+        )
+    row = payload_meta(payload)
+    out = torch.zeros(_META_LEN, dtype=torch.int64)
+    out[: row.numel()] = row
+    return out
+
+
+def _specs_from_meta(row: list[int]) -> tuple[int, list[tuple[tuple[int, ...], torch.dtype]]]:
+    return int(row[1]), parse_payload_meta(row)
+
+
+@lru_cache(maxsize=256)
+def _probe_specs(
+    codec: Codec, numel: int, dtype: torch.dtype
+) -> tuple[tuple[str, ...], tuple[tuple[tuple[int, ...], torch.dtype], ...]]:
+    """Part names, shapes and dtypes of a fixed-size codec's payload for ``numel`` elements."""
+    p = codec.encode(torch.zeros(numel, dtype=dtype))
+    names = tuple(sorted(p.parts))
+    return names, tuple((tuple(p.parts[n].shape), p.parts[n].dtype) for n in names)
+
+
+class _Link:
+    """Sends payloads to the right neighbour and receives from the left one, in a ring."""
+
+    def __init__(self, ex: Exchange, codec: Codec, tag: int, dtype: torch.dtype) -> None:
+        self.ex, self.codec, self.tag, self.dtype = ex, codec, tag, dtype
+        n, r = ex.world_size, ex.rank
+        self.right = ex.global_rank((r + 1) % n)
+        self.left = ex.global_rank((r - 1) % n)
+
+    def exchange(
+        self, out: Payload, in_numel: int, template: Payload, what: str
+    ) -> Generator[Pending, None, Payload]:
+        """Send ``out`` right while receiving a payload of ``in_numel`` elements from the left.
+
+        ``template`` supplies codec, fingerprint, dtype and lane widths of the received one.
+        """
+        ex, group = self.ex, self.ex.group
+        out_names = sorted(out.parts)
+        out_tensors = [out.parts[n] for n in out_names]
+        device = ex.comm_device(out.device)
+        if self.codec.fixed_size:
+            names, specs = _probe_specs(self.codec, in_numel, self.dtype)
+            in_specs = list(specs)
+            if tuple(out_names) != names:
+                raise CommpressError(
+                    f"{ex.label}: codec {self.codec.codec_id!r} claims fixed_size but its parts "
+                    f"vary ({out_names} vs {list(names)})"
+                )
+        else:
+            meta_out = _meta_row(out).to(device)
+            meta_in = torch.empty_like(meta_out)
+            works = [
+                dist.isend(meta_out, self.right, group=group, tag=self.tag),
+                dist.irecv(meta_in, self.left, group=group, tag=self.tag),
+            ]
+            yield Pending(works, f"{what} (sizes)")
+            row = meta_in.cpu().tolist()
+            names_hash, in_specs = _specs_from_meta(row)
+            names = tuple(out_names)
+            if names_hash != name_hash(out.codec, *out_names):
+                raise CommpressError(
+                    f"{ex.label}: the left neighbour sent payload parts that differ from this "
+                    "rank's; are all ranks using the same codec?"
+                )
+        body_out = pack_bytes(out_tensors, device=device)
+        in_size = packed_layout(in_specs)[1]
+        body_in = torch.empty(in_size, dtype=torch.uint8, device=device)
+        works = []
+        if body_out.numel():
+            works.append(dist.isend(body_out, self.right, group=group, tag=self.tag + 1))
+        if in_size:
+            works.append(dist.irecv(body_in, self.left, group=group, tag=self.tag + 1))
+        yield Pending(works, what)
+        parts = unpack_bytes(body_in.to(template.device), in_specs)
+        shape = (in_numel,)
+        return template.replace(parts=dict(zip(names, parts, strict=True)), shape=shape, summed=1)
+
+
+# ---------------------------------------------------------------------------- ring
+def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
+    """``n`` contiguous ``[start, stop)`` ranges covering ``numel`` elements, sizes within 1."""
+    base, extra = divmod(numel, n)
+    bounds, start = [], 0
+    for c in range(n):
+        stop = start + base + (1 if c < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _hop_ctx(ctx: CodecContext, ex: Exchange, what: str) -> CodecContext:
+    return CodecContext(
+        rank=ex.rank, world_size=ex.world_size, step=ctx.step, key=f"{ctx.key}/{what}", state={}
+    )
+
+
+def ring_reduce_scatter(
+    codec: Codec, flat: torch.Tensor, ctx: CodecContext, ex: Exchange, tag: int
+) -> Generator[Pending, None, tuple[int, torch.Tensor]]:
+    """Ring reduce-scatter of 1-D ``flat`` with ``codec`` on every hop.
+
+    Algorithm (``n`` ranks, chunks ``c = 0 .. n-1`` of sizes within one element):
+
+    1. At hop ``s = 0 .. n-2``, rank ``r`` encodes its partial sum of chunk ``(r - s) mod n``
+       (its own chunk ``r`` at hop 0) and sends it right, while receiving chunk
+       ``(r - s - 1) mod n`` from the left.
+    2. It decodes the received partial sum and adds its own values of that chunk (in the
+       tensor's dtype), which becomes what it sends at the next hop.
+    3. After ``n - 1`` hops rank ``r`` holds the complete sum of chunk ``(r + 1) mod n``,
+       added in rank order ``c, c+1, ..., c-1`` (mod ``n``) for chunk ``c``.
+
+    Returns ``(chunk index, its sum)``. With one rank, chunk 0 is the tensor itself.
+    """
+    n, r = ex.world_size, ex.rank
+    bounds = chunk_bounds(flat.numel(), n)
+    if n == 1:
+        return 0, flat.clone()
+    link = _Link(ex, codec, tag, flat.dtype)
+    current = flat[bounds[r][0] : bounds[r][1]]
+    for s in range(n - 1):
+        send_c, recv_c = (r - s) % n, (r - s - 1) % n
+        # Each hop's payload is encoded and decoded under one key (chunk and hop), so codecs
+        # with shared randomness (a common rotation) decode with the encoder's stream.
+        payload = codec.encode(current, _hop_ctx(ctx, ex, f"rs{send_c}.{s}"))
+        lo, hi = bounds[recv_c]
+        got = yield from link.exchange(payload, hi - lo, payload, f"reduce-scatter hop {s}")
+        current = codec.decode(got, _hop_ctx(ctx, ex, f"rs{recv_c}.{s}")) + flat[lo:hi]
+    return (r + 1) % n, current
+
+
+def ring_all_gather_payloads(
+    codec: Codec,
+    mine: Payload,
+    my_chunk: int,
+    sizes: list[int],
+    ex: Exchange,
+    tag: int,
+) -> Generator[Pending, None, list[Payload]]:
+    """Pass every rank's payload around the ring unchanged; returns payloads by chunk index.
+
+    Rank ``r`` owns chunk ``(r + 1 + offset) mod n`` where ``my_chunk`` fixes the offset; at hop
+    ``s`` it forwards the payload it received at hop ``s - 1`` (its own at hop 0).
+    """
+    n = ex.world_size
+    out: list[Payload | None] = [None] * n
+    out[my_chunk] = mine
+    if n == 1:
+        return [mine]
+    link = _Link(ex, codec, tag + 2, mine.dtype)
+    forward, c = mine, my_chunk
+    for s in range(n - 1):
+        recv_c = (c - 1) % n
+        got = yield from link.exchange(forward, sizes[recv_c], mine, f"all-gather hop {s}")
+        out[recv_c] = got
+        forward, c = got, recv_c
+    return [p for p in out if p is not None]
+
+
+def ring_task(
+    codec: Codec, x: torch.Tensor, ctx: CodecContext, ex: Exchange, *, tag: int = RING_TAG_BASE
+) -> Generator[Pending, None, Reduced]:
+    """All-reduce ``x`` around a ring with ``codec`` on every hop (see the module docstring).
+
+    1. :func:`ring_reduce_scatter` leaves rank ``r`` with the sum of chunk ``(r + 1) mod n``.
+    2. That rank encodes the sum once; the payloads travel around the ring unchanged
+       (:func:`ring_all_gather_payloads`) and every rank decodes all ``n`` of them, so all ranks
+       hold the same bits.
+    3. With ``ctx.average`` the total is divided by ``n``.
+
+    ``local`` (when ``ctx.need_local``) is ``decode(encode(x))``: in a ring a rank's own
+    contribution is never sent alone, so this is the error-feedback residual's best proxy.
+    """
+    if codec.multi_round:
+        raise CommpressError(
+            f"codec {codec.codec_id!r} needs several rounds and cannot run in a ring; use "
+            "strategy 'auto' or 'allreduce'"
+        )
+    flat = x.detach().reshape(-1)
+    local = codec.decode(codec.encode(x, ctx), ctx) if ctx.need_local else None
+    if flat.numel() == 0:
+        return Reduced(total=x.detach().clone(), local=local)
+    n = ex.world_size
+    chunk, total_chunk = yield from ring_reduce_scatter(codec, flat, ctx, ex, tag)
+    final_ctx = _hop_ctx(ctx, ex, f"ag{chunk}")
+    mine = codec.encode(total_chunk, final_ctx)
+    sizes = [hi - lo for lo, hi in chunk_bounds(flat.numel(), n)]
+    payloads = yield from ring_all_gather_payloads(codec, mine, chunk, sizes, ex, tag)
+    pieces = [
+        codec.decode(p, _hop_ctx(ctx, ex, f"ag{c}")).reshape(-1) for c, p in enumerate(payloads)
+    ]
+    total = torch.cat(pieces).reshape(x.shape).to(x.dtype)
+    return Reduced(total=codec.finish_total(total, ctx), local=local)
+
+
+def reference_ring_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """What an uncompressed ring all-reduce computes: chunk ``c`` summed in rank order
+    ``c, c+1, ..., c-1`` (mod ``n``) in the inputs' dtype. For tests and documentation."""
+    n = len(inputs)
+    flats = [t.reshape(-1) for t in inputs]
+    pieces = []
+    for c, (lo, hi) in enumerate(chunk_bounds(flats[0].numel(), n)):
+        acc = flats[c][lo:hi].clone()
+        for k in range(1, n):
+            acc = acc + flats[(c + k) % n][lo:hi]
+        pieces.append(acc)
+    return torch.cat(pieces).reshape(inputs[0].shape)
+
+
+# ---------------------------------------------------------------------------- hierarchical
+_SUBGROUPS: dict[tuple[int, ...], Any] = {}
+_SUBGROUPS_LOCK = threading.Lock()
+
+
+def local_size_from_env(world_size: int) -> int:
+    """``LOCAL_WORLD_SIZE`` from the environment (set by torchrun), else the world size."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        return world_size
+    try:
+        return int(raw)
+    except ValueError:
+        raise CommpressError(f"LOCAL_WORLD_SIZE must be an integer, got {raw!r}") from None
+
+
+def _subgroup(global_ranks: tuple[int, ...]) -> Any:
+    """A process group of ``global_ranks``, created once (only its members take part)."""
+    with _SUBGROUPS_LOCK:
+        pg = _SUBGROUPS.get(global_ranks)
+        if pg is None:
+            pg = dist.new_group(list(global_ranks), use_local_synchronization=True)
+            _SUBGROUPS[global_ranks] = pg
+        return pg
+
+
+def node_groups(ex: Exchange, local_size: int) -> tuple[Exchange, Exchange]:
+    """This rank's intra-node and inter-node exchanges, ranks ``[k*L, (k+1)*L)`` on node ``k``.
+
+    Group ranks are laid out node-major, as torchrun does; ``local_size`` must divide the world.
+    """
+    n = ex.world_size
+    if local_size < 1 or n % local_size:
+        raise CommpressError(
+            f"hierarchical all-reduce needs a local size that divides the world size {n}, got "
+            f"{local_size} (set local_size= or LOCAL_WORLD_SIZE; ranks k*L..(k+1)*L-1 form node k)"
+        )
+    node, local_rank = divmod(ex.rank, local_size)
+    intra = tuple(ex.global_rank(node * local_size + i) for i in range(local_size))
+    inter = tuple(ex.global_rank(k * local_size + local_rank) for k in range(n // local_size))
+    # A group of one never communicates, so it needs no process group of its own.
+    intra_ex = Exchange(
+        _subgroup(intra) if len(intra) > 1 else None,
+        local_rank,
+        len(intra),
+        ex.timeout,
+        f"{ex.label} (intra-node)",
+    )
+    inter_ex = Exchange(
+        _subgroup(inter) if len(inter) > 1 else None,
+        node,
+        len(inter),
+        ex.timeout,
+        f"{ex.label} (inter-node)",
+    )
+    return intra_ex, inter_ex
+
+
+def _reduce_scatter_equal(
+    padded: torch.Tensor, ex: Exchange, what: str
+) -> Generator[Pending, None, torch.Tensor]:
+    """Uncompressed reduce-scatter of ``padded`` (length divisible by the group size)."""
+    n = ex.world_size
+    if n == 1:
+        return padded.clone()
+    out = torch.empty(padded.numel() // n, dtype=padded.dtype, device=padded.device)
+    if out.numel() == 0:
+        return out
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    yield Pending([fn(out, padded.contiguous(), group=ex.group, async_op=True)], what)
+    return out
+
+
+def _all_gather_equal(
+    piece: torch.Tensor, ex: Exchange, what: str
+) -> Generator[Pending, None, list[torch.Tensor]]:
+    """Uncompressed all-gather of equal-sized ``piece``s; returns them in group-rank order."""
+    if ex.world_size == 1:
+        return [piece]
+    if piece.numel() == 0:
+        return [piece.clone() for _ in range(ex.world_size)]
+    bufs = [torch.empty_like(piece) for _ in range(ex.world_size)]
+    yield Pending([dist.all_gather(bufs, piece.contiguous(), group=ex.group, async_op=True)], what)
+    return bufs
+
+
+def hierarchical_task(
+    codec: Codec,
+    x: torch.Tensor,
+    ctx: CodecContext,
+    ex: Exchange,
+    *,
+    local_size: int,
+    compress_first: bool = False,
+    tag: int = RING_TAG_BASE,
+) -> Generator[Pending, None, Reduced]:
+    """Two-level all-reduce: reduce on the node, exchange shards compressed between nodes.
+
+    Plain variant (``compress_first=False``):
+
+    1. The ``L`` ranks of a node reduce-scatter the tensor *uncompressed* (padded to a multiple
+       of ``L``): local rank ``j`` holds shard ``j`` summed over its node.
+    2. Local rank ``j`` of every node reduces shard ``j`` across nodes with the codec's own
+       protocol (all-reduce of payloads, all-gather, several rounds: whatever the codec asks),
+       so ``N = world / L`` times fewer bytes leave each node than with a flat exchange of the
+       whole tensor per rank.
+    3. The node all-gathers the shard totals uncompressed.
+
+    ``compress_first=True`` replaces step 1 by a ring reduce-scatter *with the codec in the
+    wire* (:func:`ring_reduce_scatter`), compressing before the local reduction too.
+    """
+    flat = x.detach().reshape(-1)
+    local = codec.decode(codec.encode(x, ctx), ctx) if ctx.need_local else None
+    numel = flat.numel()
+    if numel == 0:
+        return Reduced(total=x.detach().clone(), local=local)
+    intra, inter = node_groups(ex, local_size)
+    L = intra.world_size
+    if compress_first:
+        if codec.multi_round:
+            raise CommpressError(
+                f"codec {codec.codec_id!r} needs several rounds and cannot run in the intra-node "
+                "ring of 'hierarchical-compress-first'; use 'hierarchical'"
+            )
+        chunk, shard = yield from ring_reduce_scatter(codec, flat, ctx, intra, tag)
+        bounds = chunk_bounds(numel, L)
+        width = max(hi - lo for lo, hi in bounds)
+    else:
+        width = -(-numel // L)
+        padded = torch.zeros(width * L, dtype=flat.dtype, device=flat.device)
+        padded[:numel] = flat
+        shard = yield from _reduce_scatter_equal(padded, intra, "intra-node reduce-scatter")
+        chunk = intra.rank
+    if inter.world_size > 1:
+        shard_ctx = CodecContext(
+            rank=inter.rank,
+            world_size=inter.world_size,
+            step=ctx.step,
+            key=f"{ctx.key}/shard{chunk}",
+            state=ctx.state.setdefault(f"shard{chunk}", {}),
+        )
+        reduced = yield from protocol_task(codec.reduce(shard, shard_ctx), inter)
+        shard = reduced.total
+    piece = torch.zeros(width, dtype=flat.dtype, device=flat.device)
+    piece[: shard.numel()] = shard
+    pieces = yield from _all_gather_equal(piece, intra, "intra-node all-gather")
+    if compress_first:
+        # Local rank j holds chunk (j + 1) mod L.
+        by_chunk = {(j + 1) % L: pieces[j] for j in range(L)}
+        total_flat = torch.cat([by_chunk[c][: hi - lo] for c, (lo, hi) in enumerate(bounds)])
+    else:
+        total_flat = torch.cat(pieces)[:numel]
+    total = total_flat.reshape(x.shape).to(x.dtype)
+    return Reduced(total=codec.finish_total(total, ctx), local=local)
+
+
+__all__ = [
+    "MAX_P2P_PARTS",
+    "RING_TAG_BASE",
+    "chunk_bounds",
+    "gather_protocol",
+    "hierarchical_task",
+    "local_size_from_env",
+    "node_groups",
+    "reference_ring_sum",
+    "ring_all_gather_payloads",
+    "ring_reduce_scatter",
+    "ring_task",
+]

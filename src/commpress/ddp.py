@@ -1,0 +1,312 @@
+"""Compressed gradient averaging for ``DistributedDataParallel``: one call registers it.
+
+>>> model = torch.nn.parallel.DistributedDataParallel(net)               # doctest: +SKIP
+>>> state = commpress.ddp.register(model, "powersgd", rank=2,            # doctest: +SKIP
+...                                warmup_steps=100, min_compression_rate=2)
+
+:func:`register` builds a :class:`DDPCompressionState` (policy, schedule, error-feedback memory,
+codec states) and installs :func:`comm_hook` with ``model.register_comm_hook``. Keep the
+returned state to checkpoint it (``state.state_dict()``) or to inspect what each parameter is
+sent with (``state.plans``).
+
+How a step goes: DDP calls the hook once per gradient bucket, in the same bucket order on
+every rank. The hook maps the bucket's flat buffer back to its parameters
+(``bucket.parameters()``/``bucket.gradients()``, which are views of the buffer), and submits
+the bucket's reduction to the process group's
+:class:`~commpress.collectives.queue.OrderedQueue`, a single worker thread that runs jobs in
+submission order. Every rank therefore issues the same collectives in the same order, even
+for multi-round codecs (PowerSGD, TopKC) with many buckets in flight, while autograd keeps
+computing the next buckets' gradients. The job writes the averaged gradients into the bucket
+buffer and completes the future DDP waits for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed
+
+from commpress.codecs.base import CodecContext
+from commpress.collectives.feedback import FALLBACK_CODECS, Schedule
+from commpress.collectives.policy import CodecPolicy, CompressionState, Plan
+from commpress.errors import CommpressError, error_context
+
+if TYPE_CHECKING:
+    from torch.distributed import GradBucket, ProcessGroup
+
+Granularity = Literal["parameter", "bucket"]
+
+
+class DDPCompressionState(CompressionState):
+    """:class:`~commpress.collectives.policy.CompressionState` plus what the DDP hook needs.
+
+    Attributes (besides the base class's):
+        granularity: ``"parameter"`` (each parameter's gradient is a tensor for the policy,
+            keyed by its name) or ``"bucket"`` (the whole flat bucket is one tensor, keyed by
+            the names it holds).
+        param_names: parameter -> name, from the model (not pickled: rebuilt by
+            :func:`register`).
+        plans: the most recent :class:`~commpress.collectives.policy.Plan` of every key, for
+            inspection and tests.
+    """
+
+    __slots__ = ("granularity", "param_names", "plans")
+    _TRANSIENT = (*CompressionState._TRANSIENT, "param_names")
+
+    def __init__(
+        self,
+        policy: Any = "identity",
+        *,
+        granularity: Granularity = "parameter",
+        param_names: Mapping[torch.nn.Parameter, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(policy, **kwargs)
+        if granularity not in ("parameter", "bucket"):
+            raise CommpressError(
+                f"granularity must be 'parameter' or 'bucket', got {granularity!r}"
+            )
+        self.granularity: Granularity = granularity
+        self.param_names: dict[int, str] = {
+            id(p): n for p, n in (param_names or {}).items()
+        }
+        self.plans: dict[str, Plan] = {}
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        super().__setstate__(state)
+        self.param_names = {}
+
+    def name_of(self, param: torch.Tensor, index: int) -> str:
+        """The parameter's name (``"param{index}"`` for one the model did not name)."""
+        return self.param_names.get(id(param), f"param{index}")
+
+
+def _bucket_key(names: Sequence[str]) -> str:
+    digest = hashlib.blake2b("\x00".join(names).encode(), digest_size=6).hexdigest()
+    return f"bucket[{names[0]}..{names[-1]}|{len(names)}]#{digest}" if names else "bucket[]"
+
+
+def _execute(state: DDPCompressionState, protocol: Any, label: str) -> Any:
+    from commpress.collectives.driver import execute
+
+    return execute(protocol, group=state.process_group, timeout=state.timeout, label=label)
+
+
+def _reduce_bucket(
+    state: DDPCompressionState,
+    items: list[tuple[str, torch.Tensor]],
+    buffer: torch.Tensor,
+    step: int,
+    rank: int,
+    world_size: int,
+    bucket_index: int,
+    stream: Any,
+) -> torch.Tensor:
+    """The queued job: reduce every tensor of one bucket and write means into the buffer."""
+    ctx_mgr = torch.cuda.stream(stream) if stream is not None else nullcontext()
+    with ctx_mgr, error_context(f"DDP comm hook, bucket {bucket_index} at step {step}"):
+        plans = [state.plan(key, t.shape, t.dtype, step=step) for key, t in items]
+        for plan in plans:
+            state.plans[plan.key] = plan
+        # Dense casts without feedback are element-wise: one flat reduction per codec gives the
+        # same values as one per tensor (and PyTorch's fp16 hook's), at one collective's cost.
+        batches: dict[str, list[int]] = {}
+        singles: list[int] = []
+        for i, plan in enumerate(plans):
+            if plan.codec.codec_id in FALLBACK_CODECS and not plan.feedback:
+                batches.setdefault(plan.codec.fingerprint(), []).append(i)
+            else:
+                singles.append(i)
+        for indices in batches.values():
+            codec = plans[indices[0]].codec
+            tensors = [items[i][1] for i in indices]
+            flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat(
+                [t.reshape(-1) for t in tensors]
+            )
+            ctx = CodecContext(
+                rank=rank, world_size=world_size, step=step,
+                key=f"bucket{bucket_index}/{codec.codec_id}", average=True,
+            )
+            label = f"{codec.codec_id} reduction of {len(indices)} tensor(s)"
+            total = _execute(state, codec.reduce(flat, ctx), label).total
+            offset = 0
+            for t in tensors:
+                n = t.numel()
+                t.copy_(total[offset : offset + n].view(t.shape))
+                offset += n
+        for i in singles:
+            key, t = items[i]
+            protocol = state.reduce(
+                key, t, rank=rank, world_size=world_size, step=step, plan=plans[i]
+            )
+            label = f"{plans[i].codec.codec_id} reduction of {key!r}"
+            t.copy_(_execute(state, protocol, label).total)
+        if stream is not None:
+            stream.synchronize()
+    return buffer
+
+
+def comm_hook(
+    state: DDPCompressionState, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook averaging a bucket's gradients with the state's codecs.
+
+    Register it with ``model.register_comm_hook(state, comm_hook)`` (or use :func:`register`).
+    The step counter advances after each step's last bucket.
+    """
+    import torch.distributed as dist
+
+    from commpress.collectives.queue import queue_for
+
+    buffer = bucket.buffer()
+    group = state.process_group
+    rank = dist.get_rank(group)
+    world_size = dist.get_world_size(group)
+    step = state.step
+    if bucket.is_last():
+        state.advance()
+    params = bucket.parameters()
+    if state.granularity == "bucket" or not params:
+        names = [state.name_of(p, i) for i, p in enumerate(params)]
+        items = [(_bucket_key(names), buffer)]
+    else:
+        grads = bucket.gradients()
+        pairs = enumerate(zip(params, grads, strict=True))
+        items = [(state.name_of(p, i), g) for i, (p, g) in pairs]
+    stream = torch.cuda.current_stream(buffer.device) if buffer.is_cuda else None
+    return queue_for(group).submit(
+        _reduce_bucket, state, items, buffer, step, rank, world_size, bucket.index(), stream
+    )
+
+
+# DDP checks the hook's annotations against the real classes; postponed (string) annotations
+# from ``from __future__ import annotations`` would be refused.
+comm_hook.__annotations__ = {
+    "state": DDPCompressionState,
+    "bucket": getattr(torch.distributed, "GradBucket", Any),
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def register(
+    model: torch.nn.parallel.DistributedDataParallel,
+    codec: Any = "powersgd",
+    *,
+    policy: CodecPolicy | Mapping[str, Any] | Callable[..., Any] | None = None,
+    by_size: Mapping[int, Any] | None = None,
+    group: ProcessGroup | None = None,
+    error_feedback: bool | None = None,
+    momentum: float = 0.0,
+    momentum_masking: bool = True,
+    warmup_steps: int = 0,
+    warmup_codec: str = "identity",
+    min_numel: int = 0,
+    min_compression_rate: float = 0.0,
+    fallback_codec: str = "fp16",
+    granularity: Granularity = "parameter",
+    timeout: float | None = None,
+    **codec_params: Any,
+) -> DDPCompressionState:
+    """Make ``model`` average its gradients through commpress codecs.
+
+    Args:
+        model: a ``DistributedDataParallel`` model without a comm hook yet (DDP allows one).
+        codec: the codec for every parameter: an id (``"powersgd"``), a spec string
+            (``"topk:ratio=0.01"``), a config mapping or a codec; ``codec_params`` are added
+            to it (``register(model, "powersgd", rank=2)``).
+        policy: per-layer choice instead of (or on top of) ``codec``: a mapping of name globs
+            to codec specs (``{"*.bias": "identity", "*": "powersgd:rank=4"}``), a function
+            ``(name, shape) -> spec or None`` or a
+            :class:`~commpress.collectives.policy.CodecPolicy`. With a mapping or function,
+            ``codec`` is the default for names it leaves open.
+        by_size: element-count thresholds to codec specs (see ``CodecPolicy``).
+        group: process group (default: the DDP model's process group, else the default one).
+        error_feedback: ``True``/``False``, or ``None`` for automatic: on for lossy codecs
+            except the plain fp16/bf16 casts. Biased codecs (top-k, sign, PowerSGD) need it.
+        momentum: DGC momentum correction (0 = off). If used, build the optimizer without
+            momentum: the momentum is applied before compression.
+        momentum_masking: DGC momentum factor masking (for sparsifiers).
+        warmup_steps: steps sent with ``warmup_codec`` before compression starts; start with
+            ~1-10% of training (PyTorch's PowerSGD uses 1000 by default).
+        warmup_codec: ``"identity"`` (uncompressed, default), ``"fp16"`` or ``"bf16"``.
+        min_numel: smaller tensors go in ``fallback_codec`` (biases, LayerNorms: compressing
+            them saves nothing and costs a collective each).
+        min_compression_rate: tensors the codec would not shrink by this factor go in
+            ``fallback_codec``; 2 means "only where it beats fp16" for fp32 gradients.
+        fallback_codec: ``"fp16"`` (default), ``"bf16"`` or ``"identity"``.
+        granularity: ``"parameter"`` (default: each parameter is compressed on its own, so
+            PowerSGD sees matrices and the policy sees names) or ``"bucket"`` (the flat bucket
+            is one vector: fewer, larger collectives; fits element-wise and sparsifying codecs).
+        timeout: seconds a collective may wait for peers before a clear error (default: the
+            process group's timeout).
+
+    Returns:
+        The :class:`DDPCompressionState`; save ``state.state_dict()`` with your checkpoint and
+        ``state.load_state_dict(...)`` after calling ``register`` again on resume.
+
+    Lossless codecs are never replaced by warm-up or size fallbacks, and every rank ends each
+    step with bit-identical averaged gradients, so replicas never drift.
+    """
+    if not hasattr(model, "register_comm_hook") or not hasattr(model, "module"):
+        raise CommpressError(
+            "commpress.ddp.register expects a torch.nn.parallel.DistributedDataParallel model, "
+            f"got {type(model).__name__}"
+        )
+    base = _with_params(codec, codec_params)
+    if policy is None:
+        built = CodecPolicy(base, by_size=by_size)
+    elif isinstance(policy, CodecPolicy):
+        if codec_params or by_size:
+            raise CommpressError(
+                "codec parameters and by_size cannot be combined with a ready CodecPolicy; "
+                "put them into the policy"
+            )
+        built = policy
+    elif isinstance(policy, Mapping):
+        rules = dict(policy)
+        default = rules.pop("*", None)
+        built = CodecPolicy(base if default is None else default, rules=rules, by_size=by_size)
+    elif callable(policy):
+        built = CodecPolicy(base, by_size=by_size, function=policy)
+    else:
+        raise CommpressError(
+            "policy must be a mapping of name globs to codec specs, a function (name, shape) -> "
+            f"codec spec, or a CodecPolicy; got {type(policy).__name__}"
+        )
+    schedule = Schedule(
+        warmup_steps=warmup_steps,
+        warmup_codec=warmup_codec,
+        min_numel=min_numel,
+        min_compression_rate=min_compression_rate,
+        fallback_codec=fallback_codec,
+    )
+    if group is None:
+        group = getattr(model, "process_group", None)
+    names = {p: n for n, p in model.module.named_parameters()}
+    state = DDPCompressionState(
+        built,
+        granularity=granularity,
+        param_names=names,
+        process_group=group,
+        schedule=schedule,
+        error_feedback=error_feedback,
+        momentum=momentum,
+        momentum_masking=momentum_masking,
+        timeout=timeout,
+    )
+    with error_context("registering the commpress DDP comm hook"):
+        model.register_comm_hook(state, comm_hook)
+    return state
+
+
+def _with_params(codec: Any, params: Mapping[str, Any]) -> Any:
+    from commpress.codecs.registry import get_codec
+
+    return get_codec(codec, **params) if params else codec
+
+
+__all__ = ["DDPCompressionState", "comm_hook", "register"]

@@ -1,0 +1,203 @@
+"""Random-K: shared coordinates, exact wire size, unbiasedness and its variance d/k - 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commpress.codecs import CodecContext, get_codec, simulate
+from commpress.codecs.randomk import RandomK
+from commpress.codecs.simulate import reduce_tensors
+from commpress.errors import CommpressError
+from commpress.testing import (
+    check_aggregate,
+    check_unbiased,
+    check_wire_bits,
+    gaussian,
+    heavy_tailed,
+    nmse,
+    run_all_contract_checks,
+)
+
+
+def randomk(**params: object) -> RandomK:
+    codec = get_codec("randomk", **params)
+    assert isinstance(codec, RandomK)
+    return codec
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"value_dtype": "float16", "ratio": 0.3}, {"value_dtype": "bfloat16", "ratio": 1.0}],
+)
+def test_contract(params: dict[str, object]) -> None:
+    run_all_contract_checks(randomk(**params))
+
+
+def test_declares_single_round_summable() -> None:
+    assert RandomK.summable and not RandomK.multi_round and RandomK.fixed_size
+    assert simulate(randomk(), [gaussian(100)] * 2).rounds == ["allreduce"]
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"ratio": 0.0}, r"ratio must be in \(0, 1\], got 0.0"),
+        ({"ratio": 1.01}, r"ratio must be in \(0, 1\]"),
+        ({"ratio": float("inf")}, r"ratio must be in \(0, 1\]"),
+        ({"ratio": "0.1"}, r"ratio.*must be float"),
+        ({"value_dtype": "int8"}, r"value_dtype.*'float32' \| 'float16' \| 'bfloat16'"),
+        ({"seed": 1.5}, r"seed.*must be int"),
+    ],
+)
+def test_bad_parameters_are_refused(params: dict[str, object], match: str) -> None:
+    with pytest.raises(CommpressError, match=match):
+        get_codec("randomk", **params)
+
+
+@pytest.mark.parametrize(
+    ("d", "ratio", "k"),
+    [(1000, 0.01, 10), (1000, 0.0001, 1), (7, 0.5, 4), (1, 0.01, 1), (0, 0.5, 0), (10, 1.0, 10)],
+)
+@pytest.mark.parametrize(("value_dtype", "bits"), [("float32", 32), ("float16", 16)])
+def test_wire_size_is_k_values(d: int, ratio: float, k: int, value_dtype: str, bits: int) -> None:
+    """k = max(1, round(ratio * d)) (0 for empty tensors) values, no indices: k * bits."""
+    codec = randomk(ratio=ratio, value_dtype=value_dtype)
+    assert codec.num_selected(d) == k
+    check_wire_bits(codec, gaussian(d), k * bits)
+    assert simulate(codec, [gaussian(d)] * 3).wire_bytes == [k * bits // 8] * 3
+
+
+def test_indices_are_distinct_sorted_and_shared() -> None:
+    codec = randomk(ratio=0.1)
+    a = codec.indices(5000, CodecContext(rank=0, world_size=4, step=3, key="w"), torch.device("cpu"))
+    b = codec.indices(5000, CodecContext(rank=2, world_size=4, step=3, key="w"), torch.device("cpu"))
+    assert torch.equal(a, b) and a.numel() == 500
+    assert bool((a[1:] > a[:-1]).all()) and 0 <= int(a[0]) and int(a[-1]) < 5000
+    later = codec.indices(5000, CodecContext(step=4, key="w"), torch.device("cpu"))
+    assert not torch.equal(a, later)
+    assert not torch.equal(a, randomk(ratio=0.1, seed=1).indices(
+        5000, CodecContext(step=3, key="w"), torch.device("cpu")))
+
+
+def test_decode_needs_the_encoding_step_and_key() -> None:
+    """The indices are regenerated from (seed, key, step): decoding with another step puts the
+    values on other coordinates (documented: encode and decode must see the same step/key)."""
+    codec = randomk(ratio=0.05)
+    x = gaussian(2000, seed=1)
+    enc = CodecContext(step=5, key="w")
+    p = codec.encode(x, enc)
+    right = codec.decode(p, enc)
+    wrong = codec.decode(p, CodecContext(step=6, key="w"))
+    assert torch.equal(right != 0, torch.zeros(2000, dtype=torch.bool).index_fill_(
+        0, codec.indices(2000, enc, torch.device("cpu")), True))
+    assert not torch.equal(right != 0, wrong != 0)
+
+
+@pytest.mark.parametrize("make", [gaussian, heavy_tailed])
+def test_half_ratio_error_is_exactly_the_norm(make) -> None:
+    """For each coordinate the error is (d/k - 1) x_i if kept and -x_i if dropped. With
+    k = d/2 both have magnitude |x_i|, so ||x_hat - x||^2 = ||x||^2 for *every* draw: NMSE is 1
+    up to float32 rounding (a few ulps relative, whatever the tails)."""
+    codec = randomk(ratio=0.5)
+    x = make(10_000, seed=2)
+    for step in range(3):
+        ctx = CodecContext(step=step)
+        assert nmse(codec.decode(codec.encode(x, ctx), ctx), x) == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("make", [gaussian, heavy_tailed])
+def test_nmse_between_deterministic_bounds(make) -> None:
+    """With k <= d/2 each coordinate's squared error is x_i^2 (dropped) or (d/k-1)^2 x_i^2
+    (kept, >= x_i^2), so 1 <= NMSE <= (d/k - 1)^2 for any draw; E[NMSE] = d/k - 1 (each
+    coordinate is kept with probability k/d). Spread: NMSE = 1 + ((d/k-1)^2 - 1) * W with W the
+    kept share of ||x||^2, Var W ~ (k/d)(1 - k/d) * sum_i w_i^2 and sum_i w_i^2 ~ 3/d for a
+    Gaussian, so one draw has std 80 * sqrt(0.09 * 3/4000) ~ 0.66 around 9 and the mean of 200
+    draws ~ 0.05 (0.5%); 5% is ten times that."""
+    d, ratio = 4000, 0.1
+    codec = randomk(ratio=ratio)
+    x = make(d, seed=3)
+    errs = []
+    for step in range(200):
+        ctx = CodecContext(step=step)
+        err = nmse(codec.decode(codec.encode(x, ctx), ctx), x)
+        assert 1.0 - 1e-6 <= err <= (1 / ratio - 1) ** 2 + 1e-4
+        errs.append(err)
+    if make is gaussian:
+        assert sum(errs) / len(errs) == pytest.approx(1 / ratio - 1, rel=0.05)
+
+
+def test_unbiased() -> None:
+    """Per-encoding NMSE v = d/k - 1 = 3 (ratio 0.25); the mean of T = 400 independent
+    encodings has expected NMSE v/T = 0.0075. Its relative fluctuation is about
+    sqrt(2 * 3 / d) ~ 8% for Gaussian d = 1000 (fourth moment 3), so 1.5 v/T is > 6 sigma;
+    dropping the d/k rescale would leave NMSE (1 - k/d)^2 = 0.56."""
+    codec = randomk(ratio=0.25)
+    x = gaussian(1000, seed=4)
+    trials = 400
+    err = check_unbiased(codec, x, trials=trials, tolerance=1.5 * 3 / trials)
+    assert err >= 0.5 * 3 / trials
+
+
+@pytest.mark.parametrize("make", [gaussian, heavy_tailed])
+def test_four_worker_aggregate_is_scaled_sum_on_shared_coordinates(make) -> None:
+    """All workers send the same k coordinates: the aggregate is exactly (d/k) * sum(x_i) on
+    them (float32 sums in rank order, then one multiply, as the reference computes it) and
+    zero elsewhere; with ratio 0.5 its NMSE against the exact sum is 1 (see above)."""
+    d = 3000
+    codec = randomk(ratio=0.5)
+    xs = [make(d, seed=10 + i) for i in range(4)]
+    sim = simulate(codec, xs, need_local=True, step=2, key="w")
+    idx = codec.indices(d, CodecContext(step=2, key="w"), torch.device("cpu"))
+    ref = torch.zeros(d)
+    ref[idx] = (((xs[0] + xs[1]) + xs[2]) + xs[3])[idx] * (d / idx.numel())
+    for total in sim.totals:
+        assert torch.equal(total, ref)
+    for x, local in zip(xs, sim.locals, strict=True):
+        assert local is not None and torch.equal(local != 0, ref != 0)
+        assert torch.equal(local[idx], x[idx] * 2)
+    check_aggregate(codec, xs, max_nmse=1.0 + 1e-5)
+
+
+def test_aggregate_mean_over_steps_is_unbiased() -> None:
+    """Mean of 300 four-worker aggregates vs the exact sum: per-step NMSE d/k - 1 = 1 (ratio
+    0.5), so the mean's NMSE should be ~1/300 (fluctuation ~ sqrt(2*3/2000) ~ 6%)."""
+    codec = randomk(ratio=0.5)
+    xs = [gaussian(2000, seed=20 + i) for i in range(4)]
+    exact = torch.stack(xs).double().sum(0)
+    steps = 300
+    acc = torch.zeros_like(exact)
+    for step in range(steps):
+        acc += simulate(codec, xs, step=step).total.double()
+    assert nmse(acc / steps, exact) <= 1.5 / steps
+
+
+def test_average_divides_values_before_the_sum() -> None:
+    xs = [torch.full((100,), 40000.0), torch.full((100,), 40000.0)]
+    codec = randomk(ratio=0.5, value_dtype="float16")
+    assert not bool(torch.isfinite(simulate(codec, xs).total).all())  # fp16 sum overflows
+    gens = [
+        codec.reduce(x, CodecContext(rank=r, world_size=2, key="t", average=True))
+        for r, x in enumerate(xs)
+    ]
+    requests = [next(g) for g in gens]
+    reply = {"values": reduce_tensors([q.tensors["values"] for q in requests], requests[0], [0, 1])}
+    results = []
+    for g in gens:
+        with pytest.raises(StopIteration) as stop:
+            g.send(dict(reply))
+        results.append(stop.value.value)
+    total = results[0].total
+    assert torch.equal(total, results[1].total)
+    assert set((total[total != 0]).tolist()) == {80000.0}  # mean 40000 scaled by d/k = 2
+    assert int((total != 0).sum()) == 50
+
+
+def test_nonfinite_anywhere_poisons_the_values() -> None:
+    codec = randomk(ratio=0.01)
+    x = gaussian(1000)
+    x[999] = float("inf")
+    idx = codec.indices(1000, CodecContext(), torch.device("cpu"))
+    assert 999 not in idx.tolist()  # the Inf is not sent, yet the output is not all-finite
+    out = codec.decode(codec.encode(x))
+    assert bool(torch.isnan(out[idx]).all())

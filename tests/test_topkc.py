@@ -1,0 +1,280 @@
+"""TopKC: chunk layout and exact wire size, global chunk selection, aggregation, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from commpress.codecs import CodecContext, get_codec, simulate
+from commpress.codecs.simulate import reduce_tensors
+from commpress.codecs.topkc import TopKC, select_chunks
+from commpress.errors import CommpressError
+from commpress.testing import (
+    check_aggregate,
+    check_round_trip,
+    gaussian,
+    heavy_tailed,
+    nmse,
+    run_all_contract_checks,
+)
+
+
+def topkc(**params: object) -> TopKC:
+    codec = get_codec("topkc", **params)
+    assert isinstance(codec, TopKC)
+    return codec
+
+
+def reference_chunks(
+    xs: list[torch.Tensor], chunk: int, count: int, norm_dtype: torch.dtype = torch.bfloat16
+) -> list[int]:
+    """The chunks TopKC must pick, computed independently: squared norms per chunk rounded to
+    the 16-bit wire type, summed in rank order in that type (as the all-reduce does), then a
+    stable descending sort (ties -> lower index) and the first ``count``."""
+    d = xs[0].numel()
+    n_chunks = math.ceil(d / chunk)
+    summed = None
+    for x in xs:
+        padded = torch.zeros(n_chunks * chunk, dtype=torch.float64)
+        padded[:d] = x.reshape(-1).double()
+        norms = padded.view(n_chunks, chunk).pow(2).sum(1).float().to(norm_dtype)
+        summed = norms if summed is None else summed + norms
+    assert summed is not None
+    order = torch.sort(summed.float(), descending=True, stable=True).indices
+    return sorted(order[:count].tolist())
+
+
+def chunk_mask(d: int, chunk: int, chosen: list[int]) -> torch.Tensor:
+    mask = torch.zeros(math.ceil(d / chunk) * chunk, dtype=torch.bool)
+    for c in chosen:
+        mask[c * chunk : (c + 1) * chunk] = True
+    return mask[:d]
+
+
+# ---------------------------------------------------------------------------- contract
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        {"norm_dtype": "float16", "num_chunks": 3},
+        {"chunk_size": 1, "value_dtype": "bfloat16", "chunk_ratio": 1.0},
+        {"chunk_size": 7, "chunk_ratio": 0.5},
+    ],
+)
+def test_contract(params: dict[str, object]) -> None:
+    run_all_contract_checks(topkc(**params))
+
+
+def test_declares_multi_round_summable() -> None:
+    assert TopKC.multi_round and TopKC.summable and not TopKC.lossless and TopKC.fixed_size
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"chunk_size": 0}, r"chunk_size must be >= 1, got 0"),
+        ({"chunk_ratio": 0.0}, r"chunk_ratio must be in \(0, 1\], got 0.0"),
+        ({"chunk_ratio": 1.5}, r"chunk_ratio must be in \(0, 1\]"),
+        ({"chunk_ratio": float("nan")}, r"chunk_ratio must be in \(0, 1\]"),
+        ({"num_chunks": 0}, r"num_chunks must be >= 1 or None"),
+        ({"norm_dtype": "float32"}, r"norm_dtype.*'bfloat16' \| 'float16'"),
+        ({"value_dtype": "int8"}, r"value_dtype.*'float16' \| 'bfloat16'"),
+        ({"chunk_size": 64.0}, r"chunk_size.*must be int"),
+    ],
+)
+def test_bad_parameters_are_refused(params: dict[str, object], match: str) -> None:
+    with pytest.raises(CommpressError, match=match):
+        get_codec("topkc", **params)
+
+
+# ---------------------------------------------------------------------------- wire size
+@pytest.mark.parametrize(
+    ("d", "params", "chunk", "selected"),
+    [
+        (6400, {}, 64, 10),  # 100 chunks, J = round(0.1 * 100)
+        (6401, {}, 64, 10),  # 101 chunks (last holds 1 value), J = round(10.1)
+        (6400, {"chunk_size": 128, "chunk_ratio": 0.25}, 128, 12),  # 50 chunks, round(12.5)=12
+        (1000, {"num_chunks": 3}, 64, 3),  # explicit J
+        (100, {"num_chunks": 30}, 64, 2),  # J capped at the 2 chunks
+        (10, {}, 10, 1),  # d < C: one chunk of C' = d
+        (1, {}, 1, 1),
+        (0, {}, 64, 0),
+    ],
+)
+def test_wire_size_formula(d: int, params: dict[str, object], chunk: int, selected: int) -> None:
+    """Exactly 16 * (ceil(d/C') + J*C') bits with C' = min(C, d): one 16-bit squared norm per
+    chunk in round 1 and J full (zero-padded) chunks of 16-bit values in round 2."""
+    codec = topkc(**params)
+    lay = codec.layout(d)
+    assert (lay.chunk, lay.selected) == (chunk, selected)
+    n_chunks = math.ceil(d / chunk)
+    expected = 2 * (n_chunks + selected * chunk)
+    x = gaussian(d)
+    assert codec.encode(x).nbytes == expected
+    sim = simulate(codec, [x, x, x])
+    assert sim.wire_bytes == [expected] * 3
+    assert sim.rounds == ["allreduce", "allreduce"]
+
+
+def test_bits_per_coordinate_match_the_paper_when_chunks_divide_d() -> None:
+    """b = 16 (JC/d + 1/C): C = 64, d = 64 * 256, J = 124 -> 16 * (124/256 + 1/64) = 8 bits,
+    the paper's best setting."""
+    codec = topkc(chunk_size=64, num_chunks=124)
+    d = 64 * 256
+    p = codec.encode(gaussian(d))
+    assert p.bits_per_coordinate == pytest.approx(16 * (124 * 64 / d + 1 / 64), abs=1e-12)
+    assert p.bits_per_coordinate == pytest.approx(8.0, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------- selection
+def test_picks_globally_largest_chunks_not_local_ones() -> None:
+    """Chunks of 4, J = 1. Worker 0's largest chunk is 0 (norm 100), worker 1's is 1 (norm
+    100); both have norm 81 in chunk 5. Summed norms: chunk 5 = 162 > 100, so every worker
+    must send chunk 5, which neither would pick locally."""
+    x0, x1 = torch.zeros(32), torch.zeros(32)
+    x0[0:4] = 5.0  # ||.||^2 = 100
+    x1[4:8] = 5.0
+    x0[20:24] = 4.5  # 81
+    x1[20:24] = torch.tensor([4.5, 4.5, 4.5, -4.5])
+    codec = topkc(chunk_size=4, num_chunks=1)
+    # locally (single-worker encode) each would pick its own chunk
+    assert torch.equal(codec.decode(codec.encode(x0)), torch.where(x0 == 5.0, x0, 0))
+    assert torch.equal(codec.decode(codec.encode(x1)), torch.where(x1 == 5.0, x1, 0))
+    sim = simulate(codec, [x0, x1], need_local=True)
+    want = torch.zeros(32)
+    want[20:24] = torch.tensor([9.0, 9.0, 9.0, 0.0])
+    for total in sim.totals:
+        assert torch.equal(total, want)
+    local0 = torch.zeros(32)
+    local0[20:24] = 4.5
+    assert sim.locals[0] is not None and torch.equal(sim.locals[0], local0)
+    # J = 2 adds chunk 0, not chunk 1: equal summed norms (100) tie-break to the lower index
+    sim2 = simulate(topkc(chunk_size=4, num_chunks=2), [x0, x1])
+    assert sim2.total.nonzero().flatten().tolist() == [0, 1, 2, 3, 20, 21, 22]
+
+
+def test_select_chunks_ties_and_nonfinite() -> None:
+    ones = torch.ones(10, dtype=torch.bfloat16)
+    assert select_chunks(ones, 3).tolist() == [0, 1, 2]
+    norms = torch.tensor([1.0, float("nan"), 3.0, float("inf"), 2.0, 3.0]).to(torch.float16)
+    assert select_chunks(norms, 2).tolist() == [1, 3]  # NaN counts as +Inf; lower index first
+    assert select_chunks(norms, 4).tolist() == [1, 2, 3, 5]
+    assert select_chunks(norms, 0).tolist() == []
+    assert select_chunks(norms, 6).tolist() == list(range(6))
+    # -0.0 ties with +0.0 (index decides), positive beats both
+    signed = torch.tensor([0.0, -0.0, 0.0, 1e-3], dtype=torch.bfloat16)
+    assert select_chunks(signed, 2).tolist() == [0, 3]
+    assert select_chunks(signed.flip(0), 2).tolist() == [0, 1]
+
+
+def test_fp16_norms_overflow_and_tie_break_by_index() -> None:
+    """Squared norms above 65504 are +Inf in float16: such chunks tie and the lower index wins;
+    bfloat16 norms keep their order."""
+    x = torch.zeros(12)
+    x[0:4] = 200.0  # squared norm 160000
+    x[4:8] = 300.0  # 360000: larger, but Inf in float16 as well
+    fp16 = topkc(chunk_size=4, num_chunks=1, norm_dtype="float16")
+    bf16 = topkc(chunk_size=4, num_chunks=1)
+    assert fp16.decode(fp16.encode(x)).nonzero().flatten().tolist() == [0, 1, 2, 3]
+    assert bf16.decode(bf16.encode(x)).nonzero().flatten().tolist() == [4, 5, 6, 7]
+
+
+# ---------------------------------------------------------------------------- error
+@pytest.mark.parametrize("make", [gaussian, heavy_tailed])
+def test_single_worker_error_is_the_dropped_energy(make) -> None:
+    """Standalone encode keeps the top-J chunks by (bf16-rounded) norm. Its NMSE is the energy
+    of the dropped chunks over the total, plus float16 rounding of the kept values (relative
+    2^-11 per value, i.e. <= 2^-22 of the kept energy). Picking the J largest of n chunk norms
+    keeps at least J/n of the energy (up to the 2^-8 relative rounding of the norms), so
+    NMSE <= 1 - (J/n)(1 - 2^-7)."""
+    d, chunk = 64 * 500 + 17, 64
+    codec = topkc(chunk_size=chunk, chunk_ratio=0.2)
+    x = make(d, seed=3)
+    lay = codec.layout(d)
+    _, out = check_round_trip(codec, x, max_nmse=1 - lay.selected / lay.chunks * (1 - 2**-7))
+    chosen = reference_chunks([x], chunk, lay.selected)
+    mask = chunk_mask(d, chunk, chosen)
+    assert torch.equal(out != 0, mask & (x != 0))
+    dropped = float(x[~mask].double().pow(2).sum() / x.double().pow(2).sum())
+    assert nmse(out, x) == pytest.approx(dropped, abs=2**-22)
+
+
+@pytest.mark.parametrize("make", [gaussian, heavy_tailed])
+def test_four_worker_aggregate_is_the_sum_on_the_agreed_chunks(make) -> None:
+    """The aggregate is the exact sum restricted to the chunks chosen from the summed norms,
+    up to float16 rounding: each of the 4 values is rounded once (relative 2^-11) and each of
+    the 3 additions once more, so every coordinate is within ~7 * 2^-11 relative of the sum
+    of the kept coordinates; squared, an NMSE of at most (7 * 2^-11)^2 ~ 1.2e-5 against it."""
+    d, chunk = 10_000, 50
+    codec = topkc(chunk_size=chunk, chunk_ratio=0.15)
+    xs = [make(d, seed=10 + i) for i in range(4)]
+    lay = codec.layout(d)
+    chosen = reference_chunks(xs, chunk, lay.selected)
+    mask = chunk_mask(d, chunk, chosen)
+    exact = torch.stack(xs).double().sum(0)
+    restricted = torch.where(mask, exact, 0)
+    sim = simulate(codec, xs)
+    assert torch.equal(sim.total[~mask], torch.zeros(int((~mask).sum())))
+    assert nmse(sim.total, restricted) <= (7 * 2**-11) ** 2
+    kept = float(restricted.pow(2).sum() / exact.pow(2).sum())
+    check_aggregate(codec, xs, max_nmse=1 - kept + 1e-4)
+
+
+def test_locals_are_own_values_on_the_agreed_chunks() -> None:
+    d, chunk = 2000, 40
+    codec = topkc(chunk_size=chunk, num_chunks=7)
+    xs = [heavy_tailed(d, seed=20 + i) for i in range(3)]
+    mask = chunk_mask(d, chunk, reference_chunks(xs, chunk, 7))
+    sim = simulate(codec, xs, need_local=True)
+    for x, local in zip(xs, sim.locals, strict=True):
+        assert local is not None
+        assert torch.equal(local, torch.where(mask, x.half().float(), 0))
+
+
+def test_average_divides_values_before_the_sum() -> None:
+    """With ctx.average the float16 values are divided by n before the all-reduce, so sums
+    that would overflow float16 (2 * 40000 > 65504) stay finite."""
+    xs = [torch.full((64,), 40000.0), torch.full((64,), 40000.0)]
+    codec = topkc(chunk_size=8, num_chunks=8)
+    assert not bool(torch.isfinite(simulate(codec, xs).total).all())
+    gens = [
+        codec.reduce(x, CodecContext(rank=r, world_size=2, key="t", average=True))
+        for r, x in enumerate(xs)
+    ]
+    requests = [next(g) for g in gens]
+    results = []
+    while requests:
+        first = requests[0]
+        reply = {
+            name: reduce_tensors([q.tensors[name] for q in requests], first, [0, 1])
+            for name in first.tensors
+        }
+        nxt = []
+        for g in gens:
+            try:
+                nxt.append(g.send(dict(reply)))
+            except StopIteration as stop:
+                results.append(stop.value)
+        requests = nxt
+    assert len(results) == 2
+    assert torch.equal(results[0].total, torch.full((64,), 40000.0))
+
+
+def test_nonfinite_chunk_is_always_sent() -> None:
+    codec = topkc(chunk_size=16, num_chunks=1)
+    xs = [gaussian(256, seed=i) * 100 for i in range(2)]
+    xs[1][200] = float("nan")
+    for total in simulate(codec, xs).totals:
+        assert bool(torch.isnan(total[192:208]).any())
+        assert bool(torch.isfinite(total[:192]).all())
+
+
+def test_decode_refuses_wrong_parts() -> None:
+    codec = topkc()
+    p = codec.encode(gaussian(1000))
+    with pytest.raises(CommpressError, match="'norms' is torch.float16, expected torch.bfloat16"):
+        codec.decode(p.replace(parts={**p.parts, "norms": p.parts["norms"].half()}))
+    with pytest.raises(CommpressError, match="'values' has 127 elements, expected 128"):
+        codec.decode(p.replace(parts={**p.parts, "values": p.parts["values"][:-1]}))
