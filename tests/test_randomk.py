@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commpress.codecs import CodecContext, get_codec, simulate
+from commpress.codecs import AllReduce, Codec, CodecContext, Reduced, get_codec, simulate
 from commpress.codecs.randomk import RandomK
 from commpress.codecs.simulate import reduce_tensors
 from commpress.errors import CommpressError
@@ -24,6 +24,32 @@ def randomk(**params: object) -> RandomK:
     codec = get_codec("randomk", **params)
     assert isinstance(codec, RandomK)
     return codec
+
+
+def reduce_averaged(codec: Codec, xs: list[torch.Tensor]) -> list[Reduced]:
+    """Drive ``codec.reduce`` for len(xs) workers with ``ctx.average`` (simulate sums only)."""
+    n = len(xs)
+    gens = [
+        codec.reduce(x, CodecContext(rank=r, world_size=n, key="tensor", average=True))
+        for r, x in enumerate(xs)
+    ]
+    requests = [next(g) for g in gens]
+    results: list[Reduced] = []
+    while requests:
+        reqs = [q for q in requests if isinstance(q, AllReduce)]
+        assert len(reqs) == n, "expected all-reduce rounds"
+        reply = {
+            name: reduce_tensors([q.tensors[name] for q in reqs], reqs[0], list(range(n)))
+            for name in reqs[0].tensors
+        }
+        requests = []
+        for g in gens:
+            try:
+                requests.append(g.send(dict(reply)))
+            except StopIteration as stop:
+                results.append(stop.value)
+    assert len(results) == n
+    return results
 
 
 @pytest.mark.parametrize(
@@ -70,10 +96,11 @@ def test_wire_size_is_k_values(d: int, ratio: float, k: int, value_dtype: str, b
 
 def test_indices_are_distinct_sorted_and_shared() -> None:
     codec = randomk(ratio=0.1)
-    a = codec.indices(5000, CodecContext(rank=0, world_size=4, step=3, key="w"), torch.device("cpu"))
-    b = codec.indices(5000, CodecContext(rank=2, world_size=4, step=3, key="w"), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    a = codec.indices(5000, CodecContext(rank=0, world_size=4, step=3, key="w"), cpu)
+    b = codec.indices(5000, CodecContext(rank=2, world_size=4, step=3, key="w"), cpu)
     assert torch.equal(a, b) and a.numel() == 500
-    assert bool((a[1:] > a[:-1]).all()) and 0 <= int(a[0]) and int(a[-1]) < 5000
+    assert bool((a[1:] > a[:-1]).all()) and int(a[0]) >= 0 and int(a[-1]) < 5000
     later = codec.indices(5000, CodecContext(step=4, key="w"), torch.device("cpu"))
     assert not torch.equal(a, later)
     assert not torch.equal(a, randomk(ratio=0.1, seed=1).indices(
@@ -176,17 +203,7 @@ def test_average_divides_values_before_the_sum() -> None:
     xs = [torch.full((100,), 40000.0), torch.full((100,), 40000.0)]
     codec = randomk(ratio=0.5, value_dtype="float16")
     assert not bool(torch.isfinite(simulate(codec, xs).total).all())  # fp16 sum overflows
-    gens = [
-        codec.reduce(x, CodecContext(rank=r, world_size=2, key="t", average=True))
-        for r, x in enumerate(xs)
-    ]
-    requests = [next(g) for g in gens]
-    reply = {"values": reduce_tensors([q.tensors["values"] for q in requests], requests[0], [0, 1])}
-    results = []
-    for g in gens:
-        with pytest.raises(StopIteration) as stop:
-            g.send(dict(reply))
-        results.append(stop.value.value)
+    results = reduce_averaged(codec, xs)
     total = results[0].total
     assert torch.equal(total, results[1].total)
     assert set((total[total != 0]).tolist()) == {80000.0}  # mean 40000 scaled by d/k = 2

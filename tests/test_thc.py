@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from commpress.codecs import CodecContext, get_codec, simulate
+from commpress.codecs import AllReduce, Codec, CodecContext, Reduced, get_codec, simulate
 from commpress.codecs.simulate import reduce_tensors
 from commpress.codecs.thc import Thc, hadamard_transform
 from commpress.errors import CommpressError
@@ -59,6 +59,32 @@ def quantization_bound(codec: Thc, inputs: Sequence[torch.Tensor]) -> float:
     expected = n * float((lay.block * (ranges / codec.levels) ** 2 / 4).sum())
     exact = torch.stack([x.double() for x in inputs]).sum(dim=0)
     return expected / float(exact.pow(2).sum())
+
+
+def reduce_averaged(codec: Codec, xs: list[torch.Tensor]) -> list[Reduced]:
+    """Drive ``codec.reduce`` for len(xs) workers with ``ctx.average`` (simulate sums only)."""
+    n = len(xs)
+    gens = [
+        codec.reduce(x, CodecContext(rank=r, world_size=n, key="tensor", average=True))
+        for r, x in enumerate(xs)
+    ]
+    requests = [next(g) for g in gens]
+    results: list[Reduced] = []
+    while requests:
+        reqs = [q for q in requests if isinstance(q, AllReduce)]
+        assert len(reqs) == n, "expected all-reduce rounds"
+        reply = {
+            name: reduce_tensors([q.tensors[name] for q in reqs], reqs[0], list(range(n)))
+            for name in reqs[0].tensors
+        }
+        requests = []
+        for g in gens:
+            try:
+                requests.append(g.send(dict(reply)))
+            except StopIteration as stop:
+                results.append(stop.value)
+    assert len(results) == n
+    return results
 
 
 # ---------------------------------------------------------------------------- contract
@@ -352,25 +378,7 @@ def test_average_divides_the_sum() -> None:
     """ctx.average returns the mean: the summed decode divided by the world size."""
     xs = [gaussian(512, seed=90 + i) for i in range(2)]
     codec = thc(saturate=False)
-    gens = [
-        codec.reduce(x, CodecContext(rank=r, world_size=2, key="tensor", average=True))
-        for r, x in enumerate(xs)
-    ]
-    requests = [next(g) for g in gens]
-    results = []
-    while requests:
-        first = requests[0]
-        reply = {
-            name: reduce_tensors([q.tensors[name] for q in requests], first, [0, 1])
-            for name in first.tensors
-        }
-        nxt = []
-        for g in gens:
-            try:
-                nxt.append(g.send(dict(reply)))
-            except StopIteration as stop:
-                results.append(stop.value)
-        requests = nxt
+    results = reduce_averaged(codec, xs)
     total = simulate(codec, xs).total
     assert torch.allclose(results[0].total, total / 2, rtol=0, atol=1e-6)
     assert torch.equal(results[0].total, results[1].total)

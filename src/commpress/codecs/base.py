@@ -219,8 +219,11 @@ class Codec(ABC):
 
     Class attributes every codec sets:
         codec_id: registry id (``"topk"``).
-        summable: payloads of different workers may be added element-wise by a plain
-            all-reduce, and decoding the sum gives the sum of the decodings.
+        summable: aggregation needs only all-reduces (sums), never an all-gather, so the
+            traffic per worker does not grow with the world size. For a single-round codec
+            this means its payloads add element-wise and decoding the sum gives the sum of the
+            decodings; a multi-round codec (PowerSGD, TopKC, THC) all-reduces the messages of
+            each round, but its standalone payloads need not add.
         lossless: ``decode(encode(x))`` is bit-identical to ``x``.
         fixed_size: payload part shapes depend only on the configuration and the input's shape
             and dtype (collectives can then skip exchanging sizes).

@@ -1,0 +1,243 @@
+"""Compressed point-to-point transfers: pipeline-parallel activations and their gradients.
+
+``commpress.send(tensor, dst)`` encodes a tensor with a codec and sends the payload; the peer's
+``commpress.recv(src)`` receives and decodes it. The receiver needs to know nothing in advance:
+a fixed-size header carries the shape, dtype, codec fingerprint and payload layout. The default
+codec is lossless (``netzip`` when it is installed, otherwise ``identity``), so a pipeline gives
+exactly the uncompressed result; pass a lossy codec (``"fp16"``, ``"qsgd"``...) to trade
+accuracy for bytes.
+
+Each ``(group, peer, direction)`` has its own ordered queue: transfers to one peer keep their
+order, a blocking receive never delays sends (so two stages can exchange in both directions at
+once), and none of them delay collectives on the group's main queue.
+
+Wire format of one transfer (both messages use the caller's ``tag``):
+
+1. header, ``int64[HEADER_LEN]``: magic, codec fingerprint (60 bits), dtype code, number of
+   dimensions, up to 8 dimensions, then the payload parts' layout (names hash, per part dtype
+   code and shape);
+2. body, ``uint8[n]``: the parts' bytes, 8-byte aligned (absent when empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commpress.codecs.base import Codec, CodecContext, Payload
+from commpress.codecs.registry import codec_ids, get_codec
+from commpress.collectives.driver import (
+    Exchange,
+    Pending,
+    code_dtype,
+    dtype_code,
+    name_hash,
+    pack_bytes,
+    packed_layout,
+    parse_payload_meta,
+    unpack_bytes,
+)
+from commpress.collectives.queue import queue_for
+from commpress.collectives.strategies import _META_LEN, _meta_row
+from commpress.errors import CommpressError, error_context
+
+_MAGIC = 0x636D7072  # "cmpr"
+_MAX_DIMS = 8
+HEADER_LEN = 4 + _MAX_DIMS + _META_LEN
+
+
+def default_activation_codec() -> Codec:
+    """The lossless codec used when none is given: ``netzip`` if registered, else identity."""
+    return get_codec("netzip" if "netzip" in codec_ids() else "identity")
+
+
+def _resolve(codec: Codec | str | Mapping[str, Any] | None) -> Codec:
+    if codec is None:
+        return default_activation_codec()
+    with error_context("send/recv codec"):
+        return get_codec(codec)  # type: ignore[arg-type]
+
+
+def _ctx(key: str, step: int) -> CodecContext:
+    # Encoder and decoder share one context so that codecs with shared randomness agree.
+    return CodecContext(rank=0, world_size=1, step=step, key=key)
+
+
+def _fp_int(codec: Codec) -> int:
+    return int(codec.fingerprint()[:15], 16)
+
+
+def _check_peer(ex: Exchange, peer: int, what: str) -> int:
+    if isinstance(peer, bool) or not isinstance(peer, int):
+        raise CommpressError(f"{what} rank must be an int, got {peer!r}")
+    if not 0 <= peer < ex.world_size or peer == ex.rank:
+        raise CommpressError(
+            f"{what} rank must be another rank of the group in [0, {ex.world_size}), got {peer} "
+            f"(this rank is {ex.rank})"
+        )
+    return ex.global_rank(peer)
+
+
+def _check_tag(tag: int) -> None:
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 0x5C0000:
+        raise CommpressError(f"tag must be an int in [0, {0x5C0000}), got {tag!r}")
+
+
+def _send_now(
+    tensor: torch.Tensor,
+    dst: int,
+    codec: Codec,
+    group: Any,
+    tag: int,
+    timeout: float | None,
+    key: str,
+    step: int,
+) -> int:
+    ex = Exchange.of(group, timeout=timeout, label=f"send of {key!r} to rank {dst}")
+    peer = _check_peer(ex, dst, "destination")
+    x = codec.check_input(tensor)
+    if x.dim() > _MAX_DIMS:
+        raise CommpressError(f"send supports tensors of at most {_MAX_DIMS} dimensions")
+    payload = codec.encode(x, _ctx(key, step))
+    device = ex.comm_device(x.device)
+    head = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    head[:4] = torch.tensor([_MAGIC, _fp_int(codec), dtype_code(x.dtype), x.dim()])
+    head[4 : 4 + x.dim()] = torch.tensor(list(x.shape), dtype=torch.int64)
+    head[4 + _MAX_DIMS :] = _meta_row(payload)
+    names = sorted(payload.parts)
+    body = pack_bytes([payload.parts[n] for n in names], device=device)
+    works = [dist.isend(head.to(device), peer, group=ex.group, tag=tag)]
+    if body.numel():
+        works.append(dist.isend(body, peer, group=ex.group, tag=tag))
+    ex.wait(Pending(works, "transfer"))
+    return payload.nbytes
+
+
+def _recv_now(
+    src: int,
+    codec: Codec,
+    group: Any,
+    tag: int,
+    timeout: float | None,
+    key: str,
+    step: int,
+    device: torch.device | str | None,
+) -> torch.Tensor:
+    ex = Exchange.of(group, timeout=timeout, label=f"recv of {key!r} from rank {src}")
+    peer = _check_peer(ex, src, "source")
+    comm = ex.comm_device(None if device is None else torch.device(device))
+    head = torch.empty(HEADER_LEN, dtype=torch.int64, device=comm)
+    ex.wait(Pending([dist.irecv(head, peer, group=ex.group, tag=tag)], "header"))
+    row = head.cpu().tolist()
+    if row[0] != _MAGIC:
+        raise CommpressError(
+            f"{ex.label}: received a message that is not a commpress transfer (magic "
+            f"{row[0]:#x}); do the sender and receiver use the same tag and the same API?"
+        )
+    dtype = code_dtype(row[2])
+    shape = tuple(int(d) for d in row[4 : 4 + row[3]])
+    meta = row[4 + _MAX_DIMS :]
+    specs = parse_payload_meta(meta)
+    size = packed_layout(specs)[1]
+    body = torch.empty(size, dtype=torch.uint8, device=comm)
+    if size:
+        # Always take the body off the wire, even when refusing it, so the sender never blocks.
+        ex.wait(Pending([dist.irecv(body, peer, group=ex.group, tag=tag)], "body"))
+    if row[1] != _fp_int(codec):
+        raise CommpressError(
+            f"{ex.label}: the sender encoded with another codec configuration than this "
+            f"receiver's {codec} (fingerprint {codec.fingerprint()}); both sides must pass the "
+            "same codec"
+        )
+    sent_names_hash = meta[1]
+    probe = codec.encode(torch.zeros(0, dtype=dtype), _ctx(key, step))
+    names = sorted(probe.parts)
+    if name_hash(codec.codec_id, *names) != sent_names_hash or len(names) != len(specs):
+        raise CommpressError(f"{ex.label}: the payload's parts do not match codec {codec}")
+    parts = unpack_bytes(body, specs)
+    payload = Payload(
+        codec=codec.codec_id,
+        fingerprint=codec.fingerprint(),
+        shape=shape,
+        dtype=dtype,
+        parts=dict(zip(names, parts, strict=True)),
+        lane_bits=dict(probe.lane_bits),
+    )
+    return codec.decode(payload, _ctx(key, step))
+
+
+def isend(
+    tensor: torch.Tensor,
+    dst: int,
+    codec: Codec | str | Mapping[str, Any] | None = None,
+    *,
+    group: Any = None,
+    tag: int = 0,
+    timeout: float | None = None,
+    key: str = "",
+    step: int = 0,
+) -> torch.futures.Future:
+    """Send ``tensor`` to rank ``dst`` of ``group`` through ``codec``, asynchronously.
+
+    Returns a future completed with the payload's wire size in bytes once the peer has the
+    data. Do not modify ``tensor`` before the future completes.
+
+    Algorithm:
+
+    1. Encode the tensor with ``codec`` (default: lossless, see
+       :func:`default_activation_codec`) under the context ``(key, step)``.
+    2. Send a fixed-size header (shape, dtype, codec fingerprint, part layout), then the parts
+       packed into one byte buffer, both with ``tag``.
+
+    Args:
+        tensor: floating-point tensor, at most 8 dimensions.
+        dst: destination rank in ``group``.
+        codec: codec, id string or config mapping; the receiver must pass the same one.
+        group: process group (default group when ``None``).
+        tag: message tag in ``[0, 0x5C0000)``; matching send/recv pairs use the same tag.
+        timeout: seconds to wait for the receiver before :class:`CommpressError`.
+        key, step: codec context (seeds of stochastic codecs); the receiver passes the same.
+    """
+    codec_obj = _resolve(codec)
+    _check_tag(tag)
+    q = queue_for(group, lane=("send", dst))
+    return q.submit(_send_now, tensor, dst, codec_obj, group, tag, timeout, key, step)
+
+
+def irecv(
+    src: int,
+    codec: Codec | str | Mapping[str, Any] | None = None,
+    *,
+    group: Any = None,
+    tag: int = 0,
+    timeout: float | None = None,
+    key: str = "",
+    step: int = 0,
+    device: torch.device | str | None = None,
+) -> torch.futures.Future:
+    """Receive a tensor sent by :func:`isend`/:func:`send` from rank ``src``, asynchronously.
+
+    Returns a future of the decoded tensor (shape and dtype as sent). A sender that used
+    another codec configuration is refused with :class:`CommpressError`. ``device`` is where
+    the received bytes land (default: the group's device, CPU for gloo).
+    """
+    codec_obj = _resolve(codec)
+    _check_tag(tag)
+    q = queue_for(group, lane=("recv", src))
+    return q.submit(_recv_now, src, codec_obj, group, tag, timeout, key, step, device)
+
+
+def send(tensor: torch.Tensor, dst: int, codec: Any = None, **kwargs: Any) -> int:
+    """Blocking :func:`isend`; returns the payload's wire size in bytes."""
+    return isend(tensor, dst, codec, **kwargs).wait()  # type: ignore[no-any-return]
+
+
+def recv(src: int, codec: Any = None, **kwargs: Any) -> torch.Tensor:
+    """Blocking :func:`irecv`; returns the decoded tensor."""
+    return irecv(src, codec, **kwargs).wait()  # type: ignore[no-any-return]
+
+
+__all__ = ["HEADER_LEN", "default_activation_codec", "irecv", "isend", "recv", "send"]
