@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_workers
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commpress
 from commpress.errors import CommpressError
+from dist_utils import run_workers
 
 # A small model keeps each configuration to well under a second per step on one core.
 MODEL = {"vocab_size": 256, "context": 16, "d_model": 32, "n_layers": 2, "n_heads": 2,
@@ -194,7 +194,7 @@ def _every_codec_configs(steps: int) -> list[dict[str, Any]]:
                 "name": f"{cid}/{granularity}",
                 "hook": {"args": {"codec": cid, "granularity": granularity}},
                 # several buckets in flight, so multi-round codecs interleave with autograd
-                "bucket_cap_mb": 0.05,
+                "bucket_cap_mb": 0.01,
                 "steps": steps,
             })
     return configs
@@ -212,3 +212,128 @@ def test_every_registered_codec_keeps_replicas_bit_identical() -> None:
         assert all(math.isfinite(v) for v in losses), (name, losses)
         # every step went through the hook: the state recorded a plan per step
         assert sorted(per_rank[0]["plans"]) == [0, 1, 2], name
+
+
+def _powersgd_configs(steps: int) -> list[dict[str, Any]]:
+    ours = {"codec": "powersgd", "rank": 2, "warmup_steps": 2, "min_compression_rate": 2.0}
+    theirs = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2,
+              "min_compression_rate": 2.0, "use_error_feedback": True, "warm_start": True}
+    return [
+        {"name": "plain", "hook": {"kind": "plain"}, "steps": steps},
+        {"name": "ours", "hook": {"args": ours}, "steps": steps},
+        {"name": "torch", "hook": {"kind": "torch-powersgd", "args": theirs}, "steps": steps},
+    ]
+
+
+def test_powersgd_reaches_the_loss_of_pytorch_powersgd_hook() -> None:
+    """Our PowerSGD and PyTorch's powerSGD_hook at equal rank (2), equal warm-up (2 steps) and
+    equal min_compression_rate (2), both with error feedback and warm start, one DDP bucket
+    (PyTorch's hook chains its rounds in future callbacks; with several buckets in flight it
+    can pair different collectives across ranks on gloo, see docs/ddp.md)."""
+    steps = 30
+    table = _by_name(run_workers(_run_configs, 2, _powersgd_configs(steps), timeout=300))
+    tail = {name: sum(r[0]["losses"][-5:]) / 5 for name, r in table.items()}
+    # Tolerance: both methods compress the same matrices to rank 2 with error feedback and
+    # differ only in details (orthogonalisation, the random initial Q, fp16 instead of fp32
+    # for the tensors PowerSGD would not shrink 2x). The loss falls from 5.5 to ~3.7 in 30
+    # steps and the two runs track each other to ~0.05% (observed); we require the mean loss
+    # of the last 5 steps to agree within 1%, and to be within 3% of uncompressed training.
+    assert abs(tail["ours"] - tail["torch"]) <= 0.01 * tail["torch"], tail
+    for name in ("ours", "torch"):
+        assert abs(tail[name] - tail["plain"]) <= 0.03 * tail["plain"], tail
+    # and training did make progress
+    assert tail["ours"] < table["ours"][0]["losses"][0] - 0.5, tail
+
+
+def _load_configs(steps: int) -> list[dict[str, Any]]:
+    tiny = 0.001  # ~1 KB buckets: nearly one bucket per parameter, many in flight at once
+    return [
+        {"name": "plain", "hook": {"kind": "plain"}, "steps": steps, "bucket_cap_mb": tiny},
+        {"name": "powersgd", "bucket_cap_mb": tiny, "steps": steps,
+         "hook": {"args": {"codec": "powersgd", "rank": 2, "min_numel": 256}}},
+        {"name": "topkc", "bucket_cap_mb": tiny, "steps": steps,
+         "hook": {"args": {"codec": "topkc"}}},
+        {"name": "dgc-momentum", "bucket_cap_mb": tiny, "steps": steps,
+         "hook": {"args": {"codec": "topk", "ratio": 0.05, "momentum": 0.5}}},
+        {"name": "mixed-policy", "bucket_cap_mb": tiny, "steps": steps,
+         "hook": {"args": {"codec": "powersgd", "policy": {"*.bias": "identity",
+                                                           "embedding.*": "topkc",
+                                                           "final.*": "fp16"}}}},
+    ]
+
+
+def test_many_buckets_with_multi_round_codecs_no_hang_identical_replicas() -> None:
+    """Load: ~1 KB buckets (dozens per step, many in flight while autograd runs), multi-round
+    codecs (PowerSGD: 2 all-reduces; TopKC: several rounds) and mixed policies, 4 steps, under
+    a hard timeout: every run finishes and replicas stay bit-identical."""
+    table = _by_name(run_workers(_run_configs, 2, _load_configs(4), timeout=300))
+    assert table["plain"][0]["buckets"] >= 10, table["plain"][0]["buckets"]
+    for name, per_rank in table.items():
+        assert all(math.isfinite(v) for v in per_rank[0]["losses"]), name
+    plans = table["mixed-policy"][0]["plans"][3]
+    assert plans["blocks.0.mlp.fc.bias"] == ("identity", "lossless")
+    assert plans["embedding.tok.weight"][0] == "topkc"
+    assert plans["final.proj.weight"] == ("fp16", "codec")
+    assert plans["blocks.0.attn.qkv.weight"] == ("powersgd", "codec")
+
+
+def _resume(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Train 6 steps straight, and 3 steps + checkpoint + a fresh model/hook/optimizer resumed
+    from it + 3 steps; return both runs' final parameters and what the state recorded."""
+    def fresh() -> tuple[DDP, Any, torch.optim.Optimizer]:
+        model = _build(0.01)
+        state = commpress.ddp.register(model, **args)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        return model, state, opt
+
+    plans: dict[int, dict[str, tuple[str, str]]] = {}
+
+    def record(step: int, st: Any) -> None:
+        plans[step] = {k: (p.codec.codec_id, p.reason) for k, p in st.plans.items()}
+
+    model, state, opt = fresh()
+    first = _train(model, state, range(3), opt, rank, record)
+    blob = pickle.dumps({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                         "hook": state.state_dict()})
+    whole = pickle.loads(pickle.dumps(state))  # the state object pickles without its group
+    straight = _train(model, state, range(3, 6), opt, rank, record)
+
+    ckpt = pickle.loads(blob)
+    model2, state2, opt2 = fresh()
+    model2.module.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    state2.load_state_dict(ckpt["hook"])
+    resumed = _train(model2, state2, range(3, 6), opt2, rank)
+    buf = io.BytesIO()
+    torch.save(state.state_dict(), buf)  # torch.save works too
+    return {
+        "straight": _flat_params(model), "resumed": _flat_params(model2),
+        "losses": (first + straight, first + resumed), "plans": plans,
+        "whole_step": whole.step, "whole_group": whole.process_group,
+        "residual_keys": sorted(ckpt["hook"]["memory"]["residual"]),
+        "q_keys": sorted(ckpt["hook"]["codec_states"]),
+    }
+
+
+def test_checkpoint_resume_is_bit_identical_and_schedule_rules_apply() -> None:
+    """PowerSGD (rank 2) with error feedback, 1 warm-up step, min_numel 1000 (vectors go in
+    fp16): a run resumed from a step-3 checkpoint (model, optimizer and hook state) continues
+    exactly like the uninterrupted run, on both ranks."""
+    args = {"codec": "powersgd", "rank": 2, "warmup_steps": 1, "min_numel": 1000,
+            "error_feedback": True}
+    results = run_workers(_resume, 2, args, timeout=240)
+    for r in results:
+        assert torch.equal(r["straight"], r["resumed"])
+        assert r["losses"][0] == r["losses"][1]
+        assert r["whole_step"] == 3 and r["whole_group"] is None
+        # the checkpoint held error-feedback memory and PowerSGD's Q for the matrices only
+        assert "blocks.0.attn.qkv.weight" in r["residual_keys"]
+        assert "blocks.0.attn.qkv.weight" in r["q_keys"]
+        assert "blocks.0.ln1.weight" not in r["q_keys"]
+    assert torch.equal(results[0]["straight"], results[1]["straight"])
+    plans = results[0]["plans"]
+    # step 0: warm-up sends everything uncompressed; afterwards matrices use PowerSGD and
+    # vectors (< 1000 elements) use the fp16 fallback
+    assert set(plans[0].values()) == {("identity", "warmup")}
+    assert plans[1]["blocks.0.attn.qkv.weight"] == ("powersgd", "codec")
+    assert plans[1]["blocks.0.ln1.weight"] == ("fp16", "min_numel")

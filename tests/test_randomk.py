@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commpress.codecs import AllReduce, Codec, CodecContext, Reduced, get_codec, simulate
+from commpress.codecs import CodecContext, get_codec, simulate
 from commpress.codecs.randomk import RandomK
-from commpress.codecs.simulate import reduce_tensors
 from commpress.errors import CommpressError
 from commpress.testing import (
     check_aggregate,
@@ -25,31 +24,6 @@ def randomk(**params: object) -> RandomK:
     assert isinstance(codec, RandomK)
     return codec
 
-
-def reduce_averaged(codec: Codec, xs: list[torch.Tensor]) -> list[Reduced]:
-    """Drive ``codec.reduce`` for len(xs) workers with ``ctx.average`` (simulate sums only)."""
-    n = len(xs)
-    gens = [
-        codec.reduce(x, CodecContext(rank=r, world_size=n, key="tensor", average=True))
-        for r, x in enumerate(xs)
-    ]
-    requests = [next(g) for g in gens]
-    results: list[Reduced] = []
-    while requests:
-        reqs = [q for q in requests if isinstance(q, AllReduce)]
-        assert len(reqs) == n, "expected all-reduce rounds"
-        reply = {
-            name: reduce_tensors([q.tensors[name] for q in reqs], reqs[0], list(range(n)))
-            for name in reqs[0].tensors
-        }
-        requests = []
-        for g in gens:
-            try:
-                requests.append(g.send(dict(reply)))
-            except StopIteration as stop:
-                results.append(stop.value)
-    assert len(results) == n
-    return results
 
 
 @pytest.mark.parametrize(
@@ -203,9 +177,9 @@ def test_average_divides_values_before_the_sum() -> None:
     xs = [torch.full((100,), 40000.0), torch.full((100,), 40000.0)]
     codec = randomk(ratio=0.5, value_dtype="float16")
     assert not bool(torch.isfinite(simulate(codec, xs).total).all())  # fp16 sum overflows
-    results = reduce_averaged(codec, xs)
-    total = results[0].total
-    assert torch.equal(total, results[1].total)
+    results = simulate(codec, xs, average=True).totals
+    total = results[0]
+    assert torch.equal(total, results[1])
     assert set((total[total != 0]).tolist()) == {80000.0}  # mean 40000 scaled by d/k = 2
     assert int((total != 0).sum()) == 50
 

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from commpress.codecs import AllReduce, Codec, CodecContext, Reduced, get_codec, simulate
-from commpress.codecs.simulate import reduce_tensors
+from commpress.codecs import CodecContext, get_codec, simulate
 from commpress.codecs.thc import Thc, hadamard_transform
 from commpress.errors import CommpressError
 from commpress.testing import (
@@ -61,33 +60,7 @@ def quantization_bound(codec: Thc, inputs: Sequence[torch.Tensor]) -> float:
     return expected / float(exact.pow(2).sum())
 
 
-def reduce_averaged(codec: Codec, xs: list[torch.Tensor]) -> list[Reduced]:
-    """Drive ``codec.reduce`` for len(xs) workers with ``ctx.average`` (simulate sums only)."""
-    n = len(xs)
-    gens = [
-        codec.reduce(x, CodecContext(rank=r, world_size=n, key="tensor", average=True))
-        for r, x in enumerate(xs)
-    ]
-    requests = [next(g) for g in gens]
-    results: list[Reduced] = []
-    while requests:
-        reqs = [q for q in requests if isinstance(q, AllReduce)]
-        assert len(reqs) == n, "expected all-reduce rounds"
-        reply = {
-            name: reduce_tensors([q.tensors[name] for q in reqs], reqs[0], list(range(n)))
-            for name in reqs[0].tensors
-        }
-        requests = []
-        for g in gens:
-            try:
-                requests.append(g.send(dict(reply)))
-            except StopIteration as stop:
-                results.append(stop.value)
-    assert len(results) == n
-    return results
 
-
-# ---------------------------------------------------------------------------- contract
 @pytest.mark.parametrize(
     "params",
     [
@@ -378,10 +351,10 @@ def test_average_divides_the_sum() -> None:
     """ctx.average returns the mean: the summed decode divided by the world size."""
     xs = [gaussian(512, seed=90 + i) for i in range(2)]
     codec = thc(saturate=False)
-    results = reduce_averaged(codec, xs)
+    results = simulate(codec, xs, average=True).totals
     total = simulate(codec, xs).total
-    assert torch.allclose(results[0].total, total / 2, rtol=0, atol=1e-6)
-    assert torch.equal(results[0].total, results[1].total)
+    assert torch.allclose(results[0], total / 2, rtol=0, atol=1e-6)
+    assert torch.equal(results[0], results[1])
 
 
 def test_nonfinite_poisons_its_block_on_every_worker() -> None:

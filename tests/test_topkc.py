@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from commpress.codecs import AllReduce, Codec, CodecContext, Reduced, get_codec, simulate
-from commpress.codecs.simulate import reduce_tensors
+from commpress.codecs import get_codec, simulate
 from commpress.codecs.topkc import TopKC, select_chunks
 from commpress.errors import CommpressError
 from commpress.testing import (
@@ -53,33 +52,7 @@ def chunk_mask(d: int, chunk: int, chosen: list[int]) -> torch.Tensor:
     return mask[:d]
 
 
-def reduce_averaged(codec: Codec, xs: list[torch.Tensor]) -> list[Reduced]:
-    """Drive ``codec.reduce`` for len(xs) workers with ``ctx.average`` (simulate sums only)."""
-    n = len(xs)
-    gens = [
-        codec.reduce(x, CodecContext(rank=r, world_size=n, key="tensor", average=True))
-        for r, x in enumerate(xs)
-    ]
-    requests = [next(g) for g in gens]
-    results: list[Reduced] = []
-    while requests:
-        reqs = [q for q in requests if isinstance(q, AllReduce)]
-        assert len(reqs) == n, "expected all-reduce rounds"
-        reply = {
-            name: reduce_tensors([q.tensors[name] for q in reqs], reqs[0], list(range(n)))
-            for name in reqs[0].tensors
-        }
-        requests = []
-        for g in gens:
-            try:
-                requests.append(g.send(dict(reply)))
-            except StopIteration as stop:
-                results.append(stop.value)
-    assert len(results) == n
-    return results
 
-
-# ---------------------------------------------------------------------------- contract
 @pytest.mark.parametrize(
     "params",
     [
@@ -265,9 +238,9 @@ def test_average_divides_values_before_the_sum() -> None:
     xs = [torch.full((64,), 40000.0), torch.full((64,), 40000.0)]
     codec = topkc(chunk_size=8, num_chunks=8)
     assert not bool(torch.isfinite(simulate(codec, xs).total).all())
-    results = reduce_averaged(codec, xs)
+    results = simulate(codec, xs, average=True).totals
     assert len(results) == 2
-    assert torch.equal(results[0].total, torch.full((64,), 40000.0))
+    assert torch.equal(results[0], torch.full((64,), 40000.0))
 
 
 def test_nonfinite_chunk_is_always_sent() -> None:

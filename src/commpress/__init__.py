@@ -19,6 +19,7 @@ from commpress.codecs import (
     list_codecs,
     simulate,
 )
+from commpress.collectives import all_reduce, all_reduce_async, recv, send
 from commpress.errors import CommpressError
 
 __version__ = "0.1.0"
@@ -33,9 +34,13 @@ __all__ = [
     "Payload",
     "Reduced",
     "__version__",
+    "all_reduce",
+    "all_reduce_async",
     "codec_ids",
     "ddp",
     "get_codec",
     "list_codecs",
+    "recv",
+    "send",
     "simulate",
 ]

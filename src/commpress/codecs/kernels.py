@@ -225,8 +225,17 @@ def _nb_chunk_params(lo_key: Any, hi_key: Any, levels: Any, scratch: Any) -> Any
 
 
 def _nb_quantize(
-    x: Any, s: Any, e: Any, lo: Any, inv: Any, levels: Any,
-    mode: Any, seed: Any, noise: Any, buf: Any, off: Any,
+    x: Any,
+    s: Any,
+    e: Any,
+    lo: Any,
+    inv: Any,
+    levels: Any,
+    mode: Any,
+    seed: Any,
+    noise: Any,
+    buf: Any,
+    off: Any,
 ) -> None:
     # buf[off + k - s] = clamp(floor((x[k] - lo) * inv + u), 0, levels), NaN -> 0
     zero = f32(0.0)
@@ -252,8 +261,15 @@ def _nb_quantize(
 
 
 def _nb_minmax_encode(
-    x: Any, chunk: Any, bits: Any, mode: Any, seed: Any, noise: Any,
-    packed: Any, lo_out: Any, scale_out: Any,
+    x: Any,
+    chunk: Any,
+    bits: Any,
+    mode: Any,
+    seed: Any,
+    noise: Any,
+    packed: Any,
+    lo_out: Any,
+    scale_out: Any,
 ) -> None:
     # mode 0: nearest; 1: stochastic with the internal generator; 2: with ``noise``.
     n = x.size
@@ -385,7 +401,7 @@ def _build() -> dict[str, Callable[..., Any]]:
     for name in _HELPERS:
         module[name] = numba.njit(cache=True, inline="always")(module[name])
     return {
-        name[len("_nb_"):]: numba.njit(cache=True, parallel=True, fastmath=False)(module[name])
+        name[len("_nb_") :]: numba.njit(cache=True, parallel=True, fastmath=False)(module[name])
         for name in _KERNELS
     }
 
@@ -428,8 +444,15 @@ def minmax_encode(
         mode, noise_np = (1 if stochastic else 0), np.zeros(1, np.float32)
     with _lock:
         _kernel("minmax_encode")(
-            _np(x), chunk, bits, mode, np.uint64(seed), noise_np,
-            _np(packed), _np(lo), _np(scale),
+            _np(x),
+            chunk,
+            bits,
+            mode,
+            np.uint64(seed),
+            noise_np,
+            _np(packed),
+            _np(lo),
+            _np(scale),
         )
     return packed, lo, scale
 
@@ -441,8 +464,12 @@ def minmax_decode(
     out = torch.empty(n, dtype=torch.float32)
     with _lock:
         _kernel("minmax_decode")(
-            _np(packed.contiguous()), _np(lo.contiguous()), _np(scale.contiguous()),
-            chunk, bits, _np(out),
+            _np(packed.contiguous()),
+            _np(lo.contiguous()),
+            _np(scale.contiguous()),
+            chunk,
+            bits,
+            _np(out),
         )
     return out
 

@@ -232,9 +232,7 @@ class MinMax(Codec):
     def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         n = payload.numel
         nchunks = num_chunks(n, self.chunk_size)
-        packed = self.part(
-            payload, "codes", numel=math.ceil(n * self.bits / 8), dtype=torch.uint8
-        )
+        packed = self.part(payload, "codes", numel=math.ceil(n * self.bits / 8), dtype=torch.uint8)
         lo = self.part(payload, "min", numel=nchunks, dtype=torch.float32)
         scale = self.part(payload, "scale", numel=nchunks, dtype=torch.float32)
         if n == 0:
@@ -338,9 +336,7 @@ class QSGD(Codec):
         bits = self.code_bits
         nbytes = math.ceil(bits * n / 8) if bits <= 8 else n + math.ceil((bits - 8) * n / 8)
         packed = self.part(payload, "codes", numel=nbytes, dtype=torch.uint8)
-        norm = self.part(
-            payload, "norm", numel=num_chunks(n, self.chunk_size), dtype=torch.float32
-        )
+        norm = self.part(payload, "norm", numel=num_chunks(n, self.chunk_size), dtype=torch.float32)
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
@@ -423,9 +419,7 @@ class TernGrad(Codec):
     def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         n = payload.numel
         packed = self.part(payload, "codes", numel=math.ceil(2 * n / 8), dtype=torch.uint8)
-        m = self.part(
-            payload, "scale", numel=num_chunks(n, self.chunk_size), dtype=torch.float32
-        )
+        m = self.part(payload, "scale", numel=num_chunks(n, self.chunk_size), dtype=torch.float32)
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)

@@ -115,6 +115,7 @@ def simulate(
     states: Sequence[dict[str, Any]] | None = None,
     order: Sequence[int] | None = None,
     need_local: bool = False,
+    average: bool = False,
     max_rounds: int = 64,
 ) -> Simulation:
     """Aggregate ``inputs[i]`` (worker ``i``'s tensor) with ``codec`` across ``len(inputs)``
@@ -129,6 +130,7 @@ def simulate(
         order: the order in which workers' tensors are added in sums (default rank order);
             use it to check that integer sums do not depend on it.
         need_local: also return each worker's decoded contribution.
+        average: ask every worker's protocol for the mean instead of the sum.
         max_rounds: a protocol asking for more rounds than this is reported as a bug.
     """
     n = len(inputs)
@@ -146,7 +148,13 @@ def simulate(
 
     contexts = [
         CodecContext(
-            rank=r, world_size=n, step=step, key=key, state=states[r], need_local=need_local
+            rank=r,
+            world_size=n,
+            step=step,
+            key=key,
+            state=states[r],
+            need_local=need_local,
+            average=average,
         )
         for r in range(n)
     ]

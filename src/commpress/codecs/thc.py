@@ -148,12 +148,15 @@ class Thc(Codec):
             lanes saturate, order of addition then matters) or widen lanes so sums are exact
             (unbiased, order independent, ``ceil(log2 n)`` more bits per coordinate).
         block_log2: ``l'``, rotation blocks of ``2^l'`` coordinates (partial rotation), or
-            ``"full"`` to rotate the whole tensor as one block. Larger blocks spread outliers
-            over more coordinates (smaller ranges, lower error) and cost ``log2 B`` butterfly
-            passes; ``"full"`` pads to a power of two, up to doubling the wire size for unlucky
-            ``d``. Partial blocks pad only to a multiple of ``B`` and add ``32/B`` range bits
-            per coordinate. The paper picks the largest block that fits in GPU shared memory;
-            the default ``2^12`` (16 KiB of float32) fits on every GPU.
+            ``"full"`` to rotate the whole tensor as one block. Each block costs ``32/B`` bits
+            per coordinate of range and ``log2 B`` butterfly passes. Smaller blocks get ranges
+            that follow the local scale and a smaller maximum (the peak of ``B`` Gaussian-like
+            values grows as ``sqrt(2 ln B)``), hence lower error, at more range bits; larger
+            blocks dilute isolated outliers further. ``"full"`` also pads to a power of two,
+            up to doubling the wire size for unlucky ``d``. The paper picks the largest block
+            that fits in GPU shared memory; the default ``2^12`` (16 KiB of float32, fits on
+            every GPU) spends under 1% of the wire on ranges; ``8`` (256) trades 0.125 bits per
+            coordinate for about a third less NMSE on Gaussian data.
         seed: base seed mixed with the tensor key and step for the shared signs and the
             per-rank rounding noise. Encode and decode must see the same ``key`` and ``step``.
 
@@ -230,9 +233,14 @@ class Thc(Codec):
                dtype: torch.dtype) -> torch.Tensor:
         """Shared random signs scaled by ``1/sqrt(B)`` (folds the normalization in)."""
         g = ctx.generator(self.seed + _SIGN_STREAM, shared=True, device=device)
-        bits = torch.randint(0, 2, (lay.padded,), generator=g, device=device, dtype=torch.int8)
+        # one random byte gives 8 signs: an eighth of the generator work of one draw per sign
+        raw = torch.randint(
+            0, 256, (-(-lay.padded // 8),), generator=g, device=device, dtype=torch.uint8
+        )
+        shifts = torch.arange(8, device=device, dtype=torch.uint8)
+        bits = ((raw.unsqueeze(1) >> shifts) & 1).reshape(-1)[: lay.padded]
         scale = 1.0 / math.sqrt(lay.block)
-        return (bits.to(dtype) * 2 - 1) * scale
+        return bits.to(dtype).mul_(-2 * scale).add_(scale)  # bit 0 -> +scale, 1 -> -scale
 
     def rotate(self, x: torch.Tensor, ctx: CodecContext | None = None) -> torch.Tensor:
         """Padded, rotated copy of ``x`` (flattened), in float32 (float64 for float64 input).
@@ -292,10 +300,9 @@ class Thc(Codec):
         scale = torch.where(m > 0, L / m, torch.zeros_like(m))
         g = ctx.generator(self.seed + _ROUND_STREAM, shared=False, device=y.device)
         noise = torch.rand(lay.padded, generator=g, device=y.device, dtype=y.dtype)
-        v = y.view(lay.blocks, lay.block) * scale.unsqueeze(1)
-        codes = torch.floor(v.reshape(-1) + noise)
-        codes = torch.nan_to_num(codes, nan=0.0, posinf=0.0, neginf=0.0).clamp_(-L, L)
-        return codes.to(lane)
+        v = (y.view(lay.blocks, lay.block) * scale.unsqueeze(1)).view(-1)
+        codes = v.add_(noise).floor_().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        return codes.clamp_(-L, L).to(lane)
 
     def dequantize(
         self, codes: torch.Tensor, ranges: torch.Tensor, lay: ThcLayout, work: torch.dtype

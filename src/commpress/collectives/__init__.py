@@ -21,6 +21,7 @@ from commpress.collectives.api import (
     reset_state,
 )
 from commpress.collectives.driver import execute
+from commpress.collectives.p2p import irecv, isend, recv, send
 from commpress.collectives.queue import OrderedQueue, queue_for
 
 __all__ = [
@@ -29,8 +30,12 @@ __all__ = [
     "all_reduce",
     "all_reduce_async",
     "execute",
+    "irecv",
+    "isend",
     "queue_for",
     "reduce",
+    "recv",
     "reduce_async",
     "reset_state",
+    "send",
 ]

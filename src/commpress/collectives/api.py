@@ -18,6 +18,7 @@ from many threads (DDP buckets, pipelines) are issued in submission order on eve
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -97,7 +98,7 @@ def _offload_pool() -> ThreadPoolExecutor:
 # ---------------------------------------------------------------------------- checks
 def _as_codec(codec: CodecSpec) -> Codec:
     with error_context("all_reduce codec"):
-        return get_codec(codec)  # type: ignore[arg-type]
+        return get_codec(codec)
 
 
 def _resolve_strategy(codec: Codec, strategy: str) -> str:
@@ -306,12 +307,12 @@ def reduce(
             # Encode up to `pipeline_depth` buckets ahead on the offload thread.
             for j in range(i, min(i + pipeline_depth + 1, len(slices))):
                 if j not in futures:
-                    futures[j] = prefetch(pool, lambda j=j: make_protocol(j))
+                    futures[j] = prefetch(pool, functools.partial(make_protocol, j))
             return prefetched_task(futures.pop(i), ex)
 
-        tasks = [lambda i=i: offloaded(i) for i in range(len(slices))]
+        tasks = [functools.partial(offloaded, i) for i in range(len(slices))]
     else:
-        tasks = [lambda i=i: make_task(i) for i in range(len(slices))]
+        tasks = [functools.partial(make_task, i) for i in range(len(slices))]
 
     results: list[Reduced] = run_tasks(tasks, ex, depth=pipeline_depth)
     if not many:
@@ -450,7 +451,7 @@ def all_reduce(
         bucket_bytes=bucket_bytes,
         **options,
     )
-    return fut.wait()  # type: ignore[no-any-return]
+    return fut.wait()
 
 
 def wire_bytes_estimate(tensor: torch.Tensor, codec: CodecSpec) -> int:

@@ -14,13 +14,15 @@ once), and none of them delay collectives on the group's main queue.
 Wire format of one transfer (both messages use the caller's ``tag``):
 
 1. header, ``int64[HEADER_LEN]``: magic, codec fingerprint (60 bits), dtype code, number of
-   dimensions, up to 8 dimensions, then the payload parts' layout (names hash, per part dtype
-   code and shape);
-2. body, ``uint8[n]``: the parts' bytes, 8-byte aligned (absent when empty).
+   dimensions, length of the description, up to 8 dimensions, then the payload parts' layout
+   (names hash, per part dtype code and shape);
+2. body, ``uint8[n]``: a JSON description (part names and lane widths), then the parts'
+   bytes, 8-byte aligned.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,12 +43,13 @@ from commpress.collectives.driver import (
     unpack_bytes,
 )
 from commpress.collectives.queue import queue_for
-from commpress.collectives.strategies import _META_LEN, _meta_row
+from commpress.collectives.strategies import PADDED_META_LEN, padded_payload_meta
 from commpress.errors import CommpressError, error_context
 
 _MAGIC = 0x636D7072  # "cmpr"
 _MAX_DIMS = 8
-HEADER_LEN = 4 + _MAX_DIMS + _META_LEN
+_FIXED = 5
+HEADER_LEN = _FIXED + _MAX_DIMS + PADDED_META_LEN
 
 
 def default_activation_codec() -> Codec:
@@ -58,7 +61,7 @@ def _resolve(codec: Codec | str | Mapping[str, Any] | None) -> Codec:
     if codec is None:
         return default_activation_codec()
     with error_context("send/recv codec"):
-        return get_codec(codec)  # type: ignore[arg-type]
+        return get_codec(codec)
 
 
 def _ctx(key: str, step: int) -> CodecContext:
@@ -103,15 +106,18 @@ def _send_now(
         raise CommpressError(f"send supports tensors of at most {_MAX_DIMS} dimensions")
     payload = codec.encode(x, _ctx(key, step))
     device = ex.comm_device(x.device)
-    head = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    head[:4] = torch.tensor([_MAGIC, _fp_int(codec), dtype_code(x.dtype), x.dim()])
-    head[4 : 4 + x.dim()] = torch.tensor(list(x.shape), dtype=torch.int64)
-    head[4 + _MAX_DIMS :] = _meta_row(payload)
     names = sorted(payload.parts)
-    body = pack_bytes([payload.parts[n] for n in names], device=device)
-    works = [dist.isend(head.to(device), peer, group=ex.group, tag=tag)]
-    if body.numel():
-        works.append(dist.isend(body, peer, group=ex.group, tag=tag))
+    desc = json.dumps({"names": names, "lane_bits": dict(payload.lane_bits)}).encode()
+    desc_t = torch.frombuffer(bytearray(desc), dtype=torch.uint8)
+    head = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    head[:_FIXED] = torch.tensor([_MAGIC, _fp_int(codec), dtype_code(x.dtype), x.dim(), len(desc)])
+    head[_FIXED : _FIXED + x.dim()] = torch.tensor(list(x.shape), dtype=torch.int64)
+    head[_FIXED + _MAX_DIMS :] = padded_payload_meta(payload)
+    body = pack_bytes([desc_t] + [payload.parts[n] for n in names], device=device)
+    works = [
+        dist.isend(head.to(device), peer, group=ex.group, tag=tag),
+        dist.isend(body, peer, group=ex.group, tag=tag),
+    ]
     ex.wait(Pending(works, "transfer"))
     return payload.nbytes
 
@@ -138,33 +144,34 @@ def _recv_now(
             f"{row[0]:#x}); do the sender and receiver use the same tag and the same API?"
         )
     dtype = code_dtype(row[2])
-    shape = tuple(int(d) for d in row[4 : 4 + row[3]])
-    meta = row[4 + _MAX_DIMS :]
-    specs = parse_payload_meta(meta)
-    size = packed_layout(specs)[1]
-    body = torch.empty(size, dtype=torch.uint8, device=comm)
-    if size:
-        # Always take the body off the wire, even when refusing it, so the sender never blocks.
-        ex.wait(Pending([dist.irecv(body, peer, group=ex.group, tag=tag)], "body"))
+    shape = tuple(int(d) for d in row[_FIXED : _FIXED + row[3]])
+    meta = row[_FIXED + _MAX_DIMS :]
+    specs = [((int(row[4]),), torch.uint8), *parse_payload_meta(meta)]
+    body = torch.empty(packed_layout(specs)[1], dtype=torch.uint8, device=comm)
+    # Always take the body off the wire, even when refusing it, so the sender never blocks.
+    ex.wait(Pending([dist.irecv(body, peer, group=ex.group, tag=tag)], "body"))
     if row[1] != _fp_int(codec):
         raise CommpressError(
             f"{ex.label}: the sender encoded with another codec configuration than this "
             f"receiver's {codec} (fingerprint {codec.fingerprint()}); both sides must pass the "
             "same codec"
         )
-    sent_names_hash = meta[1]
-    probe = codec.encode(torch.zeros(0, dtype=dtype), _ctx(key, step))
-    names = sorted(probe.parts)
-    if name_hash(codec.codec_id, *names) != sent_names_hash or len(names) != len(specs):
+    desc_t, *parts = unpack_bytes(body, specs)
+    try:
+        desc = json.loads(bytes(desc_t.cpu().tolist()).decode())
+        names = [str(n) for n in desc["names"]]
+        lane_bits = {str(k): int(v) for k, v in desc["lane_bits"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CommpressError(f"{ex.label}: corrupted transfer description ({exc})") from exc
+    if name_hash(codec.codec_id, *names) != meta[1] or len(names) != len(parts):
         raise CommpressError(f"{ex.label}: the payload's parts do not match codec {codec}")
-    parts = unpack_bytes(body, specs)
     payload = Payload(
         codec=codec.codec_id,
         fingerprint=codec.fingerprint(),
         shape=shape,
         dtype=dtype,
         parts=dict(zip(names, parts, strict=True)),
-        lane_bits=dict(probe.lane_bits),
+        lane_bits=lane_bits,
     )
     return codec.decode(payload, _ctx(key, step))
 
@@ -232,12 +239,12 @@ def irecv(
 
 def send(tensor: torch.Tensor, dst: int, codec: Any = None, **kwargs: Any) -> int:
     """Blocking :func:`isend`; returns the payload's wire size in bytes."""
-    return isend(tensor, dst, codec, **kwargs).wait()  # type: ignore[no-any-return]
+    return isend(tensor, dst, codec, **kwargs).wait()
 
 
 def recv(src: int, codec: Any = None, **kwargs: Any) -> torch.Tensor:
     """Blocking :func:`irecv`; returns the decoded tensor."""
-    return irecv(src, codec, **kwargs).wait()  # type: ignore[no-any-return]
+    return irecv(src, codec, **kwargs).wait()
 
 
 __all__ = ["HEADER_LEN", "default_activation_codec", "irecv", "isend", "recv", "send"]

@@ -44,10 +44,10 @@ class OrderedQueue:
         idle_check: seconds between checks, while idle, that the group still exists; a queue
             whose group was destroyed stops its thread.
 
-    A job that raises completes its future with a :class:`CommpressError` naming the job; the
-    queue keeps running the following jobs. A job submitted *from* the worker thread itself (a
-    job that calls an API which would itself submit) runs immediately, inline, so nesting never
-    deadlocks.
+    A job that raises completes its future with a :class:`CommpressError` (other exceptions are
+    wrapped, naming the job and the queue); the queue keeps running the following jobs. A job
+    submitted *from* the worker thread itself (a job calling an API that would submit again)
+    runs immediately, inline, so nesting never deadlocks.
     """
 
     def __init__(
@@ -85,7 +85,7 @@ class OrderedQueue:
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Submit ``fn`` and wait for its result (re-raising its exception)."""
-        return self.submit(fn, *args, **kwargs).wait()  # type: ignore[no-any-return]
+        return self.submit(fn, *args, **kwargs).wait()
 
     def on_worker_thread(self) -> bool:
         """Whether the caller is this queue's worker thread."""
@@ -130,13 +130,13 @@ class OrderedQueue:
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:  # every failure goes into the future, never lost
-            name = getattr(fn, "__qualname__", repr(fn))
             if isinstance(exc, CommpressError):
-                err = CommpressError(f"{self.name} job {job_id} ({name}): {exc}")
+                err = exc  # already says what failed
             else:
+                name = getattr(fn, "__qualname__", repr(fn))
                 tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-                err = CommpressError(f"{self.name} job {job_id} ({name}) failed: {tb}")
-            err.__cause__ = exc
+                err = CommpressError(f"{self.name}: job {job_id} ({name}) failed: {tb}")
+                err.__cause__ = exc
             fut.set_exception(err)
             if not isinstance(exc, Exception):  # KeyboardInterrupt/SystemExit: stop the thread
                 self._close_from_worker(f"job {job_id} raised {type(exc).__name__}")
@@ -213,7 +213,7 @@ def queue_for(group: Any = None, lane: Hashable = "collective") -> OrderedQueue:
             return entry[1]
         if entry is not None:
             entry[1].shutdown(wait=False)
-        name = f"commpress-{getattr(pg, 'group_name', '') or id(pg)}-{lane}"
+        name = f"commpress queue {lane} of group {getattr(pg, 'group_name', '') or id(pg)}"
         q = OrderedQueue(name, pg)
         _QUEUES[key] = (pg, q)
         return q

@@ -34,9 +34,9 @@ from commpress.codecs.protocol import AllGather, Protocol, Reduced
 from commpress.collectives.driver import (
     Exchange,
     Pending,
-    packed_layout,
     name_hash,
     pack_bytes,
+    packed_layout,
     parse_payload_meta,
     payload_meta,
     protocol_task,
@@ -49,7 +49,7 @@ RING_TAG_BASE = 0x5C0000
 #: Most payload parts a point-to-point message header can describe.
 MAX_P2P_PARTS = 8
 _DIMS = 8
-_META_LEN = 2 + MAX_P2P_PARTS * (2 + _DIMS)
+PADDED_META_LEN = 2 + MAX_P2P_PARTS * (2 + _DIMS)
 
 
 # ---------------------------------------------------------------------------- all-gather
@@ -68,7 +68,7 @@ def gather_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext) -> Protoco
 
 
 # ---------------------------------------------------------------------------- p2p messages
-def _meta_row(payload: Payload) -> torch.Tensor:
+def padded_payload_meta(payload: Payload) -> torch.Tensor:
     names = sorted(payload.parts)
     if len(names) > MAX_P2P_PARTS:
         raise CommpressError(
@@ -76,7 +76,7 @@ def _meta_row(payload: Payload) -> torch.Tensor:
             f"at most {MAX_P2P_PARTS}"
         )
     row = payload_meta(payload)
-    out = torch.zeros(_META_LEN, dtype=torch.int64)
+    out = torch.zeros(PADDED_META_LEN, dtype=torch.int64)
     out[: row.numel()] = row
     return out
 
@@ -124,7 +124,7 @@ class _Link:
                     f"vary ({out_names} vs {list(names)})"
                 )
         else:
-            meta_out = _meta_row(out).to(device)
+            meta_out = padded_payload_meta(out).to(device)
             meta_in = torch.empty_like(meta_out)
             works = [
                 dist.isend(meta_out, self.right, group=group, tag=self.tag),
@@ -441,12 +441,14 @@ def hierarchical_task(
 
 __all__ = [
     "MAX_P2P_PARTS",
+    "PADDED_META_LEN",
     "RING_TAG_BASE",
     "chunk_bounds",
     "gather_protocol",
     "hierarchical_task",
     "local_size_from_env",
     "node_groups",
+    "padded_payload_meta",
     "reference_ring_sum",
     "ring_all_gather_payloads",
     "ring_reduce_scatter",

@@ -1,0 +1,377 @@
+"""The collectives engine on real multi-process gloo groups: driver, strategies, buckets, queue.
+
+Inputs are generated from per-rank seeds, so every rank can compute every other rank's input
+and therefore the exact expected result locally. Most checks use *integer-valued* floats
+(|value| <= 4, world <= 4, so every partial sum is an integer <= 16 in magnitude): such sums are
+exact in fp32, fp16 and bf16 whatever the order of additions, so results must match the exact
+sum bit for bit. Order-sensitive checks (the ring) use random fp16 values against a reference
+that adds in the ring's documented order.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+import commpress
+from commpress.codecs.base import Codec, CodecContext, Payload
+from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced
+from commpress.codecs.simulate import reduce_tensors, simulate
+from commpress.collectives import OrderedQueue, all_reduce, all_reduce_async, execute
+from commpress.collectives.strategies import reference_ring_sum
+from commpress.errors import CommpressError
+from commpress.testing import nmse
+from dist_utils import run_workers
+
+SHAPES: list[tuple[int, ...]] = [(), (0,), (1,), (2,), (7,), (33, 5)]
+STRATS = ["auto", "allreduce", "allgather", "ring", "hierarchical", "hierarchical-compress-first"]
+
+
+def int_valued(
+    rank: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0
+) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randint(-4, 5, shape, generator=g).to(dtype)
+
+
+# ---------------------------------------------------------------------------- a toy codec
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TwoRoundInt(Codec):
+    """A deterministic multi-round codec (not registered): round 1 all-reduces max |x|, round 2
+    all-reduces int32 lanes ``round(x / scale * 1000)``, then an all-gather of a marker. Its
+    aggregate is a sum of integers, so it is exact and independent of the order of additions."""
+
+    codec_id: ClassVar[str] = "test-two-round"
+    summable: ClassVar[bool] = True
+    multi_round: ClassVar[bool] = True
+
+    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        return self.make_payload(x, {"values": x.reshape(-1).to(torch.float32)})
+
+    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        v = self.part(payload, "values", numel=payload.numel)
+        return v.to(payload.dtype).reshape(payload.shape)
+
+    def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
+        x = tensor.detach().reshape(-1).float()
+        peak = x.abs().max() if x.numel() else torch.zeros(())
+        got = yield AllReduce(tensors={"peak": peak.reshape(1)}, op="max")
+        scale = float(got["peak"][0]) or 1.0
+        lanes = torch.round(x / scale * 1000).to(torch.int32)
+        summed = yield AllReduce(tensors={"lanes": lanes})
+        marker = self.make_payload(tensor, {"values": torch.full((ctx.rank + 1,), 1.0)})
+        gathered = yield AllGather(marker)
+        assert [p.parts["values"].numel() for p in gathered] == list(range(1, ctx.world_size + 1))
+        total = (summed["lanes"].double() * scale / 1000).to(tensor.dtype).reshape(tensor.shape)
+        return Reduced(total=self.finish_total(total, ctx))
+
+
+def two_round_expected(inputs: list[torch.Tensor], average: bool) -> torch.Tensor:
+    xs = [t.reshape(-1).float() for t in inputs]
+    scale = float(torch.stack([x.abs().max() for x in xs]).max()) if xs[0].numel() else 0.0
+    scale = scale or 1.0
+    lanes = sum(torch.round(x / scale * 1000).to(torch.int32) for x in xs)
+    total = (lanes.double() * scale / 1000).to(inputs[0].dtype).reshape(inputs[0].shape)
+    return total / len(inputs) if average and len(inputs) > 1 else total
+
+
+# ---------------------------------------------------------------------------- driver checks
+def _driver_worker(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(7)
+    # Saturating 4-bit lanes (limit 7) held in int8 and int32: the reply must equal the
+    # simulator's pairwise rank-order saturating sum bit for bit.
+    lanes8 = [torch.randint(-7, 8, (50,), generator=g, dtype=torch.int8) for _ in range(world)]
+    lanes32 = [torch.randint(-7, 8, (3, 4), generator=g).to(torch.int32) for _ in range(world)]
+
+    def sat_protocol() -> Protocol:
+        mine = {"a": lanes8[rank], "b": lanes32[rank]}
+        before = {k: v.clone() for k, v in mine.items()}
+        got = yield AllReduce(tensors=mine, int_bits=4, saturate=True)
+        assert all(torch.equal(mine[k], before[k]) for k in mine), "request modified in place"
+        return Reduced(total=torch.cat([got["a"].float(), got["b"].reshape(-1).float()]))
+
+    req = AllReduce(tensors={"a": lanes8[0]}, int_bits=4, saturate=True)
+    expect_a = reduce_tensors(lanes8, req, list(range(world)))
+    expect_b = reduce_tensors(lanes32, req, list(range(world)))
+    total = execute(sat_protocol()).total
+    out["saturate_exact"] = torch.equal(
+        total, torch.cat([expect_a.float(), expect_b.reshape(-1).float()])
+    )
+
+    # Non-saturating narrow lanes: exact when the sum fits, a clear error on every rank if not.
+    def int_protocol(v: int) -> Protocol:
+        got = yield AllReduce(tensors={"a": torch.full((5,), v, dtype=torch.int8)}, int_bits=4)
+        return Reduced(total=got["a"].float())
+
+    out["int_sum"] = execute(int_protocol(1)).total.tolist()
+    try:
+        execute(int_protocol(7))
+        out["int_overflow"] = "no error"
+    except CommpressError as exc:
+        out["int_overflow"] = str(exc)
+
+    # max/min of floats, and a variable-size all-gather (payload sizes differ per rank).
+    def float_protocol() -> Protocol:
+        x = torch.tensor([float(rank), -float(rank), 0.5])
+        hi = yield AllReduce(tensors={"x": x}, op="max")
+        lo = yield AllReduce(tensors={"x": x}, op="min")
+        p = Payload(
+            codec="test-var",
+            fingerprint="f",
+            shape=(rank + 1,),
+            dtype=torch.float32,
+            parts={"v": torch.arange(rank + 1.0), "i": torch.full((2, rank), rank)},
+        )
+        gathered = yield AllGather(p)
+        out["gathered"] = [(q.parts["v"].tolist(), q.parts["i"].tolist()) for q in gathered]
+        return Reduced(total=torch.cat([hi["x"], lo["x"]]))
+
+    out["maxmin"] = execute(float_protocol()).total.tolist()
+
+    # The toy multi-round codec through execute and through the public API.
+    xs = [int_valued(r, (40,), torch.float32, seed=3) for r in range(world)]
+    ctx = CodecContext(rank=rank, world_size=world, average=True)
+    out["two_round"] = torch.equal(
+        execute(TwoRoundInt().reduce(xs[rank], ctx)).total, two_round_expected(xs, True)
+    )
+    out["two_round_api"] = torch.equal(
+        all_reduce(xs[rank], TwoRoundInt(), op="sum", key="tr"), two_round_expected(xs, False)
+    )
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_driver_requests_match_the_simulator(world: int) -> None:
+    results = run_workers(_driver_worker, world, timeout=120)
+    for rank, out in enumerate(results):
+        assert out["saturate_exact"], f"rank {rank}: saturating sum differs from the simulator"
+        assert out["int_sum"] == [float(world)] * 5
+        if world > 1:
+            # 7 + 7 = 14 > 7 = 2^(4-1) - 1: every rank must refuse, none may hang.
+            assert "overflows 4-bit lanes" in out["int_overflow"]
+        assert out["maxmin"] == [world - 1.0, 0.0, 0.5, 0.0, -(world - 1.0), 0.5]
+        assert out["gathered"] == [
+            (list(map(float, range(r + 1))), [[r] * r] * 2) for r in range(world)
+        ]
+        assert out["two_round"] and out["two_round_api"]
+
+
+# ---------------------------------------------------------------------------- strategies
+def _strategy_worker(rank: int, world: int, local_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for shape in SHAPES:
+            xs = [int_valued(r, shape, dtype) for r in range(world)]
+            exact = torch.stack([x.double() for x in xs]).sum(0).to(dtype)
+            for strategy in STRATS:
+                for op in ("sum", "mean"):
+                    for bucket in (None, 12):
+                        name = f"{strategy}/{op}/{dtype}/{shape}/{bucket}"
+                        got = all_reduce(
+                            xs[rank],
+                            "identity",
+                            op=op,
+                            strategy=strategy,
+                            key=name,
+                            bucket_bytes=bucket,
+                            local_size=local_size,
+                        )
+                        want = exact if op == "sum" or world == 1 else exact / world
+                        out[name] = got
+                        assert got.shape == xs[rank].shape and got.dtype == dtype, name
+                        assert torch.equal(got, want), f"{name}: {got} != {want}"
+    # The ring adds chunk c in rank order c, c+1, ..., c-1: with random fp16 values (where the
+    # order of additions changes the rounding) it must equal that reference bit for bit.
+    g = torch.Generator().manual_seed(11)
+    xs = [torch.randn(101, generator=g).to(torch.float16) for _ in range(world)]
+    codecs = ["identity"] + (["netzip"] if "netzip" in commpress.codec_ids() else [])
+    for codec in codecs:
+        got = all_reduce(xs[rank], codec, op="sum", strategy="ring", key=f"ring-{codec}")
+        assert torch.equal(got, reference_ring_sum(xs)), f"ring with {codec} is not exact"
+    # Offloaded encoding and deeper pipelines give the same bits.
+    x = int_valued(rank, (257,), torch.float32, seed=5)
+    exact = torch.stack([int_valued(r, (257,), torch.float32, seed=5) for r in range(world)]).sum(0)
+    for depth in (1, 3):
+        for offload in (False, True):
+            got = all_reduce(
+                x,
+                "fp16",
+                op="sum",
+                key=f"off{depth}{offload}",
+                bucket_bytes=64,
+                offload=offload,
+                pipeline_depth=depth,
+            )
+            assert torch.equal(got, exact), (depth, offload)
+    return {k: v for k, v in out.items() if "(33, 5)" in k}
+
+
+@pytest.mark.parametrize(("world", "local_size"), [(1, 1), (2, 1), (3, 3), (4, 2)])
+def test_every_strategy_is_exact_and_identical(world: int, local_size: int) -> None:
+    """All strategies x sizes (0-d, empty, smaller than the world) x dtypes x op x buckets.
+
+    Hierarchical layouts covered: one rank per node (2x1), one node (3), and 2 nodes x 2."""
+    results = run_workers(_strategy_worker, world, local_size, timeout=240)
+    for rank in range(1, world):
+        for name, value in results[0].items():
+            assert torch.equal(value, results[rank][name]), f"{name}: rank {rank} differs"
+
+
+# ---------------------------------------------------------------------------- every codec
+def _codec_worker(rank: int, world: int) -> dict[str, Any]:
+    """Every registered codec (default parameters) through every strategy it supports."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(24, 10, generator=g) for _ in range(world)]
+    out: dict[str, Any] = {}
+    for codec_id in commpress.codec_ids():
+        codec = commpress.get_codec(codec_id)
+        strategies = ["auto"] if codec.multi_round else ["auto", "allgather", "ring"]
+        strategies.append("hierarchical")
+        for strategy in strategies:
+            name = f"{codec_id}/{strategy}"
+            ctx = CodecContext(rank=rank, world_size=world, key="tensor")
+            got = all_reduce(
+                xs[rank], codec, op="sum", strategy=strategy, ctx=ctx, key=name, local_size=1
+            )
+            assert got.shape == xs[rank].shape and got.dtype == xs[rank].dtype, name
+            out[name] = got
+        # The protocol strategy is the simulator's exchange with real collectives: with the same
+        # contexts the only difference is the order of float additions inside the all-reduce
+        # (relative rounding ~1e-7 per element, so NMSE ~1e-13). 1e-6 leaves room for codecs
+        # whose output is a smooth function of the summed lanes; a real mismatch is O(1).
+        sim = simulate(codec, xs, key="tensor").total
+        out[f"{codec_id}/sim_nmse"] = nmse(out[f"{codec_id}/auto"], sim)
+    return out
+
+
+def test_every_registered_codec_through_the_engine() -> None:
+    results = run_workers(_codec_worker, 3, timeout=240)
+    for name, value in results[0].items():
+        if name.endswith("sim_nmse"):
+            assert value <= 1e-6, f"{name}: real all-reduce differs from the simulator ({value})"
+            continue
+        for rank in (1, 2):
+            assert torch.equal(value, results[rank][name]), f"{name}: rank {rank} differs"
+
+
+# ---------------------------------------------------------------------------- load
+def _load_worker(rank: int, world: int, n_threads: int, n_jobs: int) -> list[float]:
+    """Many multi-round reductions in flight at once, submitted from several threads.
+
+    A turnstile makes thread ``k % n_threads`` submit job ``k`` (the same global order on every
+    rank, as DDP's bucket order is), but the jobs are not awaited before submitting the next:
+    up to ``n_jobs`` multi-round protocols, some bucketed and pipelined, are queued at once.
+    """
+    turn = threading.Condition()
+    state = {"next": 0}
+    futures: dict[int, Any] = {}
+    inputs = {
+        k: [int_valued(r, (64 + 7 * k,), torch.float32, seed=k) for r in range(world)]
+        for k in range(n_jobs)
+    }
+
+    def submitter(t: int) -> None:
+        for k in range(t, n_jobs, n_threads):
+            with turn:
+                turn.wait_for(lambda k=k: state["next"] == k)
+                codec: Any = TwoRoundInt() if k % 3 else "fp16"
+                futures[k] = all_reduce_async(
+                    inputs[k][rank],
+                    codec,
+                    op="sum",
+                    key=f"job{k}",
+                    step=k,
+                    bucket_bytes=96 if k % 2 else None,
+                )
+                state["next"] += 1
+                turn.notify_all()
+
+    threads = [threading.Thread(target=submitter, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    digest = []
+    for k in range(n_jobs):
+        got = futures[k].wait()
+        if k % 3:
+            # Bucketed jobs run the protocol per bucket: scales are per bucket too.
+            if k % 2:
+                n = 96 // 4
+                flat = [x.reshape(-1) for x in inputs[k]]
+                want = torch.cat(
+                    [
+                        two_round_expected([f[i : i + n] for f in flat], False)
+                        for i in range(0, flat[0].numel(), n)
+                    ]
+                )
+            else:
+                want = two_round_expected(inputs[k], False)
+        else:
+            want = torch.stack(inputs[k]).sum(0)
+        assert torch.equal(got, want), f"job {k} wrong on rank {rank}"
+        digest.append(float(got.double().sum()))
+    return digest
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ordered_queue_under_load(world: int) -> None:
+    results = run_workers(_load_worker, world, 3, 24, timeout=180)
+    assert all(r == results[0] for r in results)
+
+
+# ---------------------------------------------------------------------------- queue (local)
+def test_ordered_queue_runs_jobs_in_submission_order() -> None:
+    q = OrderedQueue("test")
+    seen: list[int] = []
+    lock = threading.Lock()
+    futs = []
+
+    def job(i: int) -> int:
+        seen.append(i)
+        return i * i
+
+    def submit_range(lo: int) -> None:
+        for i in range(lo, lo + 50):
+            with lock:  # the submission order is the order under the lock
+                futs.append((i, q.submit(job, i)))
+
+    threads = [threading.Thread(target=submit_range, args=(lo,)) for lo in (0, 50, 100)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    submitted = [i for i, _ in futs]
+    assert [f.wait() for _, f in futs] == [i * i for i in submitted]
+    assert seen == submitted
+    q.shutdown()
+    assert not q.alive
+    with pytest.raises(CommpressError, match="shut down"):
+        q.submit(job, 1)
+
+
+def test_ordered_queue_errors_and_nesting() -> None:
+    q = OrderedQueue("test")
+
+    def boom() -> None:
+        raise KeyError("missing")
+
+    with pytest.raises(CommpressError, match=r"test: job 0 \(.*boom\) failed: KeyError"):
+        q.submit(boom).wait()
+    with pytest.raises(CommpressError, match="bad value"):
+        q.run(lambda: (_ for _ in ()).throw(CommpressError("bad value")))
+    # The queue survives failures, and a job may submit to its own queue without deadlock.
+    assert q.run(lambda: q.submit(lambda: 5).wait() + 1) == 6
+    q.shutdown()
+
+
+def test_api_needs_an_initialized_process_group() -> None:
+    with pytest.raises(CommpressError, match="not initialized"):
+        all_reduce(torch.ones(3), "identity")
+    with pytest.raises(CommpressError, match="not initialized"):
+        commpress.send(torch.ones(3), 1)
