@@ -18,6 +18,7 @@ EXPECTED_IDS = {
     "minmax", "qsgd", "terngrad", "sign", "thc",
     "topk", "randomk", "topkc", "dgc",
     "powersgd",
+    "netzip",
 }
 
 

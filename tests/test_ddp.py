@@ -13,6 +13,7 @@ import hashlib
 import io
 import math
 import pickle
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -115,7 +116,9 @@ def _run_configs(rank: int, world: int, configs: list[dict[str, Any]]) -> list[d
             if isinstance(st, commpress.ddp.DDPCompressionState):
                 plans[step] = {k: (p.codec.codec_id, p.reason) for k, p in st.plans.items()}
 
+        start = time.perf_counter()
         losses = _train(model, state, range(cfg["steps"]), opt, rank, record)
+        seconds = time.perf_counter() - start
         params = _flat_params(model)
         out.append({
             "name": cfg["name"],
@@ -123,6 +126,7 @@ def _run_configs(rank: int, world: int, configs: list[dict[str, Any]]) -> list[d
             "digest": _digest(params),
             "params": params if cfg.get("keep_params") else None,
             "plans": plans,
+            "seconds": seconds,
             "buckets": len(model.reducer._get_zeros_like_grad_buckets())
             if hasattr(model.reducer, "_get_zeros_like_grad_buckets") else None,
         })
@@ -189,7 +193,9 @@ def test_lossless_and_fp16_paths_match_plain_ddp_and_pytorch_fp16_hook() -> None
 def _every_codec_configs(steps: int) -> list[dict[str, Any]]:
     configs = []
     for cid in commpress.codec_ids():
-        for granularity in ("parameter", "bucket"):
+        # element-wise casts take the same batched path at either granularity
+        both = cid not in ("identity", "fp16", "bf16")
+        for granularity in ("parameter", "bucket") if both else ("parameter",):
             configs.append({
                 "name": f"{cid}/{granularity}",
                 "hook": {"args": {"codec": cid, "granularity": granularity}},
@@ -202,16 +208,16 @@ def _every_codec_configs(steps: int) -> list[dict[str, Any]]:
 
 def test_every_registered_codec_keeps_replicas_bit_identical() -> None:
     """Each registered codec (default parameters, automatic error feedback), per parameter and
-    per bucket, 3 steps on 2 ranks: parameters stay bit-identical across ranks and the loss
-    stays finite."""
-    configs = _every_codec_configs(steps=3)
+    per bucket, 2 steps on 2 ranks (the second uses the state the first left: PowerSGD's Q,
+    error-feedback memory): parameters stay bit-identical across ranks, the loss finite."""
+    configs = _every_codec_configs(steps=2)
     table = _by_name(run_workers(_run_configs, 2, configs, timeout=400))
     assert set(table) == {c["name"] for c in configs}
     for name, per_rank in table.items():
         losses = per_rank[0]["losses"]
         assert all(math.isfinite(v) for v in losses), (name, losses)
         # every step went through the hook: the state recorded a plan per step
-        assert sorted(per_rank[0]["plans"]) == [0, 1, 2], name
+        assert sorted(per_rank[0]["plans"]) == [0, 1], name
 
 
 def _powersgd_configs(steps: int) -> list[dict[str, Any]]:

@@ -150,8 +150,8 @@ def test_error_feedback_topk_sum_of_sent_updates_tracks_true_sum() -> None:
     assert gap <= bound, f"||T*g - sent|| = {gap:.3f} > derived bound {bound:.3f}"
     # Telescoping identity, exactly (up to float32 rounding of T additions): the gap is the sum
     # of the last residuals.
-    residuals = sum(m.residual("w").double() for m in memories)  # type: ignore[union-attr]
-    assert torch.allclose(steps * exact - sent, residuals, rtol=0, atol=1e-3)
+    residuals = torch.stack([m.residual("w").double() for m in memories])  # type: ignore[union-attr]
+    assert torch.allclose(steps * exact - sent, residuals.sum(dim=0), rtol=0, atol=1e-3)
     # So the time average converges like 1/T: its relative error is <= bound / (T ||sum g||),
     # about 0.13 for T = 200 here (observed: about 0.02).
     rel = gap / (steps * float(exact.norm()))
@@ -339,7 +339,7 @@ def test_policy_build_forms_and_errors() -> None:
     with pytest.raises(CommpressError, match="unknown codec id"):
         CodecPolicy("nope")
     with pytest.raises(CommpressError, match="policy rule"):
-        CodecPolicy(rules={"*.bias": 3})
+        CodecPolicy(rules={"*.bias": 3})  # type: ignore[dict-item]
     with pytest.raises(CommpressError, match="thresholds"):
         CodecPolicy(by_size={-1: "fp16"})
     with pytest.raises(CommpressError, match="single codec"):

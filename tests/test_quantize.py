@@ -470,6 +470,7 @@ def test_stochastic_kernel_noise_is_reproducible_and_per_rank() -> None:
 
 # ---------------------------------------------------------------------- backend switch
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert kernels.warm_up()
     x = gaussian(10)
     monkeypatch.setenv(kernels.ENV_VAR, "torch")
     assert not kernels.use_kernels(x)
@@ -496,6 +497,7 @@ def test_fallback_when_numba_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(kernels, "_import_error", "ModuleNotFoundError: No module named 'numba'")
     with kernels.use_backend("auto"):
         assert not kernels.available() and not kernels.use_kernels(x)
+        assert not kernels.warm_up()
         _assert_same_payloads(dict(codec.encode(x).parts), dict(expected.parts))
         sign_out = get_codec("sign").decode(get_codec("sign").encode(x))
         assert nmse(sign_out, x) < 1

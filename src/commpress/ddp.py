@@ -23,16 +23,19 @@ buffer and completes the future DDP waits for.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import nullcontext
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed
 
 from commpress.codecs.base import CodecContext
+from commpress.collectives.driver import Exchange, Pending, protocol_task, run_tasks
 from commpress.collectives.feedback import FALLBACK_CODECS, Schedule
 from commpress.collectives.policy import CodecPolicy, CompressionState, Plan
+from commpress.collectives.queue import queue_for
 from commpress.errors import CommpressError, error_context
 
 if TYPE_CHECKING:
@@ -90,10 +93,50 @@ def _bucket_key(names: Sequence[str]) -> str:
     return f"bucket[{names[0]}..{names[-1]}|{len(names)}]#{digest}" if names else "bucket[]"
 
 
-def _execute(state: DDPCompressionState, protocol: Any, label: str) -> Any:
-    from commpress.collectives.driver import execute
+def _dense_task(
+    state: DDPCompressionState,
+    ex: Exchange,
+    items: list[tuple[str, torch.Tensor]],
+    plans: list[Plan],
+    step: int,
+    key: str,
+) -> Generator[Pending, None, None]:
+    """Reduce several tensors sharing an element-wise codec as one flat tensor.
 
-    return execute(protocol, group=state.process_group, timeout=state.timeout, label=label)
+    Element-wise casts give the same values whether tensors are reduced one by one or
+    concatenated (and the same as PyTorch's fp16 hook on the whole bucket), at the cost of one
+    collective. Error feedback, when it applies, is kept per tensor.
+    """
+    codec, feedback = plans[0].codec, plans[0].feedback
+    xs = [state.memory.compensate(k, t) if feedback else t for k, t in items]
+    flat = xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
+    ctx = CodecContext(
+        rank=ex.rank, world_size=ex.world_size, step=step, key=key, need_local=feedback,
+        average=True,
+    )
+    reduced = yield from protocol_task(codec.reduce(flat, ctx), ex)
+    offset = 0
+    for (k, t), x, plan in zip(items, xs, plans, strict=True):
+        n = t.numel()
+        t.copy_(reduced.total[offset : offset + n].view(t.shape))
+        if feedback:
+            local = reduced.local[offset : offset + n].view(t.shape)  # type: ignore[index]
+            state.memory.update(k, x, local, mask_momentum=not plan.fallback)
+        offset += n
+
+
+def _single_task(
+    state: DDPCompressionState,
+    ex: Exchange,
+    key: str,
+    t: torch.Tensor,
+    plan: Plan,
+    step: int,
+) -> Generator[Pending, None, None]:
+    """Reduce one tensor with its plan's codec (error feedback inside ``state.reduce``)."""
+    protocol = state.reduce(key, t, rank=ex.rank, world_size=ex.world_size, step=step, plan=plan)
+    reduced = yield from protocol_task(protocol, ex)
+    t.copy_(reduced.total)
 
 
 def _reduce_bucket(
@@ -101,50 +144,39 @@ def _reduce_bucket(
     items: list[tuple[str, torch.Tensor]],
     buffer: torch.Tensor,
     step: int,
-    rank: int,
-    world_size: int,
     bucket_index: int,
     stream: Any,
 ) -> torch.Tensor:
-    """The queued job: reduce every tensor of one bucket and write means into the buffer."""
+    """The queued job: reduce every tensor of one bucket and write the means into the buffer.
+
+    Tensors whose codec is an element-wise cast (identity, fp16, bf16) are grouped into one
+    flat reduction per (codec, feedback, dtype); every other tensor gets its own protocol.
+    The reductions are pipelined (``run_tasks``, two in flight): encoding the next tensor
+    overlaps the transfer of the previous one, in the same order on every rank.
+    """
     ctx_mgr = torch.cuda.stream(stream) if stream is not None else nullcontext()
     with ctx_mgr, error_context(f"DDP comm hook, bucket {bucket_index} at step {step}"):
+        ex = Exchange.of(
+            state.process_group, timeout=state.timeout, label=f"DDP bucket {bucket_index}"
+        )
         plans = [state.plan(key, t.shape, t.dtype, step=step) for key, t in items]
         for plan in plans:
             state.plans[plan.key] = plan
-        # Dense casts without feedback are element-wise: one flat reduction per codec gives the
-        # same values as one per tensor (and PyTorch's fp16 hook's), at one collective's cost.
-        batches: dict[str, list[int]] = {}
-        singles: list[int] = []
+        groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
+        tasks: list[Callable[[], Generator[Pending, None, None]]] = []
         for i, plan in enumerate(plans):
-            if plan.codec.codec_id in FALLBACK_CODECS and not plan.feedback:
-                batches.setdefault(plan.codec.fingerprint(), []).append(i)
+            if plan.codec.codec_id in FALLBACK_CODECS:
+                group_key = (plan.codec.fingerprint(), plan.feedback, items[i][1].dtype)
+                groups.setdefault(group_key, []).append(i)
             else:
-                singles.append(i)
-        for indices in batches.values():
-            codec = plans[indices[0]].codec
-            tensors = [items[i][1] for i in indices]
-            flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat(
-                [t.reshape(-1) for t in tensors]
-            )
-            ctx = CodecContext(
-                rank=rank, world_size=world_size, step=step,
-                key=f"bucket{bucket_index}/{codec.codec_id}", average=True,
-            )
-            label = f"{codec.codec_id} reduction of {len(indices)} tensor(s)"
-            total = _execute(state, codec.reduce(flat, ctx), label).total
-            offset = 0
-            for t in tensors:
-                n = t.numel()
-                t.copy_(total[offset : offset + n].view(t.shape))
-                offset += n
-        for i in singles:
-            key, t = items[i]
-            protocol = state.reduce(
-                key, t, rank=rank, world_size=world_size, step=step, plan=plans[i]
-            )
-            label = f"{plans[i].codec.codec_id} reduction of {key!r}"
-            t.copy_(_execute(state, protocol, label).total)
+                tasks.append(partial(_single_task, state, ex, *items[i], plan, step))
+        for n, indices in enumerate(groups.values()):
+            codec_id = plans[indices[0]].codec.codec_id
+            tasks.insert(n, partial(
+                _dense_task, state, ex, [items[i] for i in indices], [plans[i] for i in indices],
+                step, f"bucket{bucket_index}/{codec_id}/{n}",
+            ))
+        run_tasks(tasks, ex, depth=2)
         if stream is not None:
             stream.synchronize()
     return buffer
@@ -158,14 +190,7 @@ def comm_hook(
     Register it with ``model.register_comm_hook(state, comm_hook)`` (or use :func:`register`).
     The step counter advances after each step's last bucket.
     """
-    import torch.distributed as dist
-
-    from commpress.collectives.queue import queue_for
-
     buffer = bucket.buffer()
-    group = state.process_group
-    rank = dist.get_rank(group)
-    world_size = dist.get_world_size(group)
     step = state.step
     if bucket.is_last():
         state.advance()
@@ -178,8 +203,8 @@ def comm_hook(
         pairs = enumerate(zip(params, grads, strict=True))
         items = [(state.name_of(p, i), g) for i, (p, g) in pairs]
     stream = torch.cuda.current_stream(buffer.device) if buffer.is_cuda else None
-    return queue_for(group).submit(
-        _reduce_bucket, state, items, buffer, step, rank, world_size, bucket.index(), stream
+    return queue_for(state.process_group).submit(
+        _reduce_bucket, state, items, buffer, step, bucket.index(), stream
     )
 
 

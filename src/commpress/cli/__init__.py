@@ -20,6 +20,9 @@ COMMANDS: list[str] = [
     "cluster_cmd",
     "launch_cmd",
     "capture_cmd",
+    "predict_cmd",
+    "sweep_cmd",
+    "advise_cmd",
 ]
 
 

@@ -35,7 +35,7 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "cluster",
         help="emulated multi-node cluster: network namespaces joined by shaped links",
@@ -64,7 +64,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(func=run_status)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+    def usage(args: argparse.Namespace) -> int:
+        p.print_help()
+        return 2
+
+    p.set_defaults(func=usage)
 
 
 def _node_table(cluster: object) -> str:

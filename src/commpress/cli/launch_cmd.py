@@ -10,7 +10,7 @@ from commpress.cli.cluster_cmd import add_shape_arguments
 from commpress.errors import CommpressError
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "launch",
         help="run a training command on an emulated cluster (one torchrun per node)",
@@ -46,7 +46,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
-    from commpress.cluster import launch
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -64,6 +63,14 @@ def run(args: argparse.Namespace) -> int:
         LinkShape.parse(args.bandwidth, args.latency, args.loss, args.burst)
     for w in caught:
         print(f"commpress: warning: {w.message}", file=sys.stderr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # printed above
+        return _launch(args, cmd, use_netns)
+
+
+def _launch(args: argparse.Namespace, cmd: list[str], use_netns: bool | None) -> int:
+    from commpress.cluster import launch
+
     return launch(
         cmd,
         nodes=args.nodes,

@@ -36,6 +36,7 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -80,14 +81,35 @@ def _state_path(cluster_id: int) -> str:
     return os.path.join(state_dir(), f"{PREFIX}-{cluster_id}.json")
 
 
+def lock_path() -> str:
+    """One lock for every cluster on the machine, whatever the state directory: cluster ids
+    and namespace names are machine-wide."""
+    base = "/run/commpress" if os.geteuid() == 0 else tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    return os.path.join(base, f"cluster-{os.getuid()}.lock")
+
+
+_lock_state = threading.local()
+
+
 @contextlib.contextmanager
 def _locked() -> Iterator[None]:
-    """Serialise id allocation and teardown between processes."""
-    with open(os.path.join(state_dir(), ".lock"), "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    """Serialise id allocation, bring-up and teardown between processes (re-entrant)."""
+    depth = getattr(_lock_state, "depth", 0)
+    if depth:
+        _lock_state.depth = depth + 1
         try:
             yield
         finally:
+            _lock_state.depth -= 1
+        return
+    with open(lock_path(), "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        _lock_state.depth = 1
+        try:
+            yield
+        finally:
+            _lock_state.depth = 0
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
@@ -164,15 +186,16 @@ class EmulatedCluster:
 
     Algorithm of :meth:`up`:
 
-    1. Check for root and namespace support, allocate the smallest free cluster id (under a
-       file lock) and write the state file listing every name about to be created.
+    1. Check for root and namespace support, take the machine-wide lock, allocate the smallest
+       free cluster id and write the state file listing every name about to be created.
     2. Create the bridge namespace ``commpress-<id>-br`` with bridge ``cp<id>br``.
     3. For each node ``k``: create namespace ``commpress-<id>-n<k>`` (loopback up, IPv6 off so
        gloo only sees the IPv4 address), a veth pair ``cp<id>p<k>`` (bridge side, enslaved to
        the bridge) / ``cp<id>n<k>`` (node side, ``10.213.<id>.<k+1>/24``).
     4. Shape both ends with ``tc`` (see :mod:`commpress.cluster.shaping`): netem (latency/2,
        loss) and tbf on the node side, tbf on the bridge side.
-    5. Mark the state file complete. Any failure in 2-5 undoes everything before re-raising.
+    5. Mark the state file complete and release the lock. Any failure in 2-5 undoes everything
+       before re-raising.
 
     :meth:`down` kills every process still inside the cluster's namespaces and deletes them
     (which destroys the veths and the bridge), then removes the state file; it is idempotent.
@@ -346,18 +369,18 @@ class EmulatedCluster:
                         "`commpress cluster down --all` removes them"
                     )
                 cid = free[0]
+            # The lock is held until the namespaces exist, so a concurrent `up` (even one
+            # with another state directory) sees them and picks another id.
             self._plan(cid)
             _write_state(self.state(complete=False))
-        try:
-            self._create()
-            _write_state(self.state(complete=True))
-            self.complete = True
-        except BaseException:
             try:
-                self.down()
-            except CommpressError:
-                pass
-            raise
+                self._create()
+                _write_state(self.state(complete=True))
+                self.complete = True
+            except BaseException:
+                with contextlib.suppress(CommpressError):
+                    self.down()
+                raise
         return self
 
     def _create(self) -> None:
@@ -464,7 +487,9 @@ class EmulatedCluster:
         env.update(self.node_env(node))
         return subprocess.run(self.exec_argv(node, argv), env=env, timeout=timeout, **kwargs)
 
-    def socket(self, node: int, family: int | None = None, type: int | None = None) -> socket.socket:
+    def socket(
+        self, node: int, family: int | None = None, type: int | None = None
+    ) -> socket.socket:
         """A socket living in ``node``'s namespace (for measurements from Python)."""
         import socket as _socket
 
@@ -501,7 +526,7 @@ def _quiet_ipv6(ns: str) -> None:
     solicitations should chatter on the bridge. Kernels without IPv6 need nothing."""
     with contextlib.suppress(CommpressError):
         netns.sysctl_in(
-            ns, "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"
+            ns, {"net.ipv6.conf.all.disable_ipv6": "1", "net.ipv6.conf.default.disable_ipv6": "1"}
         )
 
 

@@ -14,7 +14,8 @@ Algorithm of :func:`launch_on`:
    on their own once a peer is gone) and then stop them: a survivor could otherwise wait in a
    collective until gloo's 30-minute timeout. ``timeout_s`` bounds the whole job (exit 124).
 4. Always, also on an exception or a signal: SIGTERM each torchrun's process group (torchrun
-   then stops its workers), SIGKILL whatever is left after ``stop_grace_s``, including every
+   then stops its workers; one with no workers left is SIGKILLed at once, as it may be stuck
+   in a store wait), SIGKILL whatever is left after ``stop_grace_s``, including every
    descendant seen while the job ran (workers live in sessions of their own).
 
 :func:`launch` wraps it: it brings a fresh :class:`EmulatedCluster` up, turns SIGINT, SIGTERM
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import IO, Any, Protocol
 
@@ -149,6 +151,20 @@ def _proc_table() -> dict[int, tuple[int, str]]:
         # fields[0] is the state (stat field 3): ppid is field 4, starttime field 22.
         table[int(entry)] = (int(fields[1]), fields[19])
     return table
+
+
+def _descendants(root: int, table: dict[int, tuple[int, str]]) -> list[int]:
+    """Live descendants of ``root`` in a :func:`_proc_table` snapshot."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if netns.pid_alive(child):
+                found.append(child)
+            stack.append(child)
+    return found
 
 
 class ProcessTracker:
@@ -374,9 +390,15 @@ def _stop(procs: list[subprocess.Popen], tracker: ProcessTracker, stop_grace_s: 
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + stop_grace_s
-    for p in running:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(max(0.0, deadline - time.monotonic()))
+    while any(p.poll() is None for p in running) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        # A torchrun whose workers are all gone has nothing left to clean up, but it may sit
+        # in a C++ store wait (exit barrier, rendezvous) where SIGTERM is only noticed late.
+        table = _proc_table()
+        for p in running:
+            if p.poll() is None and not _descendants(p.pid, table):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -423,7 +445,7 @@ def launch(
     A SIGINT, SIGTERM or SIGHUP tears everything down and returns 128 + signal number.
     """
     err = stderr or sys.stderr
-    shape = LinkShape.parse(bandwidth, latency, loss, burst, warn=False)
+    shape = LinkShape.parse(bandwidth, latency, loss, burst)  # warns once about > 7 Gbit/s
     code: int
     with _signals_raise():
         try:
@@ -451,10 +473,12 @@ def launch(
                 host = LocalHost(nodes, procs_per_node)
                 return launch_on(host, cmd, master_port=master_port, timeout_s=timeout_s,
                                  grace_s=grace_s, env=env, stdout=stdout, stderr=stderr)
-            cluster = EmulatedCluster(
-                nodes=nodes, procs_per_node=procs_per_node, bandwidth=bandwidth,
-                latency=latency, loss=loss, burst=burst,
-            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # already warned above
+                cluster = EmulatedCluster(
+                    nodes=nodes, procs_per_node=procs_per_node, bandwidth=bandwidth,
+                    latency=latency, loss=loss, burst=burst,
+                )
             try:
                 cluster.up()
                 err.write(

@@ -75,7 +75,9 @@ class LinkResult:
 
     @property
     def name(self) -> str:
-        return f"node {self.src} (loopback)" if self.kind == "intra" else f"{self.src} -> {self.dst}"
+        if self.kind == "intra":
+            return f"node {self.src} (loopback)"
+        return f"{self.src} -> {self.dst}"
 
 
 @dataclass

@@ -7,6 +7,7 @@ touches an interface of the host's own namespace.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from commpress.errors import CommpressError
 
@@ -83,12 +84,26 @@ def add_netns(name: str) -> None:
     ip("link", "set", "lo", "up", ns=name, what=f"bringing up loopback in {name}")
 
 
-def sysctl_in(ns: str, *settings: str) -> None:
-    """``sysctl -w`` inside a namespace (e.g. ``net.ipv6.conf.all.disable_ipv6=1``)."""
-    run_cmd(
-        netns_exec_argv(ns, [_tool("sysctl"), "-q", "-w", *settings]),
-        f"setting {', '.join(settings)} in {ns}",
-    )
+def sysctl_in(ns: str, settings: dict[str, str]) -> None:
+    """Write ``net.*`` sysctls inside namespace ``ns`` (no ``sysctl`` binary needed).
+
+    ``/proc/sys/net`` shows the namespace of the thread that opens it, so a helper thread
+    enters ``ns`` and writes the files there.
+    """
+    errors: list[str] = []
+
+    def write() -> None:
+        for key, value in settings.items():
+            path = "/proc/sys/" + key.replace(".", "/")
+            try:
+                with open(path, "w", encoding="ascii") as fh:
+                    fh.write(value)
+            except OSError as exc:
+                errors.append(f"{key}={value}: {exc}")
+
+    _in_netns(ns, write)
+    if errors:
+        raise CommpressError(f"setting sysctls in {ns}: " + "; ".join(errors))
 
 
 def netns_pids(name: str) -> list[int]:
@@ -103,19 +118,15 @@ def kill_pids(pids: Sequence[int], grace_s: float = 3.0) -> list[int]:
     """SIGTERM ``pids``, wait up to ``grace_s``, SIGKILL the rest; returns pids that survived."""
     alive = [p for p in pids if pid_alive(p)]
     for pid in alive:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
     deadline = time.monotonic() + grace_s
     while alive and time.monotonic() < deadline:
         time.sleep(0.05)
         alive = [p for p in alive if pid_alive(p)]
     for pid in alive:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     deadline = time.monotonic() + 5.0
     while alive and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -167,10 +178,8 @@ def namespaces_available() -> tuple[bool, str]:
     except CommpressError as exc:
         return False, f"cannot create network namespaces and veth pairs here: {exc}"
     finally:
-        try:
+        with contextlib.suppress(CommpressError):
             delete_netns(probe)
-        except CommpressError:
-            pass
     return True, "root with ip/tc and network namespaces"
 
 
@@ -208,17 +217,9 @@ def _setns(fd: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def socket_in_netns(
-    ns: str | None, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM
-) -> socket.socket:
-    """A socket that lives in namespace ``ns`` (``None``: the caller's own).
-
-    A socket stays in the namespace it was created in, so a short-lived helper thread enters
-    ``ns`` with ``setns(2)`` (which only moves that thread), creates the socket and exits; the
-    rest of the process never changes namespace.
-    """
-    if ns is None:
-        return socket.socket(family, type)
+def _in_netns(ns: str, fn: Callable[[], object]) -> object:
+    """Run ``fn`` in a short-lived thread that has entered namespace ``ns`` (``setns(2)`` moves
+    only the calling thread, so the rest of the process never changes namespace)."""
     result: dict[str, object] = {}
 
     def target() -> None:
@@ -228,15 +229,28 @@ def socket_in_netns(
                 _setns(fd)
             finally:
                 os.close(fd)
-            result["sock"] = socket.socket(family, type)
+            result["value"] = fn()
         except OSError as exc:
             result["error"] = exc
 
     thread = threading.Thread(target=target, name=f"setns-{ns}", daemon=True)
     thread.start()
     thread.join(COMMAND_TIMEOUT_S)
-    if "error" in result or "sock" not in result:
-        raise CommpressError(f"opening a socket inside namespace {ns}: {result.get('error')}")
-    sock = result["sock"]
+    if "error" in result or "value" not in result:
+        raise CommpressError(f"entering namespace {ns}: {result.get('error', 'timed out')}")
+    return result["value"]
+
+
+def socket_in_netns(
+    ns: str | None, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM
+) -> socket.socket:
+    """A socket that lives in namespace ``ns`` (``None``: the caller's own).
+
+    A socket stays in the namespace it was created in, so it is created by a helper thread
+    inside ``ns`` and then used from anywhere.
+    """
+    if ns is None:
+        return socket.socket(family, type)
+    sock = _in_netns(ns, lambda: socket.socket(family, type))
     assert isinstance(sock, socket.socket)
     return sock

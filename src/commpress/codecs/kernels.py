@@ -13,13 +13,16 @@ Choosing the implementation:
   them to compare both paths).
 
 Both paths produce bit-identical payloads and decodings for deterministic rounding (the same
-fp32 operations in the same order, no fused multiply-add, ``fastmath=False``). For stochastic
+fp32 operations in the same order, no fused multiply-add, ``fastmath=False``; only ``sign``'s
+scale is a float64 sum taken in another order, equal after rounding to float32 unless the sum
+lies within ~1e-15 of a rounding boundary). For stochastic
 rounding the kernel draws its own uniform noise from a counter-based generator (SplitMix64 of
 the element index and a seed taken from the caller's torch generator) because drawing a
 64 MB tensor of ``torch.rand`` costs more than the whole encode; given the same noise tensor
 (``noise=`` argument) the kernel reproduces the torch path bit for bit.
 
-Kernels are compiled on first use (a few seconds) and cached on disk (``cache=True``). Calls
+Kernels are compiled on first use (10-20 s of CPU once; :func:`warm_up` does it eagerly) and
+cached on disk (``cache=True``, next to this file or in numba's user cache directory). Calls
 are serialised by a lock, because numba's default ``workqueue`` threading layer aborts the
 process on concurrent parallel launches from several Python threads.
 """
@@ -48,6 +51,7 @@ SEGMENT = 16384
 
 _override: str | None = None
 _lock = threading.Lock()
+_load_lock = threading.Lock()
 _compiled: dict[str, Callable[..., Any]] | None = None
 _import_error: str | None = None
 
@@ -110,13 +114,29 @@ def use_kernels(t: torch.Tensor) -> bool:
     return True
 
 
+def warm_up() -> bool:
+    """Compile (or load from the on-disk cache) every kernel now instead of at the first
+    encode, for example before timing a training step. Returns :func:`available`."""
+    if not available():
+        return False
+    x = torch.linspace(-1.0, 1.0, 20)
+    for stochastic in (False, True):
+        packed, lo, scale = minmax_encode(x, chunk=8, bits=3, stochastic=stochastic)
+        minmax_decode(packed, lo, scale, chunk=8, bits=3, n=20)
+    signs, total = sign_encode(x)
+    sign_decode(signs, torch.tensor([total / 20]), 20)
+    return True
+
+
 def _load() -> dict[str, Callable[..., Any]] | None:
     global _compiled, _import_error
     if _compiled is None and _import_error is None:
-        try:
-            _compiled = _build()
-        except Exception as exc:  # pragma: no cover - depends on the installation
-            _import_error = f"{type(exc).__name__}: {exc}"
+        with _load_lock:
+            if _compiled is None and _import_error is None:
+                try:
+                    _compiled = _build()
+                except Exception as exc:  # pragma: no cover - depends on the installation
+                    _import_error = f"{type(exc).__name__}: {exc}"
     return _compiled
 
 
@@ -143,52 +163,86 @@ def _nb_uniform(seed: Any, i: Any) -> Any:
 
 def _nb_pack_unit(buf: Any, count: Any, bits: Any, out: Any, start: Any) -> None:
     # codes buf[:count] -> out[start:...]: a little-endian bit stream, 8 codes per b bytes.
-    if bits == 8:
-        for k in range(count):
-            out[start + k] = buf[k]
-        return
-    for k in range(count, (count + 7) // 8 * 8):
-        buf[k] = 0
+    # (Inner loops index zero-based slices: numba then drops its negative-index wraparound
+    # checks and the loops vectorize.)
     total = (count * bits + 7) // 8
-    if bits == 1 or bits == 2 or bits == 4:
-        per = 8 // bits
+    dst = out[start : start + total]
+    if bits == 8:
+        src = buf[:count]
+        for k in range(count):
+            dst[k] = src[k]
+        return
+    pad = buf[count : (count + 7) // 8 * 8]
+    for k in range(pad.size):
+        pad[k] = 0
+    if bits == 4:
         for k in range(total):
-            byte = u8(0)
-            for j in range(per):
-                byte |= buf[k * per + j] << u8(j * bits)
-            out[start + k] = byte
+            dst[k] = buf[2 * k] | (buf[2 * k + 1] << u8(4))
+        return
+    if bits == 2:
+        for k in range(total):
+            dst[k] = (
+                buf[4 * k]
+                | (buf[4 * k + 1] << u8(2))
+                | (buf[4 * k + 2] << u8(4))
+                | (buf[4 * k + 3] << u8(6))
+            )
+        return
+    if bits == 1:
+        for k in range(total):
+            dst[k] = (
+                buf[8 * k]
+                | (buf[8 * k + 1] << u8(1))
+                | (buf[8 * k + 2] << u8(2))
+                | (buf[8 * k + 3] << u8(3))
+                | (buf[8 * k + 4] << u8(4))
+                | (buf[8 * k + 5] << u8(5))
+                | (buf[8 * k + 6] << u8(6))
+                | (buf[8 * k + 7] << u8(7))
+            )
         return
     ub = u64(bits)
     for g in range((count + 7) // 8):
         word = u64(0)
         for j in range(8):
             word |= u64(buf[8 * g + j]) << (u64(j) * ub)
-        base = g * bits
-        for m in range(min(bits, total - base)):
-            out[start + base + m] = u8((word >> u64(8 * m)) & u64(0xFF))
+        for m in range(min(bits, total - g * bits)):
+            dst[g * bits + m] = u8((word >> u64(8 * m)) & u64(0xFF))
 
 
 def _nb_unpack_unit(packed: Any, start: Any, count: Any, bits: Any, buf: Any) -> None:
     # inverse of _nb_pack_unit; buf receives count codes (rounded up to a multiple of 8)
-    if bits == 8:
-        for k in range(count):
-            buf[k] = packed[start + k]
-        return
     total = (count * bits + 7) // 8
+    src = packed[start : start + total]
+    if bits == 8:
+        dst = buf[:count]
+        for k in range(count):
+            dst[k] = src[k]
+        return
     mask = u8((1 << bits) - 1)
-    if bits == 1 or bits == 2 or bits == 4:
-        per = 8 // bits
+    if bits == 4:
         for k in range(total):
-            byte = packed[start + k]
-            for j in range(per):
-                buf[k * per + j] = (byte >> u8(j * bits)) & mask
+            byte = src[k]
+            buf[2 * k] = byte & mask
+            buf[2 * k + 1] = byte >> u8(4)
+        return
+    if bits == 2:
+        for k in range(total):
+            byte = src[k]
+            for j in range(4):
+                buf[4 * k + j] = (byte >> u8(2 * j)) & mask
+        return
+    if bits == 1:
+        for k in range(total):
+            byte = src[k]
+            for j in range(8):
+                buf[8 * k + j] = (byte >> u8(j)) & mask
         return
     ub = u64(bits)
     for g in range((count + 7) // 8):
-        base = g * bits
         word = u64(0)
-        for m in range(min(bits, total - base)):
-            word |= u64(packed[start + base + m]) << u64(8 * m)
+        for m in range(min(bits, total - g * bits)):
+            word |= u64(src[g * bits + m]) << u64(8 * m)
         for j in range(8):
             buf[8 * g + j] = u8((word >> (u64(j) * ub)) & u64(mask))
 
@@ -199,8 +253,9 @@ def _nb_minmax_keys(xi: Any, s: Any, e: Any) -> Any:
     # math, and NaNs land outside [key(-inf), key(+inf)] where they are easy to detect.
     lo = i32(0x7FFFFFFF)
     hi = i32(-0x80000000)
-    for i in range(s, e):
-        v = xi[i]
+    src = xi[s:e]
+    for i in range(src.size):
+        v = src[i]
         k = v ^ ((v >> i32(31)) & i32(0x7FFFFFFF))
         lo = k if k < lo else lo
         hi = k if k > hi else hi
@@ -239,25 +294,28 @@ def _nb_quantize(
 ) -> None:
     # buf[off + k - s] = clamp(floor((x[k] - lo) * inv + u), 0, levels), NaN -> 0
     zero = f32(0.0)
+    src = x[s:e]
+    dst = buf[off : off + e - s]
     if mode == 0:
         half = f32(0.5)
-        for k in range(s, e):
-            t = np.floor((x[k] - lo) * inv + half)
+        for k in range(src.size):
+            t = np.floor((src[k] - lo) * inv + half)
             t = t if t >= zero else zero
             t = t if t <= levels else levels
-            buf[off + k - s] = u8(t)
+            dst[k] = u8(t)
     elif mode == 1:
-        for k in range(s, e):
-            t = np.floor((x[k] - lo) * inv + _nb_uniform(seed, k))
+        for k in range(src.size):
+            t = np.floor((src[k] - lo) * inv + _nb_uniform(seed, s + k))
             t = t if t >= zero else zero
             t = t if t <= levels else levels
-            buf[off + k - s] = u8(t)
+            dst[k] = u8(t)
     else:
-        for k in range(s, e):
-            t = np.floor((x[k] - lo) * inv + noise[k])
+        u = noise[s:e]
+        for k in range(src.size):
+            t = np.floor((src[k] - lo) * inv + u[k])
             t = t if t >= zero else zero
             t = t if t <= levels else levels
-            buf[off + k - s] = u8(t)
+            dst[k] = u8(t)
 
 
 def _nb_minmax_encode(
@@ -346,8 +404,10 @@ def _nb_minmax_decode(
             e = min((c + 1) * chunk, b)
             lo = lo_in[c]
             scale = scale_in[c]
-            for k in range(i, e):
-                out[k] = f32(buf[k - a]) * scale + lo
+            src = buf[i - a : e - a]
+            dst = out[i:e]
+            for k in range(src.size):
+                dst[k] = f32(src[k]) * scale + lo
             i = e
             c += 1
 
@@ -358,16 +418,23 @@ def _nb_sign_encode(x: Any, packed: Any, partial: Any) -> None:
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
+        src = x[a:b]
         acc = 0.0
-        for k in range(a, b):
-            acc += abs(np.float64(x[k]))
+        for k in range(src.size):
+            acc += abs(np.float64(src[k]))
         partial[unit] = acc
-        for g in range((b - a + 7) // 8):
-            base = a + 8 * g
+        dst = packed[a // 8 : (b + 7) // 8]
+        full = src.size // 8
+        for g in range(full):
             byte = 0
-            for j in range(min(8, b - base)):
-                byte |= (1 if x[base + j] >= f32(0.0) else 0) << j
-            packed[base // 8] = u8(byte)
+            for j in range(8):
+                byte |= (1 if src[8 * g + j] >= f32(0.0) else 0) << j
+            dst[g] = u8(byte)
+        if full < dst.size:
+            byte = 0
+            for j in range(src.size - 8 * full):
+                byte |= (1 if src[8 * full + j] >= f32(0.0) else 0) << j
+            dst[full] = u8(byte)
 
 
 def _nb_sign_decode(packed: Any, scale: Any, out: Any) -> None:
@@ -377,9 +444,15 @@ def _nb_sign_decode(packed: Any, scale: Any, out: Any) -> None:
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        for k in range(a, b):
-            bit = (packed[k >> 3] >> (k & 7)) & 1
-            out[k] = scale if bit else neg
+        src = packed[a // 8 : (b + 7) // 8]
+        dst = out[a:b]
+        full = dst.size // 8
+        for g in range(full):
+            byte = src[g]
+            for j in range(8):
+                dst[8 * g + j] = scale if (byte >> j) & 1 else neg
+        for k in range(8 * full, dst.size):
+            dst[k] = scale if (src[full] >> (k - 8 * full)) & 1 else neg
 
 
 _HELPERS = (
@@ -396,12 +469,16 @@ _KERNELS = ("_nb_minmax_encode", "_nb_minmax_decode", "_nb_sign_encode", "_nb_si
 def _build() -> dict[str, Callable[..., Any]]:
     import numba
 
+    # error_model="numpy": float division by zero gives IEEE inf/nan instead of raising
+    # (constant chunks have scale 0; their reciprocal is then replaced by 0).
     module = globals()
     module["prange"] = numba.prange
     for name in _HELPERS:
-        module[name] = numba.njit(cache=True, inline="always")(module[name])
+        module[name] = numba.njit(cache=True, fastmath=False, error_model="numpy")(module[name])
     return {
-        name[len("_nb_") :]: numba.njit(cache=True, parallel=True, fastmath=False)(module[name])
+        name[len("_nb_") :]: numba.njit(
+            cache=True, parallel=True, fastmath=False, error_model="numpy"
+        )(module[name])
         for name in _KERNELS
     }
 
@@ -504,4 +581,5 @@ __all__ = [
     "sign_encode",
     "use_backend",
     "use_kernels",
+    "warm_up",
 ]

@@ -299,6 +299,12 @@ def reduce(
             )
         return protocol_task(make_protocol(i), ex)
 
+    if (
+        isinstance(pipeline_depth, bool)
+        or not isinstance(pipeline_depth, int)
+        or pipeline_depth < 1
+    ):
+        raise CommpressError(f"pipeline_depth must be an int >= 1, got {pipeline_depth!r}")
     if offload and plan in ("protocol", "allgather"):
         pool = _offload_pool()
         futures: dict[int, Any] = {}
@@ -314,7 +320,12 @@ def reduce(
     else:
         tasks = [functools.partial(make_task, i) for i in range(len(slices))]
 
-    results: list[Reduced] = run_tasks(tasks, ex, depth=pipeline_depth)
+    # Buckets of a hierarchical reduction run one after the other: its steps use several
+    # groups, and a rank's intra-node peers sit in different inter-node groups whose codec
+    # protocols may take different numbers of steps (shards differ), so interleaving buckets
+    # could order intra-node operations differently on different ranks.
+    depth = 1 if plan.startswith("hierarchical") else pipeline_depth
+    results: list[Reduced] = run_tasks(tasks, ex, depth=depth)
     if not many:
         return results[0]
     total = torch.cat([r.total.reshape(-1) for r in results]).reshape(x.shape)

@@ -24,6 +24,7 @@ codec choice, and :mod:`commpress.ddp` drives it from a DDP communication hook.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Mapping
@@ -305,6 +306,11 @@ def compression_rate(
     return rate
 
 
+@functools.cache
+def _dense_codec(codec_id: str) -> Codec:
+    return get_codec(codec_id)
+
+
 ChoiceReason = Literal["codec", "lossless", "warmup", "min_numel", "min_rate"]
 
 
@@ -402,13 +408,13 @@ class Schedule:
         if codec.lossless:
             return Choice(codec, "lossless")
         if step < self.warmup_steps:
-            return Choice(get_codec(self.warmup_codec), "warmup")
+            return Choice(_dense_codec(self.warmup_codec), "warmup")
         if math.prod(shape) < self.min_numel:
-            return Choice(get_codec(self.fallback_codec), "min_numel")
+            return Choice(_dense_codec(self.fallback_codec), "min_numel")
         if self.min_compression_rate > 0 and (
             compression_rate(codec, shape, dtype) < self.min_compression_rate
         ):
-            return Choice(get_codec(self.fallback_codec), "min_rate")
+            return Choice(_dense_codec(self.fallback_codec), "min_rate")
         return Choice(codec, "codec")
 
 

@@ -64,7 +64,8 @@ def _resolve(codec: Codec | str | Mapping[str, Any] | None) -> Codec:
         return get_codec(codec)
 
 
-def _ctx(key: str, step: int) -> CodecContext:
+def transfer_context(key: str, step: int) -> CodecContext:
+    """The codec context of a transfer (equal on sender and receiver)."""
     # Encoder and decoder share one context so that codecs with shared randomness agree.
     return CodecContext(rank=0, world_size=1, step=step, key=key)
 
@@ -104,7 +105,7 @@ def _send_now(
     x = codec.check_input(tensor)
     if x.dim() > _MAX_DIMS:
         raise CommpressError(f"send supports tensors of at most {_MAX_DIMS} dimensions")
-    payload = codec.encode(x, _ctx(key, step))
+    payload = codec.encode(x, transfer_context(key, step))
     device = ex.comm_device(x.device)
     names = sorted(payload.parts)
     desc = json.dumps({"names": names, "lane_bits": dict(payload.lane_bits)}).encode()
@@ -173,7 +174,7 @@ def _recv_now(
         parts=dict(zip(names, parts, strict=True)),
         lane_bits=lane_bits,
     )
-    return codec.decode(payload, _ctx(key, step))
+    return codec.decode(payload, transfer_context(key, step))
 
 
 def isend(
@@ -247,4 +248,12 @@ def recv(src: int, codec: Any = None, **kwargs: Any) -> torch.Tensor:
     return irecv(src, codec, **kwargs).wait()
 
 
-__all__ = ["HEADER_LEN", "default_activation_codec", "irecv", "isend", "recv", "send"]
+__all__ = [
+    "HEADER_LEN",
+    "default_activation_codec",
+    "irecv",
+    "isend",
+    "recv",
+    "send",
+    "transfer_context",
+]

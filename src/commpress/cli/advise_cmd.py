@@ -1,0 +1,105 @@
+"""``commpress advise``: a codec per gradient bucket, or "no compression".
+
+Examples::
+
+    commpress advise --params 1.3e9 --compute-ms 250 --nodes 16 --inter-bw 25gbit
+    commpress advise --demo-model small --compute-ms 40 --links links.json --gpus-per-node 1
+    commpress advise --params 350M --max-nmse 1 --codec topk:ratio=0.01 --codec thc
+
+``--links`` takes the emulated cluster's measured links (``commpress cluster status --json >
+links.json``) or a flat JSON description. See :mod:`commpress.perfmodel.advisor` for the
+algorithm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from commpress.perfmodel.cliargs import add_cluster_args, add_model_args, add_workload_args
+
+    p = sub.add_parser(
+        "advise",
+        help="recommend a codec per bucket (or no compression) for a model and a cluster",
+        description="Recommend the codec of each gradient bucket that minimizes the predicted "
+        "step time under an error budget, or 'no compression' (the fp16 baseline) when no "
+        "codec pays.",
+    )
+    p.add_argument("--codec", action="append", default=[],
+                   help="candidate codec spec (repeat; default: the registered ones among "
+                   "the advisor's defaults)")
+    p.add_argument("--max-nmse", default="0.5",
+                   help="error budget: largest NMSE per step allowed (0.5; 'none' for no "
+                   "budget; use 1 with error feedback)")
+    p.add_argument("--nmse-table", help="JSON {codec spec: nmse} of measured errors (others "
+                   "are measured on synthetic samples)")
+    p.add_argument("--min-speedup", type=float, default=1.05,
+                   help="predicted speedup over fp16 needed to recommend compression (1.05)")
+    p.add_argument("--max-passes", type=int, default=2,
+                   help="coordinate-descent passes over the buckets (2)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_workload_args(p)
+    add_cluster_args(p)
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from commpress.errors import CommpressError
+    from commpress.perfmodel.advisor import advise
+    from commpress.perfmodel.cliargs import cluster_from_args, model_kwargs, workload_from_args
+
+    workload = workload_from_args(args)
+    cluster = cluster_from_args(args)
+    kwargs = model_kwargs(args)
+    kwargs.pop("granularity")
+    if str(args.max_nmse).lower() == "none":
+        max_nmse = None
+    else:
+        try:
+            max_nmse = float(args.max_nmse)
+        except ValueError:
+            raise CommpressError(
+                f"--max-nmse must be a number or 'none', got {args.max_nmse!r}"
+            ) from None
+    table = None
+    if args.nmse_table:
+        try:
+            table = json.loads(Path(args.nmse_table).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CommpressError(f"cannot read --nmse-table {args.nmse_table}: {exc}") from exc
+        if not isinstance(table, dict) or not all(
+            isinstance(v, (int, float)) for v in table.values()
+        ):
+            raise CommpressError("--nmse-table must be a JSON object {codec spec: number}")
+    bar: Any = None
+    progress = None
+    if not args.quiet and not args.json:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="advising", unit="trial")
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+    try:
+        advice = advise(
+            workload, cluster, candidates=args.codec or None, max_nmse=max_nmse,
+            nmse_table=table, min_speedup=args.min_speedup, max_passes=args.max_passes,
+            progress=progress, **kwargs,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print(json.dumps(advice.to_dict(), indent=2))
+    else:
+        print(advice.report())
+    return 0

@@ -1,0 +1,1019 @@
+"""Bit-exact regrouping of floating-point bit patterns into planes that compress well.
+
+The lossless codec (:mod:`commpress.codecs.lossless`) never does floating-point arithmetic on
+the values it sends: it works on the integer bit patterns ("words"), so every transform here
+is exactly invertible for every input, NaN payloads, signed zeros, infinities and subnormals
+included.
+
+Groupings (each produces named ``uint8`` planes from the kept words):
+
+* ``none``: the words' little-endian bytes, one plane.
+* ``byte``: byte ``k`` of every word together, most significant byte first (NetZIP's byte
+  grouping: the sign/exponent byte apart from the mantissa bytes).
+* ``bitplane``: bit ``k`` of every word together, packed 8 per byte.
+* ``exponent``: the exponent field isolated exactly (bf16: 8 bits, fp16: 5, fp32: 8,
+  fp64: 11) and coded as a small residual against a prediction, the sign and mantissa bits
+  (``W = mantissa bits + 1``) as ``W // 8`` byte planes plus the ``W % 8`` leftover bits
+  packed densely.
+
+The exponent coding models context cheaply. The tensor is viewed as a matrix (``rows x
+cols``: its last dimension as columns when that is at least 16, else blocks of 256
+elements) and every element's exponent ``e`` is predicted by
+``P = (R4[row] + C4[col] + 2) >> 2`` where ``R4`` is four times the row's mean exponent
+(rounded) and ``C4`` four times the column's mean minus the global mean, both sent as side
+information (``int16`` per row / per column). Gradients of linear layers have exponents that
+are close to additive in a row and a column effect (``g = delta x^T``), so the residual
+``e - P`` has a much narrower distribution than ``e`` itself. Residuals in ``[-11, 3]`` become
+4-bit codes packed two per byte (the entropy coder then sees pairs, which halves its work and
+lets Huffman code lengths fit better); the rare others are escaped (code 15) and their exponent
+stored in a separate plane. When more than 1/16 of the elements would escape, the residual is
+stored as a full byte instead (``byte_mode``).
+
+Exact zeros: when at least 1/64 of the words are zero, a bitmap of the non-zero words is sent
+and zero words are dropped from every plane, so all-zero rows (embedding gradients) or ReLU
+zeros cost about one bit each before compression and nearly nothing after it. Statistics
+(row/column means) always ignore zero words.
+
+Everything has a plain-torch implementation that runs on any device. On CPU, fused numba
+kernels (compiled on first use and cached on disk) do the exponent grouping in about two
+memory passes; both paths produce identical planes, which the tests check. Set
+``COMMPRESS_KERNELS=torch`` to disable the kernels (see :func:`use_kernels`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+import numpy as np
+import torch
+
+from commpress.codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
+from commpress.errors import CommpressError
+
+Grouping: TypeAlias = Literal["none", "byte", "bitplane", "exponent"]
+GROUPINGS: tuple[Grouping, ...] = ("none", "byte", "bitplane", "exponent")
+
+#: Exponent residuals ``e - P`` in ``[-CODE_OFFSET, 14 - CODE_OFFSET]`` get a 4-bit code.
+CODE_OFFSET = 11
+#: The 4-bit code meaning "exponent stored in the escape plane".
+ESCAPE = 15
+#: Switch to byte residuals when more than ``kept / ESCAPE_LIMIT`` elements escape.
+ESCAPE_LIMIT = 16
+#: Use the zero bitmap when at least ``numel / ZERO_FRACTION`` words are zero.
+ZERO_FRACTION = 64
+#: Elements per row when a tensor has no usable last dimension.
+BLOCK = 256
+#: Column statistics are computed on about this many evenly spaced rows.
+COL_SAMPLE_ROWS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Bit layout of one floating-point dtype."""
+
+    dtype: torch.dtype
+    code: int  # wire id
+    bits: int  # word width w
+    exp_bits: int  # E
+    man_bits: int  # M
+    int_dtype: torch.dtype  # signed integer dtype of the same width
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits // 8
+
+    @property
+    def emask(self) -> int:
+        return (1 << self.exp_bits) - 1
+
+    @property
+    def sm_bits(self) -> int:
+        """Sign plus mantissa bits, ``W``."""
+        return self.man_bits + 1
+
+    @property
+    def mant_planes(self) -> int:
+        return self.sm_bits // 8
+
+    @property
+    def rem_bits(self) -> int:
+        return self.sm_bits % 8
+
+    def plane_has_exponent(self, byte_index: int) -> bool:
+        """Whether byte ``byte_index`` (0 = least significant) holds exponent bits."""
+        lo, hi = 8 * byte_index, 8 * byte_index + 7
+        e_lo, e_hi = self.man_bits, self.man_bits + self.exp_bits - 1
+        return not (hi < e_lo or lo > e_hi)
+
+    def bit_is_exponent(self, bit: int) -> bool:
+        return self.man_bits <= bit < self.man_bits + self.exp_bits
+
+
+LAYOUTS: dict[torch.dtype, Layout] = {
+    torch.float32: Layout(torch.float32, 0, 32, 8, 23, torch.int32),
+    torch.float16: Layout(torch.float16, 1, 16, 5, 10, torch.int16),
+    torch.bfloat16: Layout(torch.bfloat16, 2, 16, 8, 7, torch.int16),
+    torch.float64: Layout(torch.float64, 3, 64, 11, 52, torch.int64),
+}
+LAYOUT_BY_CODE: dict[int, Layout] = {lay.code: lay for lay in LAYOUTS.values()}
+
+
+def layout(dtype: torch.dtype) -> Layout:
+    try:
+        return LAYOUTS[dtype]
+    except KeyError:
+        raise CommpressError(
+            f"no bit layout for {dtype}; accepted: float32, float16, bfloat16, float64"
+        ) from None
+
+
+def words_of(x: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of ``x`` as a flat signed-integer tensor (a view when contiguous)."""
+    return x.reshape(-1).view(layout(x.dtype).int_dtype)
+
+
+def matrix_view(shape: tuple[int, ...], numel: int) -> tuple[int, int, bool]:
+    """``(rows, cols, is_matrix)``: the last dimension as columns when it has at least 16
+    elements, else rows of :data:`BLOCK` elements (the last one possibly partial)."""
+    if len(shape) >= 2 and shape[-1] >= 16:
+        cols = shape[-1]
+        return numel // cols, cols, True
+    cols = max(1, min(BLOCK, numel))
+    return -(-numel // cols), cols, False
+
+
+# ---------------------------------------------------------------------- kernel selection
+ENV_VAR = "COMMPRESS_KERNELS"
+_override: str | None = None
+_env_value: str | None = None
+_lock = threading.Lock()
+_compiled: dict[str, Callable[..., Any]] | None = None
+_import_error: str | None = None
+
+
+@contextmanager
+def use_backend(name: Literal["auto", "numba", "torch"]) -> Iterator[None]:
+    """Temporarily force the implementation used on CPU (tests compare both)."""
+    global _override
+    if name not in ("auto", "numba", "torch"):
+        raise CommpressError(f"kernel backend must be auto, numba or torch, got {name!r}")
+    previous, _override = _override, name
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """Whether to run the numba kernels for tensor ``t`` (CPU only; ``COMMPRESS_KERNELS``
+    = ``torch`` disables them, ``numba`` makes their absence an error; the variable is read
+    once, on first use)."""
+    global _env_value
+    if t.device.type != "cpu":
+        return False
+    wanted = _override
+    if wanted is None:
+        if _env_value is None:  # read once: later changes go through use_backend()
+            _env_value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+        wanted = _env_value
+    if wanted == "torch":
+        return False
+    if wanted not in ("auto", "numba"):
+        raise CommpressError(f"{ENV_VAR}={wanted!r} is not one of auto, numba, torch")
+    if _compiled is not None:
+        return True
+    if _load() is None:
+        if wanted == "numba":
+            raise CommpressError(f"numba kernels are unavailable: {_import_error}")
+        return False
+    return True
+
+
+def _load() -> dict[str, Callable[..., Any]] | None:
+    global _compiled, _import_error
+    with _lock:
+        if _compiled is None and _import_error is None:
+            try:
+                import numba
+
+                _compiled = {
+                    name[len("_nb_") :]: numba.njit(cache=True, nogil=True, boundscheck=False)(
+                        globals()[name]
+                    )
+                    for name in _KERNELS
+                }
+            except Exception as exc:  # pragma: no cover - depends on the installation
+                _import_error = f"{type(exc).__name__}: {exc}"
+    return _compiled
+
+
+def _k(name: str) -> Callable[..., Any]:
+    compiled = _load()
+    assert compiled is not None
+    return compiled[name]
+
+
+# ---------------------------------------------------------------------- numba kernels
+# Plain Python at module level (numba's disk cache needs module-level functions); compiled
+# by _load(). All arithmetic is on int64 values of the signed words, so the same code serves
+# int16, int32 and int64 inputs.
+
+
+def _nb_colstats(words: Any, n: Any, cols: Any, stride: Any, man: Any, emask: Any,
+                 colsum: Any, colcnt: Any) -> None:
+    rows = (n + cols - 1) // cols
+    for i in range(0, rows, stride):
+        base = i * cols
+        row = words[base : min(base + cols, n)]
+        for j in range(row.size):
+            v = np.int64(row[j])
+            colsum[j] += (v >> man) & emask
+            colcnt[j] += v != 0
+
+
+def _nb_emit_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits: Any,
+                      use_mask: Any, use_row: Any, c4: Any, g4: Any, byte_mode: Any,
+                      r4_out: Any, t: Any, t2: Any, esc: Any, mant: Any, remv: Any,
+                      mask: Any) -> Any:
+    # Rows are processed through slices: numba then knows every index is non-negative
+    # and vectorizes the dense loops (indexing words[base + j] would not be).
+    rows = (n + cols - 1) // cols
+    nplanes = mant.shape[0]
+    has_rem = remv.size > 0
+    mmask = (np.int64(1) << man) - 1
+    sbit = wbits - 1
+    k = 0
+    ne = 0
+    for i in range(rows):
+        base = i * cols
+        row = words[base : min(base + cols, n)]
+        m = row.size
+        r4 = g4
+        if use_row:
+            s = np.int64(0)
+            c = np.int64(0)
+            for j in range(m):
+                v = np.int64(row[j])
+                s += (v >> man) & emask
+                c += v != 0
+            if c > 0:
+                r4 = (4 * s + c // 2) // c
+            r4_out[i] = r4
+        rb = r4 + 2
+        if use_mask:
+            for j in range(m):
+                v = np.int64(row[j])
+                if v == 0:
+                    continue
+                idx = base + j
+                mask[idx >> 3] |= np.uint8(1 << (idx & 7))
+                e = (v >> man) & emask
+                p = (rb + c4[j]) >> 2
+                if byte_mode:
+                    r = (e - p) & emask
+                    t[k] = np.uint8(r & 255)
+                    t2[k] = np.uint8(r >> 8)
+                else:
+                    code = e - p + 11
+                    if code < 0 or code > 14:
+                        code = 15
+                        if ne < esc.size:
+                            esc[ne] = e
+                        ne += 1
+                    t[k] = np.uint8(code)
+                sm = (((v >> sbit) & 1) << man) | (v & mmask)
+                for q in range(nplanes):
+                    mant[q, k] = np.uint8((sm >> (8 * q)) & 255)
+                if has_rem:
+                    remv[k] = np.uint8(sm >> (8 * nplanes))
+                k += 1
+            continue
+        tt = t[k : k + m]
+        if byte_mode:
+            tt2 = t2[k : k + m]
+            for j in range(m):
+                v = np.int64(row[j])
+                r = (((v >> man) & emask) - ((rb + c4[j]) >> 2)) & emask
+                tt[j] = np.uint8(r & 255)
+                tt2[j] = np.uint8(r >> 8)
+        else:
+            rb11 = rb - 44
+            bad = 0
+            for j in range(m):
+                v = np.int64(row[j])
+                code = ((v >> man) & emask) - ((rb11 + c4[j]) >> 2)
+                ok = (code >= 0) & (code <= 14)
+                bad += 1 - ok
+                tt[j] = np.uint8(code if ok else 15)
+            if bad:
+                for j in range(m):
+                    if tt[j] == 15:
+                        if ne < esc.size:
+                            esc[ne] = (np.int64(row[j]) >> man) & emask
+                        ne += 1
+        for q in range(nplanes):
+            out = mant[q, k : k + m]
+            sh = 8 * q
+            for j in range(m):
+                v = np.int64(row[j])
+                out[j] = np.uint8(((v & mmask) | (((v >> sbit) & 1) << man)) >> sh)
+        if has_rem:
+            rv = remv[k : k + m]
+            sh = 8 * nplanes
+            for j in range(m):
+                v = np.int64(row[j])
+                rv[j] = np.uint8(((v & mmask) | (((v >> sbit) & 1) << man)) >> sh)
+        k += m
+    return k, ne
+
+
+def _nb_decode_exponent(n: Any, cols: Any, man: Any, emask: Any, wbits: Any, use_mask: Any,
+                        mask: Any, r4: Any, c4: Any, byte_mode: Any, t: Any, t2: Any,
+                        esc: Any, mant: Any, remv: Any, kept: Any, out: Any) -> Any:
+    # Returns 0 on success, 1 if the planes hold fewer codes than the mask asks for, 2 if
+    # the escape plane does not match the escape codes.
+    rows = (n + cols - 1) // cols
+    nplanes = mant.shape[0]
+    has_rem = remv.size > 0
+    nesc = esc.shape[0]
+    mmask = (np.int64(1) << man) - 1
+    sbit = wbits - 1
+    scratch = np.zeros(cols, dtype=np.int64)
+    nib = np.zeros(cols + 4, dtype=np.uint8)
+    k = 0
+    ie = 0
+    for i in range(rows):
+        base = i * cols
+        m = min(cols, n - base)
+        rb = r4[i] + 2
+        orow = out[base : base + m]
+        if use_mask:
+            for j in range(m):
+                idx = base + j
+                if ((mask[idx >> 3] >> (idx & 7)) & 1) == 0:
+                    orow[j] = 0
+                    continue
+                if k >= kept:
+                    return 1
+                p = (rb + c4[j]) >> 2
+                if byte_mode:
+                    e = (p + np.int64(t[k]) + (np.int64(t2[k]) << 8)) & emask
+                else:
+                    code = (np.int64(t[k >> 1]) >> ((k & 1) << 2)) & 15
+                    if code == 15:
+                        if ie >= nesc:
+                            return 2
+                        e = np.int64(esc[ie]) & emask
+                        ie += 1
+                    else:
+                        e = (p + code - 11) & emask
+                sm = np.int64(0)
+                for q in range(nplanes):
+                    sm |= np.int64(mant[q, k]) << (8 * q)
+                if has_rem:
+                    sm |= np.int64(remv[k]) << (8 * nplanes)
+                orow[j] = (((sm >> man) & 1) << sbit) | (e << man) | (sm & mmask)
+                k += 1
+            continue
+        if k + m > kept:
+            return 1
+        sc = scratch[:m]
+        for j in range(m):
+            sc[j] = 0
+        for q in range(nplanes):
+            plane = mant[q, k : k + m]
+            sh = 8 * q
+            for j in range(m):
+                sc[j] |= np.int64(plane[j]) << sh
+        if has_rem:
+            rv = remv[k : k + m]
+            sh = 8 * nplanes
+            for j in range(m):
+                sc[j] |= np.int64(rv[j]) << sh
+        if byte_mode:
+            tt = t[k : k + m]
+            tt2 = t2[k : k + m]
+            for j in range(m):
+                e = (((rb + c4[j]) >> 2) + np.int64(tt[j]) + (np.int64(tt2[j]) << 8)) & emask
+                v = sc[j]
+                orow[j] = (((v >> man) & 1) << sbit) | (e << man) | (v & mmask)
+        else:
+            # unpack this row's nibbles (starting at nibble k) into a small buffer
+            b0 = k >> 1
+            nb = ((k + m + 1) >> 1) - b0
+            src = t[b0 : b0 + nb]
+            for b in range(nb):
+                byte = src[b]
+                nib[2 * b] = byte & 15
+                nib[2 * b + 1] = byte >> 4
+            codes_row = nib[k & 1 : (k & 1) + m]
+            rb11 = rb - 44
+            bad = 0
+            for j in range(m):
+                code = np.int64(codes_row[j])
+                bad += code == 15
+                e = (((rb11 + c4[j]) >> 2) + code) & emask
+                v = sc[j]
+                orow[j] = (((v >> man) & 1) << sbit) | (e << man) | (v & mmask)
+            if bad:
+                for j in range(m):
+                    if codes_row[j] == 15:
+                        if ie >= nesc:
+                            return 2
+                        e = np.int64(esc[ie]) & emask
+                        ie += 1
+                        v = sc[j]
+                        orow[j] = (((v >> man) & 1) << sbit) | (e << man) | (v & mmask)
+        k += m
+    if k != kept:
+        return 1
+    if ie != nesc:
+        return 2
+    return 0
+
+
+def _nb_pack_pairs(t: Any, k: Any, out: Any) -> None:
+    h = k >> 1
+    for i in range(h):
+        out[i] = t[2 * i] | (t[2 * i + 1] << 4)
+    if k & 1:
+        out[h] = t[k - 1]
+
+
+def _nb_pack_bits(vals: Any, k: Any, bits: Any, out: Any) -> None:
+    # Little-endian bit stream (bits <= 8), identical to bitpack.pack_bits: every group of
+    # 8 values fills exactly ``bits`` bytes.
+    groups = k // 8
+    for g in range(groups):
+        src = vals[8 * g : 8 * g + 8]
+        acc = np.uint64(0)
+        for j in range(8):
+            acc |= np.uint64(src[j]) << np.uint64(bits * j)
+        dst = out[bits * g : bits * g + bits]
+        for m in range(bits):
+            dst[m] = np.uint8((acc >> np.uint64(8 * m)) & np.uint64(255))
+    tail = k - 8 * groups
+    if tail:
+        acc = np.uint64(0)
+        for j in range(tail):
+            acc |= np.uint64(vals[8 * groups + j]) << np.uint64(bits * j)
+        nbytes = (tail * bits + 7) // 8
+        for m in range(nbytes):
+            out[bits * groups + m] = np.uint8((acc >> np.uint64(8 * m)) & np.uint64(255))
+
+
+def _nb_unpack_bits(packed: Any, k: Any, bits: Any, out: Any) -> None:
+    mask = np.uint64((1 << bits) - 1)
+    groups = k // 8
+    for g in range(groups):
+        src = packed[bits * g : bits * g + bits]
+        acc = np.uint64(0)
+        for m in range(bits):
+            acc |= np.uint64(src[m]) << np.uint64(8 * m)
+        dst = out[8 * g : 8 * g + 8]
+        for j in range(8):
+            dst[j] = np.uint8((acc >> np.uint64(bits * j)) & mask)
+    tail = k - 8 * groups
+    if tail:
+        nbytes = (tail * bits + 7) // 8
+        acc = np.uint64(0)
+        for m in range(nbytes):
+            acc |= np.uint64(packed[bits * groups + m]) << np.uint64(8 * m)
+        for j in range(tail):
+            out[8 * groups + j] = np.uint8((acc >> np.uint64(bits * j)) & mask)
+
+
+_KERNELS = (
+    "_nb_colstats",
+    "_nb_emit_exponent",
+    "_nb_decode_exponent",
+    "_nb_pack_pairs",
+    "_nb_pack_bits",
+    "_nb_unpack_bits",
+)
+
+
+# ---------------------------------------------------------------------- helpers
+#: Scratch buffers up to this size are kept per thread and reused (fresh allocations of
+#: megabytes cost page faults on every call).
+SCRATCH_LIMIT = 64 << 20
+_scratch = threading.local()
+
+
+def scratch(name: str, count: int, dtype: Any, shape: tuple[int, ...] | None = None) -> Any:
+    """A reusable per-thread buffer of ``count`` elements (contents undefined). Valid until
+    the next request of the same ``name`` in this thread."""
+    dtype = np.dtype(dtype)
+    nbytes = count * dtype.itemsize
+    if nbytes > SCRATCH_LIMIT:
+        arr = np.empty(count, dtype=dtype)
+    else:
+        pool = getattr(_scratch, "pool", None)
+        if pool is None:
+            pool = _scratch.pool = {}
+        base = pool.get(name)
+        if base is None or base.size < nbytes:
+            base = pool[name] = np.empty(max(nbytes, 4096), dtype=np.uint8)
+        arr = base[:nbytes].view(dtype)
+    return arr.reshape(shape) if shape is not None else arr
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+def to_numpy_u8(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU ``uint8`` numpy array of ``t``'s bytes (no copy when possible)."""
+    t = t.detach().reshape(-1)
+    if t.dtype != torch.uint8:
+        t = t.contiguous().view(torch.uint8)
+    return _np(t.cpu().contiguous())
+
+
+def _pack_rem(vals: torch.Tensor, bits: int) -> torch.Tensor:
+    return pack_bits(vals, bits) if vals.numel() else vals.new_zeros(0, dtype=torch.uint8)
+
+
+def _narrow(v: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """Unsigned ``w``-bit values held in int64 -> the signed ``w``-bit dtype (exact)."""
+    if lay.bits == 64:
+        return v
+    w = lay.bits
+    return (v - ((v >> (w - 1)) << w)).to(lay.int_dtype)
+
+
+def _widen(words: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """Signed words -> int64 (``int32`` would do for the fields; int64 keeps it simple)."""
+    return words.to(torch.int64)
+
+
+# ---------------------------------------------------------------------- zero mask
+def zero_mask(words: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(nonzero flags, number of zero words)``."""
+    nz = words != 0
+    return nz, int(words.numel() - int(nz.sum()))
+
+
+def count_zeros(words: torch.Tensor) -> int:
+    """Number of zero words (numpy's popcount-speed scan on CPU)."""
+    if words.device.type == "cpu":
+        return int(words.numel() - np.count_nonzero(_np(words)))
+    return int(words.numel() - int(torch.count_nonzero(words)))
+
+
+def wants_mask(zeros: int, numel: int) -> bool:
+    return numel > 0 and zeros * ZERO_FRACTION >= numel
+
+
+def pack_mask(nz: torch.Tensor) -> torch.Tensor:
+    return pack_bits(nz.to(torch.uint8), 1)
+
+
+def unpack_mask(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return unpack_bits(packed, 1, n).bool()
+
+
+# ---------------------------------------------------------------------- prediction
+@dataclass(slots=True)
+class Context:
+    """What the decoder needs to rebuild the exponent predictions."""
+
+    rows: int
+    cols: int
+    g4: int
+    use_row: bool
+    use_col: bool
+    r4: np.ndarray | None = None  # int64 [rows] (four times the row means), when use_row
+    c4: np.ndarray | None = None  # int64 [cols] (column means minus g4, times four)
+
+    def c4_or_zeros(self) -> np.ndarray:
+        return self.c4 if self.c4 is not None else np.zeros(self.cols, dtype=np.int64)
+
+
+def _mean4(total: int, count: int, default: int) -> int:
+    """Four times the mean, rounded half up: ``(4 * total + count // 2) // count``."""
+    return (4 * total + count // 2) // count if count > 0 else default
+
+
+def _mean4_array(total: np.ndarray, count: np.ndarray, default: int) -> np.ndarray:
+    safe = np.maximum(count, 1)
+    return np.where(count > 0, (4 * total + count // 2) // safe, default)
+
+
+def column_stats(words: torch.Tensor, lay: Layout, rows: int, cols: int) -> tuple[
+    np.ndarray, np.ndarray
+]:
+    """Sums and non-zero counts of the exponent per column over evenly spaced rows."""
+    stride = max(1, rows // COL_SAMPLE_ROWS)
+    n = words.numel()
+    if use_kernels(words):
+        colsum = np.zeros(cols, dtype=np.int64)
+        colcnt = np.zeros(cols, dtype=np.int64)
+        if n:
+            _k("colstats")(_np(words), n, cols, stride, lay.man_bits, lay.emask, colsum, colcnt)
+        return colsum, colcnt
+    pad = rows * cols - n
+    w = words if not pad else torch.cat([words, words.new_zeros(pad)])
+    m = w.reshape(rows, cols)[::stride].to(torch.int64)
+    e = (m >> lay.man_bits) & lay.emask
+    nz = m != 0
+    return _np((e * nz).sum(0).cpu()), _np(nz.sum(0).cpu())
+
+
+def make_context(
+    words: torch.Tensor, lay: Layout, shape: tuple[int, ...], *, use_row: bool, use_col: bool
+) -> Context:
+    """Column statistics and the global mean; row statistics come during emission."""
+    n = words.numel()
+    rows, cols, is_matrix = matrix_view(shape, n)
+    use_col = use_col and is_matrix
+    colsum, colcnt = column_stats(words, lay, rows, cols)
+    g4 = _mean4(int(colsum.sum()), int(colcnt.sum()), 0)
+    c4 = None
+    if use_col:
+        c4 = (_mean4_array(colsum, colcnt, g4) - g4).astype(np.int64)
+    return Context(rows=rows, cols=cols, g4=g4, use_row=use_row, use_col=use_col, c4=c4)
+
+
+# ---------------------------------------------------------------------- exponent grouping
+@dataclass(slots=True)
+class ExponentPlanes:
+    """Output of :func:`emit_exponent` (numpy ``uint8`` arrays on the CPU)."""
+
+    kept: int
+    byte_mode: bool
+    codes: np.ndarray  # nibble pairs, or low residual bytes in byte mode
+    codes_hi: np.ndarray | None  # byte mode with more than 8 exponent bits
+    escapes: np.ndarray  # escaped exponents (uint8, or uint16 LE bytes when E > 8)
+    nesc: int
+    mant: list[np.ndarray]
+    rem: np.ndarray | None
+    mask: np.ndarray | None
+    r4: np.ndarray | None
+
+
+def _emit_exponent_numba(words: torch.Tensor, lay: Layout, ctx: Context, use_mask: bool,
+                         byte_mode: bool) -> ExponentPlanes:
+    n = words.numel()
+    w = _np(words)
+    nplanes = lay.mant_planes
+    t = scratch("t", n, np.uint8)
+    t2 = scratch("t2", n if byte_mode else 1, np.uint8)
+    esc = scratch("esc", n // ESCAPE_LIMIT + 1 if not byte_mode else 1, np.uint16)
+    mant = scratch("mant", nplanes * n, np.uint8, (nplanes, n))
+    remv = scratch("remv", n if lay.rem_bits else 0, np.uint8)
+    mask = np.zeros(packed_nbytes(n, 1) if use_mask else 1, dtype=np.uint8)
+    r4 = np.empty(ctx.rows if ctx.use_row else 1, dtype=np.int64)
+    kept, ne = _k("emit_exponent")(
+        w, n, ctx.cols, lay.man_bits, lay.emask, lay.bits, use_mask, ctx.use_row,
+        ctx.c4_or_zeros(), ctx.g4, byte_mode, r4, t, t2, esc, mant, remv, mask,
+    )
+    if byte_mode:
+        codes = t[:kept]
+        codes_hi = t2[:kept] if lay.exp_bits > 8 else None
+    else:
+        codes = scratch("codes", (kept + 1) // 2, np.uint8)
+        _k("pack_pairs")(t, kept, codes)
+        codes_hi = None
+    rem = None
+    if lay.rem_bits:
+        rem = scratch("rem", packed_nbytes(kept, lay.rem_bits), np.uint8)
+        _k("pack_bits")(remv, kept, lay.rem_bits, rem)
+    # More escapes than the buffer holds means more than kept / ESCAPE_LIMIT of them:
+    # emit_exponent then redoes the tensor in byte mode, so truncating here is harmless.
+    stored = esc[: min(ne, esc.size)]
+    escapes = stored.astype(np.uint8) if lay.exp_bits <= 8 else stored.astype("<u2")
+    return ExponentPlanes(
+        kept=int(kept), byte_mode=byte_mode, codes=codes, codes_hi=codes_hi,
+        escapes=escapes.view(np.uint8).reshape(-1), nesc=int(ne),
+        mant=[mant[q, :kept] for q in range(nplanes)], rem=rem,
+        mask=mask if use_mask else None, r4=r4 if ctx.use_row else None,
+    )
+
+
+def _emit_exponent_torch(words: torch.Tensor, lay: Layout, ctx: Context, use_mask: bool,
+                         byte_mode: bool) -> ExponentPlanes:
+    n = words.numel()
+    dev = words.device
+    big = _widen(words, lay)
+    e = (big >> lay.man_bits) & lay.emask
+    nz = big != 0
+    rows, cols = ctx.rows, ctx.cols
+    pad = rows * cols - n
+    r4_np = None
+    if ctx.use_row:
+        e_m = torch.cat([e, e.new_zeros(pad)]).reshape(rows, cols) if pad else e.reshape(
+            rows, cols
+        )
+        nz_m = torch.cat([nz, nz.new_zeros(pad)]).reshape(rows, cols) if pad else nz.reshape(
+            rows, cols
+        )
+        s = (e_m * nz_m).sum(1)
+        c = nz_m.sum(1)
+        r4 = torch.where(c > 0, torch.div(4 * s + c // 2, c.clamp(min=1), rounding_mode="floor"),
+                         torch.full_like(s, ctx.g4))
+        r4_np = _np(r4.cpu()).astype(np.int64)
+    else:
+        r4 = torch.full((rows,), ctx.g4, dtype=torch.int64, device=dev)
+    c4 = torch.from_numpy(ctx.c4_or_zeros()).to(dev)
+    pred = ((r4[:, None] + c4[None, :] + 2) >> 2).reshape(-1)[:n]
+    if use_mask:
+        big_k, e_k, pred_k = big[nz], e[nz], pred[nz]
+    else:
+        big_k, e_k, pred_k = big, e, pred
+    kept = big_k.numel()
+    codes_hi = None
+    if byte_mode:
+        r = (e_k - pred_k) & lay.emask
+        codes = to_numpy_u8((r & 255).to(torch.uint8))
+        if lay.exp_bits > 8:
+            codes_hi = to_numpy_u8((r >> 8).to(torch.uint8))
+        escapes = np.empty(0, dtype=np.uint8)
+        nesc = 0
+    else:
+        code = e_k - pred_k + CODE_OFFSET
+        is_esc = (code < 0) | (code > 14)
+        code = torch.where(is_esc, torch.full_like(code, ESCAPE), code).to(torch.uint8)
+        esc_vals = e_k[is_esc]
+        nesc = esc_vals.numel()
+        if kept % 2:
+            code = torch.cat([code, code.new_zeros(1)])
+        pairs = code.reshape(-1, 2)
+        codes = to_numpy_u8(pairs[:, 0] | (pairs[:, 1] << 4))
+        ev = _np(esc_vals.cpu())
+        escapes = (ev.astype(np.uint8) if lay.exp_bits <= 8 else ev.astype("<u2")).view(np.uint8)
+    sm = (((big_k >> (lay.bits - 1)) & 1) << lay.man_bits) | (
+        big_k & ((1 << lay.man_bits) - 1)
+    )
+    mant = [to_numpy_u8(((sm >> (8 * q)) & 255).to(torch.uint8)) for q in range(lay.mant_planes)]
+    rem = None
+    if lay.rem_bits:
+        rem = to_numpy_u8(_pack_rem((sm >> (8 * lay.mant_planes)).to(torch.uint8), lay.rem_bits))
+    mask = to_numpy_u8(pack_mask(nz)) if use_mask else None
+    return ExponentPlanes(
+        kept=kept, byte_mode=byte_mode, codes=codes, codes_hi=codes_hi,
+        escapes=escapes.reshape(-1), nesc=nesc, mant=mant, rem=rem, mask=mask, r4=r4_np,
+    )
+
+
+def emit_exponent(words: torch.Tensor, lay: Layout, ctx: Context, *, use_mask: bool,
+                  byte_mode: bool) -> ExponentPlanes:
+    """Split the words into exponent codes and sign/mantissa planes (see module docs).
+
+    In 4-bit mode, falls back to byte residuals by itself when more than
+    ``kept / ESCAPE_LIMIT`` exponents escape.
+    """
+    emit = _emit_exponent_numba if use_kernels(words) else _emit_exponent_torch
+    planes = emit(words, lay, ctx, use_mask, byte_mode)
+    if not byte_mode and planes.nesc * ESCAPE_LIMIT > planes.kept:
+        planes = emit(words, lay, ctx, use_mask, True)
+    return planes
+
+
+def decode_exponent(
+    lay: Layout, n: int, ctx: Context, *, kept: int, byte_mode: bool, codes: np.ndarray,
+    codes_hi: np.ndarray | None, escapes: np.ndarray, nesc: int, mant: list[np.ndarray],
+    rem: np.ndarray | None, mask: np.ndarray | None, device: torch.device,
+) -> torch.Tensor:
+    """Inverse of :func:`emit_exponent`: the ``n`` signed words on ``device``."""
+    esc = escapes.view(np.uint8 if lay.exp_bits <= 8 else "<u2")
+    if esc.size != nesc:
+        raise CommpressError(f"escape plane holds {esc.size} exponents, header says {nesc}")
+    r4 = ctx.r4 if ctx.r4 is not None else np.full(ctx.rows, ctx.g4, dtype=np.int64)
+    c4 = ctx.c4_or_zeros()
+    _check_sizes(lay, n, ctx, r4, c4, kept=kept, byte_mode=byte_mode, codes=codes,
+                 codes_hi=codes_hi, mant=mant, rem=rem, mask=mask)
+    probe = torch.empty(0, device=device)
+    if use_kernels(probe):
+        t = codes  # bytes in byte mode, nibble pairs otherwise (the kernel unpacks them)
+        t2 = codes_hi if codes_hi is not None else np.zeros(max(kept, 1), dtype=np.uint8)
+        mant_arr = _stack(mant, kept)
+        remv = np.zeros(kept if rem is not None else 0, dtype=np.uint8)
+        if rem is not None and kept:
+            _k("unpack_bits")(rem, kept, lay.rem_bits, remv)
+        out = np.empty(n, dtype=np.dtype(str(lay.int_dtype).replace("torch.", "")))
+        status = _k("decode_exponent")(
+            n, ctx.cols, lay.man_bits, lay.emask, lay.bits, mask is not None,
+            mask if mask is not None else np.zeros(1, dtype=np.uint8), r4, c4, byte_mode,
+            t, t2, esc.astype(np.uint16), mant_arr, remv, kept, out,
+        )
+        if status == 1:
+            raise CommpressError("exponent planes do not hold one code per non-zero element")
+        if status == 2:
+            raise CommpressError("escape plane does not match the escape codes")
+        return torch.from_numpy(out)
+    return _decode_exponent_torch(
+        lay, n, ctx, r4, c4, kept=kept, byte_mode=byte_mode, codes=codes, codes_hi=codes_hi,
+        esc=esc, mant=mant, rem=rem, mask=mask, device=device,
+    )
+
+
+def _check_sizes(
+    lay: Layout, n: int, ctx: Context, r4: np.ndarray, c4: np.ndarray, *, kept: int,
+    byte_mode: bool, codes: np.ndarray, codes_hi: np.ndarray | None, mant: list[np.ndarray],
+    rem: np.ndarray | None, mask: np.ndarray | None,
+) -> None:
+    # The kernels run without bounds checks: every array they index is validated here.
+    expect_codes = kept if byte_mode else (kept + 1) // 2
+    problems = []
+    if not 0 <= kept <= n:
+        problems.append(f"{kept} stored elements for a tensor of {n}")
+    if mask is None and kept != n:
+        problems.append(f"{kept} stored elements for {n} without a zero bitmap")
+    if mask is not None and mask.size != packed_nbytes(n, 1):
+        problems.append(f"zero bitmap of {mask.size} bytes for {n} elements")
+    if codes.size != expect_codes:
+        problems.append(f"exponent plane of {codes.size} bytes, expected {expect_codes}")
+    if (byte_mode and lay.exp_bits > 8) != (codes_hi is not None) or (
+        codes_hi is not None and codes_hi.size != kept
+    ):
+        problems.append("high exponent plane missing or of the wrong size")
+    if len(mant) != lay.mant_planes or any(m.size != kept for m in mant):
+        problems.append("mantissa planes of the wrong number or size")
+    if (rem is not None) != bool(lay.rem_bits) or (
+        rem is not None and rem.size != packed_nbytes(kept, lay.rem_bits)
+    ):
+        problems.append("leftover mantissa bits missing or of the wrong size")
+    if r4.size != ctx.rows or c4.size != ctx.cols:
+        problems.append("row/column statistics of the wrong size")
+    if problems:
+        raise CommpressError("inconsistent exponent planes: " + "; ".join(problems))
+
+
+def _stack(planes: list[np.ndarray], count: int) -> np.ndarray:
+    """The planes as one C-contiguous ``(len(planes), count)`` array, without copying
+    when there is one plane or the planes already lie back to back in memory."""
+    if not planes:
+        return np.zeros((0, count), dtype=np.uint8)
+    if len(planes) == 1:
+        return planes[0].reshape(1, count)
+    first = planes[0]
+    base = first.__array_interface__["data"][0]
+    if all(
+        p.flags.c_contiguous and p.__array_interface__["data"][0] == base + i * count
+        for i, p in enumerate(planes)
+    ):
+        return np.lib.stride_tricks.as_strided(first, shape=(len(planes), count),
+                                               strides=(count, 1), writeable=False)
+    return np.stack(planes)
+
+
+def _t(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    a = np.ascontiguousarray(a)
+    return torch.from_numpy(a if a.flags.writeable else a.copy()).to(device)
+
+
+def _decode_exponent_torch(
+    lay: Layout, n: int, ctx: Context, r4: np.ndarray, c4: np.ndarray, *, kept: int,
+    byte_mode: bool, codes: np.ndarray, codes_hi: np.ndarray | None, esc: np.ndarray,
+    mant: list[np.ndarray], rem: np.ndarray | None, mask: np.ndarray | None,
+    device: torch.device,
+) -> torch.Tensor:
+    if mask is not None:
+        nz = unpack_mask(_t(mask, device), n)
+        if int(nz.sum()) != kept:
+            raise CommpressError("zero bitmap does not match the number of stored elements")
+    else:
+        nz = None
+        if kept != n:
+            raise CommpressError(f"{kept} stored elements for a tensor of {n} without bitmap")
+    rows, cols = ctx.rows, ctx.cols
+    pred = ((_t(r4, device)[:, None] + _t(c4, device)[None, :] + 2) >> 2).reshape(-1)[:n]
+    if nz is not None:
+        pred = pred[nz]
+    if byte_mode:
+        r = _t(codes, device).to(torch.int64)
+        if codes_hi is not None:
+            r = r | (_t(codes_hi, device).to(torch.int64) << 8)
+        e = (pred + r) & lay.emask
+    else:
+        c = _t(codes, device)
+        code = torch.stack([c & 15, c >> 4], dim=1).reshape(-1)[:kept].to(torch.int64)
+        is_esc = code == ESCAPE
+        if int(is_esc.sum()) != esc.size:
+            raise CommpressError("escape plane does not match the escape codes")
+        e = (pred + code - CODE_OFFSET) & lay.emask
+        e[is_esc] = _t(esc.astype(np.int64), device)
+    sm = torch.zeros(kept, dtype=torch.int64, device=device)
+    for q, plane in enumerate(mant):
+        sm |= _t(plane, device).to(torch.int64) << (8 * q)
+    if rem is not None:
+        sm |= unpack_bits(_t(rem, device), lay.rem_bits, kept).to(torch.int64) << (
+            8 * lay.mant_planes
+        )
+    sign = (sm >> lay.man_bits) & 1
+    body = (e << lay.man_bits) | (sm & ((1 << lay.man_bits) - 1))
+    if lay.bits == 64:
+        word = torch.where(sign.bool(), body | torch.iinfo(torch.int64).min, body)
+    else:
+        word = _narrow(body | (sign << (lay.bits - 1)), lay)
+    if nz is None:
+        return word
+    out = torch.zeros(n, dtype=lay.int_dtype, device=device)
+    out[nz] = word
+    return out
+
+
+# ---------------------------------------------------------------------- other groupings
+def byte_planes(words: torch.Tensor, lay: Layout) -> list[torch.Tensor]:
+    """Byte ``k`` of every word, most significant byte first."""
+    b = words.contiguous().view(torch.uint8).reshape(-1, lay.nbytes)
+    return [b[:, k].contiguous() for k in reversed(range(lay.nbytes))]
+
+
+def from_byte_planes(planes: list[torch.Tensor], lay: Layout) -> torch.Tensor:
+    b = torch.stack(list(reversed(planes)), dim=1).contiguous()
+    return b.view(lay.int_dtype).reshape(-1)
+
+
+def bit_planes(words: torch.Tensor, lay: Layout) -> list[torch.Tensor]:
+    """Bit ``k`` of every word packed 8 per byte, most significant bit first."""
+    big = words.to(torch.int64)
+    return [pack_bits(((big >> k) & 1).to(torch.uint8), 1) for k in reversed(range(lay.bits))]
+
+
+def from_bit_planes(planes: list[torch.Tensor], lay: Layout, count: int) -> torch.Tensor:
+    device = planes[0].device if planes else torch.device("cpu")
+    acc = torch.zeros(count, dtype=torch.int64, device=device)
+    for k, plane in zip(reversed(range(lay.bits)), planes):
+        bit = unpack_bits(plane, 1, count).to(torch.int64)
+        if k == 63:
+            acc = torch.where(bit.bool(), acc | torch.iinfo(torch.int64).min, acc)
+        else:
+            acc |= bit << k
+    return _narrow(acc, lay)
+
+
+# ---------------------------------------------------------------------- delta transforms
+def to_monotone(words: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """Signed words -> int64 keys ordered like the floats (``-NaN < -Inf < ... < -0 < +0 <
+    ... < +Inf < +NaN``): negative patterns get all bits but the sign flipped."""
+    big = words.to(torch.int64)
+    if lay.bits == 64:
+        return big ^ ((big >> 63) & 0x7FFFFFFFFFFFFFFF)
+    return big ^ ((big >> (lay.bits - 1)) & ((1 << (lay.bits - 1)) - 1))
+
+
+def from_monotone(keys: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """Inverse of :func:`to_monotone` (the map is an involution on signed words)."""
+    if lay.bits == 64:
+        return keys ^ ((keys >> 63) & 0x7FFFFFFFFFFFFFFF)
+    big = keys ^ ((keys >> (lay.bits - 1)) & ((1 << (lay.bits - 1)) - 1))
+    return big.to(lay.int_dtype)
+
+
+def sub_words(a: torch.Tensor, b: torch.Tensor | int, lay: Layout) -> torch.Tensor:
+    """``(a - b) mod 2^w`` of int64 keys, as signed ``w``-bit words (exact)."""
+    if lay.bits == 64:
+        return a - b  # int64 arithmetic wraps modulo 2^64 on every torch backend
+    return _narrow((a - b) & ((1 << lay.bits) - 1), lay)
+
+
+def add_words(d: torch.Tensor, b: torch.Tensor | int, lay: Layout) -> torch.Tensor:
+    """``(d + b) mod 2^w`` back to int64 keys in the signed ``w``-bit range."""
+    big = d.to(torch.int64)
+    if lay.bits == 64:
+        return big + b
+    s = (big + b) & ((1 << lay.bits) - 1)
+    return s - ((s >> (lay.bits - 1)) << lay.bits)
+
+
+__all__ = [
+    "BLOCK",
+    "CODE_OFFSET",
+    "ESCAPE",
+    "GROUPINGS",
+    "LAYOUTS",
+    "LAYOUT_BY_CODE",
+    "Context",
+    "ExponentPlanes",
+    "Grouping",
+    "Layout",
+    "count_zeros",
+    "add_words",
+    "bit_planes",
+    "byte_planes",
+    "decode_exponent",
+    "emit_exponent",
+    "from_bit_planes",
+    "from_byte_planes",
+    "from_monotone",
+    "layout",
+    "make_context",
+    "matrix_view",
+    "pack_mask",
+    "sub_words",
+    "to_monotone",
+    "to_numpy_u8",
+    "unpack_mask",
+    "use_backend",
+    "use_kernels",
+    "wants_mask",
+    "words_of",
+    "zero_mask",
+]

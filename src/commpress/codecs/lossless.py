@@ -1,0 +1,859 @@
+"""``netzip``: lossless compression of floating-point tensors (NetZIP-style).
+
+Lossy codecs change what the model learns; a lossless one cannot. This codec sends exactly the
+bits of the tensor, in fewer bytes, by exploiting how floating-point numbers of one tensor
+look alike: their exponents cluster (a gradient spans a few binades, not 256), their
+mantissas do not, and large parts may be exact zeros.
+
+Algorithm (one tensor, all on the integer bit patterns, so every step is exact):
+
+1. **Delta** (``delta``): optionally subtract a base from every bit pattern: the tensor's
+   minimum, mean or median, or the previous step's tensor of the same name. The subtraction
+   is done modulo ``2^w`` on integer keys that order like the floats (negative patterns have
+   all bits but the sign flipped), or as an XOR (``delta_op``), so it inverts exactly.
+2. **Zeros**: when at least 1/64 of the words are zero, send a bitmap of the non-zero words
+   and drop the zeros from every plane (runs of zero rows then cost almost nothing).
+3. **Grouping** (``grouping``): regroup the kept words into planes of similar statistics:
+   the exponent field on its own, coded as a 4-bit residual against a per-row and per-column
+   prediction (``context``) with the sign and mantissa bits in byte planes; or byte planes;
+   or bit planes; or nothing. See :mod:`commpress.codecs.bytegroup`.
+4. **Backend** (``backend`` for exponent-bearing planes, ``mantissa_backend`` for the rest):
+   each plane goes through raw storage, LZ4, zstd, zstd's Huffman coder or an ANS coder
+   (:mod:`commpress.codecs.backends`), whichever the configuration (or ``auto``, from a
+   sample of the plane) picks; a plane that would not shrink is stored raw.
+5. **Framing**: one ``uint8`` stream: a header (format version, dtype, element count, the
+   stages chosen, section lengths), the sections, and a CRC-32 of everything before it.
+   Decoding verifies the checksum and every length before touching the data: a corrupted or
+   truncated payload raises :class:`CommpressError` instead of returning wrong values.
+
+The payload has one part, ``stream``, on the input's device (the backends run on the CPU;
+CUDA tensors are regrouped on the GPU, moved to the CPU as planes, and rebuilt on the GPU).
+
+Previous-step delta keeps state on both sides, in ``ctx.state`` (per tensor ``ctx.key`` and
+per sending rank): the sender remembers what it sent, every receiver what it decoded. Each
+payload carries a sequence number and the CRC of the payload its reference came from; a
+receiver whose reference differs (it missed a step, restarted, or decodes another tensor)
+raises instead of decoding garbage. Clearing the state on either side is safe: a sender
+without a reference sends a self-contained keyframe, which every receiver accepts (and
+``keyframe_every`` sends one periodically so late joiners resynchronise). Decoding the same
+payload twice is harmless. Memory: one copy of the tensor per sending rank on every worker.
+
+Tuning:
+
+* ``grouping="exponent"`` with ``context="auto"`` is the default and the best choice for
+  bf16/fp16/fp32 gradients and activations; ``byte`` and ``bitplane`` are there for
+  comparison (NetZIP's groupings) and for data that is not float-like.
+* ``delta``: keep ``none`` for gradients. A base value (``min``, NetZIP's choice; ``mean``;
+  ``median``) cannot make a sign-symmetric tensor more compressible, and ``previous`` helps
+  only where consecutive steps share most high-order bits (slowly changing activations or
+  weights), at the memory cost above. ``auto`` tries none/min/median on a sample.
+* ``backend="auto"`` uses zstd's Huffman coder on exponent planes; ``ans`` comes a little
+  closer to the entropy at several times the cost; ``zstd`` with a high ``level`` finds
+  longer repeats (runs) at a much lower speed; ``lz4`` is fastest and weakest.
+* ``mantissa_backend="auto"`` stores near-random planes raw and compresses the others (for
+  example fp32 tensors that hold bf16 values have all-zero low mantissa bytes).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+
+from commpress.codecs import backends as bk
+from commpress.codecs import bytegroup as bg
+from commpress.codecs.base import Codec, CodecContext, Payload, param, require
+from commpress.codecs.protocol import AllGather, Protocol, Reduced
+from commpress.codecs.registry import register_codec
+from commpress.errors import CommpressError
+
+MAGIC = b"NZ"
+VERSION = 1
+
+GROUPING_IDS = {name: i for i, name in enumerate(bg.GROUPINGS)}
+DELTAS = ("none", "min", "mean", "median", "previous")
+DELTA_IDS = {name: i for i, name in enumerate(DELTAS)}
+_XOR_BIT = 0x10
+_KEYFRAME_BIT = 0x20
+
+_F_MASK = 1
+_F_ROW = 2
+_F_COL = 4
+_F_BYTE_MODE = 8
+
+# Section tags.
+T_MASK, T_STATS, T_CODES, T_CODES_HI, T_ESC, T_REM = 1, 2, 4, 5, 6, 7
+T_MANT = 16  # + plane index
+T_PLANE = 64  # + plane index (byte, bitplane and none groupings)
+
+#: ``context="auto"`` uses row statistics when rows have at least this many elements, and
+#: column statistics when there are at least this many rows (the side information is one
+#: ``int16`` per row / column), on tensors of at least ``AUTO_MIN_NUMEL`` elements.
+AUTO_ROW_MIN_COLS = 64
+AUTO_COL_MIN_ROWS = 64
+AUTO_MIN_NUMEL = 4096
+#: ``grouping``/``delta`` ``auto`` estimate sizes on this many sampled elements.
+AUTO_SAMPLE = 8192
+
+_CRC = struct.Struct("<I")
+_STATE_KEY = "netzip.refs"
+_FINGERPRINTS: dict[Any, str] = {}
+
+Backend = Literal["auto", "huffman", "zstd", "lz4", "ans", "raw"]
+
+
+# ---------------------------------------------------------------------- header encoding
+def _put_varint(out: bytearray, value: int) -> None:
+    if value < 0:
+        raise CommpressError(f"varint must be >= 0, got {value}")
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return
+
+
+def _zigzag(value: int) -> int:
+    return (value << 1) if value >= 0 else ((-value << 1) - 1)
+
+
+def _unzigzag(value: int) -> int:
+    return (value >> 1) if not value & 1 else -((value + 1) >> 1)
+
+
+class _Reader:
+    """Bounds-checked reader of the header."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def byte(self) -> int:
+        if self.pos >= len(self.buf):
+            raise CommpressError("payload header is truncated")
+        value = self.buf[self.pos]
+        self.pos += 1
+        return int(value)
+
+    def varint(self) -> int:
+        value = 0
+        for shift in range(0, 70, 7):
+            b = self.byte()
+            value |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return value
+        raise CommpressError("payload header holds a malformed number")
+
+    def u32(self) -> int:
+        if self.pos + 4 > len(self.buf):
+            raise CommpressError("payload header is truncated")
+        (value,) = _CRC.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return int(value)
+
+
+@dataclass(slots=True)
+class _Section:
+    tag: int
+    data: np.ndarray  # raw uint8 plane
+    role: Literal["exp", "man", "side"]
+
+
+@dataclass(slots=True)
+class _Header:
+    dtype_code: int
+    grouping: str
+    delta: str
+    xor: bool
+    keyframe: bool
+    flags: int
+    numel: int
+    kept: int
+    g4: int
+    nesc: int
+    base_key: int
+    source: int
+    seq: int
+    ref_seq: int
+    ref_crc: int
+    step: int
+    sections: list[tuple[int, int, int, int]]  # tag, backend id, raw length, stored length
+    body_start: int
+    crc: int
+
+
+@register_codec
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NetZip(Codec):
+    """Lossless: exponent/byte/bit grouping, optional delta, per-plane backends."""
+
+    codec_id: ClassVar[str] = "netzip"
+    summable: ClassVar[bool] = False
+    lossless: ClassVar[bool] = True
+    fixed_size: ClassVar[bool] = False
+    summary: ClassVar[str] = "lossless: exponent/byte grouping + delta + entropy coding"
+    nonfinite: ClassVar[str] = (
+        "reproduced bit for bit (NaN payloads, +-Inf, -0.0 and subnormals included)"
+    )
+
+    grouping: Literal["exponent", "byte", "bitplane", "none", "auto"] = param(
+        "exponent",
+        "how bits are regrouped: exponent field apart (best), byte planes, bit planes, none, "
+        "or auto (estimated per tensor on a sample)",
+    )
+    context: Literal["auto", "rowcol", "row", "none"] = param(
+        "auto",
+        "exponent prediction from per-row and per-column mean exponents (exponent grouping); "
+        "auto uses rows of >= 64 elements and columns of >= 64 rows",
+    )
+    delta: Literal["none", "min", "mean", "median", "previous", "auto"] = param(
+        "none",
+        "base subtracted from every bit pattern first: tensor min/mean/median, the previous "
+        "step's tensor of this key (state on both sides), or auto (none/min/median by sample)",
+    )
+    delta_op: Literal["sub", "xor"] = param(
+        "sub", "delta as subtraction of order-preserving integer keys, or as XOR of the bits"
+    )
+    backend: Backend = param(
+        "auto", "backend for exponent-bearing planes: auto, huffman, zstd, lz4, ans, raw"
+    )
+    mantissa_backend: Backend = param(
+        "auto", "backend for mantissa planes: auto (raw when near-random), huffman, zstd, ..."
+    )
+    level: int = param(3, "zstd level when a backend is zstd (1..22; negative is faster)")
+    zeros: bool = param(True, "drop exact-zero words behind a bitmap when >= 1/64 are zero")
+    keyframe_every: int = param(
+        0, "previous-step delta: send a self-contained payload every N steps (0: only when "
+        "the sender has no reference)"
+    )
+
+    def validate(self) -> None:
+        require(-7 <= self.level <= 22, "level must be in [-7, 22]", self.level)
+        require(self.keyframe_every >= 0, "keyframe_every must be >= 0", self.keyframe_every)
+        require(
+            self.context in ("auto", "none") or self.grouping in ("exponent", "auto"),
+            "context row/rowcol needs grouping='exponent' (or 'auto')",
+            self.context,
+        )
+
+    # ------------------------------------------------------------------ state
+    @staticmethod
+    def reset(state: dict[str, Any]) -> None:
+        """Forget every previous-step reference held in ``state`` (either side may do this
+        at any time; the next payload from a reset sender is a keyframe)."""
+        state.pop(_STATE_KEY, None)
+
+    @staticmethod
+    def _refs(ctx: CodecContext) -> dict[str, dict[str, Any]]:
+        refs = ctx.state.setdefault(_STATE_KEY, {})
+        if not isinstance(refs, dict):
+            raise CommpressError(f"ctx.state[{_STATE_KEY!r}] is not a dict; state corrupted?")
+        return refs
+
+    # ------------------------------------------------------------------ choices
+    def _choose(self, words: torch.Tensor, lay: bg.Layout) -> tuple[str, str]:
+        grouping, delta = self.grouping, self.delta
+        if grouping != "auto" and delta != "auto":
+            return grouping, delta
+        groupings = [grouping] if grouping != "auto" else ["exponent", "byte", "none"]
+        deltas = [delta] if delta != "auto" else ["none", "min", "median"]
+        if words.numel() < 64:
+            return ("none" if grouping == "auto" else grouping), (
+                "none" if delta == "auto" else delta
+            )
+        best: tuple[float, str, str] | None = None
+        s = _sample_words(words)
+        for d in deltas:
+            if d in ("previous",):
+                keyed = s
+            elif d == "none":
+                keyed = s
+            else:
+                keys = bg.to_monotone(s, lay)
+                base = int(keys.min()) if d == "min" else (
+                    int(keys.median()) if d == "median" else _mean_key(s, lay)
+                )
+                keyed = (
+                    s ^ bg.from_monotone(torch.tensor(base), lay)
+                    if self.delta_op == "xor"
+                    else bg.sub_words(keys, base, lay)
+                )
+            for g in groupings:
+                bits = _estimate_bits(_np64(keyed, lay), lay, g)
+                if best is None or bits < best[0] - 1e-9:
+                    best = (bits, g, d)
+        assert best is not None
+        return best[1], best[2]
+
+    def _backend_for(self, section: _Section) -> str:
+        choice = {"exp": self.backend, "man": self.mantissa_backend, "side": "auto"}[section.role]
+        if choice != "auto":
+            return choice
+        if section.tag in (T_CODES, T_STATS, T_MASK):
+            # exponent codes and side information are low-entropy by construction
+            return "huffman" if section.data.size >= bk.MIN_COMPRESS_BYTES else "raw"
+        return bk.choose_backend(section.data)
+
+    # ------------------------------------------------------------------ encode
+    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        lay = bg.layout(x.dtype)
+        x = x.contiguous()
+        words = bg.words_of(x)
+        n = words.numel()
+        grouping, delta = self._choose(words, lay)
+        xor = self.delta_op == "xor"
+
+        # 1. delta
+        base_key = 0
+        source, seq, ref_seq, ref_crc, keyframe = ctx.rank, 0, 0, 0, False
+        refs: dict[str, dict[str, Any]] | None = None
+        work = words
+        if delta in ("min", "mean", "median") and n:
+            keys = bg.to_monotone(words, lay)
+            if delta == "min":
+                base_key = int(keys.min())
+            elif delta == "median":
+                base_key = int(keys.median())
+            else:
+                base_key = _mean_key(words, lay)
+            if xor:
+                base_word = bg.from_monotone(torch.tensor(base_key, device=x.device), lay)
+                work = words ^ base_word
+            else:
+                work = bg.sub_words(keys, base_key, lay)
+        elif delta == "previous":
+            refs = self._refs(ctx)
+            entry = refs.get(_ref_name(ctx.key, source))
+            usable = (
+                entry is not None
+                and tuple(entry["shape"]) == tuple(x.shape)
+                and entry["dtype"] == str(x.dtype)
+            )
+            seq = (int(entry["seq"]) + 1) if entry is not None else 1
+            periodic = self.keyframe_every > 0 and (seq - 1) % self.keyframe_every == 0
+            keyframe = not usable or periodic
+            if not keyframe:
+                assert entry is not None
+                ref = entry["words"].to(x.device)
+                ref_seq, ref_crc = int(entry["seq"]), int(entry["crc"])
+                if xor:
+                    work = words ^ ref
+                else:
+                    work = bg.sub_words(bg.to_monotone(words, lay), bg.to_monotone(ref, lay), lay)
+
+        # 2. zeros
+        use_mask = False
+        if self.zeros and n:
+            use_mask = bg.wants_mask(bg.count_zeros(work), n)
+
+        # 3. grouping
+        flags = _F_MASK if use_mask else 0
+        kept, g4, nesc = n, 0, 0
+        sections: list[_Section] = []
+        if n and grouping == "exponent":
+            rows, cols, is_matrix = bg.matrix_view(tuple(x.shape), n)
+            use_row, use_col = self._context_flags(rows, cols, is_matrix)
+            cx = bg.make_context(work, lay, tuple(x.shape), use_row=use_row, use_col=use_col)
+            planes = bg.emit_exponent(work, lay, cx, use_mask=use_mask, byte_mode=False)
+            kept, g4, nesc = planes.kept, cx.g4, planes.nesc
+            flags |= (_F_ROW if cx.use_row else 0) | (_F_COL if cx.use_col else 0)
+            flags |= _F_BYTE_MODE if planes.byte_mode else 0
+            if planes.mask is not None:
+                sections.append(_Section(T_MASK, planes.mask, "side"))
+            stats = [a for a in (
+                None if planes.r4 is None else planes.r4 - g4, cx.c4
+            ) if a is not None]
+            if stats:
+                sections.append(_Section(T_STATS, _i16_bytes(np.concatenate(stats)), "side"))
+            sections.append(_Section(T_CODES, planes.codes, "exp"))
+            if planes.codes_hi is not None:
+                sections.append(_Section(T_CODES_HI, planes.codes_hi, "exp"))
+            if planes.nesc:
+                sections.append(_Section(T_ESC, planes.escapes, "exp"))
+            for q, plane in enumerate(planes.mant):
+                sections.append(_Section(T_MANT + q, plane, "man"))
+            if planes.rem is not None:
+                sections.append(_Section(T_REM, planes.rem, "man"))
+        elif n:
+            if use_mask:
+                nz, _ = bg.zero_mask(work)
+                sections.append(_Section(T_MASK, bg.to_numpy_u8(bg.pack_mask(nz)), "side"))
+                work = work[nz]
+                kept = work.numel()
+            sections.extend(self._plain_sections(work, lay, grouping))
+
+        # 4. backends and 5. framing
+        stream, crc = self._frame(
+            sections,
+            header=_header_prefix(
+                lay, grouping, delta, xor, keyframe, flags, n, kept, g4, nesc, base_key,
+                (source, seq, ref_seq, ref_crc, ctx.step) if delta == "previous" else None,
+            ),
+        )
+        if refs is not None:
+            refs[_ref_name(ctx.key, source)] = {
+                "words": words.clone(),
+                "seq": seq,
+                "crc": crc,
+                "shape": list(x.shape),
+                "dtype": str(x.dtype),
+            }
+        part = torch.from_numpy(stream)
+        if x.device.type != "cpu":
+            part = part.to(x.device)
+        return self.make_payload(x, {"stream": part})
+
+    def _context_flags(self, rows: int, cols: int, is_matrix: bool) -> tuple[bool, bool]:
+        if self.context == "none":
+            return False, False
+        if self.context == "row":
+            return True, False
+        if self.context == "rowcol":
+            return True, is_matrix
+        if rows * cols < AUTO_MIN_NUMEL:
+            return False, False
+        return cols >= AUTO_ROW_MIN_COLS, is_matrix and rows >= AUTO_COL_MIN_ROWS
+
+    @staticmethod
+    def _plain_sections(work: torch.Tensor, lay: bg.Layout, grouping: str) -> list[_Section]:
+        if grouping == "none":
+            return [_Section(T_PLANE, bg.to_numpy_u8(work), "exp")]
+        if grouping == "byte":
+            planes = bg.byte_planes(work, lay)
+            return [
+                _Section(
+                    T_PLANE + i,
+                    bg.to_numpy_u8(p),
+                    "exp" if lay.plane_has_exponent(lay.nbytes - 1 - i) else "man",
+                )
+                for i, p in enumerate(planes)
+            ]
+        if grouping == "bitplane":
+            planes = bg.bit_planes(work, lay)
+            return [
+                _Section(
+                    T_PLANE + i,
+                    bg.to_numpy_u8(p),
+                    "exp" if lay.bit_is_exponent(lay.bits - 1 - i) else "man",
+                )
+                for i, p in enumerate(planes)
+            ]
+        raise CommpressError(f"unknown grouping {grouping!r}; accepted: {bg.GROUPINGS}")
+
+    def _frame(self, sections: list[_Section], *, header: bytearray) -> tuple[np.ndarray, int]:
+        blobs: list[Any] = []
+        _put_varint(header, len(sections))
+        for s in sections:
+            name = self._backend_for(s)
+            used, blob = bk.compressed_or_raw(name, s.data, level=self.level)  # type: ignore[arg-type]
+            blobs.append(blob)
+            header.append(s.tag)
+            header.append(bk.BACKEND_IDS[used])
+            _put_varint(header, s.data.size)
+            _put_varint(header, len(blob))
+        total = len(header) + sum(len(b) for b in blobs) + _CRC.size
+        out = bytearray(total)
+        view = memoryview(out)
+        pos = len(header)
+        view[:pos] = header
+        for blob in blobs:
+            size = len(blob)
+            view[pos : pos + size] = blob if not isinstance(blob, np.ndarray) else blob.data
+            pos += size
+        crc = zlib.crc32(view[:pos]) & 0xFFFFFFFF
+        _CRC.pack_into(out, pos, crc)
+        return np.frombuffer(out, dtype=np.uint8), crc
+
+    def fingerprint(self) -> str:
+        """The configuration's fingerprint (cached: it is checked on every decode)."""
+        fp = _FINGERPRINTS.get(self)
+        if fp is None:
+            fp = _FINGERPRINTS[self] = Codec.fingerprint(self)
+        return fp
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        part = self.part(payload, "stream", dtype=torch.uint8)
+        device = part.device
+        lay = bg.layout(payload.dtype)
+        buf = part.reshape(-1).cpu().contiguous().numpy() if part.numel() else np.empty(
+            0, dtype=np.uint8
+        )
+        head = _parse(buf)
+        n = payload.numel
+        self._check_header(head, lay, n)
+
+        entry: dict[str, Any] | None = None
+        refs: dict[str, dict[str, Any]] | None = None
+        if head.delta == "previous":
+            refs = self._refs(ctx)
+            entry = refs.get(_ref_name(ctx.key, head.source))
+            if entry is not None and int(entry["seq"]) == head.seq and int(entry["crc"]) == (
+                head.crc
+            ):
+                # This very payload was encoded or decoded here already: its words are the
+                # reference we hold.
+                return entry["words"].to(device).clone().view(payload.dtype).reshape(
+                    payload.shape
+                )
+            if not head.keyframe:
+                held = "nothing" if entry is None else f"#{entry['seq']} (crc {entry['crc']:08x})"
+                if entry is None or int(entry["seq"]) != head.ref_seq or int(
+                    entry["crc"]
+                ) != head.ref_crc or tuple(entry["shape"]) != tuple(payload.shape):
+                    raise CommpressError(
+                        f"previous-step delta out of sync for key {ctx.key!r} from rank "
+                        f"{head.source}: payload #{head.seq} (step {head.step}) refers to "
+                        f"#{head.ref_seq} (crc {head.ref_crc:08x}) but this receiver holds "
+                        f"{held}; reset the state on both sides (NetZip.reset) so the next "
+                        "payload is a keyframe"
+                    )
+
+        planes = self._sections(buf, head)
+        words = self._rebuild(head, planes, lay, payload, device)
+
+        # undo the delta
+        if head.delta in ("min", "mean", "median") and n:
+            if head.xor:
+                words = words ^ bg.from_monotone(torch.tensor(head.base_key, device=device), lay)
+            else:
+                words = bg.from_monotone(bg.add_words(words, head.base_key, lay), lay)
+        elif head.delta == "previous" and not head.keyframe:
+            assert entry is not None
+            ref = entry["words"].to(device)
+            if head.xor:
+                words = words ^ ref
+            else:
+                words = bg.from_monotone(
+                    bg.add_words(words, bg.to_monotone(ref, lay), lay), lay
+                )
+        words = words.to(lay.int_dtype)
+        if refs is not None:
+            refs[_ref_name(ctx.key, head.source)] = {
+                "words": words.clone(),
+                "seq": head.seq,
+                "crc": head.crc,
+                "shape": list(payload.shape),
+                "dtype": str(payload.dtype),
+            }
+        return words.view(payload.dtype).reshape(payload.shape)
+
+    def _check_header(self, head: _Header, lay: bg.Layout, n: int) -> None:
+        if head.dtype_code != lay.code:
+            raise CommpressError(
+                f"payload header says dtype code {head.dtype_code}, the payload is {lay.dtype}"
+            )
+        if head.numel != n:
+            raise CommpressError(
+                f"payload header holds {head.numel} elements, the payload shape has {n}"
+            )
+        if self.grouping != "auto" and head.grouping != self.grouping:
+            raise CommpressError(
+                f"payload uses grouping {head.grouping!r}, this codec {self.grouping!r}"
+            )
+        if self.delta != "auto" and head.delta != self.delta:
+            raise CommpressError(f"payload uses delta {head.delta!r}, this codec {self.delta!r}")
+        if head.xor != (self.delta_op == "xor"):
+            raise CommpressError("payload and codec disagree on delta_op")
+
+    @staticmethod
+    def _sections(buf: np.ndarray, head: _Header) -> dict[int, np.ndarray]:
+        planes: dict[int, np.ndarray] = {}
+        pos = head.body_start
+        for tag, backend_id, raw_len, stored in head.sections:
+            if backend_id >= len(bk.BACKENDS):
+                raise CommpressError(f"section {tag} names unknown backend id {backend_id}")
+            if tag in planes:
+                raise CommpressError(f"section {tag} appears twice")
+            blob = memoryview(buf[pos : pos + stored])
+            planes[tag] = bk.decompress(bk.BACKENDS[backend_id], blob, raw_len)
+            pos += stored
+        return planes
+
+    def _rebuild(
+        self,
+        head: _Header,
+        planes: dict[int, np.ndarray],
+        lay: bg.Layout,
+        payload: Payload,
+        device: torch.device,
+    ) -> torch.Tensor:
+        n = head.numel
+        use_mask = bool(head.flags & _F_MASK)
+        expected: list[int] = [T_MASK] if use_mask else []
+        if n == 0:
+            if planes:
+                raise CommpressError("payload of an empty tensor holds sections")
+            return torch.empty(0, dtype=lay.int_dtype, device=device)
+        if head.grouping == "exponent":
+            rows, cols, is_matrix = bg.matrix_view(tuple(payload.shape), n)
+            use_row, use_col = bool(head.flags & _F_ROW), bool(head.flags & _F_COL)
+            byte_mode = bool(head.flags & _F_BYTE_MODE)
+            if use_col and not is_matrix:
+                raise CommpressError("payload has column statistics for a non-matrix tensor")
+            expected += [T_STATS] if use_row or use_col else []
+            expected += [T_CODES]
+            expected += [T_CODES_HI] if byte_mode and lay.exp_bits > 8 else []
+            expected += [T_ESC] if head.nesc else []
+            expected += [T_MANT + q for q in range(lay.mant_planes)]
+            expected += [T_REM] if lay.rem_bits else []
+            _expect_tags(planes, expected)
+            cx = bg.Context(rows=rows, cols=cols, g4=head.g4, use_row=use_row, use_col=use_col)
+            if use_row or use_col:
+                nrow = rows if use_row else 0
+                stats = _from_i16(
+                    planes[T_STATS], nrow + (cols if use_col else 0), "row/column statistics"
+                )
+                if use_row:
+                    cx.r4 = stats[:nrow] + head.g4
+                if use_col:
+                    cx.c4 = stats[nrow:]
+            return bg.decode_exponent(
+                lay, n, cx, kept=head.kept, byte_mode=byte_mode, codes=planes[T_CODES],
+                codes_hi=planes.get(T_CODES_HI), escapes=planes.get(
+                    T_ESC, np.empty(0, dtype=np.uint8)
+                ), nesc=head.nesc, mant=[planes[T_MANT + q] for q in range(lay.mant_planes)],
+                rem=planes.get(T_REM), mask=planes.get(T_MASK), device=device,
+            )
+        count = {"none": 1, "byte": lay.nbytes, "bitplane": lay.bits}[head.grouping]
+        expected += [T_PLANE + i for i in range(count)]
+        _expect_tags(planes, expected)
+        kept = head.kept
+        tensors = [torch.from_numpy(planes[T_PLANE + i].copy()).to(device) for i in range(count)]
+        if head.grouping == "none":
+            if tensors[0].numel() != kept * lay.nbytes:
+                raise CommpressError("word plane has the wrong size")
+            words = tensors[0].view(lay.int_dtype)
+        elif head.grouping == "byte":
+            if any(t.numel() != kept for t in tensors):
+                raise CommpressError("byte planes have the wrong size")
+            words = bg.from_byte_planes(tensors, lay)
+        else:
+            if any(t.numel() != bg.packed_nbytes(kept, 1) for t in tensors):
+                raise CommpressError("bit planes have the wrong size")
+            words = bg.from_bit_planes(tensors, lay, kept)
+        if not use_mask:
+            if kept != n:
+                raise CommpressError(f"{kept} stored elements for {n} without a zero bitmap")
+            return words
+        mask = torch.from_numpy(planes[T_MASK].copy()).to(device)
+        if mask.numel() != bg.packed_nbytes(n, 1):
+            raise CommpressError("zero bitmap has the wrong size")
+        nz = bg.unpack_mask(mask, n)
+        if int(nz.sum()) != kept:
+            raise CommpressError("zero bitmap does not match the number of stored elements")
+        out = torch.zeros(n, dtype=lay.int_dtype, device=device)
+        out[nz] = words
+        return out
+
+    # ------------------------------------------------------------------ reduce
+    def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
+        """All-gather the streams and add the decodings in rank order. This worker's own
+        contribution is its input itself (bit-identical to decoding it: the codec is
+        lossless), which saves one decode."""
+        x = self.check_input(tensor)
+        payload = self.encode(x, ctx)
+        local = x.clone() if ctx.need_local else None
+        gathered = yield AllGather(payload)
+        acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
+        for rank, p in enumerate(gathered):
+            if rank == ctx.rank:
+                acc += x.to(acc_dtype)
+            else:
+                acc += self.decode(p, ctx, shape=x.shape).to(acc_dtype)
+        return Reduced(total=self.finish_total(acc.to(x.dtype), ctx), local=local)
+
+
+# ---------------------------------------------------------------------- helpers
+def _ref_name(key: str, rank: int) -> str:
+    return f"{key}#{rank}"
+
+
+def _i16_bytes(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values.astype("<i2")).view(np.uint8)
+
+
+def _from_i16(plane: np.ndarray, count: int, what: str) -> np.ndarray:
+    if plane.size != 2 * count:
+        raise CommpressError(f"{what} hold {plane.size} bytes, expected {2 * count}")
+    return plane.view("<i2").astype(np.int64)
+
+
+def _expect_tags(planes: dict[int, np.ndarray], expected: list[int]) -> None:
+    if sorted(planes) != sorted(expected):
+        raise CommpressError(
+            f"payload sections {sorted(planes)} do not match the header (expected "
+            f"{sorted(expected)})"
+        )
+
+
+def _header_prefix(
+    lay: bg.Layout, grouping: str, delta: str, xor: bool, keyframe: bool, flags: int, n: int,
+    kept: int, g4: int, nesc: int, base_key: int,
+    prev: tuple[int, int, int, int, int] | None,
+) -> bytearray:
+    out = bytearray(MAGIC)
+    out.append(VERSION)
+    out.append(lay.code)
+    out.append(GROUPING_IDS[grouping])
+    out.append(DELTA_IDS[delta] | (_XOR_BIT if xor else 0) | (_KEYFRAME_BIT if keyframe else 0))
+    out.append(flags)
+    _put_varint(out, n)
+    if flags & _F_MASK:
+        _put_varint(out, kept)
+    if grouping == "exponent":
+        _put_varint(out, _zigzag(g4))
+        _put_varint(out, nesc)
+    if delta in ("min", "mean", "median"):
+        _put_varint(out, _zigzag(base_key))
+    if prev is not None:
+        source, seq, ref_seq, ref_crc, step = prev
+        _put_varint(out, source)
+        _put_varint(out, seq)
+        _put_varint(out, ref_seq)
+        out += _CRC.pack(ref_crc)
+        _put_varint(out, step)
+    return out
+
+
+def _parse(buf: np.ndarray) -> _Header:
+    if buf.size < len(MAGIC) + 1 + _CRC.size:
+        raise CommpressError(f"payload stream of {buf.size} bytes is too short (truncated?)")
+    (stored_crc,) = _CRC.unpack_from(buf, buf.size - _CRC.size)
+    actual = zlib.crc32(memoryview(buf[: buf.size - _CRC.size])) & 0xFFFFFFFF
+    if actual != stored_crc:
+        raise CommpressError(
+            f"payload checksum mismatch (stored {stored_crc:08x}, computed {actual:08x}): the "
+            "stream is corrupted or truncated"
+        )
+    view = memoryview(buf[: buf.size - _CRC.size])
+    r = _Reader(view)
+    magic = bytes([r.byte(), r.byte()])
+    if magic != MAGIC:
+        raise CommpressError(f"payload does not start with {MAGIC!r} (got {magic!r})")
+    version = r.byte()
+    if version != VERSION:
+        raise CommpressError(f"payload format version {version}; this reader knows {VERSION}")
+    dtype_code = r.byte()
+    gid = r.byte()
+    if gid >= len(bg.GROUPINGS):
+        raise CommpressError(f"payload names unknown grouping id {gid}")
+    dbyte = r.byte()
+    did = dbyte & 0x0F
+    if did >= len(DELTAS) or dbyte & ~(0x0F | _XOR_BIT | _KEYFRAME_BIT):
+        raise CommpressError(f"payload names unknown delta {dbyte:#x}")
+    flags = r.byte()
+    if flags & ~(_F_MASK | _F_ROW | _F_COL | _F_BYTE_MODE):
+        raise CommpressError(f"payload has unknown flags {flags:#x}")
+    grouping, delta = bg.GROUPINGS[gid], DELTAS[did]
+    numel = r.varint()
+    kept = r.varint() if flags & _F_MASK else numel
+    g4 = nesc = 0
+    if grouping == "exponent":
+        g4 = _unzigzag(r.varint())
+        nesc = r.varint()
+    base_key = _unzigzag(r.varint()) if delta in ("min", "mean", "median") else 0
+    source = seq = ref_seq = ref_crc = step = 0
+    if delta == "previous":
+        source, seq, ref_seq = r.varint(), r.varint(), r.varint()
+        ref_crc = r.u32()
+        step = r.varint()
+    nsec = r.varint()
+    if nsec > 256:
+        raise CommpressError(f"payload claims {nsec} sections")
+    sections = []
+    for _ in range(nsec):
+        tag, backend_id = r.byte(), r.byte()
+        sections.append((tag, backend_id, r.varint(), r.varint()))
+    body = sum(s[3] for s in sections)
+    if r.pos + body != len(view):
+        raise CommpressError(
+            f"payload sections add up to {r.pos + body + _CRC.size} bytes, the stream has "
+            f"{buf.size}"
+        )
+    return _Header(
+        dtype_code=dtype_code, grouping=grouping, delta=delta, xor=bool(dbyte & _XOR_BIT),
+        keyframe=bool(dbyte & _KEYFRAME_BIT), flags=flags, numel=numel, kept=kept, g4=g4,
+        nesc=nesc, base_key=base_key, source=source, seq=seq, ref_seq=ref_seq, ref_crc=ref_crc,
+        step=step, sections=sections, body_start=r.pos, crc=stored_crc,
+    )
+
+
+def _mean_key(words: torch.Tensor, lay: bg.Layout) -> int:
+    """Order-preserving key of the mean of the finite values (0 when there are none)."""
+    x = words.view(lay.dtype)
+    finite = x[torch.isfinite(x)]
+    mean = finite.double().mean() if finite.numel() else torch.zeros((), dtype=torch.float64)
+    as_dtype = mean.to(lay.dtype).reshape(1)
+    return int(bg.to_monotone(as_dtype.view(lay.int_dtype), lay)[0])
+
+
+def _sample_words(words: torch.Tensor) -> torch.Tensor:
+    n = words.numel()
+    if n <= AUTO_SAMPLE:
+        return words.cpu()
+    k = AUTO_SAMPLE // 3
+    mid = n // 2 - k // 2
+    return torch.cat([words[:k], words[mid : mid + k], words[-k:]]).cpu()
+
+
+def _np64(words: torch.Tensor, lay: bg.Layout) -> np.ndarray:
+    """Words as unsigned values in int64 (the top bit of fp64 words wraps, harmlessly for
+    entropy estimates)."""
+    big = words.to(torch.int64).numpy()
+    return big & ((1 << lay.bits) - 1) if lay.bits < 64 else big
+
+
+def _h(values: np.ndarray) -> float:
+    """Order-0 entropy (bits per symbol) of non-negative integers."""
+    if values.size == 0:
+        return 0.0
+    _, counts = np.unique(values, return_counts=True)
+    p = counts / values.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def _estimate_bits(u: np.ndarray, lay: bg.Layout, grouping: str) -> float:
+    """Order-0 size estimate (bits per element) of a grouping on sampled words."""
+    nz = u != 0
+    zero_frac = 1.0 - float(nz.mean()) if u.size else 0.0
+    if zero_frac * bg.ZERO_FRACTION >= 1.0:
+        p = zero_frac
+        mask_bits = -(p * np.log2(p) + (1 - p) * np.log2(1 - p)) if 0 < p < 1 else 0.0
+        kept = u[nz]
+        return mask_bits + (1 - zero_frac) * _estimate_bits_dense(kept, lay, grouping)
+    return _estimate_bits_dense(u, lay, grouping)
+
+
+def _estimate_bits_dense(u: np.ndarray, lay: bg.Layout, grouping: str) -> float:
+    if u.size == 0:
+        return 0.0
+    if grouping == "exponent":
+        e = (u >> lay.man_bits) & lay.emask
+        sm = ((u >> (lay.bits - 1)) & 1) << lay.man_bits | (u & ((1 << lay.man_bits) - 1))
+        bits = _h(e) + lay.rem_bits
+        for q in range(lay.mant_planes):
+            bits += _h((sm >> (8 * q)) & 255)
+        return bits
+    if grouping == "byte":
+        return sum(_h((u >> (8 * q)) & 255) for q in range(lay.nbytes))
+    if grouping == "none":
+        return lay.nbytes * _h(
+            np.concatenate([(u >> (8 * q)) & 255 for q in range(lay.nbytes)])
+        )
+    total = 0.0
+    for k in range(lay.bits):
+        p = float(((u >> k) & 1).mean())
+        total += -(p * np.log2(p) + (1 - p) * np.log2(1 - p)) if 0 < p < 1 else 0.0
+    return total
+
+
+__all__ = ["NetZip"]

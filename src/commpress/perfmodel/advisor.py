@@ -1,0 +1,343 @@
+"""``advise``: which codec for which bucket, or no compression at all.
+
+Algorithm of :func:`advise`:
+
+1. Build the :class:`~commpress.perfmodel.model.Workload` (a parameter count, bucket sizes,
+   an ``nn.Module`` or a ``DistributedDataParallel`` model) and the
+   :class:`~commpress.perfmodel.collectives.Cluster` (a description, or measured links such as
+   the emulated cluster's link check).
+2. For every candidate codec, get its error: from ``nmse_table`` when given, otherwise
+   :func:`~commpress.perfmodel.codec_costs.measure_nmse` (the worse of a Gaussian and a
+   heavy-tailed sample). Candidates above ``max_nmse`` are infeasible. The FP16 baseline
+   ("no compression": DDP with PyTorch's ``fp16_compress_hook``) is always feasible.
+3. Predict the step with each feasible codec on every bucket and start from the fastest of
+   these uniform choices (baseline included).
+4. Coordinate descent over buckets: for each bucket try every feasible codec with the other
+   buckets fixed and keep a change when the whole step gets faster (buckets interact through
+   the shared network and GPU, so each trial runs the full timeline). Repeat until a pass
+   changes nothing or ``max_passes`` passes are done.
+5. If the best assignment is not at least ``min_speedup`` times faster than the baseline,
+   recommend "no compression": a gain inside the model's error is not worth a lossy codec.
+
+Tuning:
+    * ``max_nmse``: per-step normalized error allowed. Without error feedback keep it low
+      (0.1-0.3); with error feedback, sparsifiers with NMSE near 1 still converge, so raise it
+      to 1 to let them compete.
+    * ``min_speedup``: the predicted gain required; 1.05 by default, to stay clear of the
+      model's typical error. Use 1.0 to see any predicted gain.
+    * ``nmse_table``: errors measured on your own gradients (``commpress capture``) are better
+      than the synthetic samples, especially for PowerSGD, whose error on real (low-rank)
+      gradients is much lower than on random matrices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from commpress.codecs.registry import codec_ids, get_codec
+from commpress.errors import CommpressError, error_context
+from commpress.perfmodel.codec_costs import Offload, SpeedTable, measure_nmse, spec_key
+from commpress.perfmodel.collectives import Cluster
+from commpress.perfmodel.model import (
+    BASELINE_CODEC,
+    Platform,
+    Prediction,
+    Workload,
+    predict,
+    predict_baseline,
+)
+
+#: Candidates tried by default (those whose codec is registered).
+DEFAULT_CANDIDATES: tuple[str, ...] = (
+    "powersgd:rank=4",
+    "topk:ratio=0.01",
+    "randomk:ratio=0.01",
+    "dgc:ratio=0.01",
+    "topkc",
+    "thc",
+    "qsgd",
+    "terngrad",
+    "sign",
+    "minmax:bits=4",
+    "netzip",
+)
+NO_COMPRESSION = "no compression"
+
+
+@dataclass(frozen=True)
+class CodecOption:
+    """A candidate with its error, feasibility and uniform (all buckets) prediction."""
+
+    spec: str
+    nmse: float
+    feasible: bool
+    uniform: Prediction | None
+
+    @property
+    def total(self) -> float:
+        return self.uniform.total if self.uniform is not None else math.nan
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The recommendation.
+
+    Attributes:
+        choices: codec spec per bucket (the baseline's spec where no compression pays).
+        prediction: the step with ``choices``.
+        baseline: the FP16 baseline step.
+        options: every candidate, with its error and uniform prediction.
+        workload, cluster: what was advised on.
+        max_nmse, min_speedup: the constraints used.
+    """
+
+    choices: tuple[str, ...]
+    prediction: Prediction
+    baseline: Prediction
+    options: tuple[CodecOption, ...]
+    workload: Workload
+    cluster: Cluster
+    max_nmse: float | None
+    min_speedup: float
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline.total / self.prediction.total
+
+    @property
+    def compress(self) -> bool:
+        """False when the advice is "no compression"."""
+        return any(c != BASELINE_CODEC for c in self.choices)
+
+    @property
+    def recommendation(self) -> str:
+        """``"no compression"``, a codec spec, or ``"mixed: a (n buckets), b (m buckets)"``."""
+        if not self.compress:
+            return NO_COMPRESSION
+        counts: dict[str, int] = {}
+        for c in self.choices:
+            counts[c] = counts.get(c, 0) + 1
+        if len(counts) == 1:
+            return next(iter(counts))
+        parts = [f"{c} ({k} bucket{'s' if k > 1 else ''})"
+                 for c, k in sorted(counts.items(), key=lambda kv: -kv[1])]
+        return "mixed: " + ", ".join(parts)
+
+    def report(self) -> str:
+        from commpress.cli.table import render_table
+        from commpress.perfmodel.units import format_count, format_seconds
+
+        base = self.baseline.total
+        lines = [
+            f"model: {format_count(self.workload.params)} parameters in "
+            f"{len(self.workload.buckets)} buckets; compute "
+            f"{format_seconds(self.workload.compute_s)} per step",
+            f"cluster: {self.cluster.describe()}",
+            "",
+        ]
+        rows = [[BASELINE_CODEC + " (baseline)", "-", "yes", format_seconds(base), 1.0]]
+        for o in self.options:
+            rows.append([
+                o.spec,
+                o.nmse,
+                o.feasible,
+                format_seconds(o.total) if o.uniform else "-",
+                base / o.total if o.uniform else math.nan,
+            ])
+        budget = "none" if self.max_nmse is None else f"{self.max_nmse:g}"
+        lines.append(f"candidates on every bucket (error budget: NMSE <= {budget}):")
+        lines.append(render_table(["codec", "nmse", "within budget", "step", "speedup"], rows))
+        lines.append("")
+        if self.compress and len(set(self.choices)) > 1:
+            per = [[i, n, c] for i, (n, c) in
+                   enumerate(zip(self.workload.bucket_numels, self.choices, strict=True))]
+            lines.append("per bucket (ready order):")
+            lines.append(render_table(["bucket", "elements", "codec"], per))
+            lines.append("")
+        lines.append(
+            f"recommendation: {self.recommendation}; predicted step "
+            f"{format_seconds(self.prediction.total)} vs {format_seconds(base)} with "
+            f"{BASELINE_CODEC} ({self.speedup:.3f}x)"
+        )
+        if not self.compress:
+            lines.append(
+                f"(no candidate within the error budget is predicted to be at least "
+                f"{self.min_speedup:g}x faster than the {BASELINE_CODEC} baseline)"
+            )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recommendation": self.recommendation,
+            "compress": self.compress,
+            "choices": list(self.choices),
+            "predicted_s": self.prediction.total,
+            "baseline_s": self.baseline.total,
+            "speedup": self.speedup,
+            "breakdown": self.prediction.breakdown(),
+            "max_nmse": self.max_nmse,
+            "min_speedup": self.min_speedup,
+            "options": [
+                {"codec": o.spec, "nmse": o.nmse, "feasible": o.feasible,
+                 "uniform_s": o.total if o.uniform else None}
+                for o in self.options
+            ],
+        }
+
+
+def as_workload(model: Any, *, compute_s: float | None = None, **kwargs: Any) -> Workload:
+    """A :class:`Workload` from a workload, parameter count, list of bucket sizes (elements),
+    ``nn.Module`` or DDP model. ``compute_s`` (forward + backward) is needed except for a
+    parameter count, where it is estimated
+    (:func:`~commpress.perfmodel.model.estimate_compute_s`)."""
+    if isinstance(model, Workload):
+        return model
+    if isinstance(model, bool):
+        raise CommpressError("model must be a Workload, a parameter count, bucket sizes or a "
+                             "torch module")
+    if isinstance(model, (int, float)):
+        return Workload.from_params(float(model), compute_s=compute_s, **kwargs)
+    if isinstance(model, Sequence) and not isinstance(model, str):
+        if compute_s is None:
+            raise CommpressError("bucket sizes need compute_s (forward + backward seconds)")
+        return Workload.from_bucket_sizes(list(model), compute_s=compute_s, **kwargs)
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        torch = None  # type: ignore[assignment]
+    if torch is not None and isinstance(model, torch.nn.Module):
+        if compute_s is None:
+            raise CommpressError("a module needs compute_s (forward + backward seconds)")
+        return Workload.from_module(model, compute_s=compute_s, **kwargs)
+    raise CommpressError(
+        f"cannot build a workload from {type(model).__name__}; pass a Workload, a parameter "
+        "count, a list of bucket sizes or an nn.Module / DistributedDataParallel model"
+    )
+
+
+def default_candidates() -> list[str]:
+    """:data:`DEFAULT_CANDIDATES` whose codec id is registered."""
+    known = set(codec_ids())
+    return [c for c in DEFAULT_CANDIDATES if c.partition(":")[0] in known]
+
+
+def advise(
+    model: Any,
+    cluster: Cluster | Mapping[str, Any],
+    *,
+    compute_s: float | None = None,
+    candidates: Sequence[str] | None = None,
+    max_nmse: float | None = 0.5,
+    nmse_table: Mapping[str, float] | None = None,
+    min_speedup: float = 1.05,
+    strategy: str = "auto",
+    algorithm: str = "ring",
+    speeds: SpeedTable | None = None,
+    platform: Platform | None = None,
+    offload: Offload | None = None,
+    max_passes: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+) -> Advice:
+    """Recommend a codec per bucket, or no compression (see the module docstring).
+
+    Args:
+        model: a :class:`Workload`, parameter count, list of bucket sizes (elements), or an
+            ``nn.Module`` / ``DistributedDataParallel`` model.
+        cluster: a :class:`Cluster` or a mapping for :meth:`Cluster.from_measured` (measured
+            links of the emulated cluster, or a flat description).
+        compute_s: forward + backward seconds per step (estimated for a parameter count).
+        candidates: codec specs to consider (default: :func:`default_candidates`).
+        max_nmse: error budget per step (``None``: no budget).
+        nmse_table: known errors by spec (``spec_key`` form or as written in ``candidates``);
+            missing ones are measured.
+        min_speedup: predicted speedup over the baseline needed to recommend compression.
+        strategy, algorithm, speeds, platform, offload: as in
+            :func:`~commpress.perfmodel.model.predict`.
+        max_passes: coordinate-descent passes over the buckets.
+        progress: called with ``(done, total)`` trial counts.
+    """
+    workload = as_workload(model, compute_s=compute_s)
+    cl = cluster if isinstance(cluster, Cluster) else Cluster.from_measured(cluster)
+    if min_speedup <= 0:
+        raise CommpressError(f"min_speedup must be > 0, got {min_speedup!r}")
+    if max_nmse is not None and not max_nmse >= 0:
+        raise CommpressError(f"max_nmse must be >= 0 or None, got {max_nmse!r}")
+    specs = list(candidates) if candidates is not None else default_candidates()
+    kwargs: dict[str, Any] = dict(strategy=strategy, algorithm=algorithm, speeds=speeds,
+                                  platform=platform, offload=offload)
+    baseline = predict_baseline(workload, cl, algorithm=algorithm, speeds=speeds,
+                                platform=platform)
+    options: list[CodecOption] = []
+    table = dict(nmse_table or {})
+    for spec in specs:
+        with error_context(f"candidate {spec!r}"):
+            codec = get_codec(spec)
+            key = spec_key(codec)
+            if key == BASELINE_CODEC:
+                continue
+            err = table.get(key, table.get(spec))
+            if err is None:
+                err = measure_nmse(codec)
+            feasible = max_nmse is None or err <= max_nmse
+            uniform = predict(workload, cl, codec, **kwargs) if feasible else None
+        options.append(CodecOption(key, float(err), feasible, uniform))
+
+    def evaluate(assignment: list[str]) -> Prediction:
+        if all(a == BASELINE_CODEC for a in assignment):
+            return baseline
+        return predict(workload, cl, assignment, **kwargs)
+
+    feasible_specs = [o.spec for o in options if o.feasible]
+    choices_pool = [BASELINE_CODEC, *feasible_specs]
+    n = len(workload.buckets)
+    best_total = baseline.total
+    assign = [BASELINE_CODEC] * n
+    best_pred = baseline
+    for o in options:
+        if o.uniform is not None and o.uniform.total < best_total:
+            best_total, assign, best_pred = o.uniform.total, [o.spec] * n, o.uniform
+    total_trials = max_passes * n * (len(choices_pool) - 1)
+    done = 0
+    if len(choices_pool) > 1:
+        for _ in range(max_passes):
+            changed = False
+            for i in range(n):
+                for spec in choices_pool:
+                    if spec == assign[i]:
+                        continue
+                    trial = list(assign)
+                    trial[i] = spec
+                    pred = evaluate(trial)
+                    done += 1
+                    if progress is not None:
+                        progress(done, total_trials)
+                    if pred.total < best_total * (1 - 1e-9):
+                        best_total, assign, best_pred, changed = pred.total, trial, pred, True
+            if not changed:
+                break
+    if baseline.total / best_total < min_speedup:
+        assign, best_pred = [BASELINE_CODEC] * n, baseline
+    return Advice(
+        choices=tuple(assign),
+        prediction=best_pred,
+        baseline=baseline,
+        options=tuple(options),
+        workload=workload,
+        cluster=cl,
+        max_nmse=max_nmse,
+        min_speedup=min_speedup,
+    )
+
+
+__all__ = [
+    "DEFAULT_CANDIDATES",
+    "NO_COMPRESSION",
+    "Advice",
+    "CodecOption",
+    "advise",
+    "as_workload",
+    "default_candidates",
+]

@@ -1,0 +1,192 @@
+"""Command-line arguments shared by ``commpress predict``, ``sweep`` and ``advise``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from commpress.errors import CommpressError
+from commpress.perfmodel.codec_costs import STRATEGIES, Offload, SpeedTable
+from commpress.perfmodel.collectives import ALLREDUCE_ALGORITHMS, TCP_EFFICIENCY, Cluster
+from commpress.perfmodel.model import Platform, Workload, estimate_compute_s
+from commpress.perfmodel.units import parse_bandwidth, parse_count, parse_duration
+
+#: Environment variable naming a codec speed table (JSON) to use by default.
+SPEEDS_ENV = "COMMPRESS_CODEC_SPEEDS"
+_GRAD_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+def add_workload_args(p: argparse.ArgumentParser, *, single: bool = True) -> None:
+    g = p.add_argument_group("model")
+    if single:
+        g.add_argument("--params", help="parameter count, e.g. 1.3e9 or 350M (a GPT-style "
+                       "model of that size is assumed)")
+        g.add_argument("--buckets", help="gradient bucket sizes in elements, comma-separated, "
+                       "in the order they become ready (instead of --params)")
+        g.add_argument("--demo-model", choices=["tiny", "small", "medium"],
+                       help="the built-in TinyGPT preset (commpress.demo) instead of --params")
+        g.add_argument("--hidden", type=int, help="hidden size of the assumed GPT-style model "
+                       "(default: derived from --params)")
+    g.add_argument("--compute-ms", help="forward + backward time per step in ms (default: "
+                   "6 * params * tokens / flops)")
+    g.add_argument("--tokens-per-gpu", default="16384",
+                   help="tokens per GPU per step, for the default compute time (16384)")
+    g.add_argument("--gpu-tflops", type=float, default=400.0,
+                   help="achieved TFLOP/s per GPU, for the default compute time (400)")
+    g.add_argument("--backward-fraction", type=float, default=2 / 3,
+                   help="share of the compute that is backward (default 2/3)")
+    g.add_argument("--optimizer-ms", type=float, default=0.0, help="optimizer step in ms (0)")
+    g.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="DDP bucket_cap_mb (MiB, default 25)")
+    g.add_argument("--grad-dtype", choices=sorted(_GRAD_BYTES), default="fp32",
+                   help="dtype of the gradients before compression (fp32)")
+
+
+def add_cluster_args(p: argparse.ArgumentParser, *, single: bool = True) -> None:
+    g = p.add_argument_group("cluster")
+    if single:
+        g.add_argument("--nodes", type=int, default=2, help="number of nodes N (2)")
+        g.add_argument("--inter-bw", default="100gbit",
+                       help="inter-node bandwidth per node and direction (100gbit; units: "
+                       "gbit, Gb/s, Gbps = bits; GB/s = bytes)")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node M (8)")
+    g.add_argument("--intra-bw", default="600GB/s", help="intra-node bandwidth (600GB/s)")
+    g.add_argument("--inter-latency", default="10us", help="inter-node alpha (10us)")
+    g.add_argument("--intra-latency", default="5us", help="intra-node alpha (5us)")
+    g.add_argument("--inter-efficiency", type=float, default=TCP_EFFICIENCY,
+                   help="usable fraction of the inter-node rate (default 1448/1514 = TCP "
+                   "framing at MTU 1500; 1 for a goodput)")
+    if single:
+        g.add_argument("--links", help="JSON file of measured links (`commpress cluster status "
+                       "--json` output, a link report, or a flat description); overrides the "
+                       "bandwidth/latency options")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("exchange and platform")
+    g.add_argument("--strategy", choices=STRATEGIES, default="auto",
+                   help="how tensors are exchanged (auto: the codec's own protocol)")
+    g.add_argument("--algorithm", choices=ALLREDUCE_ALGORITHMS, default="ring",
+                   help="all-reduce algorithm (ring)")
+    g.add_argument("--granularity", choices=["parameter", "bucket"], default="parameter",
+                   help="codec per parameter tensor (commpress's DDP hook) or per flat bucket")
+    g.add_argument("--codec-speeds", help=f"codec speed table JSON (from --calibrate-codecs; "
+                   f"default ${SPEEDS_ENV} or the built-in assumptions)")
+    g.add_argument("--platform", help="platform constants JSON (from calibration)")
+    g.add_argument("--overlap-efficiency", type=float,
+                   help="override the platform's overlap efficiency (0..1)")
+    g.add_argument("--offload-bw", help="run codec work on an offload device (SqueezeNIC) "
+                   "ingesting this rate, e.g. 400gbit")
+    g.add_argument("--offload-latency", default="2us", help="offload device latency (2us)")
+
+
+def compute_seconds(args: argparse.Namespace, params: float) -> float:
+    """``--compute-ms`` (a number of ms, or a duration with its unit) or the estimate."""
+    if args.compute_ms is not None:
+        text = str(args.compute_ms).strip()
+        return parse_duration(text if text[-1:].isalpha() else text + "ms")
+    return estimate_compute_s(params, tokens_per_gpu=parse_count(args.tokens_per_gpu),
+                              flops=args.gpu_tflops * 1e12)
+
+
+def workload_common(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        backward_fraction=args.backward_fraction,
+        optimizer_s=args.optimizer_ms / 1e3,
+        grad_bytes=_GRAD_BYTES[args.grad_dtype],
+        bucket_bytes=args.bucket_mb * 1024 * 1024,
+    )
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    given = [x for x in ("params", "buckets", "demo_model") if getattr(args, x, None)]
+    if len(given) > 1:
+        raise CommpressError("give one of --params, --buckets, --demo-model")
+    common = workload_common(args)
+    if args.buckets:
+        sizes = [parse_count(s) for s in str(args.buckets).split(",") if s.strip()]
+        if args.compute_ms is None:
+            raise CommpressError("--buckets needs --compute-ms")
+        return Workload.from_bucket_sizes(
+            sizes, compute_s=compute_seconds(args, sum(sizes)),
+            backward_fraction=common["backward_fraction"], optimizer_s=common["optimizer_s"],
+            grad_bytes=common["grad_bytes"], name=f"{len(sizes)} buckets",
+        )
+    if args.demo_model:
+        from commpress.demo.model import build_model, preset
+
+        model = build_model(preset(args.demo_model))
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        params = sum(p.numel() for p in model.parameters())
+        return Workload.from_shapes(shapes, compute_s=compute_seconds(args, params),
+                                    name=f"TinyGPT {args.demo_model}", **common)
+    if not args.params:
+        raise CommpressError("give the model: --params 1.3e9, --buckets ... or --demo-model")
+    params = parse_count(args.params)
+    return Workload.from_params(params, compute_s=compute_seconds(args, params),
+                                hidden=args.hidden, **common)
+
+
+def cluster_from_args(
+    args: argparse.Namespace, *, nodes: int | None = None, inter_bw: Any = None
+) -> Cluster:
+    links = getattr(args, "links", None)
+    if links:
+        try:
+            data = json.loads(Path(links).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CommpressError(f"cannot read --links {links}: {exc}") from exc
+        return Cluster.from_measured(data, gpus_per_node=args.gpus_per_node)
+    return Cluster.build(
+        nodes=nodes if nodes is not None else args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        inter_bw=inter_bw if inter_bw is not None else args.inter_bw,
+        intra_bw=args.intra_bw,
+        inter_latency=args.inter_latency,
+        intra_latency=args.intra_latency,
+        inter_efficiency=args.inter_efficiency,
+    )
+
+
+def speeds_from_args(args: argparse.Namespace) -> SpeedTable:
+    path = args.codec_speeds or os.environ.get(SPEEDS_ENV)
+    return SpeedTable.load(path) if path else SpeedTable.builtin()
+
+
+def platform_from_args(args: argparse.Namespace) -> Platform:
+    platform = Platform.load(args.platform) if args.platform else Platform()
+    if args.overlap_efficiency is not None:
+        platform = replace(platform, overlap_efficiency=args.overlap_efficiency)
+    return platform
+
+
+def offload_from_args(args: argparse.Namespace) -> Offload | None:
+    if not args.offload_bw:
+        return None
+    return Offload(parse_bandwidth(args.offload_bw), parse_duration(args.offload_latency))
+
+
+def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        strategy=args.strategy,
+        algorithm=args.algorithm,
+        granularity=args.granularity,
+        speeds=speeds_from_args(args),
+        platform=platform_from_args(args),
+        offload=offload_from_args(args),
+    )
+
+
+__all__ = [
+    "SPEEDS_ENV",
+    "add_cluster_args",
+    "add_model_args",
+    "add_workload_args",
+    "cluster_from_args",
+    "model_kwargs",
+    "workload_from_args",
+]

@@ -1,0 +1,712 @@
+"""What a codec costs: wire bytes and rounds (from the codec itself), encode/decode time (from
+a throughput table), and the exchange of one tensor as timeline segments.
+
+Wire bytes come from running the codec: a single-round codec encodes a sample tensor of the
+right shape (a summable one is all-reduced part by part at its declared lane widths, the others
+are all-gathered); a multi-round codec's :meth:`~commpress.codecs.base.Codec.reduce` protocol
+is driven for rank 0 of the real world size, recording every round's kind and bytes. Tensors
+larger than ``SAMPLE_MAX`` elements are measured at two geometrically scaled shapes (16x apart,
+two ranks) to get each round's exponent ``p`` in ``bytes = a n^p`` (casts and sparsifiers
+``p = 1``, PowerSGD ``p = 1/2`` on similar matrices); the bytes at the real world size are then
+measured on the smaller shape and extrapolated with that exponent.
+
+Encode/decode time is ``max(c0, n / throughput)`` with a per-codec fixed cost ``c0`` (kernel
+launches, host synchronisation) and a throughput in elements per second, looked up in a
+:class:`SpeedTable`: the built-in table of assumed datacenter-GPU figures, or one measured on
+the target machine by :func:`calibrate_speeds` (``commpress predict --calibrate-codecs``) and
+stored as JSON.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from commpress.codecs.base import Codec, CodecContext
+from commpress.codecs.protocol import AllGather, AllReduce
+from commpress.codecs.registry import get_codec
+from commpress.errors import CommpressError, error_context
+from commpress.perfmodel import collectives as coll
+from commpress.perfmodel.collectives import Cluster
+from commpress.perfmodel.timeline import Segment
+
+#: Largest sample (elements) encoded to measure wire bytes; larger tensors are extrapolated.
+SAMPLE_MAX = 1 << 16
+#: Codecs that are element-wise casts: a DDP bucket's tensors are sent as one flat tensor.
+ELEMENTWISE_CODECS: tuple[str, ...] = ("identity", "fp16", "bf16")
+
+STRATEGIES: tuple[str, ...] = (
+    "auto", "allreduce", "allgather", "ring", "hierarchical", "hierarchical-compress-first"
+)
+
+
+# ---------------------------------------------------------------------------- throughput
+@dataclass(frozen=True, slots=True)
+class CodecSpeed:
+    """Encode/decode time model of one codec: ``max(c0, n / throughput)``.
+
+    Attributes:
+        overhead_s: ``c0``, the fixed cost of one call (seconds).
+        encode_eps: encode throughput, elements per second (``inf``: free).
+        decode_eps: decode throughput, elements per second.
+    """
+
+    overhead_s: float
+    encode_eps: float
+    decode_eps: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.overhead_s) and self.overhead_s >= 0):
+            raise CommpressError(f"codec overhead must be finite and >= 0 s, got "
+                                 f"{self.overhead_s!r}")
+        for name in ("encode_eps", "decode_eps"):
+            v = getattr(self, name)
+            if not v > 0:
+                raise CommpressError(f"{name} must be > 0 elements/s, got {v!r}")
+
+    def encode_time(self, numel: float) -> float:
+        return 0.0 if numel <= 0 else max(self.overhead_s, numel / self.encode_eps)
+
+    def decode_time(self, numel: float) -> float:
+        return 0.0 if numel <= 0 else max(self.overhead_s, numel / self.decode_eps)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"overhead_s": self.overhead_s, "encode_eps": self.encode_eps,
+                "decode_eps": self.decode_eps}
+
+
+#: Built-in encode/decode figures for a datacenter GPU (A100/H100 class). They are
+#: **assumptions**, not measurements: memory-bound element-wise kernels (casts) at a fraction of
+#: HBM bandwidth, quantizers a few passes over the data plus bit packing, selection (top-k) an
+#: order of magnitude slower, low-rank a few small matrix products and a QR. Calibrate on the
+#: target GPU (``commpress predict --calibrate-codecs --device cuda``) for numbers to trust.
+BUILTIN_SPEEDS: dict[str, CodecSpeed] = {
+    "identity": CodecSpeed(0.0, math.inf, math.inf),
+    "fp16": CodecSpeed(10e-6, 1e11, 1e11),
+    "bf16": CodecSpeed(10e-6, 1e11, 1e11),
+    "minmax": CodecSpeed(50e-6, 2e10, 4e10),
+    "qsgd": CodecSpeed(50e-6, 2e10, 4e10),
+    "terngrad": CodecSpeed(50e-6, 2e10, 4e10),
+    "sign": CodecSpeed(40e-6, 3e10, 5e10),
+    "thc": CodecSpeed(100e-6, 1e10, 2e10),
+    "randomk": CodecSpeed(50e-6, 2e10, 4e10),
+    "topk": CodecSpeed(100e-6, 2e9, 2e10),
+    "dgc": CodecSpeed(100e-6, 5e9, 2e10),
+    "topkc": CodecSpeed(100e-6, 5e9, 2e10),
+    "powersgd": CodecSpeed(300e-6, 5e9, 2e10),
+    "netzip": CodecSpeed(100e-6, 2e9, 3e9),
+    "*": CodecSpeed(100e-6, 5e9, 1e10),
+}
+BUILTIN_SOURCE = "built-in assumptions for a datacenter GPU (not measured)"
+
+
+def spec_key(codec: Codec) -> str:
+    """``"topk"`` for a default-configured codec, else ``"topk:ratio=0.001"`` (parameters that
+    differ from their defaults, sorted): the key of a codec in a :class:`SpeedTable`."""
+    defaults = {name: default for name, default, _ in codec.parameters()}
+    config = codec.get_config()
+    changed = [
+        f"{k}={json.dumps(v)}" for k, v in sorted(config.items())
+        if k != "id" and defaults.get(k, object()) != v
+    ]
+    return codec.codec_id + (":" + ",".join(changed) if changed else "")
+
+
+@dataclass(frozen=True)
+class SpeedTable:
+    """Codec speeds by key: exact spec (:func:`spec_key`), then codec id, then ``"*"``."""
+
+    speeds: Mapping[str, CodecSpeed]
+    source: str = BUILTIN_SOURCE
+
+    @classmethod
+    def builtin(cls) -> SpeedTable:
+        return cls(dict(BUILTIN_SPEEDS), BUILTIN_SOURCE)
+
+    def lookup(self, codec: Codec) -> CodecSpeed:
+        for key in (spec_key(codec), codec.codec_id, "*"):
+            if key in self.speeds:
+                return self.speeds[key]
+        return BUILTIN_SPEEDS["*"]
+
+    def merged(self, other: SpeedTable) -> SpeedTable:
+        """This table with ``other``'s entries on top."""
+        return SpeedTable({**self.speeds, **other.speeds}, f"{other.source}; else {self.source}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "commpress-codec-speeds/1",
+            "source": self.source,
+            "speeds": {k: v.to_dict() for k, v in self.speeds.items()},
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.to_dict(), indent=2, default=_json_float)
+        Path(path).write_text(text + "\n")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SpeedTable:
+        if data.get("format") != "commpress-codec-speeds/1" or "speeds" not in data:
+            raise CommpressError(
+                "not a codec speed table: expected {'format': 'commpress-codec-speeds/1', "
+                "'speeds': {...}} as written by `commpress predict --calibrate-codecs`"
+            )
+        speeds = {}
+        for key, entry in data["speeds"].items():
+            with error_context(f"codec speed entry {key!r}"):
+                speeds[key] = CodecSpeed(
+                    float(entry["overhead_s"]), float(entry["encode_eps"]),
+                    float(entry["decode_eps"]),
+                )
+        return cls(speeds, str(data.get("source", "file")))
+
+    @classmethod
+    def load(cls, path: str | Path) -> SpeedTable:
+        """A stored table, with the built-in entries under it for codecs it does not list."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CommpressError(f"cannot read codec speed table {path}: {exc}") from exc
+        table = cls.from_dict(data)
+        return cls.builtin().merged(SpeedTable(table.speeds, f"{table.source} ({path})"))
+
+
+def _json_float(value: Any) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    raise TypeError(f"not JSON serialisable: {value!r}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    fn()  # warm-up (allocations, kernel compilation)
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate_speeds(
+    specs: Sequence[str | Codec],
+    *,
+    device: str | torch.device = "cpu",
+    small: int = 1 << 10,
+    large: int = 1 << 20,
+    repeats: int = 5,
+    progress: bool = False,
+) -> SpeedTable:
+    """Measure ``c0`` and throughputs of ``specs`` on ``device`` (a micro-benchmark).
+
+    Algorithm, per codec:
+
+    1. Build square-ish float32 matrices of about ``small`` and ``large`` elements on
+       ``device`` (matrices, so shape-aware codecs such as PowerSGD compress them).
+    2. Time ``encode`` and ``decode`` of each (median of ``repeats`` runs after a warm-up,
+       synchronising the device around each run).
+    3. ``c0`` is the smaller of the small-tensor encode and decode times; each throughput is
+       ``large / t_large`` (so ``max(c0, n / throughput)`` reproduces both measurements when
+       the small size is overhead-bound).
+
+    Tuning: ``large`` should be the size of your gradient buckets' tensors or at least a few
+    million elements on a GPU, so that launch overheads do not hide the throughput; more
+    ``repeats`` on a busy machine.
+    """
+    dev = torch.device(device)
+    speeds: dict[str, CodecSpeed] = {}
+    iterator: Any = list(specs)
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(iterator, desc="calibrating codecs", unit="codec")
+    for spec in iterator:
+        codec = get_codec(spec)
+        with error_context(f"calibrating {spec_key(codec)}"):
+            timings = {}
+            for label, n in (("small", small), ("large", large)):
+                rows = max(1, int(math.sqrt(n)))
+                x = torch.randn(rows, max(1, n // rows), generator=torch.Generator().manual_seed(0))
+                x = x.to(dev)
+                ctx = CodecContext()
+                payload = codec.encode(x, ctx)
+                t_enc = _median_time(functools.partial(codec.encode, x, ctx), dev, repeats)
+                t_dec = _median_time(functools.partial(codec.decode, payload, ctx), dev, repeats)
+                timings[label] = (x.numel(), t_enc, t_dec)
+            n_large, enc_l, dec_l = timings["large"]
+            _, enc_s, dec_s = timings["small"]
+            c0 = min(enc_s, dec_s)
+            speeds[spec_key(codec)] = CodecSpeed(
+                c0, n_large / max(enc_l, 1e-12), n_large / max(dec_l, 1e-12)
+            )
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} ({_cpu_name()})"
+    source = f"calibrated on {name}, {time.strftime('%Y-%m-%d')}, sizes {small}/{large}"
+    return SpeedTable(speeds, source)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
+
+
+# ---------------------------------------------------------------------------- wire bytes
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One exchange: ``kind`` is ``"allreduce"`` or ``"allgather"``; ``nbytes`` is what one
+    rank contributes (for an all-gather, its payload)."""
+
+    kind: str
+    nbytes: float
+
+
+@dataclass(frozen=True, slots=True)
+class WireProfile:
+    """Rounds of one tensor's reduction, for one world size."""
+
+    numel: int
+    rounds: tuple[Round, ...]
+
+    @property
+    def nbytes(self) -> float:
+        return sum(r.nbytes for r in self.rounds)
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        return 8.0 * self.nbytes / self.numel if self.numel else 0.0
+
+    @property
+    def gathers(self) -> bool:
+        return any(r.kind == "allgather" for r in self.rounds)
+
+
+def _record_rounds(codec: Codec, x: torch.Tensor, world_size: int) -> tuple[Round, ...]:
+    """Rounds rank 0 asks for, answered as if the other ranks contributed nothing."""
+    ctx = CodecContext(rank=0, world_size=world_size, key="perfmodel", state={})
+    if not codec.multi_round:
+        payload = codec.encode(x, ctx)
+        if codec.summable:
+            summed = AllReduce(tensors=dict(payload.parts), **codec.sum_lanes(payload))
+            return (Round("allreduce", float(summed.wire_bytes)),)
+        return (Round("allgather", float(payload.nbytes)),)
+    gen = codec.reduce(x, ctx)
+    rounds: list[Round] = []
+    try:
+        req: Any = next(gen)
+        while True:
+            if len(rounds) >= 64:
+                raise CommpressError(f"{codec.codec_id} asked for more than 64 rounds")
+            if isinstance(req, AllReduce):
+                rounds.append(Round("allreduce", float(req.wire_bytes)))
+                reply: Any = {k: v.clone() for k, v in req.tensors.items()}
+            elif isinstance(req, AllGather):
+                rounds.append(Round("allgather", float(req.wire_bytes)))
+                reply = [req.payload] * world_size
+            else:
+                raise CommpressError(f"{codec.codec_id} yielded {type(req).__name__}")
+            req = gen.send(reply)
+    except StopIteration:
+        pass
+    return tuple(rounds)
+
+
+def _scaled_shape(shape: tuple[int, ...], target: int) -> tuple[int, ...]:
+    """``shape`` scaled in every dimension so that it holds about ``target`` elements."""
+    n = math.prod(shape)
+    f = (target / n) ** (1.0 / len(shape))
+    return tuple(max(1, round(d * f)) for d in shape)
+
+
+_PROFILES: dict[tuple[str, tuple[int, ...], int], WireProfile] = {}
+_EXPONENTS: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[float, ...]] = {}
+
+
+def _sample(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g)
+
+
+def wire_profile(codec: Codec, shape: Sequence[int], world_size: int = 2) -> WireProfile:
+    """Rounds and bytes of reducing a float32 tensor of ``shape`` among ``world_size`` ranks.
+
+    Measured on a Gaussian sample (cached per codec configuration, shape and world size);
+    above :data:`SAMPLE_MAX` elements extrapolated (see the module docstring).
+    """
+    shape = tuple(int(d) for d in shape) or (1,)
+    world_size = max(1, int(world_size))
+    key = (codec.fingerprint() + codec.codec_id, shape, world_size)
+    if key in _PROFILES:
+        return _PROFILES[key]
+    numel = math.prod(shape)
+    with error_context(f"measuring wire bytes of {spec_key(codec)} for shape {shape}"):
+        if numel == 0:
+            prof = WireProfile(0, ())
+        elif numel <= SAMPLE_MAX:
+            prof = WireProfile(numel, _measured(codec, shape, world_size))
+        else:
+            s1 = _scaled_shape(shape, SAMPLE_MAX // 16)
+            s2 = _scaled_shape(shape, SAMPLE_MAX)
+            n1 = math.prod(s1)
+            exps = _exponents(codec, s1, s2)
+            small = _measured(codec, s1, world_size)
+            rounds = []
+            for i, r in enumerate(small):
+                p = exps[i] if len(exps) == len(small) else 1.0
+                rounds.append(Round(r.kind, r.nbytes * (numel / n1) ** p))
+            prof = WireProfile(numel, tuple(rounds))
+    _PROFILES[key] = prof
+    return prof
+
+
+_MEASURED: dict[tuple[str, tuple[int, ...], int], tuple[Round, ...]] = {}
+
+
+def _measured(codec: Codec, shape: tuple[int, ...], world_size: int) -> tuple[Round, ...]:
+    """Rounds of a Gaussian sample of exactly ``shape`` (cached)."""
+    key = (codec.fingerprint() + codec.codec_id, shape, world_size)
+    if key not in _MEASURED:
+        _MEASURED[key] = _record_rounds(codec, _sample(shape), world_size)
+    return _MEASURED[key]
+
+
+def _exponents(
+    codec: Codec, s1: tuple[int, ...], s2: tuple[int, ...]
+) -> tuple[float, ...]:
+    """Per-round exponents ``p`` of ``bytes ~ n^p`` between shapes ``s1`` and ``s2`` (two
+    ranks), clamped to [0, 1]; 1 where the rounds do not match."""
+    key = (codec.fingerprint() + codec.codec_id, s1, s2)
+    if key not in _EXPONENTS:
+        n1, n2 = math.prod(s1), math.prod(s2)
+        r1 = _measured(codec, s1, 2)
+        r2 = _measured(codec, s2, 2)
+        exps = []
+        for a, b in zip(r1, r2, strict=False):
+            if len(r1) == len(r2) and a.nbytes > 0 and b.nbytes > 0 and n2 > n1:
+                p = math.log(b.nbytes / a.nbytes) / math.log(n2 / n1)
+                exps.append(min(1.0, max(0.0, p)))
+            else:
+                exps.append(1.0)
+        _EXPONENTS[key] = tuple(exps)
+    return _EXPONENTS[key]
+
+
+# ---------------------------------------------------------------------------- offload
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """A device that runs codec work off the GPU (SqueezeNIC's FPGA NIC, a DPU, a CPU thread).
+
+    Its encode/decode time is ``max(latency, input_bytes / bandwidth)``: ``bandwidth`` is the
+    rate at which it ingests uncompressed data (SqueezeNIC compresses at line rate, so its
+    bandwidth is at least the intra-node rate), ``latency`` the pipeline depth of one call.
+    """
+
+    bandwidth: float
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise CommpressError(f"offload bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        if not (math.isfinite(self.latency) and self.latency >= 0):
+            raise CommpressError(f"offload latency must be finite and >= 0, got {self.latency!r}")
+
+    def time(self, nbytes: float) -> float:
+        return 0.0 if nbytes <= 0 else max(self.latency, nbytes / self.bandwidth)
+
+
+# ---------------------------------------------------------------------------- exchange plans
+@dataclass(frozen=True)
+class ExchangeConfig:
+    """Everything about *how* tensors are exchanged, besides the codec.
+
+    Attributes:
+        cluster: topology and links.
+        strategy: one of :data:`STRATEGIES` (as in :func:`commpress.all_reduce`):
+            ``auto`` the codec's own protocol (summable: all-reduce of payload parts; otherwise
+            all-gather of payloads; multi-round: its rounds); ``allreduce`` the same, refused
+            for non-summable codecs; ``allgather`` always gather payloads; ``ring`` a ring with
+            the codec in the wire (re-encoding at every reduce-scatter hop); ``hierarchical``
+            SqueezeNIC's approach 1 (intra-node reduce-scatter uncompressed, compressed
+            exchange of shards between nodes, intra-node all-gather);
+            ``hierarchical-compress-first`` approach 2 (the intra-node reduce-scatter is a ring
+            with the codec in the wire).
+        algorithm: all-reduce algorithm for payload all-reduces: ``ring``, ``tree``, ``rhd``.
+        speeds: codec speed table.
+        offload: run codec work on this device instead of the GPU (``None``: on the GPU).
+        grad_bytes: bytes per gradient element before compression (4 for float32).
+        collective_overhead_s: fixed software cost added to every collective call (a
+            calibrated platform constant; 0 in the pure alpha-beta model).
+        codec_time_scale: multiplier on every codec time (a calibrated platform constant).
+    """
+
+    cluster: Cluster
+    strategy: str = "auto"
+    algorithm: str = "ring"
+    speeds: SpeedTable = field(default_factory=SpeedTable.builtin)
+    offload: Offload | None = None
+    grad_bytes: int = 4
+    collective_overhead_s: float = 0.0
+    codec_time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise CommpressError(
+                f"unknown strategy {self.strategy!r}; accepted: {', '.join(STRATEGIES)}"
+            )
+        if self.algorithm not in coll.ALLREDUCE_ALGORITHMS:
+            raise CommpressError(
+                f"unknown all-reduce algorithm {self.algorithm!r}; accepted: "
+                f"{', '.join(coll.ALLREDUCE_ALGORITHMS)}"
+            )
+        if self.grad_bytes not in (2, 4, 8):
+            raise CommpressError(f"grad_bytes must be 2, 4 or 8, got {self.grad_bytes!r}")
+
+
+class _Planner:
+    """Turns one tensor's reduction into segments for :func:`simulate_step`."""
+
+    def __init__(self, codec: Codec, cfg: ExchangeConfig) -> None:
+        self.codec = codec
+        self.cfg = cfg
+        self.speed = cfg.speeds.lookup(codec)
+        self.where = "offload" if cfg.offload is not None else "gpu"
+
+    # codec times ------------------------------------------------------------
+    def enc(self, numel: float) -> float:
+        if self.cfg.offload is not None:
+            return self.cfg.offload.time(numel * self.cfg.grad_bytes)
+        return self.speed.encode_time(numel) * self.cfg.codec_time_scale
+
+    def dec(self, numel: float) -> float:
+        if self.cfg.offload is not None:
+            return self.cfg.offload.time(numel * self.cfg.grad_bytes)
+        return self.speed.decode_time(numel) * self.cfg.codec_time_scale
+
+    def gpu_enc(self, numel: float) -> float:
+        return self.speed.encode_time(numel) * self.cfg.codec_time_scale
+
+    def gpu_dec(self, numel: float) -> float:
+        return self.speed.decode_time(numel) * self.cfg.codec_time_scale
+
+    # pieces -----------------------------------------------------------------
+    @staticmethod
+    def _add(segs: list[Segment], resource: str, seconds: float, kind: str, label: str) -> None:
+        if seconds > 0:
+            segs.append(Segment(resource, seconds, kind, label))
+
+    def collective(self, seconds: float) -> float:
+        return seconds + self.cfg.collective_overhead_s
+
+    def protocol(
+        self, shape: tuple[int, ...], ranks: int, link: coll.Link, share: int = 1,
+        label: str = "",
+    ) -> list[Segment]:
+        """The codec's own protocol among ``ranks`` over ``link``; ``share`` ranks send
+        through the same link concurrently (their bytes add up on it)."""
+        segs: list[Segment] = []
+        numel = math.prod(shape)
+        prof = wire_profile(self.codec, shape, ranks)
+        self._add(segs, self.where, self.enc(numel), "codec", f"{label}encode")
+        if ranks > 1:
+            for k, r in enumerate(prof.rounds):
+                if r.kind == "allreduce":
+                    t = coll.allreduce(r.nbytes * share, ranks, link, self.cfg.algorithm)
+                else:
+                    t = coll.allgather(r.nbytes * share, ranks, link)
+                self._add(segs, "net", self.collective(t), "comm", f"{label}{r.kind}[{k}]")
+        decodes = ranks if prof.gathers else 1
+        self._add(segs, self.where, decodes * self.dec(numel), "codec", f"{label}decode")
+        return segs
+
+    def gather(self, shape: tuple[int, ...], ranks: int, link: coll.Link) -> list[Segment]:
+        segs: list[Segment] = []
+        numel = math.prod(shape)
+        payload = wire_profile(self.codec, shape, 1).nbytes
+        self._add(segs, self.where, self.enc(numel), "codec", "encode")
+        if ranks > 1:
+            t = coll.allgather(payload, ranks, link)
+            self._add(segs, "net", self.collective(t), "comm", "allgather")
+        self._add(segs, self.where, ranks * self.dec(numel), "codec", "decode")
+        return segs
+
+    def ring(self, numel: int, ranks: int, link: coll.Link) -> list[Segment]:
+        """All-reduce ring with the codec in the wire; codec work sits on the communicator."""
+        segs: list[Segment] = []
+        if ranks == 1:
+            self._add(segs, self.where, self.enc(numel) + self.dec(numel), "codec", "encode")
+            return segs
+        chunk = -(-numel // ranks)
+        q = wire_profile(self.codec, (chunk,), 1).nbytes
+        hops = 2 * (ranks - 1) * link.time(q)
+        # Software rings decode the n gathered chunks after the all-gather (2n-1 decodes on the
+        # path); an offload device decodes them as they stream by (n decodes).
+        decodes = ranks if self.cfg.offload is not None else 2 * ranks - 1
+        codec_s = ranks * self.enc(chunk) + decodes * self.dec(chunk)
+        self._add(segs, "net", self.collective(hops), "comm", "ring")
+        self._add(segs, "net", codec_s, "codec", "ring codec")
+        return segs
+
+    def hierarchical(self, numel: int, compress_first: bool) -> list[Segment]:
+        cl = self.cfg.cluster
+        m, n = cl.gpus_per_node, cl.nodes
+        segs: list[Segment] = []
+        shard = -(-numel // m)
+        gb = self.cfg.grad_bytes
+        if m > 1:
+            if compress_first:
+                q = wire_profile(self.codec, (shard,), 1).nbytes
+                rs = coll.ring_reduce_scatter_codec(
+                    m, cl.intra.time(q), self.gpu_enc(shard), self.gpu_dec(shard)
+                )
+                hop_part = (m - 1) * cl.intra.time(q)
+                self._add(segs, "net", self.collective(hop_part), "comm", "intra reduce-scatter")
+                self._add(segs, "net", rs - hop_part, "codec", "intra ring codec")
+            else:
+                rs = coll.ring_reduce_scatter(shard * m * gb, m, cl.intra)
+                self._add(segs, "net", self.collective(rs), "comm", "intra reduce-scatter")
+        if n > 1:
+            if self.cfg.offload is not None and not self.codec.multi_round:
+                # SqueezeNIC: the NIC compresses each hop of the inter-node ring at line rate;
+                # per hop it carries the node's chunk of the whole vector.
+                chunk = -(-numel // n)
+                q = wire_profile(self.codec, (chunk,), 1).nbytes
+                hop = cl.inter.time(q)
+                t = coll.ring_allreduce_codec(n, hop, self.enc(chunk), self.dec(chunk))
+                comm = 2 * (n - 1) * hop
+                self._add(segs, "net", self.collective(comm), "comm", "inter ring")
+                self._add(segs, "net", t - comm, "codec", "inter ring codec (offload)")
+            else:
+                segs.extend(self.protocol((shard,), n, cl.inter, share=m, label="inter "))
+        elif m == 1:
+            self._add(segs, self.where, self.enc(numel) + self.dec(numel), "codec", "encode")
+        if m > 1:
+            ag = coll.ring_allgather(shard * m * gb, m, cl.intra)
+            self._add(segs, "net", self.collective(ag), "comm", "intra all-gather")
+        return segs
+
+    def tensor(self, shape: tuple[int, ...]) -> list[Segment]:
+        cfg, codec = self.cfg, self.codec
+        numel = math.prod(shape) if shape else 1
+        if numel == 0:
+            return []
+        ranks = cfg.cluster.world_size
+        link = cfg.cluster.bottleneck
+        strategy = cfg.strategy
+        single_only = ("allgather", "ring", "hierarchical-compress-first")
+        if strategy in single_only and codec.multi_round:
+            raise CommpressError(
+                f"codec {codec.codec_id!r} needs several exchange rounds; strategy "
+                f"{strategy!r} supports single-round codecs only (use 'auto', 'allreduce' or "
+                "'hierarchical')"
+            )
+        if strategy == "allreduce" and not (codec.summable or codec.multi_round):
+            raise CommpressError(
+                f"codec {codec.codec_id!r} is not summable: its payloads cannot be added by an "
+                "all-reduce; use strategy 'auto', 'allgather' or 'ring'"
+            )
+        if strategy in ("auto", "allreduce"):
+            return self.protocol(shape, ranks, link)
+        if strategy == "allgather":
+            return self.gather(shape, ranks, link)
+        if strategy == "ring":
+            return self.ring(numel, ranks, link)
+        return self.hierarchical(numel, strategy == "hierarchical-compress-first")
+
+
+def exchange_segments(
+    codec: Codec | str,
+    shapes: Sequence[Sequence[int]],
+    cfg: ExchangeConfig,
+    *,
+    granularity: str = "parameter",
+) -> list[Segment]:
+    """Segments of one DDP bucket holding tensors of ``shapes``, reduced with ``codec``.
+
+    With ``granularity="bucket"``, or for element-wise casts (:data:`ELEMENTWISE_CODECS`),
+    the bucket is one flat tensor (one collective per round); with ``"parameter"`` every
+    tensor is reduced on its own, one after the other (as commpress's DDP hook does), so
+    shape-aware codecs see matrices and every tensor pays its own latencies.
+    """
+    c = get_codec(codec)
+    if granularity not in ("parameter", "bucket"):
+        raise CommpressError(f"granularity must be 'parameter' or 'bucket', got {granularity!r}")
+    planner = _Planner(c, cfg)
+    norm = [tuple(int(d) for d in s) for s in shapes]
+    if granularity == "bucket" or c.codec_id in ELEMENTWISE_CODECS:
+        total = sum(math.prod(s) for s in norm)
+        return planner.tensor((total,)) if total else []
+    segs: list[Segment] = []
+    for s in norm:
+        segs.extend(planner.tensor(s))
+    return segs
+
+
+# ---------------------------------------------------------------------------- accuracy
+_NMSE: dict[str, float] = {}
+
+
+def measure_nmse(
+    codec: Codec | str, *, shape: tuple[int, int] = (256, 256), seed: int = 0
+) -> float:
+    """Quick error estimate: the worse NMSE of one worker's ``reduce`` on a Gaussian and on a
+    heavy-tailed (Student-t, 2 dof) matrix of ``shape`` (cached per configuration).
+
+    It is a proxy: real gradients have structure (low rank, outliers) that these samples lack,
+    so PowerSGD looks worse here than on a real model. Pass a table to the advisor when you
+    have measured errors (for example on tensors saved by ``commpress capture``).
+    """
+    from commpress.codecs.simulate import single_worker
+    from commpress.testing import gaussian, heavy_tailed, nmse
+
+    c = get_codec(codec)
+    key = f"{spec_key(c)}|{shape}|{seed}"
+    if key not in _NMSE:
+        n = math.prod(shape)
+        worst = 0.0
+        with error_context(f"measuring the error of {spec_key(c)}"):
+            for make in (gaussian, heavy_tailed):
+                x = make(n, seed=seed).reshape(shape)
+                out = single_worker(c, x).total
+                worst = max(worst, nmse(out, x))
+        _NMSE[key] = worst
+    return _NMSE[key]
+
+
+__all__ = [
+    "BUILTIN_SPEEDS",
+    "ELEMENTWISE_CODECS",
+    "SAMPLE_MAX",
+    "STRATEGIES",
+    "CodecSpeed",
+    "ExchangeConfig",
+    "Offload",
+    "Round",
+    "SpeedTable",
+    "WireProfile",
+    "calibrate_speeds",
+    "exchange_segments",
+    "measure_nmse",
+    "spec_key",
+    "wire_profile",
+]

@@ -1,0 +1,541 @@
+"""Workloads, platform constants and :func:`predict`: one training step's time with a codec.
+
+A :class:`Workload` is what DDP sees: gradient buckets (each a list of tensor shapes, in the
+order they become ready during backward) and the compute times. A :class:`Platform` holds the
+constants that are fitted per machine (overlap efficiency, per-collective software overhead,
+bandwidth and codec-speed scales). :func:`predict` builds every bucket's exchange
+(:mod:`commpress.perfmodel.codec_costs`) and runs the step's timeline
+(:mod:`commpress.perfmodel.timeline`); :func:`compare` also predicts the FP16 baseline
+(PyTorch's ``fp16_compress_hook``: each bucket cast to float16 and all-reduced as one tensor)
+and reports the speedup over it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from commpress.codecs.registry import get_codec
+from commpress.errors import CommpressError, error_context
+from commpress.perfmodel.codec_costs import (
+    ExchangeConfig,
+    Offload,
+    SpeedTable,
+    exchange_segments,
+    spec_key,
+    wire_profile,
+)
+from commpress.perfmodel.collectives import Cluster
+from commpress.perfmodel.timeline import StepTimeline, simulate_step
+
+#: PyTorch DDP's default bucket cap (``bucket_cap_mb=25``) and first-bucket size (1 MiB).
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+#: The baseline every prediction is compared with.
+BASELINE_CODEC = "fp16"
+
+Shape = tuple[int, ...]
+
+
+def _numel(shape: Shape) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def ddp_buckets(
+    shapes: Sequence[Shape],
+    *,
+    grad_bytes: int = 4,
+    bucket_bytes: float = DDP_BUCKET_BYTES,
+    first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+) -> list[list[Shape]]:
+    """Group parameter shapes into buckets the way DDP does.
+
+    ``shapes`` are in ``model.parameters()`` order; gradients become ready roughly in reverse
+    order, so DDP walks the reversed list, adding tensors to the current bucket and closing it
+    once it holds at least the size limit (``first_bucket_bytes`` for the first bucket,
+    ``bucket_bytes`` afterwards). The buckets are returned in the order they become ready.
+    """
+    if bucket_bytes <= 0 or first_bucket_bytes <= 0:
+        raise CommpressError("bucket sizes must be > 0 bytes")
+    buckets: list[list[Shape]] = []
+    current: list[Shape] = []
+    size = 0.0
+    limit = first_bucket_bytes
+    for s in reversed([tuple(int(d) for d in s) for s in shapes]):
+        current.append(s)
+        size += _numel(s) * grad_bytes
+        if size >= limit:
+            buckets.append(current)
+            current, size, limit = [], 0.0, bucket_bytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def estimate_compute_s(
+    params: float, *, tokens_per_gpu: float = 16384, flops: float = 4e14
+) -> float:
+    """Forward + backward time of a transformer step: ``6 * params * tokens / flops``.
+
+    ``flops`` is the *achieved* rate (400 TFLOP/s is ~40% of an H100's dense BF16 peak).
+    """
+    if params <= 0 or tokens_per_gpu <= 0 or flops <= 0:
+        raise CommpressError("params, tokens_per_gpu and flops must be > 0")
+    return 6.0 * params * tokens_per_gpu / flops
+
+
+def transformer_shapes(params: float, *, hidden: int | None = None) -> list[Shape]:
+    """Parameter shapes of a GPT-style model of about ``params`` parameters.
+
+    Hidden size ``h`` (default: ``(85 * params / 12) ** (1/3)`` rounded to a multiple of 128,
+    i.e. about ``h / 85`` layers of ``12 h^2`` parameters each, as in GPT-3's family); every
+    layer holds ``(3h, h)``, ``(h, h)``, ``(4h, h)`` and ``(h, 4h)`` matrices; the remainder
+    is one ``(rest / h, h)`` embedding matrix at the front.
+    """
+    if params <= 0:
+        raise CommpressError(f"params must be > 0, got {params!r}")
+    if hidden is None:
+        h = max(128, int(round((85.0 * params / 12.0) ** (1 / 3) / 128)) * 128)
+    else:
+        h = int(hidden)
+        if h < 1:
+            raise CommpressError(f"hidden size must be >= 1, got {hidden!r}")
+    per_layer = 12 * h * h
+    layers = int(params // per_layer)
+    rest = int(params - layers * per_layer)
+    shapes: list[Shape] = []
+    if rest >= h:
+        shapes.append((rest // h, h))
+    elif rest > 0:
+        shapes.append((rest,))
+    for _ in range(layers):
+        shapes.extend([(3 * h, h), (h, h), (4 * h, h), (h, 4 * h)])
+    return shapes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One data-parallel training step as DDP sees it.
+
+    Attributes:
+        buckets: gradient buckets in the order they become ready, each a tuple of tensor
+            shapes.
+        forward_s: forward time (nothing to overlap with).
+        backward_s: backward time; bucket ``i``'s share is proportional to its elements.
+        optimizer_s: optimizer step after all gradients are reduced.
+        grad_bytes: bytes per gradient element (4 for float32).
+        name: free text.
+    """
+
+    buckets: tuple[tuple[Shape, ...], ...]
+    forward_s: float
+    backward_s: float
+    optimizer_s: float = 0.0
+    grad_bytes: int = 4
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for label, v in (("forward_s", self.forward_s), ("backward_s", self.backward_s),
+                         ("optimizer_s", self.optimizer_s)):
+            if not (math.isfinite(v) and v >= 0):
+                raise CommpressError(f"{label} must be finite and >= 0 seconds, got {v!r}")
+        if not self.buckets:
+            raise CommpressError("a workload needs at least one gradient bucket")
+
+    @property
+    def params(self) -> int:
+        return sum(_numel(s) for b in self.buckets for s in b)
+
+    @property
+    def bucket_numels(self) -> list[int]:
+        return [sum(_numel(s) for s in b) for b in self.buckets]
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+    def backward_segments(self) -> list[float]:
+        sizes = self.bucket_numels
+        total = sum(sizes) or 1
+        return [self.backward_s * k / total for k in sizes]
+
+    @classmethod
+    def from_shapes(
+        cls,
+        shapes: Sequence[Shape],
+        *,
+        compute_s: float,
+        backward_fraction: float = 2 / 3,
+        optimizer_s: float = 0.0,
+        grad_bytes: int = 4,
+        bucket_bytes: float = DDP_BUCKET_BYTES,
+        first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+        name: str = "",
+    ) -> Workload:
+        """Buckets from parameter shapes (in ``parameters()`` order) as DDP builds them.
+
+        ``compute_s`` is forward + backward; ``backward_fraction`` of it is backward (2/3 for
+        transformers: the backward pass does twice the forward's matrix products).
+        """
+        if not 0 <= backward_fraction <= 1:
+            raise CommpressError(f"backward_fraction must be in [0, 1], got {backward_fraction}")
+        if not shapes:
+            raise CommpressError("no parameter shapes given")
+        buckets = ddp_buckets(shapes, grad_bytes=grad_bytes, bucket_bytes=bucket_bytes,
+                              first_bucket_bytes=first_bucket_bytes)
+        return cls(
+            buckets=tuple(tuple(b) for b in buckets),
+            forward_s=compute_s * (1 - backward_fraction),
+            backward_s=compute_s * backward_fraction,
+            optimizer_s=optimizer_s,
+            grad_bytes=grad_bytes,
+            name=name,
+        )
+
+    @classmethod
+    def from_params(
+        cls, params: float, *, compute_s: float | None = None, hidden: int | None = None,
+        **kwargs: Any,
+    ) -> Workload:
+        """A GPT-style model of ``params`` parameters (:func:`transformer_shapes`); compute
+        time from :func:`estimate_compute_s` unless given."""
+        shapes = transformer_shapes(params, hidden=hidden)
+        if compute_s is None:
+            compute_s = estimate_compute_s(params)
+        from commpress.perfmodel.units import format_count
+
+        kwargs.setdefault("name", f"GPT-style {format_count(params)}")
+        return cls.from_shapes(shapes, compute_s=compute_s, **kwargs)
+
+    @classmethod
+    def from_bucket_sizes(
+        cls, sizes: Sequence[float], *, compute_s: float, backward_fraction: float = 2 / 3,
+        **kwargs: Any,
+    ) -> Workload:
+        """Buckets given as element counts (ready order); each is one flat tensor."""
+        if not sizes:
+            raise CommpressError("no bucket sizes given")
+        buckets = tuple(((int(s),),) for s in sizes)
+        if any(s <= 0 for s in sizes):
+            raise CommpressError(f"bucket sizes must be > 0 elements, got {list(sizes)}")
+        return cls(buckets=buckets, forward_s=compute_s * (1 - backward_fraction),
+                   backward_s=compute_s * backward_fraction, **kwargs)
+
+    @classmethod
+    def from_module(cls, module: Any, *, compute_s: float, **kwargs: Any) -> Workload:
+        """Buckets of an ``nn.Module`` or a ``DistributedDataParallel`` wrapper (its
+        ``bucket_bytes_cap`` is used), from the parameters that require gradients."""
+        import torch
+
+        bucket_bytes = kwargs.pop("bucket_bytes", None)
+        inner = module
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            inner = module.module
+            if bucket_bytes is None:
+                bucket_bytes = getattr(module, "bucket_bytes_cap", None)
+        if not isinstance(inner, torch.nn.Module):
+            raise CommpressError(
+                f"expected an nn.Module or DistributedDataParallel, got {type(module).__name__}"
+            )
+        params = [p for p in inner.parameters() if p.requires_grad]
+        if not params:
+            raise CommpressError("the module has no parameters that require gradients")
+        grad_bytes = kwargs.pop("grad_bytes", params[0].element_size())
+        kwargs.setdefault("name", type(inner).__name__)
+        return cls.from_shapes(
+            [tuple(p.shape) for p in params], compute_s=compute_s, grad_bytes=grad_bytes,
+            bucket_bytes=bucket_bytes or DDP_BUCKET_BYTES, **kwargs,
+        )
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Constants of a machine that the alpha-beta model does not know; fitted by
+    :func:`commpress.perfmodel.calibration.fit_platform`.
+
+    Attributes:
+        overlap_efficiency: ``eta`` in [0, 1] (see :mod:`commpress.perfmodel.timeline`).
+        collective_overhead_s: software cost of one collective call beyond the link latency.
+        inter_bandwidth_scale: multiplier on the inter-node link's usable bandwidth (what the
+            transport really achieves relative to the description).
+        codec_time_scale: multiplier on every codec encode/decode time.
+        name: where it comes from.
+    """
+
+    overlap_efficiency: float = 1.0
+    collective_overhead_s: float = 0.0
+    inter_bandwidth_scale: float = 1.0
+    codec_time_scale: float = 1.0
+    name: str = "ideal (uncalibrated)"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.overlap_efficiency <= 1:
+            raise CommpressError(
+                f"overlap_efficiency must be in [0, 1], got {self.overlap_efficiency!r}"
+            )
+        if not (math.isfinite(self.collective_overhead_s) and self.collective_overhead_s >= 0):
+            raise CommpressError("collective_overhead_s must be finite and >= 0")
+        for label in ("inter_bandwidth_scale", "codec_time_scale"):
+            v = getattr(self, label)
+            if not (math.isfinite(v) and v > 0):
+                raise CommpressError(f"{label} must be finite and > 0, got {v!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": "commpress-platform/1", **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Platform:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names - {"format"})
+        if unknown:
+            raise CommpressError(
+                f"unknown platform key(s) {', '.join(unknown)}; accepted: "
+                f"{', '.join(sorted(names))}"
+            )
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Platform:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CommpressError(f"cannot read platform file {path}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One predicted step.
+
+    Attributes:
+        codecs: the codec spec of each bucket.
+        strategy: exchange strategy.
+        timeline: the simulated step (``timeline.total`` is the prediction).
+        wire_bytes: bytes one rank contributes per step (sum over rounds of every tensor).
+        bits_per_coordinate: ``8 * wire_bytes / parameters``.
+    """
+
+    codecs: tuple[str, ...]
+    strategy: str
+    timeline: StepTimeline
+    wire_bytes: float
+    bits_per_coordinate: float
+
+    @property
+    def total(self) -> float:
+        return self.timeline.total
+
+    @property
+    def codec(self) -> str:
+        """The codec, or ``"mixed"`` when buckets use different ones."""
+        unique = sorted(set(self.codecs))
+        return unique[0] if len(unique) == 1 else "mixed"
+
+    def breakdown(self) -> dict[str, float]:
+        return self.timeline.breakdown()
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A prediction next to the FP16 baseline's; ``speedup > 1`` means the codec wins."""
+
+    prediction: Prediction
+    baseline: Prediction
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline.total / self.prediction.total if self.prediction.total else math.inf
+
+
+def _as_cluster(cluster: Cluster | Mapping[str, Any]) -> Cluster:
+    if isinstance(cluster, Cluster):
+        return cluster
+    return Cluster.from_measured(cluster)
+
+
+def predict(
+    workload: Workload,
+    cluster: Cluster | Mapping[str, Any],
+    codec: str | Any | Sequence[str],
+    *,
+    strategy: str = "auto",
+    algorithm: str = "ring",
+    granularity: str = "parameter",
+    speeds: SpeedTable | None = None,
+    offload: Offload | None = None,
+    platform: Platform | None = None,
+) -> Prediction:
+    """Predict one step of ``workload`` on ``cluster`` with ``codec``.
+
+    Args:
+        workload: buckets and compute times.
+        cluster: a :class:`Cluster`, or a mapping accepted by :meth:`Cluster.from_measured`.
+        codec: a codec (spec string such as ``"powersgd:rank=4"``, config mapping or
+            instance) for every bucket, or a list with one spec per bucket.
+        strategy: exchange strategy (:data:`commpress.perfmodel.codec_costs.STRATEGIES`).
+        algorithm: all-reduce algorithm: ``ring`` (default), ``tree``, ``rhd``.
+        granularity: ``"parameter"`` (each tensor reduced on its own, as commpress's DDP hook
+            does) or ``"bucket"`` (each bucket as one flat tensor).
+        speeds: codec speed table (default: the built-in assumptions).
+        offload: run codec work on this device (SqueezeNIC) instead of the GPU.
+        platform: fitted platform constants (default: the ideal model).
+    """
+    platform = platform or Platform()
+    cl = _as_cluster(cluster)
+    if platform.inter_bandwidth_scale != 1.0:
+        cl = cl.with_inter(bandwidth=cl.inter.bandwidth * platform.inter_bandwidth_scale)
+    cfg = ExchangeConfig(
+        cluster=cl,
+        strategy=strategy,
+        algorithm=algorithm,
+        speeds=speeds or SpeedTable.builtin(),
+        offload=offload,
+        grad_bytes=workload.grad_bytes,
+        collective_overhead_s=platform.collective_overhead_s,
+        codec_time_scale=platform.codec_time_scale,
+    )
+    n_buckets = len(workload.buckets)
+    if isinstance(codec, (list, tuple)):
+        if len(codec) != n_buckets:
+            raise CommpressError(f"got {len(codec)} codecs for {n_buckets} buckets")
+        specs = list(codec)
+    else:
+        specs = [codec] * n_buckets
+    built: dict[int, Any] = {}
+    codecs = []
+    for s in specs:
+        if id(s) not in built:
+            built[id(s)] = get_codec(s)
+        codecs.append(built[id(s)])
+    jobs = []
+    cache: dict[tuple[str, tuple[Shape, ...]], Any] = {}
+    wire = 0.0
+    for c, bucket in zip(codecs, workload.buckets, strict=True):
+        key = (c.fingerprint() + c.codec_id, bucket)
+        if key not in cache:
+            with error_context(f"planning {spec_key(c)} for a bucket of {len(bucket)} tensors"):
+                segs = exchange_segments(c, bucket, cfg, granularity=granularity)
+            flat = granularity == "bucket" or c.codec_id in ("identity", "fp16", "bf16")
+            tensors = [(sum(_numel(s) for s in bucket),)] if flat else list(bucket)
+            nbytes = sum(wire_profile(c, t, cl.world_size).nbytes for t in tensors)
+            cache[key] = (segs, nbytes)
+        segs, nbytes = cache[key]
+        jobs.append(segs)
+        wire += nbytes
+    timeline = simulate_step(
+        forward_s=workload.forward_s,
+        backward_s=workload.backward_segments(),
+        jobs=jobs,
+        optimizer_s=workload.optimizer_s,
+        overlap_efficiency=platform.overlap_efficiency,
+    )
+    return Prediction(
+        codecs=tuple(spec_key(c) for c in codecs),
+        strategy=strategy,
+        timeline=timeline,
+        wire_bytes=wire,
+        bits_per_coordinate=8.0 * wire / max(1, workload.params),
+    )
+
+
+def predict_baseline(
+    workload: Workload,
+    cluster: Cluster | Mapping[str, Any],
+    *,
+    algorithm: str = "ring",
+    speeds: SpeedTable | None = None,
+    platform: Platform | None = None,
+) -> Prediction:
+    """The FP16 baseline: every bucket cast to float16 and all-reduced as one flat tensor."""
+    return predict(workload, cluster, BASELINE_CODEC, strategy="auto", algorithm=algorithm,
+                   granularity="bucket", speeds=speeds, platform=platform)
+
+
+def compare(
+    workload: Workload,
+    cluster: Cluster | Mapping[str, Any],
+    codec: str | Any | Sequence[str],
+    **kwargs: Any,
+) -> Comparison:
+    """:func:`predict` plus the FP16 baseline on the same workload, cluster and platform."""
+    base_kwargs = {k: kwargs[k] for k in ("algorithm", "speeds", "platform") if k in kwargs}
+    return Comparison(
+        prediction=predict(workload, cluster, codec, **kwargs),
+        baseline=predict_baseline(workload, cluster, **base_kwargs),
+    )
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration to predict (and, for validation, to measure).
+
+    ``label`` names it in tables; ``extra`` carries anything the caller wants to keep with it
+    (for example the command that measured it).
+    """
+
+    workload: Workload
+    cluster: Cluster
+    codec: str
+    strategy: str = "auto"
+    algorithm: str = "ring"
+    granularity: str = "parameter"
+    offload: Offload | None = None
+    label: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def predict(self, platform: Platform | None = None,
+                speeds: SpeedTable | None = None) -> Prediction:
+        return predict(
+            self.workload, self.cluster, self.codec, strategy=self.strategy,
+            algorithm=self.algorithm, granularity=self.granularity, offload=self.offload,
+            platform=platform, speeds=speeds,
+        )
+
+    def with_(self, **changes: Any) -> Setup:
+        return replace(self, **changes)
+
+
+def grid(
+    workloads: Iterable[Workload],
+    clusters: Iterable[Cluster],
+    codecs: Iterable[str],
+    **kwargs: Any,
+) -> list[Setup]:
+    """Every combination, labelled ``"<workload> | <nodes>x<gpus> <bw> | <codec>"``."""
+    from commpress.perfmodel.units import format_bandwidth
+
+    out = []
+    clusters = list(clusters)
+    codecs = list(codecs)
+    for w in workloads:
+        for cl in clusters:
+            for c in codecs:
+                label = (f"{w.name} | {cl.nodes}x{cl.gpus_per_node} "
+                         f"{format_bandwidth(cl.inter.bandwidth)} | {c}")
+                out.append(Setup(w, cl, c, label=label, **kwargs))
+    return out
+
+
+__all__ = [
+    "BASELINE_CODEC",
+    "DDP_BUCKET_BYTES",
+    "DDP_FIRST_BUCKET_BYTES",
+    "Comparison",
+    "Platform",
+    "Prediction",
+    "Setup",
+    "Workload",
+    "compare",
+    "ddp_buckets",
+    "estimate_compute_s",
+    "grid",
+    "predict",
+    "predict_baseline",
+    "transformer_shapes",
+]

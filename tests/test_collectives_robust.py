@@ -1,0 +1,195 @@
+"""Failures end in clear errors, never hangs: dead and stalled peers, mismatched calls, bad input.
+
+The process groups here are created with a 60 s gloo timeout, so an error that arrives within a
+few seconds comes from commpress's own ``timeout`` (or from gloo noticing a closed connection),
+not from gloo giving up.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from commpress.codecs.base import CodecContext
+from commpress.codecs.protocol import AllReduce, Protocol, Reduced
+from commpress.collectives import all_reduce, execute, reduce
+from commpress.errors import CommpressError
+from dist_utils import run_workers
+
+PG_TIMEOUT = 60.0
+
+
+def _three_rounds(rank: int, on_round: Any) -> Protocol:
+    x = torch.full((16,), float(rank))
+    for i in range(3):
+        on_round(i)
+        got = yield AllReduce(tensors={"x": x})
+        x = got["x"] / 2
+    return Reduced(total=x)
+
+
+def _dead_peer_worker(rank: int, world: int) -> tuple[str, float]:
+    # Warm up the connections, then the last rank dies *inside* a multi-round exchange: after
+    # round 0 completed and before it takes part in round 1.
+    all_reduce(torch.ones(4), "identity", key="warm")
+
+    def on_round(i: int) -> None:
+        if i == 1 and rank == world - 1:
+            os._exit(0)
+
+    start = time.monotonic()
+    try:
+        execute(_three_rounds(rank, on_round), timeout=10.0, label="dying exchange")
+        message = "no error"
+    except CommpressError as exc:
+        message = str(exc)
+    return message, time.monotonic() - start
+
+
+def test_a_dead_peer_mid_collective_is_a_clear_error_on_survivors() -> None:
+    results = run_workers(_dead_peer_worker, 3, timeout=90, pg_timeout=PG_TIMEOUT, may_exit=[2])
+    assert results[2] is None
+    for rank in (0, 1):
+        message, elapsed = results[rank]
+        assert "dying exchange" in message and "round 1" in message, message
+        assert "peer" in message and f"rank {rank} of 3" in message, message
+        # Our timeout is 10 s; a hang would last PG_TIMEOUT (60 s) or forever.
+        assert elapsed < 30, f"rank {rank} needed {elapsed:.1f}s to notice the dead peer"
+
+
+def _stalled_peer_worker(rank: int, world: int) -> tuple[str, float]:
+    all_reduce(torch.ones(4), "identity", key="warm")
+
+    def on_round(i: int) -> None:
+        if i == 1 and rank == 1:
+            time.sleep(8.0)  # stalls mid-exchange, far beyond rank 0's 2 s timeout
+
+    start = time.monotonic()
+    try:
+        execute(_three_rounds(rank, on_round), timeout=2.0 if rank == 0 else 4.0, label="stall")
+        message = "no error"
+    except CommpressError as exc:
+        message = str(exc)
+    return message, time.monotonic() - start
+
+
+def test_a_stalled_peer_times_out_within_the_configured_timeout() -> None:
+    results = run_workers(_stalled_peer_worker, 2, timeout=90, pg_timeout=PG_TIMEOUT)
+    message, elapsed = results[0]
+    assert "stall" in message and "timeout 2s" in message and "round 1" in message, message
+    # Round 0 is immediate; round 1 waits 2 s. Upper bound: 2 s plus generous scheduling slack
+    # on a loaded 2-core machine, still far below the 8 s stall and the 60 s gloo timeout.
+    assert 1.9 <= elapsed < 7.0, elapsed
+    # The stalled rank itself finishes (error or not) instead of hanging: run_workers returned.
+    assert isinstance(results[1][0], str)
+
+
+def _api_timeout_worker(rank: int, world: int) -> tuple[str, float]:
+    all_reduce(torch.ones(4), "identity", key="warm")
+    if rank == 1:
+        time.sleep(6.0)
+        return "slept", 0.0
+    start = time.monotonic()
+    try:
+        all_reduce(torch.ones(4), "fp16", key="late", timeout=1.5)
+        message = "no error"
+    except CommpressError as exc:
+        message = str(exc)
+    return message, time.monotonic() - start
+
+
+def test_all_reduce_timeout_through_the_queue() -> None:
+    (message, elapsed), _ = run_workers(_api_timeout_worker, 2, timeout=90, pg_timeout=PG_TIMEOUT)
+    assert "all_reduce of 'late' with fp16" in message and "timeout 1.5s" in message, message
+    assert 1.4 <= elapsed < 6.0, elapsed
+
+
+# ---------------------------------------------------------------------------- mismatches
+def _mismatch_worker(rank: int, world: int) -> dict[str, str]:
+    x = torch.randn(10)
+    cases: dict[str, dict[str, Any]] = {
+        "codec": {"codec": "fp16" if rank == 0 else "bf16"},
+        "params": {"codec": {"id": "topk", "ratio": 0.1 if rank == 0 else 0.2}},
+        "shape": {"codec": "identity", "tensor": torch.randn(10 + rank)},
+        "strategy": {"codec": "identity", "strategy": "ring" if rank else "allgather"},
+        "op": {"codec": "identity", "op": "sum" if rank else "mean"},
+    }
+    out = {}
+    for name, case in cases.items():
+        tensor = case.pop("tensor", x)
+        codec = case.pop("codec")
+        try:
+            all_reduce(tensor, codec, key="same-key", timeout=20.0, **case)
+            out[name] = "no error"
+        except CommpressError as exc:
+            out[name] = str(exc)
+    # Refusals are collective: the group is still in step, and a matching call works.
+    out["after"] = str(all_reduce(torch.ones(3), "identity", op="sum", key="ok").tolist())
+    return out
+
+
+def test_mismatched_calls_are_refused_on_every_rank_at_the_first_call() -> None:
+    results = run_workers(_mismatch_worker, 2, timeout=90, pg_timeout=PG_TIMEOUT)
+    expected = {
+        "codec": "codec fingerprint",
+        "params": "codec fingerprint",
+        "shape": "numel",
+        "strategy": "strategy",
+        "op": "op",
+    }
+    for rank, out in enumerate(results):
+        for case, field in expected.items():
+            assert "ranks disagree on" in out[case] and field in out[case], (rank, out[case])
+        assert out["after"] == "[2.0, 2.0, 2.0]"
+
+
+# ---------------------------------------------------------------------------- bad arguments
+def _bad_args_worker(rank: int, world: int) -> dict[str, str]:
+    x = torch.randn(8)
+    cases: dict[str, Any] = {
+        "op": lambda: reduce(x, "identity", op="prod"),
+        "strategy": lambda: reduce(x, "identity", strategy="tree"),
+        "not summable": lambda: reduce(x, "topk", strategy="allreduce"),
+        "multi-round ring": lambda: reduce(x, "powersgd", strategy="ring"),
+        "int tensor": lambda: reduce(torch.arange(4), "identity"),
+        "not a tensor": lambda: reduce([1.0, 2.0], "identity"),
+        "ctx": lambda: reduce(x, "identity", ctx=CodecContext(rank=1, world_size=2)),
+        "bucket": lambda: reduce(x, "identity", bucket_bytes=0),
+        "timeout": lambda: reduce(x, "identity", timeout=-1),
+        "depth": lambda: reduce(x, "identity", pipeline_depth=0),
+        "unknown codec": lambda: reduce(x, "zip9"),
+        "bad param": lambda: reduce(x, {"id": "topk", "ratio": 2.0}),
+        "local size": lambda: reduce(x, "identity", strategy="hierarchical", local_size=0),
+    }
+    out = {}
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = "no error"
+        except CommpressError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    (out,) = run_workers(_bad_args_worker, 1, timeout=60)
+    expected = {
+        "op": "op must be 'mean' or 'sum'",
+        "strategy": "unknown strategy 'tree'; accepted:",
+        "not summable": "not summable",
+        "multi-round ring": "several exchange rounds",
+        "int tensor": "expects a floating-point tensor",
+        "not a tensor": "expects a torch.Tensor",
+        "ctx": "ctx says rank 1 of 2",
+        "bucket": "bucket_bytes must be a positive integer",
+        "timeout": "timeout must be a positive number",
+        "depth": "pipeline_depth must be an int >= 1",
+        "unknown codec": "unknown codec id 'zip9'",
+        "bad param": "topk: ratio must be in (0, 1]",
+        "local size": "local size that divides the world size",
+    }
+    for name, fragment in expected.items():
+        assert fragment in out[name], f"{name}: {out[name]}"
