@@ -180,7 +180,7 @@ def test_byte_mode_fallback_is_used_when_exponents_spread() -> None:
     x = (torch.randn(20000, generator=g) * 2.0 ** torch.randint(-30, 30, (20000,), generator=g))
     codec = get_codec("netzip")
     payload = codec.encode(x)
-    assert payload.parts["stream"][7] & 8, "byte-mode flag not set"
+    assert payload.parts["stream"][6] & 8, "byte-mode flag not set"  # header byte 6: flags
     assert_bit_exact(codec.decode(payload), x)
 
 
@@ -229,15 +229,16 @@ def test_forged_header_with_valid_checksum_is_refused() -> None:
     x = gaussian(1000, seed=7).reshape(10, 100)
     payload = codec.encode(x)
     raw = bytes(_stream(payload).tolist())
-    # byte 7 holds the flags; claim a zero bitmap that is not there
+    # header: b"NZ", version, dtype, grouping, delta, flags (byte 6), element count (varint)
+    # claim a zero bitmap that is not there
     forged = bytearray(raw)
-    forged[7] |= 1
+    forged[6] |= 1
     with pytest.raises(CommpressError):
         codec.decode(_with_stream(payload, _recrc(bytes(forged))))
-    # element count (varint at byte 8): 1000 = 0xE8 0x07 -> 999
+    # element count (varint at byte 7): 1000 = 0xE8 0x07 -> 999
     forged = bytearray(raw)
-    assert forged[8:10] == bytes([0xE8, 0x07])
-    forged[8] = 0xE7
+    assert forged[7:9] == bytes([0xE8, 0x07])
+    forged[7] = 0xE7
     with pytest.raises(CommpressError, match="elements"):
         codec.decode(_with_stream(payload, _recrc(bytes(forged))))
     # a payload of another dtype under the same shape

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from commpress.cli import main
-from commpress.codecs import codec_ids
+from commpress.codecs import codec_ids, get_codec
+from commpress.perfmodel.codec_costs import spec_key
 
 
 def registered(*ids: str) -> list[str]:
@@ -89,8 +90,10 @@ def test_sweep_writes_at_least_200_setups_and_a_plot(
     for r in rows:
         assert float(r["speedup"]) == pytest.approx(
             float(r["baseline_s"]) / float(r["step_s"]), rel=1e-9)
-    # identity sends twice fp16's bytes: never faster than the baseline.
-    assert all(float(r["speedup"]) <= 1.0 + 1e-12 for r in rows if r["codec"] == "identity")
+    # identity sends twice fp16's bytes: slower wherever the network is slow (on a fast one
+    # it may win by skipping the cast, which the model rightly allows).
+    slow = [r for r in rows if r["codec"] == "identity" and float(r["inter_bw_bps"]) <= 1e9]
+    assert len(slow) == 40 and all(float(r["speedup"]) < 1.0 for r in slow)
     png = (out / "sweep.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     text = capsys.readouterr().out
@@ -118,7 +121,7 @@ def test_advise_picks_a_compressing_codec_on_a_slow_network(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     spec = registered("thc", "topkc", "powersgd:rank=4", "qsgd", "minmax:bits=4")[0]
-    key = spec.partition(":")[0] if spec in ("thc", "topkc", "qsgd", "powersgd:rank=4") else spec
+    key = spec_key(get_codec(spec))  # "powersgd:rank=4" is the default config: "powersgd"
     table = tmp_path / "nmse.json"
     table.write_text(json.dumps({key: 0.1, spec: 0.1}))
     # Measured links of an emulated 4-node cluster at 100 Mbit/s (a link report).

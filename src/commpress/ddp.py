@@ -187,8 +187,26 @@ def comm_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook averaging a bucket's gradients with the state's codecs.
 
-    Register it with ``model.register_comm_hook(state, comm_hook)`` (or use :func:`register`).
-    The step counter advances after each step's last bucket.
+    Register it with ``model.register_comm_hook(state, comm_hook)`` or, simpler, with
+    :func:`register`. Algorithm, for each bucket (DDP calls the hook in bucket order, the
+    same on every rank):
+
+    1. Split the flat bucket buffer into its parameters' gradients (views of the buffer),
+       named by the model's parameter names; with ``granularity="bucket"`` the whole buffer
+       is one tensor named after the parameters it holds.
+    2. Record the current step; after the step's last bucket, advance the step counter.
+    3. Submit the bucket's job to the process group's ordered queue and return its future.
+       The job, on the queue's thread:
+
+       a. plans every tensor: the policy's codec, or the schedule's dense fallback (warm-up,
+          ``min_numel``, ``min_compression_rate``);
+       b. reduces tensors with element-wise casts (identity, fp16, bf16) as one flat tensor
+          per (codec, feedback, dtype), and every other tensor with its own protocol,
+          compensated by error feedback (and DGC momentum) when it applies;
+       c. runs those reductions pipelined, two in flight, in the same order on every rank;
+       d. writes the means (identical on every rank) into the buffer and returns it.
+
+    Tuning lives in :func:`register`'s arguments (codec, policy, schedule, feedback).
     """
     buffer = bucket.buffer()
     step = state.step

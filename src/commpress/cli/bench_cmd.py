@@ -11,6 +11,7 @@ import importlib
 #: Benchmark suite modules under ``commpress.bench``.
 SUITES: list[str] = [
     "codecs",
+    "allreduce",
 ]
 
 

@@ -95,9 +95,9 @@ def run(args: argparse.Namespace) -> int:
                                 speeds=kwargs["speeds"], platform=kwargs["platform"])
     preds = [predict(workload, cluster, spec, **kwargs) for spec in specs]
     if args.json:
-        def entry(pred: Any) -> dict[str, Any]:
+        def entry(pred: Any, spec: str = "fp16") -> dict[str, Any]:
             return {
-                "codec": pred.codec,
+                "codec": spec,
                 "strategy": pred.strategy,
                 "step_s": pred.total,
                 "breakdown": pred.breakdown(),
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             "codec_speeds": kwargs["speeds"].source,
             "platform": kwargs["platform"].to_dict(),
             "baseline": entry(baseline),
-            "results": [entry(p) for p in preds],
+            "results": [entry(p, s) for s, p in zip(specs, preds, strict=True)],
         }, indent=2))
         return 0
     print(f"model: {workload.name}, {format_count(workload.params)} parameters in "
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"platform: {kwargs['platform'].name}, overlap efficiency "
           f"{kwargs['platform'].overlap_efficiency:g}")
     rows = [result_row("fp16 (baseline)", baseline, baseline.total)]
-    rows += [result_row(p.codec, p, baseline.total) for p in preds]
+    rows += [result_row(spec, p, baseline.total) for spec, p in zip(specs, preds, strict=True)]
     headers = ["codec", "strategy", "bits/coord", "step", "compute", "exposed comm", "codec",
                "speedup vs fp16"]
     print(render_table(headers, rows))

@@ -96,8 +96,13 @@ T_PLANE = 64  # + plane index (byte, bitplane and none groupings)
 AUTO_ROW_MIN_COLS = 64
 AUTO_COL_MIN_ROWS = 64
 AUTO_MIN_NUMEL = 4096
-#: ``grouping``/``delta`` ``auto`` estimate sizes on this many sampled elements.
+#: ``grouping``/``delta`` ``auto`` estimate sizes on this many sampled elements, and pick
+#: another grouping than ``exponent`` (or a delta) only when its estimate is smaller by
+#: more than this factor.
 AUTO_SAMPLE = 8192
+AUTO_MARGIN = 1.03
+#: A stream larger than the raw tensor plus this many bytes is replaced by the stored words.
+STORED_SLACK = 32
 
 _CRC = struct.Struct("<I")
 _STATE_KEY = "netzip.refs"
@@ -163,7 +168,7 @@ class _Reader:
 class _Section:
     tag: int
     data: np.ndarray  # raw uint8 plane
-    role: Literal["exp", "man", "side"]
+    role: Literal["exp", "man", "side", "raw"]
 
 
 @dataclass(slots=True)
@@ -287,12 +292,19 @@ class NetZip(Codec):
                 )
             for g in groupings:
                 bits = _estimate_bits(_np64(keyed, lay), lay, g)
+                # The estimate is order-0; exponent coding with context usually does better
+                # than its estimate and a delta costs a pass, so others must win clearly.
+                bits *= (1.0 if g == "exponent" else AUTO_MARGIN) * (
+                    1.0 if d == "none" else AUTO_MARGIN
+                )
                 if best is None or bits < best[0] - 1e-9:
                     best = (bits, g, d)
         assert best is not None
         return best[1], best[2]
 
     def _backend_for(self, section: _Section) -> str:
+        if section.role == "raw":
+            return "raw"
         choice = {"exp": self.backend, "man": self.mantissa_backend, "side": "auto"}[section.role]
         if choice != "auto":
             return choice
@@ -397,6 +409,17 @@ class NetZip(Codec):
                 (source, seq, ref_seq, ref_crc, ctx.step) if delta == "previous" else None,
             ),
         )
+        if stream.size > n * lay.nbytes + STORED_SLACK:
+            # Nothing worked (random bits): store the words themselves, so a payload never
+            # exceeds the raw tensor by more than its small header.
+            delta = "previous" if delta == "previous" else "none"
+            stream, crc = self._frame(
+                [_Section(T_PLANE, bg.to_numpy_u8(words), "raw")],
+                header=_header_prefix(
+                    lay, "none", delta, xor, delta == "previous", 0, n, n, 0, 0, 0,
+                    (source, seq, 0, 0, ctx.step) if delta == "previous" else None,
+                ),
+            )
         if refs is not None:
             refs[_ref_name(ctx.key, source)] = {
                 "words": words.clone(),
@@ -554,11 +577,15 @@ class NetZip(Codec):
             raise CommpressError(
                 f"payload header holds {head.numel} elements, the payload shape has {n}"
             )
-        if self.grouping != "auto" and head.grouping != self.grouping:
+        # grouping "none" without a base delta is the stored fallback any configuration emits
+        stored = head.grouping == "none" and head.delta in ("none", "previous")
+        if self.grouping != "auto" and head.grouping != self.grouping and not stored:
             raise CommpressError(
                 f"payload uses grouping {head.grouping!r}, this codec {self.grouping!r}"
             )
-        if self.delta != "auto" and head.delta != self.delta:
+        if self.delta != "auto" and head.delta != self.delta and not (
+            stored and head.delta == "none" and self.delta != "previous"
+        ):
             raise CommpressError(f"payload uses delta {head.delta!r}, this codec {self.delta!r}")
         if head.xor != (self.delta_op == "xor"):
             raise CommpressError("payload and codec disagree on delta_op")

@@ -207,6 +207,7 @@ def reduce(
     offload: bool = False,
     pipeline_depth: int = 2,
     check: bool = True,
+    stats: dict[str, int] | None = None,
 ) -> Reduced:
     """Reduce ``tensor`` across ``group`` on the calling thread; returns a :class:`Reduced`.
 
@@ -221,6 +222,9 @@ def reduce(
         pipeline_depth: buckets in flight at once (2 overlaps encoding with transfer).
         check: on the first call with a given signature, check that all ranks agree on codec
             configuration, shape, dtype and options.
+        stats: a dict that receives byte counters: ``wire_bytes`` (this rank's payload bytes
+            over all rounds and hops, at the codec's logical lane widths) and, for
+            hierarchical strategies, ``intra_node_bytes`` (uncompressed traffic on the node).
     """
     if not isinstance(tensor, torch.Tensor):
         raise CommpressError(f"all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
@@ -231,6 +235,8 @@ def reduce(
     x = codec.check_input(tensor)
     label = f"all_reduce of {key!r}" if key else "all_reduce"
     ex = Exchange.of(group, timeout=timeout, label=f"{label} with {codec.codec_id}")
+    if stats is not None:
+        ex.stats = stats
     if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or bucket_bytes <= 0):
         raise CommpressError(
             f"bucket_bytes must be a positive integer or None, got {bucket_bytes!r}"
@@ -447,7 +453,7 @@ def all_reduce(
             per-call latency.
         **options: ``local_size`` (hierarchical node size), ``offload=True`` (encode
             upcoming buckets on a separate codec worker thread), ``pipeline_depth`` (2),
-            ``check`` (True).
+            ``check`` (True), ``stats`` (a dict receiving byte counters); see :func:`reduce`.
     """
     fut = all_reduce_async(
         tensor,

@@ -142,6 +142,11 @@ class Exchange:
             (``None``: the process group's own timeout).
         label: what is being exchanged, for error messages (``"all_reduce of 'w'"``).
         device: device for exchanged metadata (``None``: follow the data).
+        stats: byte counters filled as data is sent (shared with derived exchanges):
+            ``wire_bytes`` is what this rank's payloads put on the wire (logical lane widths,
+            as :attr:`AllReduce.wire_bytes` and :attr:`Payload.nbytes` count them, once per
+            message); ``intra_node_bytes`` is the uncompressed traffic of hierarchical
+            strategies inside a node.
     """
 
     group: ProcessGroup | None
@@ -150,7 +155,12 @@ class Exchange:
     timeout: float | None = None
     label: str = "exchange"
     device: torch.device | None = None
+    stats: dict[str, int] = field(default_factory=dict)
     _backend: str | None = field(default=None, repr=False)
+
+    def count(self, nbytes: int, kind: str = "wire_bytes") -> None:
+        """Add ``nbytes`` to the ``kind`` counter of :attr:`stats`."""
+        self.stats[kind] = self.stats.get(kind, 0) + int(nbytes)
 
     @classmethod
     def of(
@@ -334,6 +344,7 @@ def all_reduce_task(
     tensors = [request.tensors[n] for n in names]
     if ex.world_size == 1:
         return {n: reduce_tensors([t], request, [0]) for n, t in zip(names, tensors, strict=True)}
+    ex.count(request.wire_bytes)
     if sum(t.numel() for t in tensors) == 0:
         return {n: t.clone() for n, t in zip(names, tensors, strict=True)}
     if request.saturate:
@@ -422,6 +433,7 @@ def all_gather_task(
     """
     if ex.world_size == 1:
         return [payload]
+    ex.count(payload.nbytes)
     names = sorted(payload.parts)
     local = [payload.parts[n] for n in names]
     local_specs = [(tuple(t.shape), t.dtype) for t in local]

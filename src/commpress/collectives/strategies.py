@@ -139,6 +139,7 @@ class _Link:
                     f"{ex.label}: the left neighbour sent payload parts that differ from this "
                     "rank's; are all ranks using the same codec?"
                 )
+        ex.count(out.nbytes)
         body_out = pack_bytes(out_tensors, device=device)
         in_size = packed_layout(in_specs)[1]
         body_in = torch.empty(in_size, dtype=torch.uint8, device=device)
@@ -330,6 +331,7 @@ def node_groups(ex: Exchange, local_size: int) -> tuple[Exchange, Exchange]:
         len(intra),
         ex.timeout,
         f"{ex.label} (intra-node)",
+        stats=ex.stats,
     )
     inter_ex = Exchange(
         _subgroup(inter) if len(inter) > 1 else None,
@@ -337,6 +339,7 @@ def node_groups(ex: Exchange, local_size: int) -> tuple[Exchange, Exchange]:
         len(inter),
         ex.timeout,
         f"{ex.label} (inter-node)",
+        stats=ex.stats,
     )
     return intra_ex, inter_ex
 
@@ -351,6 +354,7 @@ def _reduce_scatter_equal(
     out = torch.empty(padded.numel() // n, dtype=padded.dtype, device=padded.device)
     if out.numel() == 0:
         return out
+    ex.count(padded.numel() * padded.element_size(), "intra_node_bytes")
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     yield Pending([fn(out, padded.contiguous(), group=ex.group, async_op=True)], what)
     return out
@@ -364,6 +368,7 @@ def _all_gather_equal(
         return [piece]
     if piece.numel() == 0:
         return [piece.clone() for _ in range(ex.world_size)]
+    ex.count(piece.numel() * piece.element_size(), "intra_node_bytes")
     bufs = [torch.empty_like(piece) for _ in range(ex.world_size)]
     yield Pending([dist.all_gather(bufs, piece.contiguous(), group=ex.group, async_op=True)], what)
     return bufs

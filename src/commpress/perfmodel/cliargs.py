@@ -121,8 +121,8 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 
         model = build_model(preset(args.demo_model))
         shapes = [tuple(p.shape) for p in model.parameters()]
-        params = sum(p.numel() for p in model.parameters())
-        return Workload.from_shapes(shapes, compute_s=compute_seconds(args, params),
+        numel = sum(p.numel() for p in model.parameters())
+        return Workload.from_shapes(shapes, compute_s=compute_seconds(args, numel),
                                     name=f"TinyGPT {args.demo_model}", **common)
     if not args.params:
         raise CommpressError("give the model: --params 1.3e9, --buckets ... or --demo-model")

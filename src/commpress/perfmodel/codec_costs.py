@@ -5,10 +5,12 @@ Wire bytes come from running the codec: a single-round codec encodes a sample te
 right shape (a summable one is all-reduced part by part at its declared lane widths, the others
 are all-gathered); a multi-round codec's :meth:`~commpress.codecs.base.Codec.reduce` protocol
 is driven for rank 0 of the real world size, recording every round's kind and bytes. Tensors
-larger than ``SAMPLE_MAX`` elements are measured at two geometrically scaled shapes (16x apart,
-two ranks) to get each round's exponent ``p`` in ``bytes = a n^p`` (casts and sparsifiers
-``p = 1``, PowerSGD ``p = 1/2`` on similar matrices); the bytes at the real world size are then
-measured on the smaller shape and extrapolated with that exponent.
+larger than ``SAMPLE_MAX`` elements are measured on two copies of their shape scaled down by
+powers of two (so block-aligned sizes stay aligned; the second has every dimension halved
+again), for two ranks: each round's exponent ``p`` in ``bytes = a n^p`` comes from the pair
+(casts and sparsifiers ``p = 1``, PowerSGD ``p = 1/2`` on similar matrices), the bytes from the
+larger sample extrapolated with it, and a dependence on the world size (integer lane widths)
+from the ratio of the smaller sample's bytes at the real world size and at two ranks.
 
 Encode/decode time is ``max(c0, n / throughput)`` with a per-codec fixed cost ``c0`` (kernel
 launches, host synchronisation) and a throughput in elements per second, looked up in a
@@ -332,11 +334,20 @@ def _record_rounds(codec: Codec, x: torch.Tensor, world_size: int) -> tuple[Roun
     return tuple(rounds)
 
 
-def _scaled_shape(shape: tuple[int, ...], target: int) -> tuple[int, ...]:
-    """``shape`` scaled in every dimension so that it holds about ``target`` elements."""
-    n = math.prod(shape)
-    f = (target / n) ** (1.0 / len(shape))
-    return tuple(max(1, round(d * f)) for d in shape)
+def _halved_shape(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """``shape`` with every dimension divided by ``2^k`` (rounded where it does not divide),
+    so that block-aligned sizes stay block-aligned."""
+    f = 1 << k
+    return tuple(max(1, d // f if d % f == 0 else round(d / f)) for d in shape)
+
+
+def _sample_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The largest power-of-two down-scaling of ``shape`` with at most :data:`SAMPLE_MAX`
+    elements, and the next one down."""
+    k = 0
+    while math.prod(_halved_shape(shape, k)) > SAMPLE_MAX:
+        k += 1
+    return _halved_shape(shape, k), _halved_shape(shape, k + 1)
 
 
 _PROFILES: dict[tuple[str, tuple[int, ...], int], WireProfile] = {}
@@ -366,15 +377,23 @@ def wire_profile(codec: Codec, shape: Sequence[int], world_size: int = 2) -> Wir
         elif numel <= SAMPLE_MAX:
             prof = WireProfile(numel, _measured(codec, shape, world_size))
         else:
-            s1 = _scaled_shape(shape, SAMPLE_MAX // 16)
-            s2 = _scaled_shape(shape, SAMPLE_MAX)
-            n1 = math.prod(s1)
-            exps = _exponents(codec, s1, s2)
-            small = _measured(codec, s1, world_size)
+            big, mid = _sample_shapes(shape)
+            n_big = math.prod(big)
+            exps = _exponents(codec, mid, big)
+            base = _measured(codec, big, 2)
+            # Bytes that depend on the world size (lane widths) are corrected by the ratio
+            # measured on the smaller sample.
+            at_ws = _measured(codec, mid, world_size)
+            at_2 = _measured(codec, mid, 2)
+            same = len(at_ws) == len(at_2) == len(base) == len(exps)
             rounds = []
-            for i, r in enumerate(small):
-                p = exps[i] if len(exps) == len(small) else 1.0
-                rounds.append(Round(r.kind, r.nbytes * (numel / n1) ** p))
+            if same:
+                for i, r in enumerate(base):
+                    ratio = at_ws[i].nbytes / at_2[i].nbytes if at_2[i].nbytes else 1.0
+                    rounds.append(Round(r.kind, r.nbytes * ratio * (numel / n_big) ** exps[i]))
+            else:  # the round structure depends on the world size: scale linearly
+                n_mid = math.prod(mid)
+                rounds = [Round(r.kind, r.nbytes * numel / n_mid) for r in at_ws]
             prof = WireProfile(numel, tuple(rounds))
     _PROFILES[key] = prof
     return prof

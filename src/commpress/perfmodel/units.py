@@ -80,13 +80,17 @@ def parse_bandwidth(value: str | float | int) -> float:
                 is_bits, u = bits, u[: -len(suffix)]
                 break
         if is_bits is None:
-            raise CommpressError(f"bandwidth: unknown unit {unit!r} in {value!r}; accepted: {accepted}")
+            raise CommpressError(
+                f"bandwidth: unknown unit {unit!r} in {value!r}; accepted: {accepted}"
+            )
         if u in _BINARY:
             scale = _BINARY[u]
         elif u in _PREFIX:
             scale = _PREFIX[u]
         else:
-            raise CommpressError(f"bandwidth: unknown prefix {u!r} in {value!r}; accepted: {accepted}")
+            raise CommpressError(
+                f"bandwidth: unknown prefix {u!r} in {value!r}; accepted: {accepted}"
+            )
         bps = number * scale / (8.0 if is_bits else 1.0)
     _finite_nonneg(bps, "bandwidth", value)
     if bps <= 0:
