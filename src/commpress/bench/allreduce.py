@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -42,7 +43,9 @@ def _parse_list(text: str, kind: type, what: str) -> list[Any]:
     try:
         values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise CommpressError(f"--{what}: expected comma-separated {kind.__name__}s, got {text!r}")
+        raise CommpressError(
+            f"--{what}: expected comma-separated {kind.__name__}s, got {text!r}"
+        ) from None
     if not values:
         raise CommpressError(f"--{what}: empty list")
     return values
@@ -108,8 +111,6 @@ def _worker(
         import torch
         import torch.distributed as dist
 
-        import commpress
-
         torch.set_num_threads(threads)
         store = dist.FileStore(store_path, world)
         dist.init_process_group(
@@ -122,59 +123,7 @@ def _worker(
         local_size = 2 if world % 2 == 0 and world > 2 else 1
         rows = []
         for size_mb in sizes_mb:
-            n = max(1, int(size_mb * 2**20) // 4)
-            g = torch.Generator().manual_seed(rank)
-            x = torch.randn(n, generator=g)
-            buf32 = torch.zeros(n)
-            buf16 = torch.zeros(n, dtype=torch.float16)
-            calls: dict[str, Callable[[], Any]] = {
-                "plain fp32": lambda: dist.all_reduce(buf32),
-                "plain fp16": lambda: dist.all_reduce(buf16),
-            }
-            wire: dict[str, int] = {"plain fp32": 4 * n, "plain fp16": 2 * n}
-            for spec, strategy in methods:
-                name = f"{spec}/{strategy}"
-
-                def call(spec: str = spec, strategy: str = strategy, name: str = name) -> Any:
-                    return commpress.all_reduce(
-                        x, spec, op="sum", strategy=strategy, key=name, local_size=local_size
-                    )
-
-                stats: dict[str, int] = {}
-                commpress.collectives.reduce_async(
-                    x,
-                    spec,
-                    op="sum",
-                    strategy=strategy,
-                    key=name,
-                    local_size=local_size,
-                    stats=stats,
-                ).wait()
-                wire[name] = stats.get("wire_bytes", 0)
-                calls[name] = call
-            times: dict[str, list[float]] = {k: [] for k in calls}
-            for _ in range(warmup):
-                for fn in calls.values():
-                    fn()
-            # Round-robin: every repeat times every method once, so drift hits all alike.
-            for _ in range(repeats):
-                for name, fn in calls.items():
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
-            for name in calls:
-                slowest = torch.tensor(times[name], dtype=torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                rows.append(
-                    {
-                        "world": world,
-                        "size_mb": size_mb,
-                        "method": name,
-                        "ms": 1e3 * statistics.median(slowest.tolist()),
-                        "wire_bytes": wire[name],
-                    }
-                )
+            rows += _measure_size(rank, world, size_mb, methods, repeats, warmup, local_size)
         dist.destroy_process_group()
         if rank == 0:
             results.put(("ok", rows))
@@ -182,6 +131,66 @@ def _worker(
         import traceback
 
         results.put(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
+
+
+def _measure_size(
+    rank: int,
+    world: int,
+    size_mb: float,
+    methods: list[tuple[str, str]],
+    repeats: int,
+    warmup: int,
+    local_size: int,
+) -> list[dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    from commpress.collectives.api import all_reduce, reduce
+
+    n = max(1, int(size_mb * 2**20) // 4)
+    g = torch.Generator().manual_seed(rank)
+    # A matrix, as most gradients are (low-rank codecs need two dimensions).
+    shape = (n // 1024, 1024) if n % 1024 == 0 else (n,)
+    x = torch.randn(shape, generator=g)
+    buf32 = torch.zeros(n)
+    buf16 = torch.zeros(n, dtype=torch.float16)
+    calls: dict[str, Callable[[], Any]] = {
+        "plain fp32": functools.partial(dist.all_reduce, buf32),
+        "plain fp16": functools.partial(dist.all_reduce, buf16),
+    }
+    wire: dict[str, int] = {"plain fp32": 4 * n, "plain fp16": 2 * n}
+    for spec, strategy in methods:
+        name = f"{spec}/{strategy}"
+        options: dict[str, Any] = dict(op="sum", strategy=strategy, key=name, local_size=local_size)
+        stats: dict[str, int] = {}
+        reduce(x, spec, stats=stats, **options)  # also the first-call agreement check
+        wire[name] = stats.get("wire_bytes", 0)
+        calls[name] = functools.partial(all_reduce, x, spec, **options)
+    rows = []
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(warmup):
+        for fn in calls.values():
+            fn()
+    # Round-robin: every repeat times every method once, so drift hits all alike.
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    for name in calls:
+        slowest = torch.tensor(times[name], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        rows.append(
+            {
+                "world": world,
+                "size_mb": size_mb,
+                "method": name,
+                "ms": 1e3 * statistics.median(slowest.tolist()),
+                "wire_bytes": wire[name],
+            }
+        )
+    return rows
 
 
 def measure(
@@ -227,7 +236,7 @@ def measure(
             ) from None
         if status != "ok":
             raise CommpressError(f"benchmark worker failed: {value}")
-        return value  # type: ignore[no-any-return]
+        return list(value)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -5,12 +5,13 @@ Wire bytes come from running the codec: a single-round codec encodes a sample te
 right shape (a summable one is all-reduced part by part at its declared lane widths, the others
 are all-gathered); a multi-round codec's :meth:`~commpress.codecs.base.Codec.reduce` protocol
 is driven for rank 0 of the real world size, recording every round's kind and bytes. Tensors
-larger than ``SAMPLE_MAX`` elements are measured on two copies of their shape scaled down by
-powers of two (so block-aligned sizes stay aligned; the second has every dimension halved
-again), for two ranks: each round's exponent ``p`` in ``bytes = a n^p`` comes from the pair
-(casts and sparsifiers ``p = 1``, PowerSGD ``p = 1/2`` on similar matrices), the bytes from the
-larger sample extrapolated with it, and a dependence on the world size (integer lane widths)
-from the ratio of the smaller sample's bytes at the real world size and at two ranks.
+larger than ``SAMPLE_MAX`` elements are measured on a copy of their shape scaled down to
+``SAMPLE_MAX`` elements (same aspect, dimensions rounded to multiples of 64 so that block
+codecs pad it no more than the real tensor), for two ranks, and each round's bytes are
+extrapolated as ``n^p``. The exponent ``p`` is measured once per codec and number of dimensions
+on two block-aligned cubes (every side doubled: casts, quantizers and sparsifiers give
+``p = 1``, PowerSGD ``p = 1/2`` on matrices), and a dependence on the world size (integer lane
+widths) is the ratio of the small cube's bytes at the real world size and at two ranks.
 
 Encode/decode time is ``max(c0, n / throughput)`` with a per-codec fixed cost ``c0`` (kernel
 launches, host synchronisation) and a throughput in elements per second, looked up in a
@@ -334,20 +335,27 @@ def _record_rounds(codec: Codec, x: torch.Tensor, world_size: int) -> tuple[Roun
     return tuple(rounds)
 
 
-def _halved_shape(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
-    """``shape`` with every dimension divided by ``2^k`` (rounded where it does not divide),
-    so that block-aligned sizes stay block-aligned."""
-    f = 1 << k
-    return tuple(max(1, d // f if d % f == 0 else round(d / f)) for d in shape)
+def _sample_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` scaled in every dimension to at most :data:`SAMPLE_MAX` elements, keeping its
+    aspect; dimensions of 64 or more are rounded down to multiples of 64 (a 1-D tensor to a
+    multiple of 4096) so that codecs working in blocks pad the sample no more than the
+    (large) real tensor."""
+    n = math.prod(shape)
+    f = (SAMPLE_MAX / n) ** (1.0 / len(shape))
+    if len(shape) == 1:
+        return (max(4096, int(shape[0] * f) // 4096 * 4096),)
+    dims = [int(d * f) // 64 * 64 if d * f >= 64 else max(1, round(d * f)) for d in shape]
+    while math.prod(dims) > SAMPLE_MAX:  # rounding small dimensions up can overshoot
+        i = max(range(len(dims)), key=lambda j: dims[j])
+        dims[i] = max(1, dims[i] - (64 if dims[i] > 64 else 1))
+    return tuple(dims)
 
 
-def _sample_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The largest power-of-two down-scaling of ``shape`` with at most :data:`SAMPLE_MAX`
-    elements, and the next one down."""
-    k = 0
-    while math.prod(_halved_shape(shape, k)) > SAMPLE_MAX:
-        k += 1
-    return _halved_shape(shape, k), _halved_shape(shape, k + 1)
+def _canonical_pair(ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Block-aligned cubes of ``ndim`` dimensions with about 2^14 and 2^16 elements (every
+    dimension doubles from the first to the second): where exponents are measured."""
+    small = max(1, round(2 ** (14 / ndim)))
+    return (small,) * ndim, (2 * small,) * ndim
 
 
 _PROFILES: dict[tuple[str, tuple[int, ...], int], WireProfile] = {}
@@ -377,23 +385,23 @@ def wire_profile(codec: Codec, shape: Sequence[int], world_size: int = 2) -> Wir
         elif numel <= SAMPLE_MAX:
             prof = WireProfile(numel, _measured(codec, shape, world_size))
         else:
-            big, mid = _sample_shapes(shape)
+            big = _sample_shape(shape)
             n_big = math.prod(big)
-            exps = _exponents(codec, mid, big)
+            small, large = _canonical_pair(len(shape))
+            exps = _exponents(codec, small, large)
             base = _measured(codec, big, 2)
             # Bytes that depend on the world size (lane widths) are corrected by the ratio
-            # measured on the smaller sample.
-            at_ws = _measured(codec, mid, world_size)
-            at_2 = _measured(codec, mid, 2)
-            same = len(at_ws) == len(at_2) == len(base) == len(exps)
+            # measured on the small canonical sample.
+            at_ws = _measured(codec, small, world_size)
+            at_2 = _measured(codec, small, 2)
             rounds = []
-            if same:
+            if len(at_ws) == len(at_2) == len(base) == len(exps):
                 for i, r in enumerate(base):
                     ratio = at_ws[i].nbytes / at_2[i].nbytes if at_2[i].nbytes else 1.0
                     rounds.append(Round(r.kind, r.nbytes * ratio * (numel / n_big) ** exps[i]))
             else:  # the round structure depends on the world size: scale linearly
-                n_mid = math.prod(mid)
-                rounds = [Round(r.kind, r.nbytes * numel / n_mid) for r in at_ws]
+                at_ws = _measured(codec, big, world_size)
+                rounds = [Round(r.kind, r.nbytes * numel / n_big) for r in at_ws]
             prof = WireProfile(numel, tuple(rounds))
     _PROFILES[key] = prof
     return prof
