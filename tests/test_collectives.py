@@ -21,7 +21,7 @@ import commpress
 from commpress.codecs.base import Codec, CodecContext, Payload
 from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced
 from commpress.codecs.simulate import reduce_tensors
-from commpress.collectives import OrderedQueue, all_reduce, execute
+from commpress.collectives import OrderedQueue, all_reduce, execute, reduce
 from commpress.collectives.strategies import reference_ring_sum
 from commpress.errors import CommpressError
 from dist_utils import run_workers
@@ -141,6 +141,18 @@ def _driver_worker(rank: int, world: int) -> dict[str, Any]:
     out["two_round_api"] = torch.equal(
         all_reduce(xs[rank], TwoRoundInt(), op="sum", key="tr"), two_round_expected(xs, False)
     )
+
+    # In-place reductions write into the input (identity: without any copy) and return it.
+    exact = torch.stack(xs).sum(0)
+    for codec, op in (("identity", "sum"), ("identity", "mean"), ("fp16", "sum")):
+        buf = xs[rank].clone()
+        got = all_reduce(buf, codec, op=op, key=f"inplace-{codec}-{op}", inplace=True)
+        want = exact if op == "sum" or world == 1 else exact / world
+        out[f"inplace-{codec}-{op}"] = got is buf and torch.equal(buf, want)
+    # Byte counters: this rank's logical payload bytes over all rounds.
+    stats: dict[str, int] = {}
+    reduce(xs[rank], TwoRoundInt(), key="tr", stats=stats)
+    out["two_round_bytes"] = stats.get("wire_bytes", 0)
     return out
 
 
@@ -158,6 +170,11 @@ def test_driver_requests_match_the_simulator(world: int) -> None:
             (list(map(float, range(r + 1))), [[r] * r] * 2) for r in range(world)
         ]
         assert out["two_round"] and out["two_round_api"]
+        for case in ("identity-sum", "identity-mean", "fp16-sum"):
+            assert out[f"inplace-{case}"], f"rank {rank}: inplace {case}"
+        # 4 bytes of peak + 40 int32 lanes + (rank + 1) float32 marker values; nothing is
+        # exchanged (or counted) by a group of one.
+        assert out["two_round_bytes"] == (4 + 160 + 4 * (rank + 1) if world > 1 else 0)
 
 
 # ---------------------------------------------------------------------------- strategies

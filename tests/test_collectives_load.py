@@ -6,6 +6,7 @@ integer-valued inputs) come from ``test_collectives``.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -125,3 +126,49 @@ def _load_worker(rank: int, world: int, n_threads: int, n_jobs: int) -> list[flo
 def test_ordered_queue_under_load(world: int) -> None:
     results = run_workers(_load_worker, world, 3, 24, timeout=180)
     assert all(r == results[0] for r in results)
+
+
+# ---------------------------------------------------------------------------- node layout
+def _hierarchical_worker(rank: int, world: int) -> dict[str, Any]:
+    """LOCAL_WORLD_SIZE=2 (set by the test, as torchrun would): 2 nodes x 2 ranks."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, 32, generator=g)
+    out: dict[str, Any] = {}
+    for codec in ("identity", "powersgd"):
+        for strategy, bucket in (("hierarchical", None), ("auto", 2048)):
+            stats: dict[str, int] = {}
+            reduced = commpress.collectives.reduce(
+                x, codec, op="sum", strategy=strategy, key=codec, bucket_bytes=bucket, stats=stats
+            )
+            out[f"{codec}/{strategy}"] = (reduced.total, stats)
+    return out
+
+
+def test_hierarchical_follows_local_world_size_and_keeps_matrices() -> None:
+    results = run_workers(_hierarchical_worker, 4, timeout=120, env={"LOCAL_WORLD_SIZE": "2"})
+    numel_bytes = 64 * 32 * 4
+    for name, (total, stats) in results[0].items():
+        for rank in (1, 2, 3):
+            assert torch.equal(total, results[rank][name][0]), f"{name}: rank {rank} differs"
+        if name == "identity/hierarchical":
+            # Inter-node: each local rank sends its half of the rows (uncompressed here).
+            assert stats["wire_bytes"] == numel_bytes // 2
+            assert stats["intra_node_bytes"] == numel_bytes + numel_bytes // 2
+    # PowerSGD still sees matrices: shards of 32 rows (hierarchical) and buckets of 16 rows
+    # (2048 bytes / (32 floats * 4 bytes)) compress below the raw size.
+    assert results[0]["powersgd/hierarchical"][1]["wire_bytes"] < numel_bytes // 2
+    assert results[0]["powersgd/auto"][1]["wire_bytes"] < numel_bytes
+
+
+def test_allreduce_benchmark_runs_and_counts_bytes() -> None:
+    from commpress.bench.allreduce import measure, summarize
+
+    rows = summarize(
+        measure(2, [0.0625], [("identity", "auto"), ("topk", "ring")], repeats=1, warmup=0)
+    )
+    by = {r["method"]: r for r in rows}
+    n = int(0.0625 * 2**20) // 4
+    assert by["identity/auto"]["wire_bytes"] == 4 * n
+    assert 0 < by["topk/ring"]["wire_bytes"] < 4 * n
+    assert math.isfinite(by["identity/auto inplace"]["overhead_pct"])
+    assert all(r["ms"] > 0 for r in rows)

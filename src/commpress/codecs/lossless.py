@@ -56,6 +56,7 @@ Tuning:
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 from dataclasses import dataclass
@@ -263,42 +264,33 @@ class NetZip(Codec):
         return refs
 
     # ------------------------------------------------------------------ choices
-    def _choose(self, words: torch.Tensor, lay: bg.Layout) -> tuple[str, str]:
+    def _choose(self, x: torch.Tensor) -> tuple[str, str]:
+        """Resolve ``auto`` grouping/delta: encode a sample of whole rows (about
+        :data:`AUTO_SAMPLE` elements) with each candidate and keep the smallest, preferring
+        the exponent grouping and no delta unless another wins by :data:`AUTO_MARGIN`."""
         grouping, delta = self.grouping, self.delta
         if grouping != "auto" and delta != "auto":
             return grouping, delta
         groupings = [grouping] if grouping != "auto" else ["exponent", "byte", "none"]
         deltas = [delta] if delta != "auto" else ["none", "min", "median"]
-        if words.numel() < 64:
-            return ("none" if grouping == "auto" else grouping), (
-                "none" if delta == "auto" else delta
-            )
+        if x.numel() < 64:
+            return groupings[-1] if grouping == "auto" else grouping, "none" if (
+                delta == "auto"
+            ) else delta
+        sample = _sample_rows(x)
         best: tuple[float, str, str] | None = None
-        s = _sample_words(words)
         for d in deltas:
-            if d in ("previous",):
-                keyed = s
-            elif d == "none":
-                keyed = s
-            else:
-                keys = bg.to_monotone(s, lay)
-                base = int(keys.min()) if d == "min" else (
-                    int(keys.median()) if d == "median" else _mean_key(s, lay)
-                )
-                keyed = (
-                    s ^ bg.from_monotone(torch.tensor(base), lay)
-                    if self.delta_op == "xor"
-                    else bg.sub_words(keys, base, lay)
-                )
             for g in groupings:
-                bits = _estimate_bits(_np64(keyed, lay), lay, g)
-                # The estimate is order-0; exponent coding with context usually does better
-                # than its estimate and a delta costs a pass, so others must win clearly.
-                bits *= (1.0 if g == "exponent" else AUTO_MARGIN) * (
-                    1.0 if d == "none" else AUTO_MARGIN
+                trial = dataclasses.replace(
+                    self, grouping=g, delta="none" if d == "previous" else d,
+                    context=self.context if g == "exponent" else "none",
                 )
-                if best is None or bits < best[0] - 1e-9:
-                    best = (bits, g, d)
+                size = float(trial._encode(sample, CodecContext()).nbytes)
+                size *= (1.0 if g == "exponent" else AUTO_MARGIN) * (
+                    1.0 if d in ("none", "previous") else AUTO_MARGIN
+                )
+                if best is None or size < best[0]:
+                    best = (size, g, d)
         assert best is not None
         return best[1], best[2]
 
@@ -319,7 +311,7 @@ class NetZip(Codec):
         x = x.contiguous()
         words = bg.words_of(x)
         n = words.numel()
-        grouping, delta = self._choose(words, lay)
+        grouping, delta = self._choose(x)
         xor = self.delta_op == "xor"
 
         # 1. delta
@@ -823,64 +815,21 @@ def _mean_key(words: torch.Tensor, lay: bg.Layout) -> int:
     return int(bg.to_monotone(as_dtype.view(lay.int_dtype), lay)[0])
 
 
-def _sample_words(words: torch.Tensor) -> torch.Tensor:
-    n = words.numel()
+def _sample_rows(x: torch.Tensor) -> torch.Tensor:
+    """About :data:`AUTO_SAMPLE` elements of ``x`` keeping its row structure: evenly spaced
+    whole rows of the matrix view, or three slices of a flat tensor."""
+    n = x.numel()
     if n <= AUTO_SAMPLE:
-        return words.cpu()
+        return x
+    rows, cols, is_matrix = bg.matrix_view(tuple(x.shape), n)
+    if is_matrix and cols <= AUTO_SAMPLE // 4:
+        k = max(4, AUTO_SAMPLE // cols)
+        idx = torch.linspace(0, rows - 1, k, device=x.device).round().long().unique()
+        return x.reshape(rows, cols).index_select(0, idx)
+    flat = x.reshape(-1)
     k = AUTO_SAMPLE // 3
     mid = n // 2 - k // 2
-    return torch.cat([words[:k], words[mid : mid + k], words[-k:]]).cpu()
-
-
-def _np64(words: torch.Tensor, lay: bg.Layout) -> np.ndarray:
-    """Words as unsigned values in int64 (the top bit of fp64 words wraps, harmlessly for
-    entropy estimates)."""
-    big = words.to(torch.int64).numpy()
-    return big & ((1 << lay.bits) - 1) if lay.bits < 64 else big
-
-
-def _h(values: np.ndarray) -> float:
-    """Order-0 entropy (bits per symbol) of non-negative integers."""
-    if values.size == 0:
-        return 0.0
-    _, counts = np.unique(values, return_counts=True)
-    p = counts / values.size
-    return float(-(p * np.log2(p)).sum())
-
-
-def _estimate_bits(u: np.ndarray, lay: bg.Layout, grouping: str) -> float:
-    """Order-0 size estimate (bits per element) of a grouping on sampled words."""
-    nz = u != 0
-    zero_frac = 1.0 - float(nz.mean()) if u.size else 0.0
-    if zero_frac * bg.ZERO_FRACTION >= 1.0:
-        p = zero_frac
-        mask_bits = -(p * np.log2(p) + (1 - p) * np.log2(1 - p)) if 0 < p < 1 else 0.0
-        kept = u[nz]
-        return mask_bits + (1 - zero_frac) * _estimate_bits_dense(kept, lay, grouping)
-    return _estimate_bits_dense(u, lay, grouping)
-
-
-def _estimate_bits_dense(u: np.ndarray, lay: bg.Layout, grouping: str) -> float:
-    if u.size == 0:
-        return 0.0
-    if grouping == "exponent":
-        e = (u >> lay.man_bits) & lay.emask
-        sm = ((u >> (lay.bits - 1)) & 1) << lay.man_bits | (u & ((1 << lay.man_bits) - 1))
-        bits = _h(e) + lay.rem_bits
-        for q in range(lay.mant_planes):
-            bits += _h((sm >> (8 * q)) & 255)
-        return bits
-    if grouping == "byte":
-        return sum(_h((u >> (8 * q)) & 255) for q in range(lay.nbytes))
-    if grouping == "none":
-        return lay.nbytes * _h(
-            np.concatenate([(u >> (8 * q)) & 255 for q in range(lay.nbytes)])
-        )
-    total = 0.0
-    for k in range(lay.bits):
-        p = float(((u >> k) & 1).mean())
-        total += -(p * np.log2(p) + (1 - p) * np.log2(1 - p)) if 0 < p < 1 else 0.0
-    return total
+    return torch.cat([flat[:k], flat[mid : mid + k], flat[-k:]])
 
 
 __all__ = ["NetZip"]

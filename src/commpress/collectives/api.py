@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -184,10 +185,15 @@ def _check_agreement(
 
 
 # ---------------------------------------------------------------------------- the reduction
-def _bucket_slices(numel: int, bucket_elems: int) -> list[tuple[int, int]]:
-    if bucket_elems <= 0 or numel <= bucket_elems:
-        return [(0, numel)]
-    return [(lo, min(lo + bucket_elems, numel)) for lo in range(0, numel, bucket_elems)]
+def _bucket_slices(shape: tuple[int, ...], bucket_elems: int) -> tuple[list[tuple[int, int]], int]:
+    """Bucket boundaries in units of whole rows (tensors of 2+ dimensions, so that every
+    bucket is still a matrix for low-rank codecs) or of elements; returns them and the unit."""
+    numel = math.prod(shape)
+    unit = math.prod(shape[1:]) if len(shape) >= 2 else 1
+    if bucket_elems <= 0 or numel <= bucket_elems or unit == 0:
+        return [(0, numel // max(unit, 1))], max(unit, 1)
+    length, step = numel // unit, max(1, bucket_elems // unit)
+    return [(lo, min(lo + step, length)) for lo in range(0, length, step)], unit
 
 
 def reduce(
@@ -208,6 +214,7 @@ def reduce(
     pipeline_depth: int = 2,
     check: bool = True,
     stats: dict[str, int] | None = None,
+    inplace: bool = False,
 ) -> Reduced:
     """Reduce ``tensor`` across ``group`` on the calling thread; returns a :class:`Reduced`.
 
@@ -225,6 +232,10 @@ def reduce(
         stats: a dict that receives byte counters: ``wire_bytes`` (this rank's payload bytes
             over all rounds and hops, at the codec's logical lane widths) and, for
             hierarchical strategies, ``intra_node_bytes`` (uncompressed traffic on the node).
+        inplace: write the total into ``tensor`` and return it as ``Reduced.total`` (like
+            ``torch.distributed.all_reduce``). With a codec whose payload is the tensor itself
+            (identity) and ``op="sum"`` this avoids every copy; otherwise the total is copied
+            back at the end.
     """
     if not isinstance(tensor, torch.Tensor):
         raise CommpressError(f"all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
@@ -237,6 +248,8 @@ def reduce(
     ex = Exchange.of(group, timeout=timeout, label=f"{label} with {codec.codec_id}")
     if stats is not None:
         ex.stats = stats
+    if inplace and not tensor.is_contiguous():
+        raise CommpressError("inplace=True needs a contiguous tensor")
     if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or bucket_bytes <= 0):
         raise CommpressError(
             f"bucket_bytes must be a positive integer or None, got {bucket_bytes!r}"
@@ -257,6 +270,10 @@ def reduce(
             f"of {ex.world_size} in the group"
         )
     ctx = dataclasses.replace(ctx, average=op == "mean", need_local=need_local or ctx.need_local)
+    if inplace and not ctx.need_local:
+        # The codec's payload may alias the input (identity): the reduction may then run in
+        # the input's memory. Not with need_local, whose decoded contribution would alias it.
+        ex.writable = tensor.detach().reshape(-1)
     if check:
         _check_agreement(
             ex,
@@ -269,9 +286,9 @@ def reduce(
             local_size=local_size,
         )
 
-    flat = x.reshape(-1)
-    slices = _bucket_slices(flat.numel(), bucket_elems)
+    slices, unit = _bucket_slices(tuple(x.shape), bucket_elems)
     many = len(slices) > 1
+    rows = x.reshape(-1, *x.shape[1:]) if unit > 1 else x.reshape(-1)
 
     def bucket_ctx(i: int) -> CodecContext:
         if not many:
@@ -282,7 +299,7 @@ def reduce(
 
     def piece(i: int) -> torch.Tensor:
         lo, hi = slices[i]
-        return x if not many else flat[lo:hi]
+        return x if not many else rows[lo:hi]
 
     def make_protocol(i: int) -> Any:
         if plan == "allgather":
@@ -333,13 +350,20 @@ def reduce(
     depth = 1 if plan.startswith("hierarchical") else pipeline_depth
     results: list[Reduced] = run_tasks(tasks, ex, depth=depth)
     if not many:
-        return results[0]
-    total = torch.cat([r.total.reshape(-1) for r in results]).reshape(x.shape)
-    local = None
-    if ctx.need_local:
-        local = torch.cat([r.local.reshape(-1) for r in results if r.local is not None])
-        local = local.reshape(x.shape)
-    return Reduced(total=total, local=local)
+        reduced = results[0]
+    else:
+        total = torch.cat([r.total.reshape(-1) for r in results]).reshape(x.shape)
+        local = None
+        if ctx.need_local:
+            local = torch.cat([r.local.reshape(-1) for r in results if r.local is not None])
+            local = local.reshape(x.shape)
+        reduced = Reduced(total=total, local=local)
+    if inplace:
+        out = tensor.detach()
+        if reduced.total.data_ptr() != out.data_ptr() or reduced.total.dtype != out.dtype:
+            out.copy_(reduced.total)
+        reduced = Reduced(total=tensor, local=reduced.local)
+    return reduced
 
 
 def all_reduce_async(
@@ -406,15 +430,18 @@ def all_reduce(
 ) -> torch.Tensor:
     """Sum or average ``tensor`` over the ranks of ``group``, compressed with ``codec``.
 
-    Returns a new tensor (the input is never modified) that is **bit-identical on every rank**.
+    Returns a new tensor that is **bit-identical on every rank**; the input is not modified
+    (unless ``inplace=True``, which writes the result into it like
+    ``torch.distributed.all_reduce``).
 
     Algorithm:
 
     1. On the first call with a given signature (key, codec configuration, shape, dtype,
        options), all ranks exchange a fingerprint of it; a mismatch raises
        :class:`CommpressError` on every rank instead of pairing up mismatched collectives.
-    2. The flattened tensor is split into buckets of ``bucket_bytes``; each bucket gets its
-       own codec key and state (``key[i]``).
+    2. The tensor is split into buckets of at most ``bucket_bytes`` (whole rows for tensors of
+       two or more dimensions, so buckets stay matrices); each bucket gets its own codec key
+       and state (``key[i]``).
     3. Buckets are reduced by the chosen strategy, up to two in flight: encoding bucket
        ``i + 1`` overlaps the transfer of bucket ``i``.
     4. The buckets' totals are concatenated (and divided by the world size for ``"mean"``).
@@ -453,7 +480,9 @@ def all_reduce(
             per-call latency.
         **options: ``local_size`` (hierarchical node size), ``offload=True`` (encode
             upcoming buckets on a separate codec worker thread), ``pipeline_depth`` (2),
-            ``check`` (True), ``stats`` (a dict receiving byte counters); see :func:`reduce`.
+            ``check`` (True), ``stats`` (a dict receiving byte counters), ``inplace`` (write
+            the result into ``tensor``, avoiding copies where the codec allows); see
+            :func:`reduce`.
     """
     fut = all_reduce_async(
         tensor,

@@ -147,6 +147,9 @@ class Exchange:
             as :attr:`AllReduce.wire_bytes` and :attr:`Payload.nbytes` count them, once per
             message); ``intra_node_bytes`` is the uncompressed traffic of hierarchical
             strategies inside a node.
+        writable: a tensor the caller allows the driver to reduce into (in-place
+            ``all_reduce``): a request tensor that *is* this memory is all-reduced directly
+            instead of being copied first.
     """
 
     group: ProcessGroup | None
@@ -156,7 +159,23 @@ class Exchange:
     label: str = "exchange"
     device: torch.device | None = None
     stats: dict[str, int] = field(default_factory=dict)
+    writable: torch.Tensor | None = field(default=None, repr=False)
     _backend: str | None = field(default=None, repr=False)
+
+    def may_overwrite(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is exactly the caller's :attr:`writable` tensor (same memory, same
+        extent, contiguous), which an in-place reduction may use as its buffer."""
+        w = self.writable
+        return (
+            w is not None
+            and t.is_contiguous()
+            and w.is_contiguous()
+            and t.data_ptr() == w.data_ptr()
+            and t.numel() == w.numel()
+            and t.dtype == w.dtype
+            and t.device == w.device
+            and (self.backend != "nccl" or t.is_cuda)
+        )
 
     def count(self, nbytes: int, kind: str = "wire_bytes") -> None:
         """Add ``nbytes`` to the ``kind`` counter of :attr:`stats`."""
@@ -392,8 +411,12 @@ def all_reduce_task(
     flats: dict[torch.dtype, torch.Tensor] = {}
     works = []
     for wire, idx in groups.items():
-        flat = torch.cat([tensors[i].reshape(-1).to(wire) for i in idx])
-        flat = flat.to(ex.comm_device(flat.device))
+        only = tensors[idx[0]]
+        if len(idx) == 1 and only.dtype == wire and ex.may_overwrite(only):
+            flat = only.reshape(-1)  # the caller asked for an in-place reduction: no copy
+        else:
+            flat = torch.cat([tensors[i].reshape(-1).to(wire) for i in idx])
+            flat = flat.to(ex.comm_device(flat.device))
         flats[wire] = flat
         if flat.numel():
             works.append(

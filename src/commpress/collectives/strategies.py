@@ -20,6 +20,7 @@ result is distributed bit for bit.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Generator
@@ -388,8 +389,9 @@ def hierarchical_task(
 
     Plain variant (``compress_first=False``):
 
-    1. The ``L`` ranks of a node reduce-scatter the tensor *uncompressed* (padded to a multiple
-       of ``L``): local rank ``j`` holds shard ``j`` summed over its node.
+    1. The ``L`` ranks of a node reduce-scatter the tensor *uncompressed* (whole rows of a
+       matrix, padded to a multiple of ``L`` rows; elements of a vector): local rank ``j``
+       holds shard ``j`` summed over its node.
     2. Local rank ``j`` of every node reduces shard ``j`` across nodes with the codec's own
        protocol (all-reduce of payloads, all-gather, several rounds: whatever the codec asks),
        so ``N = world / L`` times fewer bytes leave each node than with a flat exchange of the
@@ -416,10 +418,16 @@ def hierarchical_task(
         bounds = chunk_bounds(numel, L)
         width = max(hi - lo for lo, hi in bounds)
     else:
-        width = -(-numel // L)
+        # Shard whole rows of a matrix (so low-rank codecs still see matrices), elements of
+        # a vector; pad to a multiple of L rows.
+        unit = math.prod(x.shape[1:]) if x.dim() >= 2 and numel else 1
+        rows = -(-(numel // unit) // L)
+        width = rows * unit
         padded = torch.zeros(width * L, dtype=flat.dtype, device=flat.device)
         padded[:numel] = flat
         shard = yield from _reduce_scatter_equal(padded, intra, "intra-node reduce-scatter")
+        if unit > 1:
+            shard = shard.reshape(rows, *x.shape[1:])
         chunk = intra.rank
     if inter.world_size > 1:
         shard_ctx = CodecContext(
@@ -432,7 +440,7 @@ def hierarchical_task(
         reduced = yield from protocol_task(codec.reduce(shard, shard_ctx), inter)
         shard = reduced.total
     piece = torch.zeros(width, dtype=flat.dtype, device=flat.device)
-    piece[: shard.numel()] = shard
+    piece[: shard.numel()] = shard.reshape(-1)
     pieces = yield from _all_gather_equal(piece, intra, "intra-node all-gather")
     if compress_first:
         # Local rank j holds chunk (j + 1) mod L.

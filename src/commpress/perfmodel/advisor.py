@@ -71,7 +71,7 @@ NO_COMPRESSION = "no compression"
 class CodecOption:
     """A candidate with its error, feasibility and uniform (all buckets) prediction."""
 
-    spec: str
+    spec: str  # as the caller wrote it
     nmse: float
     feasible: bool
     uniform: Prediction | None
@@ -251,8 +251,8 @@ def advise(
         compute_s: forward + backward seconds per step (estimated for a parameter count).
         candidates: codec specs to consider (default: :func:`default_candidates`).
         max_nmse: error budget per step (``None``: no budget).
-        nmse_table: known errors by spec (``spec_key`` form or as written in ``candidates``);
-            missing ones are measured.
+        nmse_table: known errors by spec (as written in ``candidates``, or in
+            :func:`~commpress.perfmodel.codec_costs.spec_key` form); missing ones are measured.
         min_speedup: predicted speedup over the baseline needed to recommend compression.
         strategy, algorithm, speeds, platform, offload: as in
             :func:`~commpress.perfmodel.model.predict`.
@@ -278,12 +278,13 @@ def advise(
             key = spec_key(codec)
             if key == BASELINE_CODEC:
                 continue
-            err = table.get(key, table.get(spec))
+            label = spec if isinstance(spec, str) else key
+            err = table.get(label, table.get(key))
             if err is None:
                 err = measure_nmse(codec)
             feasible = max_nmse is None or err <= max_nmse
             uniform = predict(workload, cl, codec, **kwargs) if feasible else None
-        options.append(CodecOption(key, float(err), feasible, uniform))
+        options.append(CodecOption(label, float(err), feasible, uniform))
 
     def evaluate(assignment: list[str]) -> Prediction:
         if all(a == BASELINE_CODEC for a in assignment):
