@@ -95,6 +95,10 @@ def test_context_validates_and_seeds_reproducibly() -> None:
         CodecContext(rank=2, world_size=2)
     with pytest.raises(CommpressError, match="world_size"):
         CodecContext(world_size=0)
+    with pytest.raises(CommpressError, match="world_size must be an int"):
+        CodecContext(world_size=True)
+    with pytest.raises(CommpressError, match="step must be an int"):
+        CodecContext(step=1.5)  # type: ignore[arg-type]
     a = CodecContext(rank=0, world_size=2, step=3, key="w")
     b = CodecContext(rank=1, world_size=2, step=3, key="w")
     cpu = torch.device("cpu")

@@ -55,5 +55,9 @@ def test_driver_rejects_bad_worker_inputs() -> None:
         simulate(get_codec("identity"), [torch.zeros(3), torch.zeros(4)])
     with pytest.raises(CommpressError, match="at least one"):
         simulate(get_codec("identity"), [])
+    with pytest.raises(CommpressError, match="not a tensor"):
+        simulate(get_codec("identity"), [[1.0, 2.0]])  # type: ignore[list-item]
+    with pytest.raises(CommpressError, match="one dtype"):
+        simulate(get_codec("fp16"), [torch.zeros(3), torch.zeros(3, dtype=torch.float16)])
     with pytest.raises(CommpressError, match="permutation"):
         simulate(get_codec("identity"), [torch.zeros(3)] * 2, order=[0, 0])

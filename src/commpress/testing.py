@@ -81,7 +81,11 @@ def check_round_trip(
     assert payload.codec == codec.codec_id
     assert tuple(payload.shape) == tuple(x.shape)
     assert payload.dtype == x.dtype
-    assert payload.nbytes >= 0
+    counted = sum(
+        -(-t.numel() * payload.lane_bits.get(k, t.element_size() * 8) // 8)
+        for k, t in payload.parts.items()
+    )
+    assert payload.nbytes == counted, f"{codec}: nbytes {payload.nbytes} != parts {counted}"
     out = codec.decode(payload, ctx, shape=x.shape)
     assert out.shape == x.shape, f"{codec}: decoded shape {out.shape} != {x.shape}"
     assert out.dtype == x.dtype, f"{codec}: decoded dtype {out.dtype} != {x.dtype}"
@@ -120,6 +124,24 @@ def check_edge_shapes_and_dtypes(
                     f"{codec}: reduce returned {total.shape} {total.dtype} for {shape} {dtype}"
                 )
             assert torch.equal(sim.totals[0], sim.totals[1]), f"{codec}: workers disagree"
+    # float64 and non-contiguous layouts (transposed, strided, channels_last) on a few shapes.
+    g = torch.Generator().manual_seed(123)
+    base = torch.randn(6, 8, 5, 4, generator=g).to(device=device)
+    odd_layouts = {
+        "float64": base.double(),
+        "transposed": base[0, :, :, 0].t(),
+        "strided": base[:, ::2, 1:, ::3],
+        "channels_last": base.contiguous(memory_format=torch.channels_last),
+    }
+    for name, x in odd_layouts.items():
+        try:
+            _, out = check_round_trip(codec, x)
+            sim = simulate(codec, [x, x.clone()])
+        except CommpressError as exc:  # pragma: no cover - makes the failure readable
+            raise AssertionError(f"{codec} failed on a {name} input: {exc}") from exc
+        assert sim.total.shape == x.shape and sim.total.dtype == x.dtype, (codec, name)
+        if codec.lossless:
+            assert torch.equal(out, x), f"{codec}: {name} input not reproduced exactly"
 
 
 def check_rejects_bad_input(codec: Codec, other: Codec | None = None) -> None:

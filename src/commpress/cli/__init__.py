@@ -23,6 +23,7 @@ COMMANDS: list[str] = [
     "predict_cmd",
     "sweep_cmd",
     "advise_cmd",
+    "demo_cmd",
 ]
 
 

@@ -152,6 +152,14 @@ class CodecContext:
     average: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("rank", "world_size", "step"):
+            value = getattr(self, name)
+            require(
+                isinstance(value, int) and not isinstance(value, bool),
+                f"CodecContext.{name} must be an int",
+                value,
+            )
+        require(isinstance(self.key, str), "CodecContext.key must be a str", self.key)
         require(self.world_size >= 1, "CodecContext.world_size must be >= 1", self.world_size)
         require(
             0 <= self.rank < self.world_size,

@@ -136,9 +136,15 @@ def simulate(
     n = len(inputs)
     if n == 0:
         raise CommpressError("simulate needs at least one worker input")
+    for r, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor):
+            raise CommpressError(f"worker {r}'s input is a {type(t).__name__}, not a tensor")
     shapes = {tuple(t.shape) for t in inputs}
     if len(shapes) != 1:
         raise CommpressError(f"all workers must hold tensors of one shape, got {sorted(shapes)}")
+    dtypes = {str(t.dtype) for t in inputs}
+    if len(dtypes) != 1:
+        raise CommpressError(f"all workers must hold tensors of one dtype, got {sorted(dtypes)}")
     order = list(range(n)) if order is None else list(order)
     if sorted(order) != list(range(n)):
         raise CommpressError(f"order must be a permutation of range({n}), got {order}")

@@ -968,8 +968,8 @@ def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpu
         "plans": plans,
         "checksums": digests,
         "wall_s": time.perf_counter() - t_start,
-        "extra": {"warmup_steps_applied": warmup, "prewarm_s": prewarm_s, "threads": torch.get_num_threads(),
-                  "collective_calls": counter.calls},
+        "extra": {"warmup_steps_applied": warmup, "prewarm_s": prewarm_s,
+                  "threads": torch.get_num_threads(), "collective_calls": counter.calls},
     }
     if rank == 0:
         rr = RunResult.from_dict(result)
