@@ -12,10 +12,11 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from commpress.codecs.base import CodecContext
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
-from commpress.collectives import all_reduce, execute, reduce
+from commpress.collectives import all_reduce, execute, queue_for, reduce
 from commpress.errors import CommpressError
 from dist_utils import run_workers
 
@@ -171,6 +172,14 @@ def _bad_args_worker(rank: int, world: int) -> dict[str, str]:
             out[name] = "no error"
         except CommpressError as exc:
             out[name] = str(exc)
+    # The group's queue thread stops by itself once the group is destroyed.
+    queue = queue_for()
+    all_reduce(x, "identity", key="last")
+    dist.destroy_process_group()
+    deadline = time.monotonic() + 10.0
+    while queue.alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out["queue stopped"] = str(not queue.alive)
     return out
 
 
@@ -193,3 +202,4 @@ def test_bad_arguments_are_clear_errors() -> None:
     }
     for name, fragment in expected.items():
         assert fragment in out[name], f"{name}: {out[name]}"
+    assert out["queue stopped"] == "True"

@@ -279,8 +279,8 @@ def _field_colors(lay: Layout) -> list[str]:
 
 
 def plot(groups: Sequence[GroupStats], path: str | Path, *, title: str = "") -> Path:
-    """Per-bit entropy (top row) and exponent histogram (bottom row) of each group, one
-    column per group, written as a PNG. Returns the path."""
+    """Per-bit entropy (upper panel) and exponent histogram (lower panel) of each group, up
+    to four groups per row of panels, written as a PNG. Returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -290,11 +290,17 @@ def plot(groups: Sequence[GroupStats], path: str | Path, *, title: str = "") -> 
     groups = [g for g in groups if g.tensors]
     if not groups:
         raise CommpressError("nothing to plot: no tensors were analysed")
-    ncol = len(groups)
-    fig, axes = plt.subplots(2, ncol, figsize=(max(4.0, 3.6 * ncol), 6.2), squeeze=False)
-    for c, g in enumerate(groups):
+    ncol = min(4, len(groups))
+    nblock = -(-len(groups) // ncol)
+    fig, axes = plt.subplots(2 * nblock, ncol, figsize=(3.9 * ncol, 5.6 * nblock),
+                             squeeze=False)
+    for c in range(len(groups), nblock * ncol):  # unused cells of the last block
+        axes[2 * (c // ncol)][c % ncol].axis("off")
+        axes[2 * (c // ncol) + 1][c % ncol].axis("off")
+    for i, g in enumerate(groups):
+        block, c = divmod(i, ncol)
         lay = layout(getattr(torch, g.tensors[0].dtype))
-        ax = axes[0][c]
+        ax = axes[2 * block][c]
         h = g.bit_entropy
         positions = np.arange(lay.bits)
         ax.bar(positions, h, color=_field_colors(lay), width=0.85)
@@ -303,12 +309,12 @@ def plot(groups: Sequence[GroupStats], path: str | Path, *, title: str = "") -> 
         ticks = positions[::step]
         ax.set_xticks(ticks)
         ax.set_xticklabels([str(lay.bits - 1 - int(t)) for t in ticks])
-        ax.set_xlabel("bit (15 = sign for 16-bit)" if lay.bits == 16 else "bit")
+        ax.set_xlabel("bit position (left: sign)")
         if c == 0:
             ax.set_ylabel("entropy (bits)")
         ax.set_title(f"{g.label}\norder-0 bound {g.order0_ratio:.3f}x, row {g.row_ratio:.3f}x",
                      fontsize=9)
-        ax2 = axes[1][c]
+        ax2 = axes[2 * block + 1][c]
         hist = g.exponent_hist
         nz = np.nonzero(hist)[0]
         if nz.size:
@@ -326,7 +332,7 @@ def plot(groups: Sequence[GroupStats], path: str | Path, *, title: str = "") -> 
     fig.legend(handles=legend, loc="upper right", fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 0.93, 0.96 if title else 1.0))
+    fig.tight_layout(rect=(0, 0, 0.92, 0.97 if title else 1.0))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

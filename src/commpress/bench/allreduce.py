@@ -64,7 +64,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sizes", default="1,4,16,64,256", help="tensor sizes in MB of fp32")
     p.add_argument("--max-mb", type=float, default=None, help="skip sizes above this many MB")
     p.add_argument("--worlds", default="2,4", help="world sizes (processes on this machine)")
-    p.add_argument("--codecs", default=DEFAULT_CODECS, help="codec specs, comma-separated")
+    p.add_argument(
+        "--codecs",
+        default=DEFAULT_CODECS,
+        help="codec specs separated by ',' (or by ';' when a spec has several parameters, "
+        "e.g. 'powersgd:rank=4,warm_start=true;fp16'); default adds netzip when installed",
+    )
     p.add_argument(
         "--strategies",
         default=DEFAULT_STRATEGIES,
@@ -303,7 +308,17 @@ def run(args: argparse.Namespace) -> int:
         raise CommpressError(f"--worlds must be positive, got {worlds}")
     if args.repeats < 1 or args.warmup < 0:
         raise CommpressError("--repeats must be >= 1 and --warmup >= 0")
-    methods = _methods(_parse_list(args.codecs, str, "codecs"), args.strategies.split(","))
+    codec_text = args.codecs
+    if codec_text == DEFAULT_CODECS:
+        from commpress.codecs.registry import codec_ids
+
+        if "netzip" in codec_ids():
+            codec_text += ",netzip"  # the lossless codec, where the ring strategy matters
+    sep = ";" if ";" in codec_text else ","
+    codecs = [c.strip() for c in codec_text.split(sep) if c.strip()]
+    if not codecs:
+        raise CommpressError("--codecs: empty list")
+    methods = _methods(codecs, args.strategies.split(","))
     rows: list[dict[str, Any]] = []
     for world in tqdm(worlds, desc="world sizes", disable=None):
         rows += measure(

@@ -20,6 +20,7 @@ COMMANDS: list[str] = [
     "cluster_cmd",
     "launch_cmd",
     "capture_cmd",
+    "analyze_cmd",
     "predict_cmd",
     "sweep_cmd",
     "advise_cmd",

@@ -12,6 +12,7 @@ import importlib
 SUITES: list[str] = [
     "codecs",
     "allreduce",
+    "lossless",
 ]
 
 

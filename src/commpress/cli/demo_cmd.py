@@ -26,19 +26,25 @@ from pathlib import Path
 from typing import Any
 
 from commpress.cli.table import render_table
+from commpress.demo.e2e import DEFAULT_WARMUP_STEPS
 from commpress.errors import CommpressError
 
 #: Codecs run after the fp16 baseline by default: one of each family (low rank, chunked
 #: sparsification, rotation + integer quantization, 1-bit with error feedback).
 DEFAULT_CODECS = ("powersgd:rank=4", "topkc", "thc", "sign")
 DEFAULT_BANDWIDTH = "50mbit"
-DEFAULT_STEPS = 120
+DEFAULT_STEPS = 200
 DEFAULT_TOLERANCE = 0.02
 BASELINE = "fp16"
-QUICK = {"steps": 8, "eval_every": 4, "eval_batches": 2, "codecs": ("powersgd:rank=4",)}
+#: ``--quick``: enough to exercise every part (warm-up, compression, eval, table, plot).
+QUICK_STEPS = 8
+QUICK_EVAL_EVERY = 4
+QUICK_EVAL_BATCHES = 2
+QUICK_WARMUP_STEPS = 2
+QUICK_CODECS = ("powersgd:rank=4",)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
         help="train with DDP on an emulated slow network: time-to-accuracy of codecs vs fp16",
@@ -70,6 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--lr", type=float, default=None,
                    help="AdamW learning rate (default 3e-3 tiny, 1e-3 small)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="first steps every codec sends as fp16 before compressing (default "
+                   f"{DEFAULT_WARMUP_STEPS}; PowerSGD and sign need a few)")
     p.add_argument("--eval-every", type=int, default=None,
                    help="steps between eval losses: the time-to-accuracy resolution (10)")
     p.add_argument("--target-loss", type=float, default=None,
@@ -81,7 +90,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="output directory for demo.json, demo.png, workers.log "
                    "(default ./commpress-demo/)")
     p.add_argument("--quick", action="store_true",
-                   help=f"a tiny run ({QUICK['steps']} steps, powersgd only unless --codecs) to "
+                   help=f"a tiny run ({QUICK_STEPS} steps, powersgd only unless --codecs) to "
                    "check that everything works; numbers are meaningless")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -223,7 +232,7 @@ def _positive(name: str, value: int | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from commpress.demo.e2e import Setup, resolve_layout, run_setups
-    from commpress.demo.model import preset
+    from commpress.demo.model import build_model, preset
 
     for name in ("steps", "nodes", "procs_per_node", "batch_size", "eval_every"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
@@ -233,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
                                              and args.target_loss > 0):
         raise CommpressError(f"--target-loss must be a positive number, got {args.target_loss}")
     codecs = list(args.codecs) if args.codecs else list(
-        QUICK["codecs"] if args.quick else DEFAULT_CODECS)
+        QUICK_CODECS if args.quick else DEFAULT_CODECS)
     codecs = [c.strip() for c in codecs if c.strip()]
     others = [c for c in dict.fromkeys(codecs) if c != BASELINE]
     if not others:
@@ -241,12 +250,21 @@ def run(args: argparse.Namespace) -> int:
             f"--codecs needs at least one codec besides the {BASELINE} baseline "
             f"(e.g. --codecs powersgd:rank=4 sign); list them with `commpress codecs`"
         )
-    steps = args.steps or (QUICK["steps"] if args.quick else DEFAULT_STEPS)
-    eval_every = args.eval_every or (QUICK["eval_every"] if args.quick else 10)
-    eval_batches = QUICK["eval_batches"] if args.quick else 8
+    steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
+    eval_every = args.eval_every or min(steps, QUICK_EVAL_EVERY if args.quick else 10)
+    eval_batches = QUICK_EVAL_BATCHES if args.quick else 8
     if eval_every > steps:
         raise CommpressError(f"--eval-every {eval_every} exceeds --steps {steps}")
-    setups = [Setup(codec=BASELINE), *(Setup(codec=c) for c in others)]
+    warmup = args.warmup_steps if args.warmup_steps is not None else (
+        QUICK_WARMUP_STEPS if args.quick else DEFAULT_WARMUP_STEPS)
+    if warmup < 0:
+        raise CommpressError(f"--warmup-steps must be >= 0, got {warmup}")
+    if warmup >= steps:
+        raise CommpressError(
+            f"--warmup-steps {warmup} leaves no compressed step in --steps {steps}: every codec "
+            "would just send fp16; lower --warmup-steps or raise --steps"
+        )
+    setups = [Setup(codec=BASELINE), *(Setup(codec=c, warmup_steps=warmup) for c in others)]
     for s in setups:
         s.check()  # clear errors for bad specs before anything starts
     layout = resolve_layout(
@@ -260,14 +278,16 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CommpressError(f"cannot create the output directory {out}: {exc}") from exc
 
-    config = preset(args.model)
-    print(f"commpress demo: {args.model} GPT ({config.to_dict()}), {layout.note}", flush=True)
+    n_params = sum(p.numel() for p in build_model(preset(args.model), seed=0).parameters())
+    print(f"commpress demo: {args.model} GPT ({n_params / 1e6:.2f}M parameters), {layout.note}",
+          flush=True)
     if not layout.emulated:
         print("  note: without shaped links the network is not a bottleneck, so compression "
               "can only cost time here; run as root on Linux for the emulated slow network",
               flush=True)
     print(f"  {len(setups)} runs ({', '.join(s.name for s in setups)}) x {steps} steps, "
-          f"global batch {args.batch_size}; output in {out}/", flush=True)
+          f"global batch {args.batch_size}, codecs start after {warmup} fp16 steps; "
+          f"output in {out}/", flush=True)
 
     progress = _Progress(total=steps * len(setups), enabled=not args.no_progress)
     progress.steps_per_setup = steps
@@ -306,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {
             "codecs": [s.codec for s in setups], "steps": steps, "model": args.model,
             "batch_size": args.batch_size, "seed": args.seed, "eval_every": eval_every,
-            "eval_batches": eval_batches, "nodes": layout.nodes,
+            "eval_batches": eval_batches, "warmup_steps": warmup, "nodes": layout.nodes,
             "procs_per_node": layout.procs_per_node, "network": layout.network(),
             "quick": bool(args.quick),
         },

@@ -74,7 +74,7 @@ COL_SAMPLE_ROWS = 64
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Bit layout of one floating-point dtype."""
+    """Bit layout of one floating-point dtype (derived sizes are precomputed fields)."""
 
     dtype: torch.dtype
     code: int  # wire id
@@ -82,27 +82,17 @@ class Layout:
     exp_bits: int  # E
     man_bits: int  # M
     int_dtype: torch.dtype  # signed integer dtype of the same width
+    nbytes: int = 0
+    emask: int = 0
+    sm_bits: int = 0  # sign plus mantissa bits, W
+    mant_planes: int = 0  # W // 8
+    rem_bits: int = 0  # W % 8
 
-    @property
-    def nbytes(self) -> int:
-        return self.bits // 8
-
-    @property
-    def emask(self) -> int:
-        return (1 << self.exp_bits) - 1
-
-    @property
-    def sm_bits(self) -> int:
-        """Sign plus mantissa bits, ``W``."""
-        return self.man_bits + 1
-
-    @property
-    def mant_planes(self) -> int:
-        return self.sm_bits // 8
-
-    @property
-    def rem_bits(self) -> int:
-        return self.sm_bits % 8
+    def __post_init__(self) -> None:
+        sm = self.man_bits + 1
+        for name, value in (("nbytes", self.bits // 8), ("emask", (1 << self.exp_bits) - 1),
+                            ("sm_bits", sm), ("mant_planes", sm // 8), ("rem_bits", sm % 8)):
+            object.__setattr__(self, name, value)
 
     def plane_has_exponent(self, byte_index: int) -> bool:
         """Whether byte ``byte_index`` (0 = least significant) holds exponent bits."""
@@ -201,12 +191,14 @@ def _load() -> dict[str, Callable[..., Any]] | None:
             try:
                 import numba
 
-                _compiled = {
-                    name[len("_nb_") :]: numba.njit(cache=True, nogil=True, boundscheck=False)(
-                        globals()[name]
-                    )
-                    for name in _KERNELS
-                }
+                compiled = {}
+                for name in _KERNELS:  # in order: a kernel may call those compiled before it
+                    fn = globals()[name]
+                    if not isinstance(fn, numba.core.dispatcher.Dispatcher):
+                        fn = numba.njit(cache=True, nogil=True, boundscheck=False)(fn)
+                        globals()[name] = fn
+                    compiled[name[len("_nb_") :]] = fn
+                _compiled = compiled
             except Exception as exc:  # pragma: no cover - depends on the installation
                 _import_error = f"{type(exc).__name__}: {exc}"
     return _compiled
@@ -488,6 +480,46 @@ def _nb_unpack_bits(packed: Any, k: Any, bits: Any, out: Any) -> None:
             out[8 * groups + j] = np.uint8((acc >> np.uint64(bits * j)) & mask)
 
 
+def _nb_encode_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits: Any,
+                        use_row: Any, use_col: Any, allow_mask: Any, stride: Any,
+                        rem_bits: Any, t: Any, t2: Any, esc: Any, mant: Any, remv: Any,
+                        codes: Any, rem: Any) -> Any:
+    # The whole exponent grouping of one tensor in one call (see encode_exponent).
+    rows = (n + cols - 1) // cols
+    use_mask = False
+    if allow_mask and n > 0:
+        zeros = 0
+        for i in range(n):
+            zeros += words[i] == 0
+        use_mask = zeros * 64 >= n
+    colsum = np.zeros(cols, dtype=np.int64)
+    colcnt = np.zeros(cols, dtype=np.int64)
+    _nb_colstats(words, n, cols, stride, man, emask, colsum, colcnt)
+    tot = colsum.sum()
+    cnt = colcnt.sum()
+    g4 = (4 * tot + cnt // 2) // cnt if cnt > 0 else np.int64(0)
+    c4 = np.zeros(cols, dtype=np.int64)
+    if use_col:
+        for j in range(cols):
+            c = colcnt[j]
+            c4[j] = ((4 * colsum[j] + c // 2) // c if c > 0 else g4) - g4
+    r4 = np.empty(rows if use_row else 1, dtype=np.int64)
+    mask = np.zeros((n + 7) // 8 if use_mask else 0, dtype=np.uint8)
+    kept, ne = _nb_emit_exponent(words, n, cols, man, emask, wbits, use_mask, use_row, c4, g4,
+                                 False, r4, t, t2, esc, mant, remv, mask)
+    byte_mode = False
+    if ne * 16 > kept:
+        byte_mode = True
+        kept, ne = _nb_emit_exponent(words, n, cols, man, emask, wbits, use_mask, use_row, c4,
+                                     g4, True, r4, t, t2, esc, mant, remv, mask)
+        ne = 0
+    else:
+        _nb_pack_pairs(t, kept, codes)
+    if rem_bits > 0:
+        _nb_pack_bits(remv, kept, rem_bits, rem)
+    return kept, ne, g4, use_mask, byte_mode, c4, r4, mask
+
+
 _KERNELS = (
     "_nb_colstats",
     "_nb_emit_exponent",
@@ -495,6 +527,7 @@ _KERNELS = (
     "_nb_pack_pairs",
     "_nb_pack_bits",
     "_nb_unpack_bits",
+    "_nb_encode_exponent",  # calls the ones above: compiled last
 )
 
 
@@ -518,9 +551,36 @@ def scratch(name: str, count: int, dtype: Any, shape: tuple[int, ...] | None = N
             pool = _scratch.pool = {}
         base = pool.get(name)
         if base is None or base.size < nbytes:
-            base = pool[name] = np.empty(max(nbytes, 4096), dtype=np.uint8)
+            # grow geometrically, so that a sequence of growing tensors reallocates rarely
+            size = max(nbytes, 4096, 0 if base is None else min(SCRATCH_LIMIT, base.size * 3 // 2))
+            base = pool[name] = np.empty(size, dtype=np.uint8)
         arr = base[:nbytes].view(dtype)
     return arr.reshape(shape) if shape is not None else arr
+
+
+_BUNDLE_CACHE_SIZE = 256
+
+
+def _buffers(n: int, nplanes: int, rem_bits: int) -> tuple[np.ndarray, ...]:
+    """The scratch arrays of the fused exponent kernel for ``n`` elements (cached views)."""
+    cache = getattr(_scratch, "bundles", None)
+    if cache is None:
+        cache = _scratch.bundles = {}
+    key = (n, nplanes, rem_bits)
+    bundle = cache.get(key)
+    if bundle is None:
+        bundle = (
+            scratch("t", n, np.uint8), scratch("t2", n, np.uint8),
+            scratch("esc", n // ESCAPE_LIMIT + 1, np.uint16),
+            scratch("mant", nplanes * n, np.uint8, (nplanes, n)),
+            scratch("remv", n if rem_bits else 0, np.uint8),
+            scratch("codes", (n + 1) // 2, np.uint8),
+            scratch("rem", packed_nbytes(n, rem_bits) if rem_bits else 0, np.uint8),
+        )
+        if len(cache) >= _BUNDLE_CACHE_SIZE:
+            cache.clear()
+        cache[key] = bundle
+    return bundle
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -775,6 +835,52 @@ def emit_exponent(words: torch.Tensor, lay: Layout, ctx: Context, *, use_mask: b
     return planes
 
 
+def encode_exponent(
+    words: torch.Tensor, lay: Layout, shape: tuple[int, ...], *, use_row: bool, use_col: bool,
+    allow_mask: bool,
+) -> tuple[ExponentPlanes, Context]:
+    """The exponent grouping of one tensor: zero bitmap (when at least 1/64 of the words are
+    zero and ``allow_mask``), context statistics, exponent codes (4-bit, or byte residuals
+    when too many escape) and sign/mantissa planes. On CPU one fused kernel does it all.
+
+    The returned arrays may live in per-thread scratch buffers: consume them before the
+    next call in the same thread.
+    """
+    n = words.numel()
+    rows, cols, is_matrix = matrix_view(shape, n)
+    use_col = use_col and is_matrix
+    if n and use_kernels(words):
+        nplanes = lay.mant_planes
+        stride = max(1, rows // COL_SAMPLE_ROWS)
+        bufs = _buffers(n, nplanes, lay.rem_bits)
+        t, t2, esc_buf, mant, _, codes_buf, rem_buf = bufs
+        kept, ne, g4, use_mask, byte_mode, c4, r4, mask = _k("encode_exponent")(
+            _np(words), n, cols, lay.man_bits, lay.emask, lay.bits, use_row, use_col,
+            allow_mask, stride, lay.rem_bits, *bufs,
+        )
+        if byte_mode:
+            codes = t[:kept]
+            codes_hi = t2[:kept] if lay.exp_bits > 8 else None
+        else:
+            codes = codes_buf[: (kept + 1) // 2]
+            codes_hi = None
+        esc = esc_buf[:ne]
+        escapes = esc.astype(np.uint8) if lay.exp_bits <= 8 else esc.astype("<u2")
+        rem = rem_buf[: packed_nbytes(kept, lay.rem_bits)] if lay.rem_bits else None
+        planes = ExponentPlanes(
+            kept=int(kept), byte_mode=bool(byte_mode), codes=codes, codes_hi=codes_hi,
+            escapes=escapes.view(np.uint8).reshape(-1), nesc=int(ne),
+            mant=[mant[q, :kept] for q in range(nplanes)], rem=rem,
+            mask=mask if use_mask else None, r4=r4 if use_row else None,
+        )
+        cx = Context(rows=rows, cols=cols, g4=int(g4), use_row=use_row, use_col=use_col,
+                     c4=c4 if use_col else None)
+        return planes, cx
+    use_mask = allow_mask and wants_mask(count_zeros(words), n)
+    cx = make_context(words, lay, shape, use_row=use_row, use_col=use_col)
+    return emit_exponent(words, lay, cx, use_mask=use_mask, byte_mode=False), cx
+
+
 def decode_exponent(
     lay: Layout, n: int, ctx: Context, *, kept: int, byte_mode: bool, codes: np.ndarray,
     codes_hi: np.ndarray | None, escapes: np.ndarray, nesc: int, mant: list[np.ndarray],
@@ -1000,6 +1106,7 @@ __all__ = [
     "byte_planes",
     "decode_exponent",
     "emit_exponent",
+    "encode_exponent",
     "from_bit_planes",
     "from_byte_planes",
     "from_monotone",

@@ -149,6 +149,11 @@ i32 = np.int32
 f32 = np.float32
 _KEY_POS_INF = i32(0x7F800000)  # order key of +inf; larger keys are NaNs
 _KEY_NEG_INF = i32(-0x7F800001)  # order key of -inf (0xFF800000 ^ 0x7FFFFFFF); smaller: NaNs
+_F32_MAX = f32(np.finfo(np.float32).max)
+_TINY_SCALE = f32(2.0**-100)  # minmax's pre-scaling thresholds and factors (exact powers of 2)
+_HUGE_SCALE = f32(2.0**100)
+_SHIFT_UP = f32(2.0**64)
+_SHIFT_DOWN = f32(2.0**-64)
 prange = range  # replaced by numba.prange in _build()
 
 
@@ -262,21 +267,42 @@ def _nb_minmax_keys(xi: Any, s: Any, e: Any) -> Any:
     return lo, hi
 
 
+def _nb_prescale(scale: Any) -> Any:
+    # the exact power of two that keeps a chunk's arithmetic inside float32's range (see
+    # quantize.minmax_params): 2^64 for tiny scales, 2^-64 for huge ones, else 1
+    if scale > f32(0.0) and scale < _TINY_SCALE:
+        return _SHIFT_UP
+    if scale >= _HUGE_SCALE and scale < f32(np.inf):
+        return _SHIFT_DOWN
+    return f32(1.0)
+
+
 def _nb_chunk_params(lo_key: Any, hi_key: Any, levels: Any, scratch: Any) -> Any:
-    # (min, scale, 1/scale or 0) of a chunk from its key range; NaN anywhere -> NaN min/scale
+    # (min, scale, pre, 1/(scale*pre) or 0) of a chunk from its key range; NaN anywhere -> NaN
+    # min/scale. The scale is (hi - lo) / levels in float64 rounded up to float32 (capped at
+    # float32's max), exactly as quantize.minmax_params computes it.
+    as_float = scratch.view(np.float32)
     if hi_key > _KEY_POS_INF or lo_key < _KEY_NEG_INF:
         lo = f32(np.nan)
         hi = f32(np.nan)
     else:
         scratch[0] = lo_key ^ ((lo_key >> i32(31)) & i32(0x7FFFFFFF))
         scratch[1] = hi_key ^ ((hi_key >> i32(31)) & i32(0x7FFFFFFF))
-        as_float = scratch.view(np.float32)
         lo = as_float[0]
         hi = as_float[1]
-    scale = (hi - lo) / levels
-    r = f32(1.0) / scale
-    inv = r if (scale > f32(0.0) and r < f32(np.inf)) else f32(0.0)
-    return lo, scale, inv
+    exact = (np.float64(hi) - np.float64(lo)) / np.float64(levels)
+    scale = f32(exact)
+    if np.float64(scale) < exact:  # round up: the next float32 (scale >= 0 here)
+        as_float[0] = scale
+        scratch[0] += i32(1)
+        scale = as_float[0]
+    if scale == f32(np.inf) and exact < np.inf:
+        scale = _F32_MAX
+    pre = _nb_prescale(scale)
+    step = scale * pre
+    r = f32(1.0) / step
+    inv = r if (step > f32(0.0) and r < f32(np.inf)) else f32(0.0)
+    return lo, scale, pre, inv
 
 
 def _nb_quantize(
@@ -284,6 +310,7 @@ def _nb_quantize(
     s: Any,
     e: Any,
     lo: Any,
+    pre: Any,
     inv: Any,
     levels: Any,
     mode: Any,
@@ -292,27 +319,28 @@ def _nb_quantize(
     buf: Any,
     off: Any,
 ) -> None:
-    # buf[off + k - s] = clamp(floor((x[k] - lo) * inv + u), 0, levels), NaN -> 0
+    # buf[off + k - s] = clamp(floor((x[k] * pre - lo * pre) * inv + u), 0, levels), NaN -> 0
     zero = f32(0.0)
+    base = lo * pre
     src = x[s:e]
     dst = buf[off : off + e - s]
     if mode == 0:
         half = f32(0.5)
         for k in range(src.size):
-            t = np.floor((src[k] - lo) * inv + half)
+            t = np.floor((src[k] * pre - base) * inv + half)
             t = t if t >= zero else zero
             t = t if t <= levels else levels
             dst[k] = u8(t)
     elif mode == 1:
         for k in range(src.size):
-            t = np.floor((src[k] - lo) * inv + _nb_uniform(seed, s + k))
+            t = np.floor((src[k] * pre - base) * inv + _nb_uniform(seed, s + k))
             t = t if t >= zero else zero
             t = t if t <= levels else levels
             dst[k] = u8(t)
     else:
         u = noise[s:e]
         for k in range(src.size):
-            t = np.floor((src[k] - lo) * inv + u[k])
+            t = np.floor((src[k] * pre - base) * inv + u[k])
             t = t if t >= zero else zero
             t = t if t <= levels else levels
             dst[k] = u8(t)
@@ -349,10 +377,10 @@ def _nb_minmax_encode(
                 s = c * chunk
                 e = min(s + chunk, n)
                 lo_key, hi_key = _nb_minmax_keys(xi, s, e)
-                lo, scale, inv = _nb_chunk_params(lo_key, hi_key, levels, scratch)
+                lo, scale, pre, inv = _nb_chunk_params(lo_key, hi_key, levels, scratch)
                 lo_out[c] = lo
                 scale_out[c] = scale
-                _nb_quantize(x, s, e, lo, inv, levels, mode, seed, noise, buf, s - a)
+                _nb_quantize(x, s, e, lo, pre, inv, levels, mode, seed, noise, buf, s - a)
             _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
         return
     # Long chunks: pass 1 finds the ranges of segments in parallel, pass 2 quantizes UNIT
@@ -368,11 +396,14 @@ def _nb_minmax_encode(
         e = min(s + seg_len, min((c + 1) * chunk, n))
         seg_lo[g], seg_hi[g] = _nb_minmax_keys(xi, s, e)
     inv_all = np.empty(nchunks, np.float32)
+    pre_all = np.empty(nchunks, np.float32)
     scratch = np.empty(2, np.int32)
     for c in range(nchunks):
         lo_key = seg_lo[c * spc : (c + 1) * spc].min()
         hi_key = seg_hi[c * spc : (c + 1) * spc].max()
-        lo_out[c], scale_out[c], inv_all[c] = _nb_chunk_params(lo_key, hi_key, levels, scratch)
+        lo_out[c], scale_out[c], pre_all[c], inv_all[c] = _nb_chunk_params(
+            lo_key, hi_key, levels, scratch
+        )
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
@@ -382,7 +413,9 @@ def _nb_minmax_encode(
         c = a // chunk
         while i < b:
             e = min((c + 1) * chunk, b)
-            _nb_quantize(x, i, e, lo_out[c], inv_all[c], levels, mode, seed, noise, buf, i - a)
+            _nb_quantize(
+                x, i, e, lo_out[c], pre_all[c], inv_all[c], levels, mode, seed, noise, buf, i - a
+            )
             i = e
             c += 1
         _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
@@ -402,12 +435,21 @@ def _nb_minmax_decode(
         c = a // chunk
         while i < b:
             e = min((c + 1) * chunk, b)
-            lo = lo_in[c]
-            scale = scale_in[c]
+            pre = _nb_prescale(scale_in[c])
+            step = scale_in[c] * pre
+            base = lo_in[c] * pre
+            post = f32(1.0) / pre  # exact: a power of two
             src = buf[i - a : e - a]
             dst = out[i:e]
             for k in range(src.size):
-                dst[k] = f32(src[k]) * scale + lo
+                v = (f32(src[k]) * step + base) * post
+                # saturate at float32's max (a chunk ending at +-3.4e38 may round one step
+                # past it); NaN compares false and stays NaN
+                if v > _F32_MAX:
+                    v = _F32_MAX
+                elif v < -_F32_MAX:
+                    v = -_F32_MAX
+                dst[k] = v
             i = e
             c += 1
 
@@ -460,6 +502,7 @@ _HELPERS = (
     "_nb_pack_unit",
     "_nb_unpack_unit",
     "_nb_minmax_keys",
+    "_nb_prescale",
     "_nb_chunk_params",
     "_nb_quantize",
 )

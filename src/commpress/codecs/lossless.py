@@ -108,22 +108,23 @@ STORED_SLACK = 32
 _CRC = struct.Struct("<I")
 _STATE_KEY = "netzip.refs"
 _FINGERPRINTS: dict[Any, str] = {}
+_LOW_ENTROPY_TAGS = frozenset((T_CODES, T_STATS, T_MASK))
 
 Backend = Literal["auto", "huffman", "zstd", "lz4", "ans", "raw"]
 
 
 # ---------------------------------------------------------------------- header encoding
 def _put_varint(out: bytearray, value: int) -> None:
-    if value < 0:
-        raise CommpressError(f"varint must be >= 0, got {value}")
-    while True:
-        byte = value & 0x7F
+    """Append ``value`` (>= 0) as a little-endian base-128 varint."""
+    if value < 0x80:
+        if value < 0:
+            raise CommpressError(f"varint must be >= 0, got {value}")
+        out.append(value)
+        return
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
         value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return
+    out.append(value)
 
 
 def _zigzag(value: int) -> int:
@@ -295,12 +296,15 @@ class NetZip(Codec):
         return best[1], best[2]
 
     def _backend_for(self, section: _Section) -> str:
-        if section.role == "raw":
+        role = section.role
+        if role == "raw":
             return "raw"
-        choice = {"exp": self.backend, "man": self.mantissa_backend, "side": "auto"}[section.role]
+        choice = self.backend if role == "exp" else (
+            self.mantissa_backend if role == "man" else "auto"
+        )
         if choice != "auto":
             return choice
-        if section.tag in (T_CODES, T_STATS, T_MASK):
+        if section.tag in _LOW_ENTROPY_TAGS:
             # exponent codes and side information are low-entropy by construction
             return "huffman" if section.data.size >= bk.MIN_COMPRESS_BYTES else "raw"
         return bk.choose_backend(section.data)
@@ -352,30 +356,32 @@ class NetZip(Codec):
                 else:
                     work = bg.sub_words(bg.to_monotone(words, lay), bg.to_monotone(ref, lay), lay)
 
-        # 2. zeros
-        use_mask = False
-        if self.zeros and n:
-            use_mask = bg.wants_mask(bg.count_zeros(work), n)
-
-        # 3. grouping
-        flags = _F_MASK if use_mask else 0
+        # 2. zeros and 3. grouping
+        flags = 0
         kept, g4, nesc = n, 0, 0
         sections: list[_Section] = []
+        use_mask = False
         if n and grouping == "exponent":
             rows, cols, is_matrix = bg.matrix_view(tuple(x.shape), n)
             use_row, use_col = self._context_flags(rows, cols, is_matrix)
-            cx = bg.make_context(work, lay, tuple(x.shape), use_row=use_row, use_col=use_col)
-            planes = bg.emit_exponent(work, lay, cx, use_mask=use_mask, byte_mode=False)
+            planes, cx = bg.encode_exponent(
+                work, lay, tuple(x.shape), use_row=use_row, use_col=use_col,
+                allow_mask=self.zeros,
+            )
             kept, g4, nesc = planes.kept, cx.g4, planes.nesc
+            flags |= _F_MASK if planes.mask is not None else 0
             flags |= (_F_ROW if cx.use_row else 0) | (_F_COL if cx.use_col else 0)
             flags |= _F_BYTE_MODE if planes.byte_mode else 0
             if planes.mask is not None:
                 sections.append(_Section(T_MASK, planes.mask, "side"))
-            stats = [a for a in (
-                None if planes.r4 is None else planes.r4 - g4, cx.c4
-            ) if a is not None]
-            if stats:
-                sections.append(_Section(T_STATS, _i16_bytes(np.concatenate(stats)), "side"))
+            if planes.r4 is not None or cx.c4 is not None:
+                if planes.r4 is None:
+                    stats = cx.c4
+                elif cx.c4 is None:
+                    stats = planes.r4 - g4
+                else:
+                    stats = np.concatenate((planes.r4 - g4, cx.c4))
+                sections.append(_Section(T_STATS, _i16_bytes(stats), "side"))
             sections.append(_Section(T_CODES, planes.codes, "exp"))
             if planes.codes_hi is not None:
                 sections.append(_Section(T_CODES_HI, planes.codes_hi, "exp"))
@@ -386,7 +392,9 @@ class NetZip(Codec):
             if planes.rem is not None:
                 sections.append(_Section(T_REM, planes.rem, "man"))
         elif n:
+            use_mask = self.zeros and bg.wants_mask(bg.count_zeros(work), n)
             if use_mask:
+                flags |= _F_MASK
                 nz, _ = bg.zero_mask(work)
                 sections.append(_Section(T_MASK, bg.to_numpy_u8(bg.pack_mask(nz)), "side"))
                 work = work[nz]
@@ -465,26 +473,31 @@ class NetZip(Codec):
     def _frame(self, sections: list[_Section], *, header: bytearray) -> tuple[np.ndarray, int]:
         blobs: list[Any] = []
         _put_varint(header, len(sections))
+        level = self.level
         for s in sections:
+            data = s.data
             name = self._backend_for(s)
-            used, blob = bk.compressed_or_raw(name, s.data, level=self.level)  # type: ignore[arg-type]
+            if name == "raw" or not data.size:
+                used, blob = "raw", data
+            else:
+                used, blob = bk.compressed_or_raw(name, data, level=level)  # type: ignore[arg-type]
             blobs.append(blob)
-            header.append(s.tag)
-            header.append(bk.BACKEND_IDS[used])
-            _put_varint(header, s.data.size)
+            header += bytes((s.tag, bk.BACKEND_IDS[used]))
+            _put_varint(header, data.size)
             _put_varint(header, len(blob))
-        total = len(header) + sum(len(b) for b in blobs) + _CRC.size
-        out = bytearray(total)
-        view = memoryview(out)
         pos = len(header)
-        view[:pos] = header
+        total = pos + sum(len(b) for b in blobs) + _CRC.size
+        out = np.empty(total, dtype=np.uint8)
+        out[:pos] = np.frombuffer(header, dtype=np.uint8)
         for blob in blobs:
             size = len(blob)
-            view[pos : pos + size] = blob if not isinstance(blob, np.ndarray) else blob.data
+            out[pos : pos + size] = (
+                blob if isinstance(blob, np.ndarray) else np.frombuffer(blob, dtype=np.uint8)
+            )
             pos += size
-        crc = zlib.crc32(view[:pos]) & 0xFFFFFFFF
+        crc = zlib.crc32(out[:pos]) & 0xFFFFFFFF
         _CRC.pack_into(out, pos, crc)
-        return np.frombuffer(out, dtype=np.uint8), crc
+        return out, crc
 
     def fingerprint(self) -> str:
         """The configuration's fingerprint (cached: it is checked on every decode)."""

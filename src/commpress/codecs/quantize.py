@@ -30,7 +30,21 @@ from commpress.codecs.base import Codec, CodecContext, Payload, param, require
 from commpress.codecs.bitpack import pack_bits, unpack_bits
 from commpress.codecs.registry import register_codec
 
-_SEED_LIMIT = 2**63
+#: Seeds of every seeded codec are integers in ``[0, 2**63)``: they fit a signed 64-bit integer
+#: in any JSON reader or C API, and equal configurations hash to equal fingerprints.
+SEED_LIMIT = 2**63
+
+#: float32 constants of ``minmax``'s exact power-of-two pre-scaling (see :func:`minmax_params`).
+F32_MAX = float(torch.finfo(torch.float32).max)
+TINY_SCALE = 2.0**-100
+HUGE_SCALE = 2.0**100
+SHIFT = 2.0**64
+
+
+def require_seed(seed: int) -> None:
+    """Refuse a codec ``seed`` outside ``[0, 2**63)`` (the one rule for every seeded codec:
+    ``minmax``, ``qsgd``, ``terngrad``, ``thc``, ``randomk``, ``powersgd``, ``dgc``)."""
+    require(0 <= seed < SEED_LIMIT, "seed must be in [0, 2**63)", seed)
 
 
 # ---------------------------------------------------------------------- chunk helpers
@@ -95,7 +109,7 @@ def _uniform(ctx: CodecContext, seed: int, n: int, device: torch.device) -> torc
 def _kernel_seed(ctx: CodecContext, seed: int) -> int:
     """A 63-bit seed for the CPU kernels' own generator, from this worker's stream."""
     g = ctx.generator(seed, shared=False, device=torch.device("cpu"))
-    return int(torch.randint(0, _SEED_LIMIT - 1, (1,), generator=g).item())
+    return int(torch.randint(0, SEED_LIMIT - 1, (1,), generator=g).item())
 
 
 def _floor_clamp(t: torch.Tensor, top: float) -> torch.Tensor:
@@ -106,13 +120,44 @@ def _floor_clamp(t: torch.Tensor, top: float) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- minmax
+def minmax_params(
+    lo: torch.Tensor, hi: torch.Tensor, levels: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-chunk ``(scale, pre, inv)`` of ``minmax`` from the chunk minima and maxima (fp32).
+
+    * ``scale``: ``(hi - lo) / levels`` computed in float64 and rounded **up** to float32, so
+      ``lo + levels * scale >= hi`` and no code is clamped even when the scale is subnormal
+      (a range of ``k`` subnormal steps keeps ``scale >= 2^-149``, never 0 unless ``hi == lo``).
+      It is capped at float32's largest value (only 1-bit codes of a range beyond it need that).
+    * ``pre``: an exact power of two that moves the chunk into float32's comfortable range:
+      ``2^64`` when ``0 < scale < 2^-100`` (tiny chunks, whose ``1/scale`` would overflow),
+      ``2^-64`` when ``scale >= 2^100`` (huge chunks, whose ``x - lo`` or ``code * scale`` may
+      overflow), else 1. Encoding works on ``x * pre``, decoding divides by ``pre`` at the end.
+    * ``inv``: ``1 / (scale * pre)`` correctly rounded to float32, or 0 where that is not a
+      finite positive number (constant and non-finite chunks: every code is then 0).
+
+    The CPU kernel computes the same values with the same operations, so both paths agree bit
+    for bit. NaN ranges stay NaN and infinite ones infinite (non-finite chunks decode to NaN).
+    """
+    exact = (hi.double() - lo.double()) / levels
+    scale = exact.to(torch.float32)
+    up = torch.nextafter(scale, torch.full_like(scale, math.inf))
+    scale = torch.where(scale.double() < exact, up, scale)
+    scale = torch.where(
+        torch.isinf(scale) & torch.isfinite(exact), torch.full_like(scale, F32_MAX), scale
+    )
+    pre = _prescale(scale)
+    return scale, pre, _safe_reciprocal(scale * pre)
+
+
 def minmax_encode_torch(
     flat: torch.Tensor, chunk: int, bits: int, noise: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch ``minmax`` encoding of a 1-D fp32 tensor: ``(packed codes, min, scale)``.
 
     ``noise`` holds ``n`` uniforms for stochastic rounding; ``None`` rounds to nearest
-    (``floor(t + 0.5)``). Same arithmetic, in the same order, as the CPU kernel.
+    (``floor(t + 0.5)``). Same arithmetic, in the same order, as the CPU kernel:
+    ``t = (x * pre - lo * pre) * inv`` with the per-chunk values of :func:`minmax_params`.
     """
     levels = float((1 << bits) - 1)
     lo_parts: list[torch.Tensor] = []
@@ -120,11 +165,10 @@ def minmax_encode_torch(
 
     def quantize(view: torch.Tensor, rows: slice) -> torch.Tensor:
         lo, hi = torch.aminmax(view, dim=1)
-        scale = _exact_f32((hi - lo).double() / levels)
-        inv = _safe_reciprocal(scale)
+        scale, pre, inv = minmax_params(lo, hi, levels)
         lo_parts.append(lo)
         scale_parts.append(scale)
-        t = (view - lo.unsqueeze(1)).mul_(inv.unsqueeze(1))
+        t = (view * pre.unsqueeze(1)).sub_((lo * pre).unsqueeze(1)).mul_(inv.unsqueeze(1))
         if noise is None:
             t.add_(0.5)
         else:
@@ -139,12 +183,31 @@ def minmax_encode_torch(
 def minmax_decode_torch(
     packed: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, chunk: int, bits: int, n: int
 ) -> torch.Tensor:
-    """Plain-torch inverse of :func:`minmax_encode_torch`: ``code * scale + min`` (fp32)."""
+    """Plain-torch inverse of :func:`minmax_encode_torch` (fp32):
+    ``(code * scale * pre + lo * pre) / pre``, saturated at float32's largest magnitude (a
+    chunk ending at +-3.4e38 may otherwise round one step past it); NaN stays NaN."""
     codes = unpack_bits(packed, bits, n).to(torch.float32)
-    return _chunked(
+    pre = _prescale(scale)
+    step = scale * pre
+    base = lo * pre
+    post = 1.0 / pre  # exact: pre is a power of two
+    out = _chunked(
         codes,
         chunk,
-        lambda view, rows: view * scale[rows].unsqueeze(1) + lo[rows].unsqueeze(1),
+        lambda view, rows: (view * step[rows].unsqueeze(1) + base[rows].unsqueeze(1)).mul_(
+            post[rows].unsqueeze(1)
+        ),
+    )
+    return out.clamp_(-F32_MAX, F32_MAX)
+
+
+def _prescale(scale: torch.Tensor) -> torch.Tensor:
+    """The power of two ``pre`` of :func:`minmax_params`, from a (received) scale."""
+    one = torch.ones_like(scale)
+    return torch.where(
+        (scale > 0) & (scale < TINY_SCALE),
+        one * SHIFT,
+        torch.where((scale >= HUGE_SCALE) & torch.isfinite(scale), one / SHIFT, one),
     )
 
 
@@ -155,21 +218,29 @@ class MinMax(Codec):
 
     For each chunk of ``chunk_size`` consecutive elements of the flattened tensor:
 
-    1. finds ``lo = min`` and ``hi = max`` and sets ``scale = (hi - lo) / (2^b - 1)``;
-    2. maps every element to ``t = (x - lo) / scale`` in ``[0, 2^b - 1]``;
+    1. finds ``lo = min`` and ``hi = max`` and sets ``scale = (hi - lo) / (2^b - 1)``,
+       computed in float64 and rounded *up* to float32 (so no element falls beyond the top
+       code, also when the scale is subnormal);
+    2. maps every element to ``t = (x - lo) / scale`` in ``[0, 2^b - 1]``; chunks with a tiny
+       (``< 2^-100``) or huge (``>= 2^100``) scale first multiply ``x``, ``lo`` and ``scale`` by
+       the exact power of two ``2^64`` or ``2^-64``, so that neither ``1 / scale`` nor
+       ``x - lo`` can overflow (see :func:`minmax_params`);
     3. rounds ``t`` to an integer code: to nearest (``floor(t + 1/2)``), or stochastically
        (``floor(t + u)`` with ``u ~ U[0, 1)``, which rounds up with probability ``t - floor(t)``
        and so is unbiased);
     4. sends the codes packed at ``b`` bits each plus the chunk's ``lo`` and ``scale`` as two
-       float32 values; the receiver decodes ``code * scale + lo``.
+       float32 values; the receiver decodes ``code * scale + lo`` (in the same pre-scaled
+       domain, then saturated at float32's largest magnitude).
 
     Wire size: ``ceil(b * d / 8) + 8 * ceil(d / chunk_size)`` bytes for ``d`` elements.
 
-    Error: with nearest rounding every element is within ``scale / 2`` of its input, so the
-    squared error is at most ``sum over chunks of n_c * (range_c / (2^b - 1))^2 / 4``; with
+    Error: with nearest rounding every element is within ``scale / 2`` of its input (plus
+    float32 rounding: about ``2^-22 (|lo| + |hi|)`` and, for subnormal results, ``2^-149``),
+    so the squared error is at most ``sum over chunks of n_c * (range_c / (2^b - 1))^2 / 4``
+    for **any finite input**, tiny (subnormal), huge (up to +-3.4e38) or mixed; with
     stochastic rounding the decoding is unbiased with per-element variance
     ``scale^2 * f (1 - f)`` (``f`` the fractional part of ``t``), at most ``scale^2 / 4``.
-    A chunk whose range is below ~1e-36 is sent as constant (all codes 0).
+    A constant chunk has scale 0 and decodes exactly.
 
     Args:
         bits: bits per code, 1 to 8. Each extra bit halves ``scale`` (quarters the squared
@@ -189,8 +260,8 @@ class MinMax(Codec):
     codec_id: ClassVar[str] = "minmax"
     summary: ClassVar[str] = "b-bit linear quantization with per-chunk min and scale"
     nonfinite: ClassVar[str] = (
-        "a NaN or Inf makes its whole chunk decode to NaN/Inf (the chunk's min/scale are "
-        "non-finite); a finite chunk whose range exceeds float32's (~3.4e38) does too"
+        "a NaN or Inf makes its whole chunk decode to NaN (the chunk's min/scale are "
+        "non-finite); finite chunks always decode to finite values"
     )
 
     bits: int = param(8, "bits per code, 1..8")
@@ -203,7 +274,7 @@ class MinMax(Codec):
     def validate(self) -> None:
         require(1 <= self.bits <= 8, "bits must be an integer in [1, 8]", self.bits)
         require(self.chunk_size >= 0, "chunk_size must be >= 0 (0: whole tensor)", self.chunk_size)
-        require(0 <= self.seed < _SEED_LIMIT, "seed must be in [0, 2**63)", self.seed)
+        require_seed(self.seed)
 
     def wire_bits(self, n: int) -> int:
         """Exact payload size in bits for ``n`` elements (codes are rounded up to bytes)."""
@@ -292,7 +363,7 @@ class QSGD(Codec):
     def validate(self) -> None:
         require(1 <= self.levels <= 32767, "levels must be an integer in [1, 32767]", self.levels)
         require(self.chunk_size >= 0, "chunk_size must be >= 0 (0: whole tensor)", self.chunk_size)
-        require(0 <= self.seed < _SEED_LIMIT, "seed must be in [0, 2**63)", self.seed)
+        require_seed(self.seed)
 
     @property
     def code_bits(self) -> int:
@@ -386,7 +457,7 @@ class TernGrad(Codec):
 
     def validate(self) -> None:
         require(self.chunk_size >= 0, "chunk_size must be >= 0 (0: whole tensor)", self.chunk_size)
-        require(0 <= self.seed < _SEED_LIMIT, "seed must be in [0, 2**63)", self.seed)
+        require_seed(self.seed)
 
     def wire_bits(self, n: int) -> int:
         """Exact payload size in bits for ``n`` elements."""
@@ -500,14 +571,18 @@ class Sign(Codec):
 
 
 __all__ = [
+    "F32_MAX",
     "QSGD",
+    "SEED_LIMIT",
     "MinMax",
     "Sign",
     "TernGrad",
     "chunk_length",
     "minmax_decode_torch",
     "minmax_encode_torch",
+    "minmax_params",
     "num_chunks",
+    "require_seed",
     "sign_decode_torch",
     "sign_encode_torch",
 ]

@@ -124,7 +124,7 @@ def _resolve_strategy(codec: Codec, strategy: str) -> str:
     return strategy
 
 
-def _check_agreement(
+def check_agreement(
     ex: Exchange,
     codec: Codec,
     x: torch.Tensor,
@@ -134,11 +134,13 @@ def _check_agreement(
     op: str,
     bucket_elems: int,
     local_size: int,
+    depth: int,
 ) -> None:
     """On the first call with this signature, make sure every rank made the same call.
 
-    Each rank contributes its codec fingerprint, tensor size and dtype, strategy, op and
-    bucketing; every rank sees every contribution, so either all proceed or all raise the same
+    Each rank contributes its codec fingerprint, tensor key, size and dtype, strategy, op,
+    bucketing, node size and pipeline depth (everything that shapes the exchanges). Every
+    rank sees every contribution, so either all proceed or all raise the same
     :class:`CommpressError` (never a hang on mismatched collectives).
     """
     fp = codec.fingerprint()
@@ -151,6 +153,7 @@ def _check_agreement(
         "op": name_hash(op),
         "bucket elements": bucket_elems,
         "local size": local_size,
+        "pipeline depth": depth,
     }
     signature = hash(tuple(fields.values()))
     gid = _group_id(ex.group)
@@ -255,6 +258,12 @@ def reduce(
             f"bucket_bytes must be a positive integer or None, got {bucket_bytes!r}"
         )
     bucket_elems = 0 if bucket_bytes is None else max(1, bucket_bytes // x.element_size())
+    if (
+        isinstance(pipeline_depth, bool)
+        or not isinstance(pipeline_depth, int)
+        or pipeline_depth < 1
+    ):
+        raise CommpressError(f"pipeline_depth must be an int >= 1, got {pipeline_depth!r}")
     if plan.startswith("hierarchical"):
         local_size = local_size_from_env(ex.world_size) if local_size is None else local_size
     else:
@@ -274,8 +283,13 @@ def reduce(
         # The codec's payload may alias the input (identity): the reduction may then run in
         # the input's memory. Not with need_local, whose decoded contribution would alias it.
         ex.writable = tensor.detach().reshape(-1)
+    # Buckets of a hierarchical reduction run one after the other: its steps use several
+    # groups, and a rank's intra-node peers sit in different inter-node groups whose codec
+    # protocols may take different numbers of steps (shards differ), so interleaving buckets
+    # could order intra-node operations differently on different ranks.
+    depth = 1 if plan.startswith("hierarchical") else pipeline_depth
     if check:
-        _check_agreement(
+        check_agreement(
             ex,
             codec,
             x,
@@ -284,6 +298,7 @@ def reduce(
             op=op,
             bucket_elems=bucket_elems,
             local_size=local_size,
+            depth=depth,
         )
 
     slices, unit = _bucket_slices(tuple(x.shape), bucket_elems)
@@ -322,12 +337,6 @@ def reduce(
             )
         return protocol_task(make_protocol(i), ex)
 
-    if (
-        isinstance(pipeline_depth, bool)
-        or not isinstance(pipeline_depth, int)
-        or pipeline_depth < 1
-    ):
-        raise CommpressError(f"pipeline_depth must be an int >= 1, got {pipeline_depth!r}")
     if offload and plan in ("protocol", "allgather"):
         pool = _offload_pool()
         futures: dict[int, Any] = {}
@@ -343,11 +352,6 @@ def reduce(
     else:
         tasks = [functools.partial(make_task, i) for i in range(len(slices))]
 
-    # Buckets of a hierarchical reduction run one after the other: its steps use several
-    # groups, and a rank's intra-node peers sit in different inter-node groups whose codec
-    # protocols may take different numbers of steps (shards differ), so interleaving buckets
-    # could order intra-node operations differently on different ranks.
-    depth = 1 if plan.startswith("hierarchical") else pipeline_depth
     results: list[Reduced] = run_tasks(tasks, ex, depth=depth)
     if not many:
         reduced = results[0]
@@ -511,6 +515,7 @@ __all__ = [
     "Strategy",
     "all_reduce",
     "all_reduce_async",
+    "check_agreement",
     "reduce",
     "reduce_async",
     "reset_state",

@@ -302,12 +302,15 @@ def local_size_from_env(world_size: int) -> int:
 
 
 def _subgroup(global_ranks: tuple[int, ...]) -> Any:
-    """A process group of ``global_ranks``, created once (only its members take part)."""
+    """A process group of ``global_ranks``, created once per default group (only its members
+    take part in creating it)."""
+    world = id(dist.distributed_c10d._get_default_group())
+    key = (world, *global_ranks)
     with _SUBGROUPS_LOCK:
-        pg = _SUBGROUPS.get(global_ranks)
+        pg = _SUBGROUPS.get(key)
         if pg is None:
             pg = dist.new_group(list(global_ranks), use_local_synchronization=True)
-            _SUBGROUPS[global_ranks] = pg
+            _SUBGROUPS[key] = pg
         return pg
 
 

@@ -621,7 +621,7 @@ def run_setups(
            "NUMBA_NUM_THREADS": str(threads)}
     try:
         with open(log_path, "w") as log_fh:
-            out: IO[str] = _Tee(log_fh, log) if log is not None else log_fh
+            out: Any = _Tee(log_fh, log) if log is not None else log_fh
             code = launch(
                 cmd, nodes=layout.nodes, procs_per_node=layout.procs_per_node,
                 bandwidth=layout.bandwidth if layout.emulated else None,

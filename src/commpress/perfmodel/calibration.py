@@ -32,10 +32,14 @@ from commpress.errors import CommpressError
 from commpress.perfmodel.codec_costs import SpeedTable
 from commpress.perfmodel.model import Platform, Setup
 
-#: Constants :func:`fit_platform` can fit, with their transforms to unconstrained space.
+#: Constants :func:`fit_platform` fits by default.
 FITTABLE: tuple[str, ...] = (
     "overlap_efficiency", "collective_overhead_s", "inter_bandwidth_scale", "codec_time_scale",
 )
+#: Every constant :func:`fit_platform` can fit (``fit=``): the defaults plus the per-message
+#: latency and the compute-time scale, which need a grid with several node counts and a
+#: measured compute time to be identifiable.
+ALL_FITTABLE: tuple[str, ...] = (*FITTABLE, "message_latency_s", "compute_time_scale")
 _OVERHEAD_FLOOR = 1e-7
 
 
@@ -144,7 +148,7 @@ def _to_free(name: str, value: float) -> float:
     if name == "overlap_efficiency":
         v = min(max(value, 1e-6), 1 - 1e-6)
         return math.log(v / (1 - v))
-    if name == "collective_overhead_s":
+    if name in ("collective_overhead_s", "message_latency_s"):
         return math.log(max(value, _OVERHEAD_FLOOR))
     return math.log(value)
 
@@ -152,7 +156,7 @@ def _to_free(name: str, value: float) -> float:
 def _from_free(name: str, x: float) -> float:
     if name == "overlap_efficiency":
         return 1.0 / (1.0 + math.exp(-max(-50.0, min(50.0, x))))
-    if name == "collective_overhead_s":
+    if name in ("collective_overhead_s", "message_latency_s"):
         v = math.exp(max(-60.0, min(10.0, x)))
         return 0.0 if v <= _OVERHEAD_FLOOR else v
     return math.exp(max(-20.0, min(20.0, x)))
@@ -228,7 +232,8 @@ def fit_platform(
     """Fit the platform constants named in ``fit`` to ``measurements`` (see the module doc).
 
     Args:
-        fit: which of :data:`FITTABLE` to fit; the others keep ``start``'s values.
+        fit: which of :data:`ALL_FITTABLE` to fit (default :data:`FITTABLE`); the others
+            keep ``start``'s values.
         start: initial constants (default the ideal platform, efficiency set to 0.8 so the
             search can move both ways).
         max_iter: Nelder-Mead iterations per run.
@@ -240,10 +245,10 @@ def fit_platform(
     buckets; bandwidth needs large messages; the codec scale needs codecs with visible codec
     time. Fit with at least twice as many measurements as constants.
     """
-    unknown = [p for p in fit if p not in FITTABLE]
+    unknown = [p for p in fit if p not in ALL_FITTABLE]
     if unknown or not fit:
         raise CommpressError(
-            f"cannot fit {unknown or 'nothing'}; fittable constants: {', '.join(FITTABLE)}"
+            f"cannot fit {unknown or 'nothing'}; fittable constants: {', '.join(ALL_FITTABLE)}"
         )
     if len(measurements) < len(fit):
         raise CommpressError(
@@ -303,6 +308,7 @@ def calibrate_and_validate(
 
 
 __all__ = [
+    "ALL_FITTABLE",
     "FITTABLE",
     "CalibrationResult",
     "FitResult",

@@ -141,6 +141,17 @@ class SpeedTable:
                 return self.speeds[key]
         return BUILTIN_SPEEDS["*"]
 
+    def scaled(self, factor: float) -> SpeedTable:
+        """Every codec ``factor`` times slower (``c0`` times ``factor``, throughputs divided
+        by it): for example the share of a core a process gets when several share it."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise CommpressError(f"speed scale factor must be finite and > 0, got {factor!r}")
+        return SpeedTable(
+            {k: CodecSpeed(v.overhead_s * factor, v.encode_eps / factor, v.decode_eps / factor)
+             for k, v in self.speeds.items()},
+            self.source if factor == 1 else f"{self.source}, x{factor:g} slower",
+        )
+
     def merged(self, other: SpeedTable) -> SpeedTable:
         """This table with ``other``'s entries on top."""
         return SpeedTable({**self.speeds, **other.speeds}, f"{other.source}; else {self.source}")
@@ -260,6 +271,105 @@ def calibrate_speeds(
             )
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} ({_cpu_name()})"
     source = f"calibrated on {name}, {time.strftime('%Y-%m-%d')}, sizes {small}/{large}"
+    return SpeedTable(speeds, source)
+
+
+def _drive_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext, world_size: int) -> Any:
+    """Run ``codec.reduce`` for one rank, answering every round as if the other ranks had sent
+    the same thing (all-reduce: the request's tensors; all-gather: ``world_size`` copies of
+    the payload). Returns the protocol's result; all its codec work is done on this thread."""
+    gen = codec.reduce(x, ctx)
+    try:
+        req: Any = next(gen)
+        while True:
+            if isinstance(req, AllReduce):
+                reply: Any = {k: v.clone() for k, v in req.tensors.items()}
+            elif isinstance(req, AllGather):
+                reply = [req.payload] * world_size
+            else:
+                raise CommpressError(f"{codec.codec_id} yielded {type(req).__name__}")
+            req = gen.send(reply)
+    except StopIteration as stop:
+        return stop.value
+
+
+def calibrate_protocol_speeds(
+    specs: Sequence[str | Codec],
+    *,
+    world_size: int = 2,
+    matrix_shapes: tuple[tuple[int, ...], tuple[int, ...]] = ((128, 128), (512, 128)),
+    flat_sizes: tuple[int, int] = (1 << 13, 1 << 19),
+    feedback: bool = True,
+    device: str | torch.device = "cpu",
+    repeats: int = 5,
+) -> SpeedTable:
+    """Measure what one rank's codec work costs inside a real reduction (a micro-benchmark).
+
+    :func:`calibrate_speeds` times ``encode`` and ``decode`` alone; a data-parallel step also
+    runs a multi-round codec's work between its rounds, decodes every gathered payload, and
+    with error feedback decodes its own contribution and updates the residual. This times the
+    whole codec path of one tensor, without the network:
+
+    1. For each codec, a small and a large tensor (``matrix_shapes``; element-wise casts, which
+       the DDP hook sends as one flat bucket, use 1-D tensors of ``flat_sizes``).
+    2. Time ``T``: drive ``codec.reduce`` for rank 0 of ``world_size`` with the rounds answered
+       locally (all-reduce: its own tensors; all-gather: ``world_size`` copies of its payload),
+       with ``need_local`` and the residual arithmetic ``x + e``, ``e = x - local`` when
+       ``feedback`` applies (lossy codecs other than the casts, as :func:`commpress.ddp.register`
+       does); median of ``repeats`` after a warm-up.
+    3. Split ``T`` into encode (before the exchange) and decode (after): a single-round codec's
+       decode is its measured ``decode`` time, once per payload it decodes (``world_size`` for
+       an all-gather); a multi-round codec's work is split in halves.
+    4. ``c0`` and the throughputs come from the small and large sizes as in
+       :func:`calibrate_speeds`.
+
+    Tuning: run it under the conditions of the training run (same threads per process, and in
+    as many concurrent processes as share the machine) so contention is part of the numbers;
+    ``matrix_shapes`` should bracket the model's weight matrices.
+    """
+    dev = torch.device(device)
+    speeds: dict[str, CodecSpeed] = {}
+    for spec in specs:
+        codec = get_codec(spec)
+        casts = codec.codec_id in ELEMENTWISE_CODECS
+        ef = feedback and not casts and not codec.lossless
+        sizes: list[tuple[int, ...]] = (
+            [(flat_sizes[0],), (flat_sizes[1],)] if casts else [tuple(s) for s in matrix_shapes]
+        )
+        with error_context(f"calibrating the protocol of {spec_key(codec)}"):
+            measured = []
+            for shape in sizes:
+                x = _sample(shape).to(dev)
+                err = torch.zeros_like(x)
+                ctx = CodecContext(rank=0, world_size=world_size, key="calibrate", state={},
+                                   need_local=ef)
+
+                def run(x: torch.Tensor = x, err: torch.Tensor = err,
+                        ctx: CodecContext = ctx) -> None:
+                    xin = x + err if ef else x
+                    out = _drive_protocol(codec, xin, ctx, world_size)
+                    if ef and out is not None and out.local is not None:
+                        torch.sub(xin, out.local, out=err)
+                        err.mul_(0.0)  # keep the input fixed across repeats
+
+                total = _median_time(run, dev, repeats)
+                decodes = 0.0
+                if not codec.multi_round:
+                    payload = codec.encode(x, CodecContext(rank=0, world_size=world_size))
+                    one = _median_time(functools.partial(codec.decode, payload, ctx), dev,
+                                       repeats)
+                    k = 1 if codec.summable else world_size
+                    decodes = min(k * one, 0.9 * total)
+                    measured.append((math.prod(shape), total - decodes, decodes / k))
+                else:
+                    measured.append((math.prod(shape), total / 2, total / 2))
+            (_, enc_s, dec_s), (n_l, enc_l, dec_l) = measured
+            speeds[spec_key(codec)] = CodecSpeed(
+                max(0.0, min(enc_s, dec_s)), n_l / max(enc_l, 1e-12), n_l / max(dec_l, 1e-12)
+            )
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} ({_cpu_name()})"
+    source = (f"protocol calibrated on {name}, {time.strftime('%Y-%m-%d')}, world size "
+              f"{world_size}, {torch.get_num_threads()} thread(s)")
     return SpeedTable(speeds, source)
 
 
@@ -731,6 +841,7 @@ __all__ = [
     "Round",
     "SpeedTable",
     "WireProfile",
+    "calibrate_protocol_speeds",
     "calibrate_speeds",
     "exchange_segments",
     "measure_nmse",

@@ -22,6 +22,7 @@ from typing import Any
 from commpress.codecs.registry import get_codec
 from commpress.errors import CommpressError, error_context
 from commpress.perfmodel.codec_costs import (
+    ELEMENTWISE_CODECS,
     ExchangeConfig,
     Offload,
     SpeedTable,
@@ -263,6 +264,11 @@ class Platform:
         inter_bandwidth_scale: multiplier on the inter-node link's usable bandwidth (what the
             transport really achieves relative to the description).
         codec_time_scale: multiplier on every codec encode/decode time.
+        message_latency_s: added to the inter-node link's ``alpha``: paid by every message
+            (every hop of a ring), unlike ``collective_overhead_s``, paid once per call.
+        compute_time_scale: multiplier on the workload's forward, backward and optimizer
+            times (what data-parallel training adds to the single-process compute: DDP's
+            autograd hooks, bucket copies, the hook's bookkeeping).
         name: where it comes from.
     """
 
@@ -270,6 +276,8 @@ class Platform:
     collective_overhead_s: float = 0.0
     inter_bandwidth_scale: float = 1.0
     codec_time_scale: float = 1.0
+    message_latency_s: float = 0.0
+    compute_time_scale: float = 1.0
     name: str = "ideal (uncalibrated)"
 
     def __post_init__(self) -> None:
@@ -277,9 +285,11 @@ class Platform:
             raise CommpressError(
                 f"overlap_efficiency must be in [0, 1], got {self.overlap_efficiency!r}"
             )
-        if not (math.isfinite(self.collective_overhead_s) and self.collective_overhead_s >= 0):
-            raise CommpressError("collective_overhead_s must be finite and >= 0")
-        for label in ("inter_bandwidth_scale", "codec_time_scale"):
+        for label in ("collective_overhead_s", "message_latency_s"):
+            v = getattr(self, label)
+            if not (math.isfinite(v) and v >= 0):
+                raise CommpressError(f"{label} must be finite and >= 0 seconds, got {v!r}")
+        for label in ("inter_bandwidth_scale", "codec_time_scale", "compute_time_scale"):
             v = getattr(self, label)
             if not (math.isfinite(v) and v > 0):
                 raise CommpressError(f"{label} must be finite and > 0, got {v!r}")
@@ -307,6 +317,76 @@ class Platform:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError) as exc:
             raise CommpressError(f"cannot read platform file {path}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class HookPlan:
+    """How commpress's DDP hook (:func:`commpress.ddp.register`) reduces a bucket; pass it to
+    :func:`predict` as ``hook=`` to model that hook instead of one exchange per bucket.
+
+    The hook reduces buckets one at a time on a single queue thread. Inside a bucket, every
+    tensor gets the codec unless it has fewer than ``min_numel`` elements or the codec would
+    shrink it less than ``min_compression_rate`` times (then ``fallback_codec``, as
+    :class:`commpress.collectives.feedback.Schedule` decides); tensors with an element-wise
+    cast (identity, fp16, bf16) are sent as one flat tensor per cast, first; every other
+    tensor is its own exchange, ``depth`` of them in flight.
+
+    Attributes:
+        min_numel, min_compression_rate, fallback_codec: as in :func:`commpress.ddp.register`
+            (the defaults there are 0, 0 and ``"fp16"``).
+        depth: exchanges in flight inside a bucket (the hook pipelines 2).
+    """
+
+    min_numel: int = 0
+    min_compression_rate: float = 0.0
+    fallback_codec: str = "fp16"
+    depth: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or (
+            self.min_numel < 0
+        ):
+            raise CommpressError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
+        rate = self.min_compression_rate
+        if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0):
+            raise CommpressError(f"min_compression_rate must be a number >= 0, got {rate!r}")
+        if self.fallback_codec not in ELEMENTWISE_CODECS:
+            raise CommpressError(
+                f"fallback_codec must be one of {', '.join(ELEMENTWISE_CODECS)}, got "
+                f"{self.fallback_codec!r}"
+            )
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
+            raise CommpressError(f"depth must be an int >= 1, got {self.depth!r}")
+
+    def choose(self, codec: Any, shape: Shape) -> Any:
+        """The codec the hook sends a tensor of ``shape`` with (after any warm-up)."""
+        from commpress.collectives.feedback import compression_rate
+
+        if codec.lossless or codec.codec_id in ELEMENTWISE_CODECS:
+            return codec
+        if _numel(shape) < self.min_numel:
+            return get_codec(self.fallback_codec)
+        if self.min_compression_rate > 0 and (
+            compression_rate(codec, shape) < self.min_compression_rate
+        ):
+            return get_codec(self.fallback_codec)
+        return codec
+
+    def bucket_jobs(self, codec: Any, bucket: Sequence[Shape]) -> list[tuple[Any, list[Shape]]]:
+        """The exchanges of one bucket, in the hook's order: ``(codec, shapes)`` pairs, one
+        flat group per element-wise cast first, then one per remaining tensor."""
+        groups: dict[str, tuple[Any, list[Shape]]] = {}
+        singles: list[tuple[Any, list[Shape]]] = []
+        for shape in bucket:
+            c = self.choose(codec, shape)
+            if c.codec_id in ELEMENTWISE_CODECS:
+                groups.setdefault(c.fingerprint() + c.codec_id, (c, []))[1].append(shape)
+            else:
+                singles.append((c, [shape]))
+        return [*groups.values(), *singles]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -370,6 +450,7 @@ def predict(
     speeds: SpeedTable | None = None,
     offload: Offload | None = None,
     platform: Platform | None = None,
+    hook: HookPlan | None = None,
 ) -> Prediction:
     """Predict one step of ``workload`` on ``cluster`` with ``codec``.
 
@@ -385,11 +466,16 @@ def predict(
         speeds: codec speed table (default: the built-in assumptions).
         offload: run codec work on this device (SqueezeNIC) instead of the GPU.
         platform: fitted platform constants (default: the ideal model).
+        hook: model commpress's DDP hook (:class:`HookPlan`: dense fallback for small or
+            incompressible tensors, one bucket at a time, tensors pipelined) instead of one
+            exchange per bucket issued as soon as the bucket is ready (``None``, PyTorch's
+            own hooks). ``granularity="bucket"`` ignores the plan's per-tensor choices.
     """
     platform = platform or Platform()
     cl = _as_cluster(cluster)
-    if platform.inter_bandwidth_scale != 1.0:
-        cl = cl.with_inter(bandwidth=cl.inter.bandwidth * platform.inter_bandwidth_scale)
+    if platform.inter_bandwidth_scale != 1.0 or platform.message_latency_s:
+        cl = cl.with_inter(bandwidth=cl.inter.bandwidth * platform.inter_bandwidth_scale,
+                           latency=cl.inter.latency + platform.message_latency_s)
     cfg = ExchangeConfig(
         cluster=cl,
         strategy=strategy,
@@ -413,6 +499,8 @@ def predict(
         if id(s) not in built:
             built[id(s)] = get_codec(s)
         codecs.append(built[id(s)])
+    if hook is not None and granularity == "parameter":
+        return _predict_hooked(workload, cl, codecs, cfg, platform, hook, strategy)
     jobs = []
     cache: dict[tuple[str, tuple[Shape, ...]], Any] = {}
     wire = 0.0
@@ -428,12 +516,62 @@ def predict(
         segs, nbytes = cache[key]
         jobs.append(segs)
         wire += nbytes
+    scale = platform.compute_time_scale
     timeline = simulate_step(
-        forward_s=workload.forward_s,
-        backward_s=workload.backward_segments(),
+        forward_s=workload.forward_s * scale,
+        backward_s=[b * scale for b in workload.backward_segments()],
         jobs=jobs,
-        optimizer_s=workload.optimizer_s,
+        optimizer_s=workload.optimizer_s * scale,
         overlap_efficiency=platform.overlap_efficiency,
+    )
+    return Prediction(
+        codecs=tuple(spec_key(c) for c in codecs),
+        strategy=strategy,
+        timeline=timeline,
+        wire_bytes=wire,
+        bits_per_coordinate=8.0 * wire / max(1, workload.params),
+    )
+
+
+def _predict_hooked(
+    workload: Workload,
+    cl: Cluster,
+    codecs: Sequence[Any],
+    cfg: ExchangeConfig,
+    platform: Platform,
+    hook: HookPlan,
+    strategy: str,
+) -> Prediction:
+    """:func:`predict` for commpress's DDP hook: one job per exchange of
+    :meth:`HookPlan.bucket_jobs`, buckets in queue mode (see :func:`simulate_step`)."""
+    jobs: list[list[Any]] = []
+    owners: list[int] = []
+    wire = 0.0
+    cache: dict[tuple[str, tuple[Shape, ...]], Any] = {}
+    for b, (codec, bucket) in enumerate(zip(codecs, workload.buckets, strict=True)):
+        for c, shapes in hook.bucket_jobs(codec, bucket):
+            key = (c.fingerprint() + c.codec_id, tuple(shapes))
+            if key not in cache:
+                flat = c.codec_id in ELEMENTWISE_CODECS
+                with error_context(f"planning {spec_key(c)} for {len(shapes)} tensor(s)"):
+                    segs = exchange_segments(c, shapes, cfg,
+                                             granularity="bucket" if flat else "parameter")
+                tensors = [(sum(_numel(s) for s in shapes),)] if flat else list(shapes)
+                nbytes = sum(wire_profile(c, t, cl.world_size).nbytes for t in tensors)
+                cache[key] = (segs, nbytes)
+            segs, nbytes = cache[key]
+            jobs.append(segs)
+            owners.append(b)
+            wire += nbytes
+    scale = platform.compute_time_scale
+    timeline = simulate_step(
+        forward_s=workload.forward_s * scale,
+        backward_s=[x * scale for x in workload.backward_segments()],
+        jobs=jobs,
+        optimizer_s=workload.optimizer_s * scale,
+        overlap_efficiency=platform.overlap_efficiency,
+        bucket_of=owners,
+        queue_depth=hook.depth,
     )
     return Prediction(
         codecs=tuple(spec_key(c) for c in codecs),
@@ -488,13 +626,17 @@ class Setup:
     offload: Offload | None = None
     label: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    hook: HookPlan | None = None
+    speeds: SpeedTable | None = None
 
     def predict(self, platform: Platform | None = None,
                 speeds: SpeedTable | None = None) -> Prediction:
+        """Predict with ``platform``; ``speeds`` is used unless the setup carries its own
+        table (one measured under the setup's own conditions, e.g. its process count)."""
         return predict(
             self.workload, self.cluster, self.codec, strategy=self.strategy,
             algorithm=self.algorithm, granularity=self.granularity, offload=self.offload,
-            platform=platform, speeds=speeds,
+            platform=platform, speeds=self.speeds or speeds, hook=self.hook,
         )
 
     def with_(self, **changes: Any) -> Setup:
@@ -527,6 +669,7 @@ __all__ = [
     "DDP_BUCKET_BYTES",
     "DDP_FIRST_BUCKET_BYTES",
     "Comparison",
+    "HookPlan",
     "Platform",
     "Prediction",
     "Setup",

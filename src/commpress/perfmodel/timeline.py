@@ -18,7 +18,10 @@ all-reduce rounds on ``net``, decode on ``gpu``), built by
 2. The first segment of job ``i`` is released when bucket ``i`` is ready **and** job
    ``i-1``'s first ``net`` segment has started (the encode of the next bucket overlaps the
    previous bucket's exchange, two buckets in flight). Each later segment of a job is released
-   when the previous one ends.
+   when the previous one ends. In *queue mode* (``queue_depth=d``, commpress's DDP hook, which
+   reduces one bucket at a time on one thread, every tensor as its own job, ``d`` in flight)
+   a bucket's first job also waits for every job of the earlier buckets to end, and job ``k``
+   of a bucket for job ``k-d`` of the same bucket.
 3. A job's first ``net`` segment also waits for the previous job's last ``net`` segment to end
    (exchanges are issued in bucket order).
 4. Each resource runs its released segments non-preemptively, earliest release first; on a tie
@@ -181,6 +184,8 @@ def simulate_step(
     jobs: Sequence[Sequence[Segment]],
     optimizer_s: float = 0.0,
     overlap_efficiency: float = 1.0,
+    bucket_of: Sequence[int] | None = None,
+    queue_depth: int | None = None,
 ) -> StepTimeline:
     """Simulate one step (see the module docstring for the rules).
 
@@ -188,14 +193,41 @@ def simulate_step(
         forward_s: forward pass time (nothing overlaps it).
         backward_s: backward compute time of each bucket, in the order buckets become ready.
         jobs: for each bucket, its exchange job (segments in order); same length as
-            ``backward_s``. An empty job means nothing to exchange.
+            ``backward_s``. An empty job means nothing to exchange. With ``bucket_of``, any
+            number of jobs (for example one per tensor of a bucket).
         optimizer_s: optimizer step after all gradients are reduced.
         overlap_efficiency: ``eta`` in [0, 1], see step 6.
+        bucket_of: the bucket whose gradients each job needs (non-decreasing, one entry per
+            job); default job ``i`` belongs to bucket ``i``.
+        queue_depth: ``None`` for rule 2 (two jobs in flight, whatever their buckets). An int
+            ``d >= 1`` models a hook that reduces buckets one at a time on a single queue
+            (commpress's DDP hook): the first job of a bucket starts only after every job of
+            the earlier buckets has ended; inside a bucket, job ``k`` starts after job
+            ``k-1``'s first ``net`` segment has started and after job ``k-d`` has ended
+            (``d`` jobs in flight).
     """
-    if len(jobs) != len(backward_s):
-        raise CommpressError(
-            f"got {len(jobs)} bucket jobs for {len(backward_s)} backward segments; one per bucket"
-        )
+    if bucket_of is None:
+        if len(jobs) != len(backward_s):
+            raise CommpressError(
+                f"got {len(jobs)} bucket jobs for {len(backward_s)} backward segments; one per "
+                "bucket"
+            )
+        owners = list(range(len(jobs)))
+    else:
+        owners = [int(b) for b in bucket_of]
+        if len(owners) != len(jobs):
+            raise CommpressError(f"bucket_of has {len(owners)} entries for {len(jobs)} jobs")
+        if any(not 0 <= b < len(backward_s) for b in owners) or any(
+            b > c for b, c in zip(owners, owners[1:], strict=False)
+        ):
+            raise CommpressError(
+                f"bucket_of must be non-decreasing bucket indices in [0, {len(backward_s)}), "
+                f"got {owners}"
+            )
+    if queue_depth is not None and (
+        isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1
+    ):
+        raise CommpressError(f"queue_depth must be None or an int >= 1, got {queue_depth!r}")
     if not 0.0 <= overlap_efficiency <= 1.0:
         raise CommpressError(f"overlap_efficiency must be in [0, 1], got {overlap_efficiency!r}")
     for name, value in (("forward_s", forward_s), ("optimizer_s", optimizer_s),
@@ -223,18 +255,32 @@ def simulate_step(
     prev_first: _Task | None = None  # first net segment (or first segment) of the previous job
     prev_last_net: _Task | None = None
     finals: list[_Task] = [last_backward]
-    for i, job in enumerate(jobs):
+    # Queue mode bookkeeping: last task of every earlier job, and of this bucket's jobs.
+    done_before: list[_Task] = []
+    bucket_jobs: list[_Task] = []
+    current_bucket = -1
+    for j, job in enumerate(jobs):
         if not job:
             continue
+        i = owners[j]
+        if queue_depth is not None and i != current_bucket:
+            done_before.extend(bucket_jobs)
+            bucket_jobs, current_bucket, prev_first = [], i, None
         chain: list[_Task] = []
         first_net: _Task | None = None
         last_net: _Task | None = None
+        name = f"bucket[{i}]" if bucket_of is None else f"bucket[{i}].job[{j}]"
         for k, seg in enumerate(job):
-            t = add(f"bucket[{i}].{k}:{seg.label or seg.kind}", seg, i)
+            t = add(f"{name}.{k}:{seg.label or seg.kind}", seg, i)
             if k == 0:
                 t.end_deps.append(backward_tasks[i].index)
                 if prev_first is not None:
                     t.start_deps.append(prev_first.index)
+                if queue_depth is not None:
+                    if not bucket_jobs:
+                        t.end_deps.extend(d.index for d in done_before)
+                    elif len(bucket_jobs) >= queue_depth:
+                        t.end_deps.append(bucket_jobs[-queue_depth].index)
             else:
                 t.end_deps.append(chain[-1].index)
             if seg.resource == "net":
@@ -248,6 +294,7 @@ def simulate_step(
         if last_net is not None:
             prev_last_net = last_net
         finals.append(chain[-1])
+        bucket_jobs.append(chain[-1])
     opt = add("optimizer", Segment("gpu", optimizer_s, "compute", "optimizer"), -1)
     opt.end_deps.extend(t.index for t in finals)
 

@@ -1,0 +1,916 @@
+"""Predicted against measured: real DDP runs on the emulated cluster (``commpress validate``).
+
+The performance model is only worth its advice if its predictions hold on real runs. This
+module trains the built-in GPT with DDP across real processes on the emulated cluster
+(:mod:`commpress.cluster`, via :func:`commpress.demo.e2e.run_setups`) for a grid of node
+counts, link bandwidths and codecs, measures the iteration times, and checks the model against
+them without ever fitting and reporting on the same runs.
+
+Algorithm of :func:`run_validation`:
+
+1. For each *group* of the grid (node count, processes per node, bandwidth, codecs; one
+   emulated cluster and one launch per group), first run the **calibration micro-benchmark**
+   (:func:`measure_platform`) under the same conditions: as many concurrent processes as the
+   group's world size, each with the same torch/numba thread count as a training worker.
+   Each times the built-in model's forward, backward and optimizer step on its shard of the
+   batch (no communication), and every codec's whole per-tensor codec path
+   (:func:`~commpress.perfmodel.codec_costs.calibrate_protocol_speeds`). Measuring right
+   before each launch follows the machine's load as it drifts.
+2. Launch the group: every codec trains ``steps`` steps with commpress's DDP hook; a setup's
+   measured iteration time is the median over its steady steps (after ``timing_skip``
+   start-up steps and the codec's fp16 warm-up), each step timed as the slowest rank's.
+3. Build one :class:`~commpress.perfmodel.model.Setup` per run: the workload from the
+   model's parameter shapes in DDP's buckets with the micro-benchmark's compute times, the
+   cluster from the requested link rate (TCP framing leaves 1448/1514 of it), the hook's plan
+   (:class:`~commpress.perfmodel.model.HookPlan`: small and incompressible tensors go as
+   fp16) and the group's codec speeds.
+4. :func:`split` deals the setups into a fit half and a holdout half (sorted by codec, node
+   count and bandwidth, then alternately, so each codec's runs fall in both halves);
+   :func:`~commpress.perfmodel.calibration.fit_platform` fits the platform constants
+   (:data:`VALIDATION_FIT`: overlap efficiency, per-collective overhead, effective-bandwidth
+   factor, codec-time scale, per-message latency, compute-time scale) on the fit half only;
+   the holdout half is predicted with them and compared.
+5. Report every setup (which half it was in), the holdout's median and worst absolute error
+   (issue 6's goals: 10% and 25%), a JSON file with everything measured, and a PNG scatter
+   of predicted against measured.
+
+Measurements are saved before the analysis, so :func:`analyse` can refit a saved run
+(``commpress validate --from validation.json``) without training again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from commpress.errors import CommpressError, error_context
+from commpress.perfmodel.calibration import (
+    CalibrationResult,
+    FitResult,
+    Measurement,
+    ValidationReport,
+    fit_platform,
+    validate,
+)
+from commpress.perfmodel.codec_costs import CodecSpeed, SpeedTable
+from commpress.perfmodel.collectives import TCP_EFFICIENCY, Cluster
+from commpress.perfmodel.model import HookPlan, Platform, Setup, Workload, ddp_buckets
+
+#: Format tag of the JSON written by :func:`save_run` / read by :func:`load_run`.
+RUN_FORMAT = "commpress-validation/1"
+
+#: Platform constants fitted on the fit half, in order of priority: with fewer than twice as
+#: many fit measurements as constants, only the first ones are fitted.
+VALIDATION_FIT: tuple[str, ...] = (
+    "collective_overhead_s",
+    "codec_time_scale",
+    "inter_bandwidth_scale",
+    "compute_time_scale",
+    "overlap_efficiency",
+    "message_latency_s",
+)
+
+#: Codecs of the default grid: the fp16 baseline, low-rank (two all-reduce rounds per
+#: matrix), sparsification with a summable protocol (TopKC), a non-summable 1-bit code
+#: gathered from every rank (sign) and a quantizer with a costly encoder (THC).
+DEFAULT_CODECS: tuple[str, ...] = ("fp16", "powersgd:rank=4", "topkc", "sign", "thc")
+
+#: Per-message latency assumed before calibration: the emulated links add none (no netem),
+#: so ``alpha`` is the kernel's veth and TCP path, tens of microseconds.
+BASE_LATENCY_S = 50e-6
+
+
+@dataclass(frozen=True)
+class Group:
+    """One launch of the grid: an emulated cluster and the codecs trained on it in turn.
+
+    Attributes:
+        nodes: emulated nodes (namespaces), 2 or more.
+        bandwidth: each node's link rate in ``tc`` units (``"50mbit"``, ``"2gbit"``).
+        codecs: codec spec strings, each one setup.
+        procs_per_node: training processes per node (they share the node's link).
+    """
+
+    nodes: int
+    bandwidth: str
+    codecs: tuple[str, ...]
+    procs_per_node: int = 1
+
+    def __post_init__(self) -> None:
+        from commpress.perfmodel.units import parse_bandwidth
+
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 2:
+            raise CommpressError(f"a validation group needs an int >= 2 nodes, got "
+                                 f"{self.nodes!r}")
+        if (isinstance(self.procs_per_node, bool) or not isinstance(self.procs_per_node, int)
+                or self.procs_per_node < 1):
+            raise CommpressError(f"procs_per_node must be an int >= 1, got "
+                                 f"{self.procs_per_node!r}")
+        with error_context(f"bandwidth of a validation group {self.bandwidth!r}"):
+            parse_bandwidth(self.bandwidth)
+        if not self.codecs:
+            raise CommpressError("a validation group needs at least one codec")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    def label(self, codec: str) -> str:
+        layout = f"{self.nodes}n" + (f"x{self.procs_per_node}" if self.procs_per_node > 1 else "")
+        return f"{layout} {self.bandwidth} {codec}"
+
+
+def default_grid(codecs: Sequence[str] = DEFAULT_CODECS) -> list[Group]:
+    """The full grid: 8 clusters from 50 Mbit/s to 2 Gbit/s and 2 to 4 nodes, each with every
+    codec (40 setups with the default codecs)."""
+    layouts = [(2, "50mbit"), (2, "200mbit"), (2, "1gbit"), (3, "100mbit"), (3, "500mbit"),
+               (4, "50mbit"), (4, "200mbit"), (4, "2gbit")]
+    return [Group(n, bw, tuple(codecs)) for n, bw in layouts]
+
+
+def quick_grid() -> list[Group]:
+    """Four setups on one 2-node cluster at 100 Mbit/s (a smoke test of the whole pipeline,
+    about a minute): fp16, PowerSGD, sign and TopKC."""
+    return [Group(2, "100mbit", ("fp16", "powersgd:rank=4", "sign", "topkc"))]
+
+
+def parse_group(text: str, codecs: Sequence[str]) -> Group:
+    """``"NODES:BANDWIDTH"`` or ``"NODESxPROCS:BANDWIDTH"`` (e.g. ``"4:200mbit"``,
+    ``"2x2:1gbit"``), with ``codecs``."""
+    layout, sep, bw = text.partition(":")
+    nodes, _, ppn = layout.partition("x")
+    try:
+        if not sep or not bw:
+            raise ValueError(text)
+        return Group(int(nodes), bw.strip(), tuple(codecs), int(ppn) if ppn else 1)
+    except ValueError:
+        raise CommpressError(
+            f"bad grid entry {text!r}; expected NODES:BANDWIDTH or NODESxPROCS:BANDWIDTH, "
+            "e.g. 4:200mbit or 2x2:1gbit"
+        ) from None
+
+
+# ------------------------------------------------------------------ calibration benchmark
+@dataclass(frozen=True)
+class PlatformProfile:
+    """What :func:`measure_platform` measured, for one process count.
+
+    Attributes:
+        processes: concurrent processes (the training world size on this machine).
+        threads: torch (and numba) threads per process.
+        forward_s, backward_s, optimizer_s: median per-step times of one process's shard of
+            the batch (optimizer includes gradient clipping), over steps and processes.
+        speeds: the codec speed table (median over processes of each figure).
+        wall_s: seconds the benchmark took.
+        cores: CPU cores of the machine.
+    """
+
+    processes: int
+    threads: int
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    speeds: SpeedTable
+    wall_s: float = 0.0
+    cores: int = 1
+
+    @property
+    def oversubscription(self) -> float:
+        """How many threads want each core: ``processes * threads / cores``, at least 1.
+
+        The compute timings include it (all processes compute at once, as in training), but
+        the codec timings are medians of sub-millisecond calls, which mostly fall between the
+        scheduler's preemptions; in training the hook's codec work shares the core with the
+        other processes' backward passes, so it is slowed by this factor."""
+        return max(1.0, self.processes * self.threads / max(1, self.cores))
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "processes": self.processes, "threads": self.threads,
+            "forward_s": self.forward_s, "backward_s": self.backward_s,
+            "optimizer_s": self.optimizer_s, "speeds": self.speeds.to_dict(),
+            "wall_s": self.wall_s, "cores": self.cores,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlatformProfile:
+        with error_context("reading a platform profile"):
+            return cls(
+                processes=int(data["processes"]), threads=int(data["threads"]),
+                forward_s=float(data["forward_s"]), backward_s=float(data["backward_s"]),
+                optimizer_s=float(data["optimizer_s"]),
+                speeds=SpeedTable.from_dict(data["speeds"]), wall_s=float(data.get("wall_s", 0)),
+                cores=int(data.get("cores", 1)),
+            )
+
+
+def _benchmark_worker(config_path: str, rank: int) -> int:
+    """Body of one micro-benchmark process (see :func:`measure_platform`)."""
+    cfg = json.loads(Path(config_path).read_text())
+    out = Path(cfg["dir"]) / f"result{rank}.json"
+    try:
+        import torch
+
+        threads = int(cfg["threads"])
+        torch.set_num_threads(threads)
+        try:
+            import numba
+
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        except ImportError:  # pragma: no cover - numba is a dependency
+            pass
+        from commpress.demo.data import batches, stdlib_corpus
+        from commpress.demo.model import build_model, preset
+        from commpress.demo.train import make_optimizer
+        from commpress.perfmodel.codec_costs import calibrate_protocol_speeds
+
+        processes = int(cfg["processes"])
+        config = preset(cfg["model"])
+        net = build_model(config, seed=0)
+        opt = make_optimizer(net, 3e-3)
+        data = batches(stdlib_corpus(200_000), batch_size=int(cfg["batch_size"]),
+                       context=config.context, seed=0, rank=rank, world_size=processes)
+        # Start together: announce readiness, wait for the parent's go (bounded).
+        (Path(cfg["dir"]) / f"ready{rank}").touch()
+        go = Path(cfg["dir"]) / "go"
+        deadline = time.monotonic() + float(cfg["timeout_s"])
+        while not go.exists():
+            if time.monotonic() > deadline:
+                raise CommpressError("no start signal from the parent")
+            time.sleep(0.005)
+        warm = 3
+        fwd, bwd, upd = [], [], []
+        for i in range(warm + int(cfg["steps"])):
+            x, y = next(data)
+            t0 = time.perf_counter()
+            loss = net.loss(net(x), y)
+            t1 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            t2 = time.perf_counter()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            float(loss.detach())
+            t3 = time.perf_counter()
+            if i >= warm:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+                upd.append(t3 - t2)
+        result: dict[str, Any] = {
+            "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
+            "optimizer_s": statistics.median(upd),
+        }
+        if cfg["codecs"]:
+            table = calibrate_protocol_speeds(cfg["codecs"], world_size=processes, repeats=5)
+            result["speeds"] = table.to_dict()
+    except Exception as exc:  # reported to the parent instead of a silent exit
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, default=_json_default))
+    os.replace(tmp, out)
+    return 0 if "error" not in result else 1
+
+
+def _median_speed(tables: Sequence[SpeedTable]) -> SpeedTable:
+    keys = sorted(set().union(*(t.speeds for t in tables)))
+    merged = {}
+    for k in keys:
+        entries = [t.speeds[k] for t in tables if k in t.speeds]
+        merged[k] = CodecSpeed(
+            statistics.median(e.overhead_s for e in entries),
+            statistics.median(e.encode_eps for e in entries),
+            statistics.median(e.decode_eps for e in entries),
+        )
+    return SpeedTable(merged, tables[0].source)
+
+
+def measure_platform(
+    codecs: Sequence[str],
+    *,
+    processes: int,
+    threads: int | None = None,
+    model: str = "tiny",
+    batch_size: int = 16,
+    steps: int = 12,
+    timeout_s: float = 300.0,
+) -> PlatformProfile:
+    """The calibration micro-benchmark: compute and codec times under training conditions.
+
+    Algorithm:
+
+    1. Start ``processes`` processes at once (as many as train concurrently on this machine),
+       each with ``threads`` torch and numba threads (default: the training workers' share,
+       ``max(1, cores // processes)``).
+    2. Each builds the model, takes 3 warm-up steps, then ``steps`` timed steps on its shard of
+       a ``batch_size`` batch, all processes starting every step together (a barrier), timing
+       forward (with the loss), backward, and gradient clipping plus the AdamW step
+       separately. No communication: this is the compute DDP overlaps with.
+    3. Then each runs :func:`~commpress.perfmodel.codec_costs.calibrate_protocol_speeds`
+       for ``codecs`` at world size ``processes``, concurrently, so the codec figures include
+       the same contention for cores.
+    4. Medians over steps, then over processes.
+
+    Tuning: ``steps`` 10-20 is enough for the tiny model (a step is tens of milliseconds); a
+    busy machine needs more.
+    """
+    import subprocess
+    import tempfile
+
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise CommpressError(f"processes must be an int >= 1, got {processes!r}")
+    if batch_size % processes:
+        raise CommpressError(f"batch_size {batch_size} must be a multiple of the number of "
+                             f"processes {processes}")
+    threads = threads or max(1, (os.cpu_count() or 1) // processes)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="commpress-bench-") as tmp:
+        cfg = {"dir": tmp, "threads": threads, "processes": processes, "model": model,
+               "batch_size": batch_size, "steps": steps, "codecs": list(codecs),
+               "timeout_s": timeout_s}
+        config_path = Path(tmp) / "config.json"
+        config_path.write_text(json.dumps(cfg))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "commpress.perfmodel.validate", "--benchmark-worker",
+                 str(config_path), str(r)],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            )
+            for r in range(processes)
+        ]
+        deadline = time.monotonic() + timeout_s
+        try:
+            def wait_for(names: list[Path], what: str) -> None:
+                while not all(n.exists() for n in names):
+                    if time.monotonic() > deadline:
+                        raise CommpressError(
+                            f"the calibration micro-benchmark timed out after {timeout_s:g} s "
+                            f"waiting for {what}"
+                        )
+                    if any(p.poll() not in (None, 0) for p in procs):
+                        errs = [p.stderr.read() if p.stderr else "" for p in procs
+                                if p.poll() not in (None, 0)]
+                        raise CommpressError(
+                            "a calibration micro-benchmark process died: "
+                            + (errs[0].strip().splitlines() or ["no output"])[-1]
+                        )
+                    time.sleep(0.02)
+
+            wait_for([Path(tmp) / f"ready{r}" for r in range(processes)], "the processes to start")
+            (Path(tmp) / "go").touch()
+            wait_for([Path(tmp) / f"result{r}.json" for r in range(processes)], "the results")
+            results = [json.loads((Path(tmp) / f"result{r}.json").read_text())
+                       for r in range(processes)]
+        finally:
+            for p in procs:
+                try:
+                    p.wait(timeout=10.0)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=10.0)
+                if p.stderr:
+                    p.stderr.close()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise CommpressError(f"the calibration micro-benchmark failed: {errors[0]}")
+    return PlatformProfile(
+        processes=processes, threads=threads,
+        forward_s=statistics.median(r["forward_s"] for r in results),
+        backward_s=statistics.median(r["backward_s"] for r in results),
+        optimizer_s=statistics.median(r["optimizer_s"] for r in results),
+        speeds=(_median_speed([SpeedTable.from_dict(r["speeds"]) for r in results])
+                if codecs else SpeedTable({}, "not measured")),
+        wall_s=time.perf_counter() - t0,
+        cores=os.cpu_count() or 1,
+    )
+
+
+# ------------------------------------------------------------------ measured runs
+@dataclass
+class Run:
+    """One measured setup: where and what it ran, and its iteration times.
+
+    Attributes:
+        group_index: index of its :class:`Group` in :attr:`ValidationRun.groups`.
+        codec: codec spec.
+        label: ``"<nodes>n <bandwidth> <codec>"``.
+        measured_s: median steady iteration time (seconds).
+        spread_s: 10th and 90th percentile of the steady iteration times.
+        step_times: every step's time (slowest rank).
+        steady_from: first step counted in ``measured_s``.
+        bits_per_coord: collective input bits per gradient element (from the run).
+        replicas_identical: whether all ranks ended with the same parameters.
+    """
+
+    group_index: int
+    codec: str
+    label: str
+    measured_s: float
+    spread_s: tuple[float, float]
+    step_times: list[float]
+    steady_from: int
+    bits_per_coord: float
+    replicas_identical: bool
+
+
+@dataclass
+class ValidationRun:
+    """Everything measured by :func:`run_validation` (and saved to JSON)."""
+
+    groups: list[Group]
+    profiles: list[PlatformProfile]
+    runs: list[Run]
+    model: str
+    steps: int
+    batch_size: int
+    hook: HookPlan
+    date: str = ""
+    command: str = ""
+    wall_s: float = 0.0
+    load: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": RUN_FORMAT,
+            "date": self.date,
+            "command": self.command,
+            "model": self.model,
+            "steps": self.steps,
+            "batch_size": self.batch_size,
+            "hook": self.hook.to_dict(),
+            "wall_s": self.wall_s,
+            "load": self.load,
+            "groups": [asdict(g) for g in self.groups],
+            "profiles": [p.to_dict() for p in self.profiles],
+            "runs": [asdict(r) for r in self.runs],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ValidationRun:
+        if data.get("format") != RUN_FORMAT:
+            raise CommpressError(
+                f"not a validation run: expected format {RUN_FORMAT!r} as written by "
+                "`commpress validate`"
+            )
+        with error_context("reading a validation run"):
+            runs = []
+            for r in data["runs"]:
+                r = dict(r)
+                r["spread_s"] = tuple(r["spread_s"])
+                runs.append(Run(**r))
+            return cls(
+                groups=[Group(g["nodes"], g["bandwidth"], tuple(g["codecs"]),
+                              g.get("procs_per_node", 1)) for g in data["groups"]],
+                profiles=[PlatformProfile.from_dict(p) for p in data["profiles"]],
+                runs=runs, model=str(data["model"]), steps=int(data["steps"]),
+                batch_size=int(data["batch_size"]), hook=HookPlan(**data["hook"]),
+                date=str(data.get("date", "")), command=str(data.get("command", "")),
+                wall_s=float(data.get("wall_s", 0.0)),
+                load=[float(x) for x in data.get("load", [])],
+            )
+
+
+def save_run(run: ValidationRun, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(run.to_dict(), indent=1, default=_json_default) + "\n")
+
+
+def load_run(path: str | Path) -> ValidationRun:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CommpressError(f"cannot read validation run {path}: {exc}") from exc
+    if isinstance(data, Mapping) and "measurements" in data:  # a full report: take its runs
+        data = data["measurements"]
+    return ValidationRun.from_dict(data)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {value!r}")
+
+
+def _loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover
+        return math.nan
+
+
+def run_validation(
+    groups: Sequence[Group],
+    *,
+    steps: int = 20,
+    warmup_steps: int = 2,
+    timing_skip: int = 3,
+    model: str = "tiny",
+    batch_size: int = 16,
+    benchmark_steps: int = 12,
+    use_cluster: bool | None = True,
+    progress: bool = True,
+    work_dir: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ValidationRun:
+    """Measure every setup of ``groups`` (steps 1-2 of the module's algorithm).
+
+    Args:
+        groups: the grid, one launch each.
+        steps: training steps per setup. The measured time is the median over the steps after
+            ``max(timing_skip, warmup_steps)``; 20 steps leave 17.
+        warmup_steps: fp16 steps before a lossy codec starts (commpress's schedule); they are
+            not timed. 2 is enough for timing (convergence is not measured here).
+        timing_skip: first steps excluded as start-up (JIT, DDP's bucket rebuild).
+        model: built-in model preset.
+        batch_size: global rows per step (a multiple of every world size: 16 fits 2 and 4,
+            48 fits 3 too; the default is rounded up per group).
+        benchmark_steps: steps of the compute micro-benchmark before each group.
+        use_cluster: ``True`` requires the emulated cluster (root and network namespaces);
+            ``None`` falls back to unshaped local processes (the links are then not what the
+            model is told, so the comparison is meaningless except as a smoke test).
+        progress: a tqdm bar over all training steps of the grid.
+        work_dir: keep each launch's files (``group<i>/``) there (default: temporary).
+        log: called with one line per finished group (default: nothing).
+    """
+    from commpress.demo.e2e import Setup as RunSetup
+    from commpress.demo.e2e import run_setups
+
+    if not groups:
+        raise CommpressError("the validation grid is empty")
+    for name, value, low in (("steps", steps, 2), ("warmup_steps", warmup_steps, 0),
+                             ("timing_skip", timing_skip, 0),
+                             ("benchmark_steps", benchmark_steps, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise CommpressError(f"{name} must be an int >= {low}, got {value!r}")
+    if max(timing_skip, warmup_steps) >= steps - 1:
+        raise CommpressError(
+            f"steps={steps} leaves fewer than 2 timed steps after timing_skip={timing_skip} "
+            f"and warmup_steps={warmup_steps}"
+        )
+    hook = HookPlan(min_numel=4096, min_compression_rate=2.0, fallback_codec="fp16")
+    total_setups = sum(len(g.codecs) for g in groups)
+    bar: Any = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_setups * steps, desc="validate", unit="step", file=sys.stderr)
+    t_start = time.perf_counter()
+    speeds_by_size: dict[int, SpeedTable] = {}
+    profiles: list[PlatformProfile] = []
+    runs: list[Run] = []
+    loads: list[float] = []
+    try:
+        for gi, group in enumerate(groups):
+            ws = group.world_size
+            bs = batch_size if batch_size % ws == 0 else ws * math.ceil(batch_size / ws)
+            loads.append(_loadavg())
+            if bar is not None:
+                bar.set_postfix_str(f"calibrating {ws} processes")
+            # Compute before every launch (it follows the machine's load); codec speeds once
+            # per world size, for every codec the grid runs at that size.
+            todo = [] if ws in speeds_by_size else sorted(
+                {"fp16", *(c for g in groups if g.world_size == ws for c in g.codecs)})
+            profile = measure_platform(todo, processes=ws, model=model, batch_size=bs,
+                                       steps=benchmark_steps)
+            if todo:
+                speeds_by_size[ws] = profile.speeds
+            else:
+                profile = replace(profile, speeds=speeds_by_size[ws])
+            profiles.append(profile)
+            setups = [RunSetup(codec=c, label=group.label(c), warmup_steps=warmup_steps,
+                               min_numel=hook.min_numel,
+                               min_compression_rate=hook.min_compression_rate)
+                      for c in group.codecs]
+            seen: dict[int, int] = {}
+
+            def on_event(event: dict[str, Any], seen: dict[int, int] = seen,
+                         group: Group = group) -> None:
+                if bar is None or event.get("event") != "step":
+                    return
+                idx = int(event.get("setup", 0))
+                step = int(event.get("step", 0))
+                bar.update(max(0, step - seen.get(idx, 0)))
+                seen[idx] = step
+                bar.set_postfix_str(str(event.get("label", group.label(""))))
+
+            gdir = None if work_dir is None else Path(work_dir) / f"group{gi}"
+            with error_context(f"running group {group.label('').strip()}"):
+                results = run_setups(
+                    setups, nodes=group.nodes, procs_per_node=group.procs_per_node,
+                    bandwidth=group.bandwidth, use_cluster=use_cluster, steps=steps,
+                    batch_size=bs, model=model, timing_skip=timing_skip,
+                    eval_every=steps + 1, eval_batches=1, work_dir=gdir, progress=on_event,
+                )
+            for i, (codec, res) in enumerate(zip(group.codecs, results, strict=True)):
+                runs.append(Run(
+                    group_index=gi, codec=codec, label=res.label,
+                    measured_s=res.step_time_median,
+                    spread_s=tuple(res.step_time_spread),  # type: ignore[arg-type]
+                    step_times=list(res.step_times), steady_from=res.steady_from,
+                    bits_per_coord=res.bits_per_coord,
+                    replicas_identical=res.replicas_identical,
+                ))
+                if bar is not None:  # steps the progress file did not report
+                    bar.update(max(0, steps - seen.get(i, 0)))
+                    seen[i] = steps
+                if not res.network.get("mode") == "emulated" and use_cluster:
+                    raise CommpressError(f"{res.label} did not run on the emulated cluster: "
+                                         f"{res.network.get('note')}")
+            if log is not None:
+                log(f"{group.label('').strip()}: " + ", ".join(
+                    f"{r.codec} {r.measured_s * 1e3:.0f} ms" for r in runs[-len(results):]))
+    finally:
+        if bar is not None:
+            bar.close()
+    return ValidationRun(
+        groups=list(groups), profiles=profiles, runs=runs, model=model, steps=steps,
+        batch_size=batch_size, hook=hook, date=time.strftime("%Y-%m-%d %H:%M"),
+        wall_s=time.perf_counter() - t_start, load=loads,
+    )
+
+
+# ------------------------------------------------------------------ analysis
+def model_setup(run: ValidationRun, r: Run) -> Setup:
+    """The performance-model :class:`Setup` of one measured run (step 3 of the algorithm)."""
+    group = run.groups[r.group_index]
+    profile = run.profiles[r.group_index]
+    buckets = ddp_buckets(_model_shapes(run.model))
+    workload = Workload(
+        buckets=tuple(tuple(b) for b in buckets), forward_s=profile.forward_s,
+        backward_s=profile.backward_s, optimizer_s=profile.optimizer_s,
+        name=f"{run.model} GPT",
+    )
+    cluster = Cluster.build(
+        nodes=group.nodes, gpus_per_node=group.procs_per_node, inter_bw=group.bandwidth,
+        inter_latency=BASE_LATENCY_S, inter_efficiency=TCP_EFFICIENCY,
+        intra_bw="10gbit", intra_latency=BASE_LATENCY_S,
+    )
+    return Setup(
+        workload=workload, cluster=cluster, codec=r.codec, label=r.label, hook=run.hook,
+        speeds=SpeedTable.builtin().merged(profile.speeds).scaled(profile.oversubscription),
+        extra={"codec": r.codec, "nodes": group.nodes, "bandwidth": group.bandwidth,
+               "procs_per_node": group.procs_per_node},
+    )
+
+
+_SHAPES: dict[str, list[tuple[int, ...]]] = {}
+
+
+def _model_shapes(model: str) -> list[tuple[int, ...]]:
+    if model not in _SHAPES:
+        from commpress.demo.model import build_model, preset
+
+        net = build_model(preset(model), seed=0)
+        _SHAPES[model] = [tuple(p.shape) for p in net.parameters() if p.requires_grad]
+    return _SHAPES[model]
+
+
+def _split_key(m: Measurement) -> tuple[Any, ...]:
+    from commpress.perfmodel.units import parse_bandwidth
+
+    e = m.setup.extra
+    return (str(e.get("codec", m.setup.codec)), int(e.get("nodes", m.setup.cluster.nodes)),
+            int(e.get("procs_per_node", 1)),
+            parse_bandwidth(e["bandwidth"]) if "bandwidth" in e else 0.0, m.setup.label)
+
+
+def split(measurements: Sequence[Measurement]) -> tuple[list[Measurement], list[Measurement]]:
+    """Fit and holdout halves: sorted by codec, layout and bandwidth, dealt alternately (step
+    4). Each codec's runs alternate between the halves, and because the deal carries on
+    across codecs, a codec with an odd number of runs hands the next codec's first run to the
+    other half; so every codec and most clusters appear in both halves. No run is in both."""
+    if len(measurements) < 2:
+        raise CommpressError(f"need at least 2 measured setups to split, got "
+                             f"{len(measurements)}")
+    ordered = sorted(measurements, key=_split_key)
+    return ordered[0::2], ordered[1::2]
+
+
+def fit_names(n_fit: int, names: Sequence[str] = VALIDATION_FIT) -> tuple[str, ...]:
+    """The constants to fit with ``n_fit`` measurements: at most ``n_fit // 2`` (two
+    measurements per constant), in :data:`VALIDATION_FIT`'s priority order, at least one."""
+    return tuple(names[: max(1, min(len(names), n_fit // 2))])
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """Result of :func:`analyse`.
+
+    Attributes:
+        calibration: the fit (on the fit half) and the reports on both halves.
+        ideal: the uncalibrated model's report on the holdout half (for comparison).
+        measurements: every measurement, in run order.
+    """
+
+    calibration: CalibrationResult
+    ideal: ValidationReport
+    measurements: tuple[Measurement, ...]
+
+    @property
+    def holdout(self) -> ValidationReport:
+        return self.calibration.holdout_report
+
+    def passes(self, median: float = 0.10, worst: float = 0.25) -> bool:
+        return self.holdout.passes(median, worst)
+
+
+def analyse(run: ValidationRun, *, fit: Sequence[str] | None = None,
+            max_iter: int = 400) -> Analysis:
+    """Fit on one half of ``run``'s setups and validate on the other (steps 3-4)."""
+    measurements = [Measurement(model_setup(run, r), r.measured_s) for r in run.runs
+                    if math.isfinite(r.measured_s) and r.measured_s > 0]
+    if len(measurements) < 2:
+        raise CommpressError(f"need at least 2 measured setups, got {len(measurements)}")
+    fit_half, holdout = split(measurements)
+    names = tuple(fit) if fit is not None else fit_names(len(fit_half))
+    # Constants not fitted stay ideal; fitted ones start inside their range so the search can
+    # move both ways.
+    initial = {"overlap_efficiency": 0.8, "collective_overhead_s": 1e-3,
+               "message_latency_s": 1e-4}
+    start = Platform(**{k: v for k, v in initial.items() if k in names})
+    result: FitResult = fit_platform(fit_half, fit=names, start=start, max_iter=max_iter,
+                                     name=f"fitted on {len(fit_half)} runs")
+    calibration = CalibrationResult(
+        fit=result,
+        fit_report=validate(fit_half, result.platform),
+        holdout_report=validate(holdout, result.platform),
+    )
+    return Analysis(calibration, validate(holdout, Platform()), tuple(measurements))
+
+
+# ------------------------------------------------------------------ output
+def report_rows(analysis: Analysis) -> list[dict[str, Any]]:
+    """One row per setup: label, half, predicted, measured, signed error."""
+    rows = []
+    for half, rep in (("fit", analysis.calibration.fit_report), ("holdout", analysis.holdout)):
+        for r in rep.rows:
+            rows.append({"label": r.label, "half": half, "predicted_s": r.predicted_s,
+                         "measured_s": r.measured_s, "error": r.error})
+    order = {m.setup.label: i for i, m in enumerate(analysis.measurements)}
+    rows.sort(key=lambda row: order.get(row["label"], 0))
+    return rows
+
+
+def table(analysis: Analysis) -> str:
+    """The predicted-vs-measured table and the summary lines."""
+    from commpress.cli.table import render_table
+    from commpress.perfmodel.units import format_seconds
+
+    rows = report_rows(analysis)
+    body = render_table(
+        ["setup", "half", "predicted", "measured", "error"],
+        [[r["label"], r["half"], format_seconds(r["predicted_s"]),
+          format_seconds(r["measured_s"]), f"{r['error']:+.1%}"] for r in rows],
+    )
+    hold, fitrep = analysis.holdout, analysis.calibration.fit_report
+    p = analysis.calibration.fit.platform
+    lines = [
+        body,
+        "",
+        f"fitted on {len(fitrep.rows)} runs ({', '.join(analysis.calibration.fit.fitted)}): "
+        + platform_summary(p),
+        f"fit half:     median |error| {fitrep.median_abs_error:.1%}, worst "
+        f"{fitrep.worst_abs_error:.1%}",
+        f"holdout half: median |error| {hold.median_abs_error:.1%}, worst "
+        f"{hold.worst_abs_error:.1%} over {len(hold.rows)} runs "
+        f"(goal 10% / 25%: {'met' if analysis.passes() else 'NOT met'})",
+        f"uncalibrated model on the holdout: median |error| "
+        f"{analysis.ideal.median_abs_error:.1%}, worst {analysis.ideal.worst_abs_error:.1%}",
+    ]
+    return "\n".join(lines)
+
+
+def platform_summary(p: Platform) -> str:
+    from commpress.perfmodel.units import format_seconds
+
+    return (f"overlap efficiency {p.overlap_efficiency:.2f}, collective overhead "
+            f"{format_seconds(p.collective_overhead_s)}, bandwidth x"
+            f"{p.inter_bandwidth_scale:.3f}, codec time x{p.codec_time_scale:.2f}, message "
+            f"latency {format_seconds(p.message_latency_s)}, compute time "
+            f"x{p.compute_time_scale:.2f}")
+
+
+def report_dict(run: ValidationRun, analysis: Analysis) -> dict[str, Any]:
+    """JSON report: the summary, every row, the fitted platform and the raw measurements."""
+    hold = analysis.holdout
+    fitrep = analysis.calibration.fit_report
+    return {
+        "format": "commpress-validation-report/1",
+        "summary": {
+            "setups": len(analysis.measurements),
+            "fit_setups": len(fitrep.rows),
+            "holdout_setups": len(hold.rows),
+            "holdout_median_abs_error": hold.median_abs_error,
+            "holdout_worst_abs_error": hold.worst_abs_error,
+            "fit_median_abs_error": fitrep.median_abs_error,
+            "fit_worst_abs_error": fitrep.worst_abs_error,
+            "uncalibrated_holdout_median_abs_error": analysis.ideal.median_abs_error,
+            "uncalibrated_holdout_worst_abs_error": analysis.ideal.worst_abs_error,
+            "goal_met": analysis.passes(),
+            "fitted": list(analysis.calibration.fit.fitted),
+        },
+        "platform": analysis.calibration.fit.platform.to_dict(),
+        "rows": report_rows(analysis),
+        "measurements": run.to_dict(),
+    }
+
+
+def plot(analysis: Analysis, path: str | Path) -> None:
+    """Scatter of predicted against measured (log-log): holdout filled, fit half hollow, the
+    diagonal and the +-10% and +-25% bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report_rows(analysis)
+    if not rows:
+        raise CommpressError("nothing to plot")
+    codecs = sorted({r["label"].split(" ", 2)[-1] for r in rows})
+    colours = {c: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(codecs)}
+    xs = [r["measured_s"] for r in rows] + [r["predicted_s"] for r in rows]
+    lo, hi = min(xs) / 1.3, max(xs) * 1.3
+    fig, ax = plt.subplots(figsize=(6.4, 5.6), constrained_layout=True)
+    line = [lo, hi]
+    ax.plot(line, line, color="black", lw=1)
+    for f, style in ((0.10, "--"), (0.25, ":")):
+        ax.plot(line, [v * (1 + f) for v in line], color="grey", lw=0.8, ls=style)
+        ax.plot(line, [v * (1 - f) for v in line], color="grey", lw=0.8, ls=style,
+                label=f"+-{f:.0%}")
+    for r in rows:
+        codec = r["label"].split(" ", 2)[-1]
+        hold = r["half"] == "holdout"
+        ax.scatter(r["measured_s"] * 1e3 / 1e3, r["predicted_s"], s=36,
+                   facecolors=colours[codec] if hold else "none", edgecolors=colours[codec],
+                   linewidths=1.2)
+    for c in codecs:
+        ax.scatter([], [], color=colours[c], label=c, s=36)
+    ax.scatter([], [], facecolors="none", edgecolors="black", label="fit half", s=36)
+    ax.scatter([], [], color="black", label="holdout half", s=36)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured iteration time (s)")
+    ax.set_ylabel("predicted iteration time (s)")
+    hold = analysis.holdout
+    ax.set_title(f"commpress validate: holdout median |error| {hold.median_abs_error:.1%}, "
+                 f"worst {hold.worst_abs_error:.1%}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = [
+    "DEFAULT_CODECS",
+    "RUN_FORMAT",
+    "VALIDATION_FIT",
+    "Analysis",
+    "Group",
+    "PlatformProfile",
+    "Run",
+    "ValidationRun",
+    "analyse",
+    "default_grid",
+    "fit_names",
+    "load_run",
+    "measure_platform",
+    "model_setup",
+    "parse_group",
+    "plot",
+    "quick_grid",
+    "report_dict",
+    "run_validation",
+    "save_run",
+    "split",
+    "table",
+]
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m commpress.perfmodel.validate",
+        description="Worker of commpress.perfmodel.validate.measure_platform (started by it; "
+        "not meant to be run by hand). Use `commpress validate`.",
+    )
+    p.add_argument("--benchmark-worker", nargs=2, metavar=("CONFIG", "RANK"), required=True)
+    args = p.parse_args(argv)
+    return _benchmark_worker(args.benchmark_worker[0], int(args.benchmark_worker[1]))
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

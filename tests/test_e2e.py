@@ -1,0 +1,249 @@
+"""End-to-end runner (commpress.demo.e2e) and ``commpress demo``.
+
+The unit tests need no processes. The real runs launch 2 gloo workers through torchrun on
+local loopback (a few steps each); the emulated-cluster run needs root and network namespaces
+(marker ``netns``) and skips with the reason elsewhere. Every launch has a timeout, so a hang
+becomes a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commpress.cli import main as cli_main
+from commpress.cli.demo_cmd import speedup_rows
+from commpress.cluster import namespaces_available
+from commpress.demo.e2e import (
+    CollectiveBytes,
+    RunResult,
+    Setup,
+    elapsed_clock,
+    link_tx_bytes,
+    load_results,
+    resolve_layout,
+    run_setups,
+)
+from commpress.errors import CommpressError
+
+HAVE_NETNS, NETNS_REASON = namespaces_available()
+#: Each launch starts torchrun plus 2 workers that import torch: ~5-15 s on a busy 2-core box.
+LAUNCH_TIMEOUT_S = 240
+
+
+def _result(**changes: object) -> RunResult:
+    """A hand-made result with round numbers (what the workers would write)."""
+    base: dict[str, object] = dict(
+        label="x", codec="fp16", codec_config={"id": "fp16"}, setup={}, world_size=2,
+        nodes=1, procs_per_node=2, network={"mode": "local"}, model="tiny", steps=6,
+        batch_size=4, lr=3e-3, seed=0, losses=[5.0] * 6,
+        step_times=[9.0, 3.0, 1.0, 1.0, 2.0, 1.0],
+        step_times_by_rank=[[9.0, 3.0, 1.0, 1.0, 2.0, 1.0]] * 2, timing_skip=2, steady_from=2,
+        elapsed=[1.0, 2.0, 3.0, 4.0, 6.0, 7.0], startup_s=10.0,
+        eval_steps=[0, 3, 6], eval_losses=[5.5, 3.0, 2.5], eval_times=[0.0, 3.0, 7.0],
+        bytes_per_step=[400, 400, 100, 100, 100, 100], grad_numel=100,
+        link_bytes_per_step=None, plans={}, checksums=["ab", "ab"], wall_s=20.0,
+    )
+    base.update(changes)
+    return RunResult(**base)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ units
+def test_elapsed_clock_charges_startup_at_the_following_median() -> None:
+    # Steps 0-1 are start-up; the next five are 1, 1, 2, 1, 1 -> median 1, so steps 0-1 are
+    # charged 1 each (excess 9-1 + 3-1 = 10) and the rest count as measured.
+    clock, excess = elapsed_clock([9.0, 3.0, 1.0, 1.0, 2.0, 1.0, 1.0], timing_skip=2)
+    assert clock == [1.0, 2.0, 3.0, 4.0, 6.0, 7.0, 8.0]
+    assert excess == pytest.approx(10.0)
+    # A start-up step faster than the charge keeps its own time; skip 0 changes nothing.
+    assert elapsed_clock([0.5, 2.0, 2.0], timing_skip=1) == ([0.5, 2.5, 4.5], 0.0)
+    assert elapsed_clock([3.0, 1.0], timing_skip=0) == ([3.0, 4.0], 0.0)
+    assert elapsed_clock([], timing_skip=2) == ([], 0.0)
+
+
+def test_run_result_statistics_and_round_trip() -> None:
+    r = _result()
+    # Steady steps are 2.. : [1, 1, 2, 1] -> median 1; 10th/90th percentiles interpolate.
+    assert r.step_time_median == 1.0
+    lo, hi = r.step_time_spread
+    assert lo == pytest.approx(1.0) and hi == pytest.approx(1.7)  # 1 + 0.7 * (2 - 1)
+    assert r.bits_per_coord == pytest.approx(8.0)  # 100 bytes * 8 / 100 elements
+    assert r.time_to_loss(3.0) == 3.0 and r.steps_to_loss(3.0) == 3
+    assert r.time_to_loss(2.6) == 7.0
+    assert r.time_to_loss(2.0) is None and r.steps_to_loss(2.0) is None
+    assert r.final_eval_loss == 2.5 and r.replicas_identical
+    assert not _result(checksums=["ab", "cd"]).replicas_identical
+    again = RunResult.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert again == r
+    with pytest.raises(CommpressError, match="missing field"):
+        RunResult.from_dict({"label": "x"})
+
+
+def test_speedup_rows_against_the_first_run() -> None:
+    base = _result(label="fp16")
+    fast = _result(label="fast", eval_times=[0.0, 1.5, 3.5])
+    never = _result(label="never", eval_losses=[5.5, 4.0, 3.5])
+    rows = speedup_rows([base, fast, never], target=2.6)
+    assert [r["speedup"] for r in rows] == [1.0, 2.0, None]
+    assert rows[1]["time_to_target_s"] == 3.5 and rows[2]["time_to_target_s"] is None
+
+
+def test_layout_and_setup_errors() -> None:
+    local = resolve_layout(world_size=2, nodes=None, procs_per_node=None, bandwidth=None,
+                           latency=None, use_cluster=False)
+    assert (local.nodes, local.procs_per_node, local.emulated) == (1, 2, False)
+    assert "not shaped" in local.note
+    with pytest.raises(CommpressError, match="does not match"):
+        resolve_layout(world_size=3, nodes=2, procs_per_node=1, bandwidth=None, latency=None,
+                       use_cluster=False)
+    with pytest.raises(CommpressError, match="at least 2 processes"):
+        resolve_layout(world_size=None, nodes=1, procs_per_node=1, bandwidth=None,
+                       latency=None, use_cluster=False)
+    with pytest.raises(CommpressError, match="unknown codec id"):
+        Setup(codec="nosuchcodec").check()
+    with pytest.raises(CommpressError, match="warmup_steps"):
+        Setup(codec="sign", warmup_steps=-1).check()
+    with pytest.raises(CommpressError, match="multiple of the world size"):
+        run_setups(["fp16"], world_size=2, batch_size=5, steps=2, use_cluster=False)
+    with pytest.raises(CommpressError, match="distinct"):
+        run_setups(["fp16", "fp16"], world_size=2, steps=2, use_cluster=False)
+
+
+def test_collective_bytes_counts_inputs_and_restores() -> None:
+    original = dist.all_reduce
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            with CollectiveBytes() as counter:
+                dist.all_reduce(torch.ones(100, dtype=torch.float32))  # 400 bytes
+                out = [torch.empty(7, dtype=torch.float16)]
+                dist.all_gather(out, torch.ones(7, dtype=torch.float16))  # 14 bytes
+            dist.all_reduce(torch.ones(3))  # after exit: not counted
+        finally:
+            dist.destroy_process_group()
+    assert (counter.total, counter.calls) == (414, 2)
+    assert dist.all_reduce is original
+
+
+def test_link_tx_bytes_reads_this_namespace() -> None:
+    assert isinstance(link_tx_bytes("lo"), int)
+    assert link_tx_bytes("no-such-iface0") is None
+
+
+# ------------------------------------------------------------------------------ real runs
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_runner_two_local_processes(tmp_path: object) -> None:
+    steps = 6
+    results = run_setups(
+        ["fp16", Setup(codec="powersgd:rank=2", warmup_steps=2), Setup(codec="sign",
+                                                                       warmup_steps=2)],
+        world_size=2, use_cluster=False, steps=steps, batch_size=8, eval_every=3,
+        eval_batches=1, timeout_s=LAUNCH_TIMEOUT_S, work_dir=str(tmp_path),
+    )
+    fp16, psgd, sign = results
+    assert [r.label for r in results] == ["fp16", "powersgd:rank=2", "sign"]
+    for r in results:
+        assert r.network["mode"] == "local" and r.world_size == 2
+        assert r.replicas_identical, r.checksums
+        assert len(r.step_times) == steps and all(t > 0 for t in r.step_times)
+        assert r.step_times == [max(a, b) for a, b in zip(*r.step_times_by_rank, strict=True)]
+        assert r.eval_steps == [0, 3, 6] and all(math.isfinite(v) for v in r.eval_losses)
+        assert r.elapsed == sorted(r.elapsed) and r.eval_times[0] == 0.0
+        assert r.link_bytes_per_step is None
+    # Same weights and data: the first step's loss and the untrained eval are identical.
+    assert fp16.losses[0] == psgd.losses[0] == sign.losses[0]
+    assert fp16.eval_losses[0] == psgd.eval_losses[0]
+    # fp16 sends exactly 2 bytes per gradient element every step.
+    assert fp16.bytes_per_step == [2 * fp16.grad_numel] * steps
+    assert fp16.bits_per_coord == 16.0
+    # Compressed runs send fp16 during their 2 warm-up steps, then less: PowerSGD rank 2
+    # sends 2 (m + n) fp32 per m x n matrix (m, n >= 128 here: <= 1/16 of fp16's 2 m n
+    # bytes) plus the fp16 small tensors; sign sends 1 bit + a scale per coordinate.
+    for r in (psgd, sign):
+        assert r.bytes_per_step[:2] == [2 * r.grad_numel] * 2
+        assert r.steady_from == 2
+        assert max(r.bytes_per_step[2:]) < 0.15 * fp16.bytes_per_step[0]
+    assert 1.0 < sign.bits_per_coord < 1.5
+    assert psgd.plans["powersgd"]["tensors"] > 0 and psgd.plans["fp16"]["tensors"] > 0
+    assert load_results(os.path.join(str(tmp_path), "results.json")) == results
+
+
+@pytest.mark.timeout(60)
+def test_runner_timeout_is_a_clear_error(tmp_path: object) -> None:
+    with pytest.raises(CommpressError, match="timed out after 1 s"):
+        run_setups(["fp16"], world_size=2, use_cluster=False, steps=50, timeout_s=1,
+                   work_dir=str(tmp_path))
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_demo_cli_errors() -> None:
+    code, _, err = _cli("demo", "--codecs", "fp16", "--no-cluster")
+    assert code == 2 and "at least one codec besides the fp16 baseline" in err
+    code, _, err = _cli("demo", "--codecs", "nosuchcodec", "--no-cluster")
+    assert code == 2 and "unknown codec id" in err
+    code, _, err = _cli("demo", "--steps", "5", "--warmup-steps", "5", "--no-cluster")
+    assert code == 2 and "leaves no compressed step" in err
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_demo_cli_quick(tmp_path: object) -> None:
+    out = os.path.join(str(tmp_path), "demo")
+    code, stdout, err = _cli("demo", "--quick", "--no-cluster", "--no-progress", "--out", out)
+    assert code == 0, err
+    assert "| codec" in stdout and "| fp16" in stdout and "| powersgd:rank=4" in stdout
+    assert "links are not shaped" in stdout and "target eval loss" in stdout
+    with open(os.path.join(out, "demo.png"), "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(os.path.join(out, "demo.json")) as fh:
+        report = json.load(fh)
+    assert report["format"] == "commpress-demo"
+    assert [row["label"] for row in report["table"]] == ["fp16", "powersgd:rank=4"]
+    assert report["table"][0]["speedup"] == 1.0
+    base = RunResult.from_dict(report["runs"][0])
+    assert report["target_loss"] == pytest.approx(base.final_eval_loss + 0.02)
+    assert all(RunResult.from_dict(r).replicas_identical for r in report["runs"])
+    # --quick compresses after 2 fp16 steps: PowerSGD's steady bits are far below 16.
+    assert report["table"][1]["bits_per_coord"] < 4
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not HAVE_NETNS, reason=f"needs root and network namespaces: {NETNS_REASON}")
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_runner_on_emulated_cluster(tmp_path: object) -> None:
+    rate = 50e6  # bits/s
+    results = run_setups(
+        ["fp16", Setup(codec="sign", warmup_steps=1)], nodes=2, bandwidth="50mbit", steps=5,
+        batch_size=8, eval_every=5, eval_batches=1, timeout_s=LAUNCH_TIMEOUT_S,
+        work_dir=str(tmp_path),
+    )
+    fp16, sign = results
+    for r in results:
+        assert r.network["mode"] == "emulated" and r.nodes == 2 and r.replicas_identical
+        assert r.link_bytes_per_step is not None and len(r.link_bytes_per_step) == 5
+        # Node 0's link carries at least what rank 0 hands to collectives (at 2 ranks gloo
+        # sends each rank's whole input once), plus TCP/IP and gloo headers.
+        assert r.link_bytes_median is not None
+        assert r.link_bytes_median >= 0.95 * r.bytes_per_step_median
+    # Shaping is real: a step cannot send node 0's bytes faster than 50 Mbit/s, except for
+    # the token bucket's burst (default 2 ms of traffic, at least 128 KB).
+    burst = 128 * 1024
+    fp16_link, sign_link = fp16.link_bytes_median, sign.link_bytes_median
+    assert fp16_link is not None and sign_link is not None
+    assert fp16.step_time_median >= 0.9 * (fp16_link - burst) * 8 / rate
+    # sign sends ~1.1 bits per coordinate against fp16's 16 (steady steps, after 1 warm-up).
+    assert sign_link < 0.2 * fp16_link
