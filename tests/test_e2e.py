@@ -117,6 +117,21 @@ def test_layout_and_setup_errors() -> None:
         run_setups(["fp16", "fp16"], world_size=2, steps=2, use_cluster=False)
 
 
+def test_layout_without_namespaces_falls_back_or_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    import commpress.cluster
+
+    monkeypatch.setattr(commpress.cluster, "namespaces_available",
+                        lambda: (False, "simulated: not root"))
+    layout = resolve_layout(world_size=None, nodes=2, procs_per_node=1, bandwidth="50mbit",
+                            latency=None, use_cluster=None)
+    assert (layout.nodes, layout.procs_per_node, layout.emulated) == (2, 1, False)
+    assert "simulated: not root" in layout.note and "NOT shaped" in layout.note
+    assert "50mbit ignored" in layout.note and layout.network()["bandwidth"] is None
+    with pytest.raises(CommpressError, match="cannot emulate a cluster: simulated"):
+        resolve_layout(world_size=None, nodes=2, procs_per_node=1, bandwidth="50mbit",
+                       latency=None, use_cluster=True)
+
+
 def test_collective_bytes_counts_inputs_and_restores() -> None:
     original = dist.all_reduce
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,7 +16,6 @@ from commpress.codecs import bytegroup as bg
 from commpress.codecs.lossless import GROUPING_IDS, NetZip
 from commpress.errors import CommpressError
 from commpress.testing import check_round_trip, gaussian, run_all_contract_checks
-
 from dist_utils import run_workers
 
 KERNELS = ["numba", "torch"]
@@ -316,7 +315,7 @@ def test_sender_reset_alone_is_safe_and_keyframes_resync_late_joiners() -> None:
         if step == 4:
             NetZip.reset(sender.state)  # the sender restarts: keyframe next, receivers fine
     assert len(decoded_late) == len(xs) - 3
-    for out, x in zip(decoded_late, xs[3:]):
+    for out, x in zip(decoded_late, xs[3:], strict=True):
         assert_bit_exact(out, x)
 
 
@@ -343,7 +342,7 @@ def test_previous_delta_reduction_over_steps_in_simulation() -> None:
         sim = simulate(codec, inputs, step=step, states=states, need_local=True)
         states = sim.states
         exact = torch.stack([t.float() for t in inputs]).sum(0).to(torch.bfloat16)
-        for total, local, x in zip(sim.totals, sim.locals, inputs):
+        for total, local, x in zip(sim.totals, sim.locals, inputs, strict=True):
             assert torch.equal(bits_of(total), bits_of(exact))
             assert local is not None
             assert_bit_exact(local, x)
@@ -377,7 +376,7 @@ def test_previous_delta_across_real_processes() -> None:
         expected.append(torch.stack([x.to(torch.bfloat16).float() for x in xs]).sum(0).to(
             torch.bfloat16))
     for per_rank in results:
-        for got, want in zip(per_rank, expected):
+        for got, want in zip(per_rank, expected, strict=True):
             assert torch.equal(bits_of(got), bits_of(want))
 
 

@@ -199,7 +199,10 @@ class GroupStats:
         n = self.numel
         if not n:
             return np.zeros(0)
-        return sum(t.numel * np.asarray(getattr(t, attr)) for t in self.tensors) / n
+        total = np.zeros_like(np.asarray(getattr(self.tensors[0], attr), dtype=np.float64))
+        for t in self.tensors:
+            total = total + t.numel * np.asarray(getattr(t, attr), dtype=np.float64)
+        return total / n
 
     @property
     def bit_entropy(self) -> np.ndarray:

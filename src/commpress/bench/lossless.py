@@ -45,7 +45,9 @@ from commpress.cli.table import render_table
 from commpress.codecs import CodecContext, get_codec
 from commpress.errors import CommpressError, error_context
 
-FILE_RE = re.compile(r"^(?P<kind>[a-z_]+)_step(?P<step>\d+)_(?P<dtype>bf16|fp16|fp32)\.safetensors$")
+FILE_RE = re.compile(
+    r"^(?P<kind>[a-z_]+)_step(?P<step>\d+)_(?P<dtype>bf16|fp16|fp32)\.safetensors$"
+)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ZIPNN_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -146,6 +148,31 @@ def _from_bytes(data: Any, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(buf.copy()).view(like.dtype).reshape(like.shape)
 
 
+def _zstd_contender(zstandard: Any, level: int) -> Contender:
+    cctx = zstandard.ZstdCompressor(level=level)
+    dctx = zstandard.ZstdDecompressor()
+
+    def encode(x: torch.Tensor) -> bytes:
+        return bytes(cctx.compress(_bytes_of(x)))
+
+    def decode(blob: bytes, like: torch.Tensor) -> torch.Tensor:
+        return _from_bytes(dctx.decompress(blob), like)
+
+    return Contender(f"zstd-{level} (raw bytes)", encode, decode, len)
+
+
+def _blosc2_contender(blosc2: Any, filt: Any, fname: str, codec: Any, cname: str,
+                      level: int) -> Contender:
+    def encode(x: torch.Tensor) -> bytes:
+        return bytes(blosc2.compress2(_bytes_of(x), typesize=x.element_size(), clevel=level,
+                                      filters=[filt], codec=codec, nthreads=1))
+
+    def decode(blob: bytes, like: torch.Tensor) -> torch.Tensor:
+        return _from_bytes(blosc2.decompress2(blob, nthreads=1), like)
+
+    return Contender(f"blosc2 {fname}+{cname} (level {level})", encode, decode, len)
+
+
 def peer_contenders() -> list[Contender]:
     """Raw LZ4, raw zstd 1 and 3, blosc2 (shuffle / bitshuffle x lz4 / zstd), zipnn."""
     import lz4.block
@@ -163,14 +190,7 @@ def peer_contenders() -> list[Contender]:
         )
     ]
     for level in (1, 3):
-        cctx = zstandard.ZstdCompressor(level=level)
-        dctx = zstandard.ZstdDecompressor()
-        out.append(Contender(
-            f"zstd-{level} (raw bytes)",
-            lambda x, c=cctx: c.compress(_bytes_of(x)),
-            lambda b, like, d=dctx: _from_bytes(d.decompress(b), like),
-            len,
-        ))
+        out.append(_zstd_contender(zstandard, level))
     try:
         import blosc2
 
@@ -179,15 +199,7 @@ def peer_contenders() -> list[Contender]:
                             (blosc2.Filter.BITSHUFFLE, "bitshuffle")):
             for codec, cname, level in ((blosc2.Codec.LZ4, "lz4", 5),
                                         (blosc2.Codec.ZSTD, "zstd", 1)):
-                out.append(Contender(
-                    f"blosc2 {fname}+{cname}",
-                    lambda x, f=filt, c=codec, lv=level: blosc2.compress2(
-                        _bytes_of(x), typesize=x.element_size(), clevel=lv, filters=[f],
-                        codec=c, nthreads=1,
-                    ),
-                    lambda b, like: _from_bytes(blosc2.decompress2(b, nthreads=1), like),
-                    len,
-                ))
+                out.append(_blosc2_contender(blosc2, filt, fname, codec, cname, level))
     except ImportError:  # pragma: no cover - optional peer
         pass
     try:
@@ -299,14 +311,14 @@ def measure(contender: Contender, samples: Sequence[Sample], *, repeat: int,
 
     def enc_all(inputs: Sequence[torch.Tensor]) -> list[Any]:
         if contender.stateful:
-            return [contender.encode(x, _key(s)) for x, s in zip(inputs, ordered)]  # type: ignore[call-arg]
+            return [contender.encode(x, _key(s)) for x, s in zip(inputs, ordered, strict=True)]  # type: ignore[call-arg]
         return [contender.encode(x) for x in inputs]
 
     def dec_all(blobs: Sequence[Any]) -> list[torch.Tensor]:
         if contender.stateful:
             return [contender.decode(b, s.tensor, _key(s))  # type: ignore[call-arg]
-                    for b, s in zip(blobs, ordered)]
-        return [contender.decode(b, s.tensor) for b, s in zip(blobs, ordered)]
+                    for b, s in zip(blobs, ordered, strict=True)]
+        return [contender.decode(b, s.tensor) for b, s in zip(blobs, ordered, strict=True)]
 
     best_enc = best_dec = float("inf")
     blobs: list[Any] = []
@@ -321,7 +333,7 @@ def measure(contender: Contender, samples: Sequence[Sample], *, repeat: int,
         if run or runs == 1:  # the first run warms up (kernel compilation, caches)
             best_enc, best_dec = min(best_enc, t1 - t0), min(best_dec, t2 - t1)
         if run == runs - 1:
-            for s, out in zip(ordered, outs):
+            for s, out in zip(ordered, outs, strict=True):
                 a = out.reshape(-1).contiguous().view(torch.uint8)
                 b = s.tensor.reshape(-1).contiguous().view(torch.uint8)
                 if not torch.equal(a, b):

@@ -24,6 +24,7 @@ COMMANDS: list[str] = [
     "predict_cmd",
     "sweep_cmd",
     "advise_cmd",
+    "validate_cmd",
     "demo_cmd",
 ]
 

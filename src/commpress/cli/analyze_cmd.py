@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             groups.append(g)
             achieved[label] = {
                 spec: achieved_ratio(c, [t for _, t in named])
-                for spec, c in zip(args.configs, codecs)
+                for spec, c in zip(args.configs, codecs, strict=True)
             }
     print(render(groups, achieved, args.configs))
     if args.png:

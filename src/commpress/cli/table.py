@@ -15,7 +15,7 @@ def format_cell(value: Any) -> str:
         if value == 0 or 1e-3 <= abs(value) < 1e5:
             return f"{value:.4g}"
         return f"{value:.3e}"
-    return str(value)
+    return str(value).replace("|", "\\|")  # keep Markdown table cells intact
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

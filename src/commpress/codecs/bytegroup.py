@@ -191,7 +191,7 @@ def _load() -> dict[str, Callable[..., Any]] | None:
             try:
                 import numba
 
-                compiled = {}
+                compiled: dict[str, Callable[..., Any]] = {}
                 for name in _KERNELS:  # in order: a kernel may call those compiled before it
                     fn = globals()[name]
                     if not isinstance(fn, numba.core.dispatcher.Dispatcher):
@@ -296,18 +296,31 @@ def _nb_emit_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits
         else:
             rb11 = rb - 44
             bad = 0
-            for j in range(m):
-                v = np.int64(row[j])
-                code = ((v >> man) & emask) - ((rb11 + c4[j]) >> 2)
-                ok = (code >= 0) & (code <= 14)
-                bad += 1 - ok
-                tt[j] = np.uint8(code if ok else 15)
+            if nplanes == 1 and not has_rem:  # bf16: codes and the one plane in one loop
+                out = mant[0, k : k + m]
+                for j in range(m):
+                    v = np.int64(row[j])
+                    code = ((v >> man) & emask) - ((rb11 + c4[j]) >> 2)
+                    ok = (code >= 0) & (code <= 14)
+                    bad += 1 - ok
+                    tt[j] = np.uint8(code if ok else 15)
+                    out[j] = np.uint8((v & mmask) | (((v >> sbit) & 1) << man))
+            else:
+                for j in range(m):
+                    v = np.int64(row[j])
+                    code = ((v >> man) & emask) - ((rb11 + c4[j]) >> 2)
+                    ok = (code >= 0) & (code <= 14)
+                    bad += 1 - ok
+                    tt[j] = np.uint8(code if ok else 15)
             if bad:
                 for j in range(m):
                     if tt[j] == 15:
                         if ne < esc.size:
                             esc[ne] = (np.int64(row[j]) >> man) & emask
                         ne += 1
+            if nplanes == 1 and not has_rem:
+                k += m
+                continue
         for q in range(nplanes):
             out = mant[q, k : k + m]
             sh = 8 * q
@@ -988,7 +1001,6 @@ def _decode_exponent_torch(
         nz = None
         if kept != n:
             raise CommpressError(f"{kept} stored elements for a tensor of {n} without bitmap")
-    rows, cols = ctx.rows, ctx.cols
     pred = ((_t(r4, device)[:, None] + _t(c4, device)[None, :] + 2) >> 2).reshape(-1)[:n]
     if nz is not None:
         pred = pred[nz]
@@ -1046,7 +1058,7 @@ def bit_planes(words: torch.Tensor, lay: Layout) -> list[torch.Tensor]:
 def from_bit_planes(planes: list[torch.Tensor], lay: Layout, count: int) -> torch.Tensor:
     device = planes[0].device if planes else torch.device("cpu")
     acc = torch.zeros(count, dtype=torch.int64, device=device)
-    for k, plane in zip(reversed(range(lay.bits)), planes):
+    for k, plane in zip(reversed(range(lay.bits)), planes, strict=True):
         bit = unpack_bits(plane, 1, count).to(torch.int64)
         if k == 63:
             acc = torch.where(bit.bool(), acc | torch.iinfo(torch.int64).min, acc)

@@ -75,7 +75,7 @@ from commpress.errors import CommpressError
 MAGIC = b"NZ"
 VERSION = 1
 
-GROUPING_IDS = {name: i for i, name in enumerate(bg.GROUPINGS)}
+GROUPING_IDS: dict[str, int] = {name: i for i, name in enumerate(bg.GROUPINGS)}
 DELTAS = ("none", "min", "mean", "median", "previous")
 DELTA_IDS = {name: i for i, name in enumerate(DELTAS)}
 _XOR_BIT = 0x10
@@ -283,7 +283,9 @@ class NetZip(Codec):
         for d in deltas:
             for g in groupings:
                 trial = dataclasses.replace(
-                    self, grouping=g, delta="none" if d == "previous" else d,
+                    self,
+                    grouping=g,  # type: ignore[arg-type]
+                    delta="none" if d == "previous" else d,  # type: ignore[arg-type]
                     context=self.context if g == "exponent" else "none",
                 )
                 size = float(trial._encode(sample, CodecContext()).nbytes)
@@ -376,6 +378,7 @@ class NetZip(Codec):
                 sections.append(_Section(T_MASK, planes.mask, "side"))
             if planes.r4 is not None or cx.c4 is not None:
                 if planes.r4 is None:
+                    assert cx.c4 is not None
                     stats = cx.c4
                 elif cx.c4 is None:
                     stats = planes.r4 - g4
@@ -477,6 +480,7 @@ class NetZip(Codec):
         for s in sections:
             data = s.data
             name = self._backend_for(s)
+            blob: bytes | np.ndarray
             if name == "raw" or not data.size:
                 used, blob = "raw", data
             else:
@@ -495,8 +499,8 @@ class NetZip(Codec):
                 blob if isinstance(blob, np.ndarray) else np.frombuffer(blob, dtype=np.uint8)
             )
             pos += size
-        crc = zlib.crc32(out[:pos]) & 0xFFFFFFFF
-        _CRC.pack_into(out, pos, crc)
+        crc = zlib.crc32(out[:pos].data) & 0xFFFFFFFF
+        _CRC.pack_into(out.data, pos, crc)
         return out, crc
 
     def fingerprint(self) -> str:
@@ -604,7 +608,7 @@ class NetZip(Codec):
                 raise CommpressError(f"section {tag} names unknown backend id {backend_id}")
             if tag in planes:
                 raise CommpressError(f"section {tag} appears twice")
-            blob = memoryview(buf[pos : pos + stored])
+            blob = buf[pos : pos + stored].data
             planes[tag] = bk.decompress(bk.BACKENDS[backend_id], blob, raw_len)
             pos += stored
         return planes
@@ -759,14 +763,14 @@ def _header_prefix(
 def _parse(buf: np.ndarray) -> _Header:
     if buf.size < len(MAGIC) + 1 + _CRC.size:
         raise CommpressError(f"payload stream of {buf.size} bytes is too short (truncated?)")
-    (stored_crc,) = _CRC.unpack_from(buf, buf.size - _CRC.size)
-    actual = zlib.crc32(memoryview(buf[: buf.size - _CRC.size])) & 0xFFFFFFFF
+    (stored_crc,) = _CRC.unpack_from(buf.data, buf.size - _CRC.size)
+    actual = zlib.crc32(buf[: buf.size - _CRC.size].data) & 0xFFFFFFFF
     if actual != stored_crc:
         raise CommpressError(
             f"payload checksum mismatch (stored {stored_crc:08x}, computed {actual:08x}): the "
             "stream is corrupted or truncated"
         )
-    view = memoryview(buf[: buf.size - _CRC.size])
+    view = buf[: buf.size - _CRC.size].data
     r = _Reader(view)
     magic = bytes([r.byte(), r.byte()])
     if magic != MAGIC:

@@ -42,23 +42,31 @@ class TopkcLayout:
     selected: int
 
 
+#: Order key of NaN in :func:`select_chunks`: one above +Inf's float32 bit pattern.
+_NAN_KEY = 0x7F800001
+
+
 def select_chunks(norms: torch.Tensor, count: int) -> torch.Tensor:
     """Indices (ascending) of the ``count`` largest entries of ``norms``; ties go to the lower
-    index, NaN counts as ``+Inf``.
+    index, and NaN ranks above everything, ``+Inf`` included.
 
     Every worker calls this on the same all-reduced norms, so all pick the same chunks. The
     norms are non-negative, so the bits of their float32 value order like the values; each key
     packs those bits above the complemented index, which makes keys unique and the choice of
-    ``torch.topk`` deterministic on any device.
+    ``torch.topk`` deterministic on any device. A NaN norm comes only from a NaN/Inf input
+    (finite chunks' norms are clamped to a finite value, see :class:`TopKC`), so non-finite
+    chunks are always chosen first; ``+Inf`` (a sum of clamped norms that overflowed the wire
+    type) comes next, ties broken by index.
     """
     if count == 0:
         return torch.zeros(0, dtype=torch.int64, device=norms.device)
     if count >= norms.numel():
         return torch.arange(norms.numel(), device=norms.device)
     v = norms.to(torch.float32).abs()  # squared norms are >= 0; abs maps -0.0 to +0.0
-    v = torch.where(torch.isnan(v), torch.full_like(v, math.inf), v)
+    bits = v.view(torch.int32).to(torch.int64)
+    bits = torch.where(torch.isnan(v), torch.full_like(bits, _NAN_KEY), bits)
     index = torch.arange(v.numel(), device=v.device, dtype=torch.int64)
-    keys = (v.view(torch.int32).to(torch.int64) << 32) | ((1 << 32) - 1 - index)
+    keys = (bits << 32) | ((1 << 32) - 1 - index)
     chosen = torch.topk(keys, count, sorted=False).indices
     return torch.sort(chosen).values
 
@@ -72,10 +80,12 @@ class TopKC(Codec):
 
     1. Split the flattened ``x`` into ``ceil(d/C')`` chunks of ``C' = min(chunk_size, d)``
        consecutive coordinates (the last one zero-padded) and compute each chunk's squared L2
-       norm (accumulated in float32, sent as a 16-bit float).
+       norm in float64 (no overflow or underflow for any float32 input), clamp it to the
+       largest finite value of the 16-bit wire type and send it in that type.
     2. Round 1: ``AllReduce`` (sum) of the squared norms: ``s_p = sum_i ||c_p^(i)||^2``.
     3. Every worker picks the same ``J`` chunks with the largest ``s_p`` (ties go to the lower
-       chunk index; a NaN norm counts as ``+Inf``, so non-finite chunks are always sent).
+       chunk index; a NaN norm, which only a NaN/Inf input produces, ranks above everything,
+       so non-finite chunks are always sent).
     4. Round 2: ``AllReduce`` (sum) of the ``J * C'`` values of those chunks in a 16-bit float
        (with ``average`` they are divided by ``n`` first, as PyTorch's fp16 hook does, to keep
        sums in range).
@@ -99,10 +109,17 @@ class TopKC(Codec):
             bits. The paper's best time-to-accuracy was at ``b = 8`` (``chunk_ratio ~= 0.48``).
         num_chunks: an explicit ``J`` (capped at the chunk count) that overrides
             ``chunk_ratio`` when set; the same ``J`` is then used for tensors of every size.
-        norm_dtype: wire type of the squared norms. ``"bfloat16"`` (default) cannot overflow
-            for any realistic gradient; ``"float16"`` (the paper's choice) overflows to
-            ``+Inf`` once a chunk's summed squared norm exceeds 65504, and such chunks then tie
-            and are chosen by index.
+        norm_dtype: wire type of the squared norms, whose range decides which chunks can
+            still be told apart. ``"bfloat16"`` (default) orders squared norms from about
+            ``1e-40`` to ``3.4e38``, i.e. chunks of ``C = 64`` values from ``|x| ~ 1e-21`` to
+            ``|x| ~ 2e18``; ``"float16"`` (the paper's choice) only up to 65504 (``|x| ~ 32``).
+            A chunk above that range is clamped to the type's largest value (never ``+Inf``,
+            which used to make huge chunks tie with non-finite ones), so huge chunks still
+            rank above every smaller one but tie among themselves and are chosen by index;
+            a sum of clamped norms across workers may overflow to ``+Inf``, with the same
+            effect. Chunks below the range round to 0 and tie likewise. Ordering degrades
+            gracefully at both ends; it is exact in between (up to the 8-bit, resp. 11-bit,
+            rounding of the norms).
         value_dtype: wire type of the chosen values, ``"float16"`` as in the paper (values
             beyond +-65504 become +-Inf) or ``"bfloat16"`` (fp32's range, 8 mantissa bits).
     """
@@ -112,8 +129,8 @@ class TopKC(Codec):
     multi_round: ClassVar[bool] = True
     summary: ClassVar[str] = "TopK Chunked: all-reduced chunk norms pick shared top-J chunks"
     nonfinite: ClassVar[str] = (
-        "a NaN/Inf makes its chunk's norm non-finite, so that chunk is always sent and decodes "
-        "to NaN/Inf"
+        "a NaN/Inf makes its chunk's norm NaN, so that chunk is always sent and decodes to "
+        "NaN/Inf; finite chunks get finite (clamped) norms"
     )
 
     chunk_size: int = param(64, "C: coordinates per chunk")
@@ -164,9 +181,13 @@ class TopKC(Codec):
         return flat.view(lay.chunks, lay.chunk)
 
     def _norms(self, chunks: torch.Tensor) -> torch.Tensor:
-        acc = torch.float64 if chunks.dtype == torch.float64 else torch.float32
-        sq = torch.linalg.vector_norm(chunks, ord=2, dim=1, dtype=acc).square()
-        return sq.to(self._norm_dtype)
+        """Squared chunk norms in the wire type: float64 arithmetic (|x| up to 3.4e38 squared
+        and summed over a chunk stays far inside float64's range), finite values clamped to
+        the wire type's largest finite value, NaN for chunks holding a NaN or Inf."""
+        sq = torch.linalg.vector_norm(chunks, ord=2, dim=1, dtype=torch.float64).square()
+        top = torch.finfo(self._norm_dtype).max
+        sq = torch.where(torch.isinf(sq), torch.full_like(sq, math.nan), sq.clamp(max=top))
+        return sq.to(torch.float32).to(self._norm_dtype)
 
     def _payload(
         self, x: torch.Tensor, norms: torch.Tensor, values: torch.Tensor, summed: int = 1

@@ -319,6 +319,9 @@ class Platform:
             raise CommpressError(f"cannot read platform file {path}: {exc}") from exc
 
 
+_BUCKET_JOBS: dict[tuple[Any, str, tuple[Shape, ...]], list[tuple[Any, list[Shape]]]] = {}
+
+
 @dataclass(frozen=True)
 class HookPlan:
     """How commpress's DDP hook (:func:`commpress.ddp.register`) reduces a bucket; pass it to
@@ -375,6 +378,15 @@ class HookPlan:
     def bucket_jobs(self, codec: Any, bucket: Sequence[Shape]) -> list[tuple[Any, list[Shape]]]:
         """The exchanges of one bucket, in the hook's order: ``(codec, shapes)`` pairs, one
         flat group per element-wise cast first, then one per remaining tensor."""
+        key = (self, codec.fingerprint() + codec.codec_id, tuple(tuple(s) for s in bucket))
+        cached = _BUCKET_JOBS.get(key)
+        if cached is None:
+            if len(_BUCKET_JOBS) > 4096:
+                _BUCKET_JOBS.clear()
+            cached = _BUCKET_JOBS[key] = self._bucket_jobs(codec, bucket)
+        return [(c, list(shapes)) for c, shapes in cached]
+
+    def _bucket_jobs(self, codec: Any, bucket: Sequence[Shape]) -> list[tuple[Any, list[Shape]]]:
         groups: dict[str, tuple[Any, list[Shape]]] = {}
         singles: list[tuple[Any, list[Shape]]] = []
         for shape in bucket:
@@ -550,7 +562,7 @@ def _predict_hooked(
     cache: dict[tuple[str, tuple[Shape, ...]], Any] = {}
     for b, (codec, bucket) in enumerate(zip(codecs, workload.buckets, strict=True)):
         for c, shapes in hook.bucket_jobs(codec, bucket):
-            key = (c.fingerprint() + c.codec_id, tuple(shapes))
+            key = (str(id(c)), tuple(shapes))
             if key not in cache:
                 flat = c.codec_id in ELEMENTWISE_CODECS
                 with error_context(f"planning {spec_key(c)} for {len(shapes)} tensor(s)"):
