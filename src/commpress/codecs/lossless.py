@@ -474,9 +474,11 @@ class NetZip(Codec):
         raise CommpressError(f"unknown grouping {grouping!r}; accepted: {bg.GROUPINGS}")
 
     def _frame(self, sections: list[_Section], *, header: bytearray) -> tuple[np.ndarray, int]:
+        """Compress every section, then lay out header, sections and CRC in one buffer."""
         blobs: list[Any] = []
-        _put_varint(header, len(sections))
+        header.append(len(sections))  # at most a dozen sections: a one-byte varint
         level = self.level
+        backend_ids = bk.BACKEND_IDS
         for s in sections:
             data = s.data
             name = self._backend_for(s)
@@ -486,7 +488,8 @@ class NetZip(Codec):
             else:
                 used, blob = bk.compressed_or_raw(name, data, level=level)  # type: ignore[arg-type]
             blobs.append(blob)
-            header += bytes((s.tag, bk.BACKEND_IDS[used]))
+            header.append(s.tag)
+            header.append(backend_ids[used])
             _put_varint(header, data.size)
             _put_varint(header, len(blob))
         pos = len(header)
@@ -802,8 +805,8 @@ def _parse(buf: np.ndarray) -> _Header:
         source, seq, ref_seq = r.varint(), r.varint(), r.varint()
         ref_crc = r.u32()
         step = r.varint()
-    nsec = r.varint()
-    if nsec > 256:
+    nsec = r.byte()
+    if nsec > 127:
         raise CommpressError(f"payload claims {nsec} sections")
     sections = []
     for _ in range(nsec):

@@ -17,6 +17,7 @@ import torch
 
 from commpress.codecs.base import Codec, CodecContext, Payload, param, require
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
+from commpress.codecs.quantize import require_seed
 from commpress.codecs.registry import register_codec
 from commpress.errors import CommpressError, error_context
 
@@ -39,6 +40,30 @@ def orthonormalize(p: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, q, torch.full((), math.nan, dtype=q.dtype, device=q.device))
 
 
+def headroom_log2(world_size: int, length: int) -> int:
+    """``k`` with ``2^k >= 2 * world_size * sqrt(length)``: the power of two by which a sum over
+    ``world_size`` workers of dot products of ``length``-long rows of ``M`` (entries at most
+    float32's maximum) with unit vectors is kept below half of float32's maximum.
+
+    By Cauchy-Schwarz, ``|m . u| <= ||m|| ||u|| <= sqrt(length) max|M|`` for a unit ``u``, and
+    every partial sum of the products is bounded the same way (apply it to ``|m|`` and
+    ``|u|``); ``n`` workers add a factor ``n``; the factor 2 covers rounding."""
+    return max(0, math.ceil(math.log2(world_size) + 0.5 * math.log2(max(length, 1)))) + 1
+
+
+def unit_columns(q: torch.Tensor) -> torch.Tensor:
+    """``q`` with each column multiplied by the power of two that puts its L2 norm in
+    ``[1/2, 1)`` (norms taken in float64, so no overflow; zero columns stay zero).
+
+    Exact, and harmless to PowerSGD: ``P = M Q`` is only orthonormalized, and QR gives the
+    same ``P_hat`` for positively rescaled columns. All workers hold the same ``Q``, so they
+    scale it alike.
+    """
+    norms = torch.linalg.vector_norm(q.double(), dim=0)
+    _, exponent = torch.frexp(norms)
+    return torch.ldexp(q, -exponent.to(q.dtype).unsqueeze(0))
+
+
 @register_codec
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PowerSGD(Codec):
@@ -59,16 +84,29 @@ class PowerSGD(Codec):
        seeded by ``(seed, key, step)`` and shared by all workers, so every worker starts from
        the same ``Q``. Stored columns that are zero or non-finite are re-drawn the same way, so
        one bad step cannot disable a rank component forever.
-    2. ``P_i = M_i Q``; all-reduce (sum): ``P = sum_i P_i = (sum_i M_i) Q``.
+    2. Scale each column of ``Q`` by a power of two to a norm in ``[1/2, 1)``, then by
+       ``2^-kP`` with ``2^kP >= 2 n sqrt(m)`` (``n`` workers); ``P_i = M_i Q``; all-reduce
+       (sum): ``P = sum_i P_i = (sum_i M_i) Q``. The scaling is exact, changes nothing below
+       (only the span of ``P`` matters), and keeps every entry and partial sum of ``P`` under
+       half of float32's maximum even for ``|M|`` near 3.4e38 (Cauchy-Schwarz).
     3. Orthonormalize ``P`` by QR in float32. Every worker holds the same ``P`` and runs the
        same operations, so ``P_hat`` is identical everywhere.
-    4. ``Q_i = M_i^T P_hat``; all-reduce (sum): ``Q = (sum_i M_i)^T P_hat``.
+    4. ``Q_i = M_i^T P_hat 2^-kQ`` with ``2^kQ >= 2 n sqrt(rows)``; all-reduce (sum):
+       ``Q = 2^-kQ (sum_i M_i)^T P_hat``, again below half of float32's maximum.
     5. Repeat 2-4 ``power_iterations - 1`` more times starting from this ``Q``.
-    6. The aggregate is ``P_hat Q^T = P_hat P_hat^T sum_i M_i``, the projection of the summed
-       gradient onto an ``r``-dimensional subspace (divided by the world size when the context
-       asks for the mean). This worker's own contribution, for error feedback, is
-       ``P_hat Q_i^T``. With ``warm_start`` the summed ``Q`` is stored in ``ctx.state`` for the
-       next step.
+    6. The aggregate is ``2^kQ P_hat Q^T = P_hat P_hat^T sum_i M_i``, the projection of the
+       summed gradient onto an ``r``-dimensional subspace (divided by the world size when the
+       context asks for the mean, inside the same final multiplication, so a representable
+       mean never overflows). This worker's own contribution, for error feedback, is
+       ``2^kQ P_hat Q_i^T``. With ``warm_start`` the summed (scaled) ``Q`` is stored in
+       ``ctx.state`` for the next step; its scale does not matter (step 2 renormalizes it).
+
+    Range of inputs: finite inputs never produce NaN; a result whose true value exceeds the
+    dtype's range (a sum that overflows) becomes ``+-Inf``, as a float all-reduce would. The
+    price of the headroom: the products of steps 2 and 4 are formed at about
+    ``1 / (2 n sqrt(dim))`` of their natural scale, so matrices whose entries are all below
+    ``~1e-30`` lose relative precision to float32 underflow. (float64 inputs are computed in
+    float32 like the others, so beyond float32's range they behave as non-finite.)
 
     Without warm start each step is one power iteration from a random start. With it,
     consecutive steps continue the same subspace iteration, so on slowly changing gradients the
@@ -76,8 +114,9 @@ class PowerSGD(Codec):
     Eckart-Young optimum (the energy in singular values beyond ``r``).
 
     ``encode`` alone is the single-worker version: the payload holds ``p`` (``P_hat``, ``n x r``)
-    and ``q`` (``m x r``), both float32, i.e. ``32 r (n + m) / (n m)`` bits per coordinate, and
-    it updates ``ctx.state`` like a reduction would.
+    and ``q`` (``Q 2^-kQ`` for one worker, ``m x r``), both float32, i.e.
+    ``32 r (n + m) / (n m)`` bits per coordinate, and it updates ``ctx.state`` like a reduction
+    would; decoding computes ``2^kQ p q^T``.
 
     The codec is declared ``summable`` because its exchanges are plain sums of float32 factors,
     and ``multi_round`` because it needs two of them: aggregate it through :meth:`reduce`, never
@@ -98,8 +137,9 @@ class PowerSGD(Codec):
             2 (the default) is a good floor, raise it when exchanges are latency-bound.
         min_numel: also skip tensors smaller than this many elements (they are cheap to send
             exactly, and two rounds cost more latency than they save bandwidth).
-        seed: base of the shared stream that draws the initial ``Q``; it must be equal on all
-            workers (it is part of the configuration, so it is).
+        seed: base of the shared stream that draws the initial ``Q`` (an integer in
+            ``[0, 2**63)``); it must be equal on all workers (it is part of the configuration,
+            so it is).
     """
 
     codec_id: ClassVar[str] = "powersgd"
@@ -107,7 +147,8 @@ class PowerSGD(Codec):
     multi_round: ClassVar[bool] = True
     summary: ClassVar[str] = "rank-r power iteration P Q^T, warm-started; two all-reduce rounds"
     nonfinite: ClassVar[str] = (
-        "a NaN/Inf poisons its P (and the whole approximation) with NaN; QR is never run on it"
+        "a NaN/Inf poisons its P (and the whole approximation) with NaN; QR is never run on it. "
+        "Finite inputs never give NaN (power-of-two headroom keeps P and Q finite)"
     )
 
     rank: int = param(4, "rank r of the approximation P Q^T (>= 1)")
@@ -128,6 +169,7 @@ class PowerSGD(Codec):
             self.min_compression_rate,
         )
         require(self.min_numel >= 0, "min_numel must be >= 0", self.min_numel)
+        require_seed(self.seed)
 
     # ------------------------------------------------------------------ planning
     def plan(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, int, int] | None:
@@ -182,10 +224,11 @@ class PowerSGD(Codec):
         n, m, r = planned
         mat = x.reshape(n, m).to(torch.float32)
         q = self.initial_q(ctx, m, r, x.device)
+        k_p, k_q = headroom_log2(1, m), headroom_log2(1, n)  # encode is the 1-worker version
         p_hat = q  # replaced below; power_iterations >= 1
         for _ in range(self.power_iterations):
-            p_hat = orthonormalize(mat @ q)
-            q = mat.T @ p_hat
+            p_hat = orthonormalize(mat @ torch.ldexp(unit_columns(q), _pow2(-k_p, q)))
+            q = mat.T @ torch.ldexp(p_hat, _pow2(-k_q, p_hat))
         self._store(ctx, q)
         return self.make_payload(x, {"p": p_hat, "q": q})
 
@@ -197,7 +240,10 @@ class PowerSGD(Codec):
         n, m, r = planned
         p = self.part(payload, "p", numel=n * r, dtype=torch.float32).reshape(n, r)
         q = self.part(payload, "q", numel=m * r, dtype=torch.float32).reshape(m, r)
-        return (p @ q.T).to(payload.dtype).reshape(payload.shape)
+        # q is Q 2^-kQ (see encode): restore the scale after the product, where an
+        # out-of-range value can only become +-Inf
+        out = (p @ q.T).mul_(2.0 ** headroom_log2(1, n))
+        return out.to(payload.dtype).reshape(payload.shape)
 
     def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
         """Aggregate with the other workers: one round when sent exactly, otherwise two
@@ -214,20 +260,33 @@ class PowerSGD(Codec):
         with error_context(f"{self.codec_id}.reduce"):
             mat = x.reshape(n, m).to(torch.float32)
             q = self.initial_q(ctx, m, r, x.device)
+            k_p, k_q = headroom_log2(ctx.world_size, m), headroom_log2(ctx.world_size, n)
         p_hat = q_local = q  # replaced below; power_iterations >= 1
         for _ in range(self.power_iterations):
-            p_sum = (yield AllReduce(tensors={"p": mat @ q}))["p"]
+            with error_context(f"{self.codec_id}.reduce"):
+                p_local = mat @ torch.ldexp(unit_columns(q), _pow2(-k_p, q))
+            p_sum = (yield AllReduce(tensors={"p": p_local}))["p"]
             with error_context(f"{self.codec_id}.reduce"):
                 p_hat = orthonormalize(p_sum)
-                q_local = mat.T @ p_hat
+                q_local = mat.T @ torch.ldexp(p_hat, _pow2(-k_q, p_hat))
             q = (yield AllReduce(tensors={"q": q_local}))["q"]
         with error_context(f"{self.codec_id}.reduce"):
             self._store(ctx, q)
-            total = self.finish_total(p_hat @ q.T, ctx).to(x.dtype).reshape(x.shape)
+            # P_hat Q^T is the result times 2^-kQ (no partial sum can overflow); one final
+            # multiplication restores the scale and, when averaging, divides by n
+            factor = 2.0**k_q
+            if ctx.average and ctx.world_size > 1:
+                factor /= ctx.world_size
+            total = (p_hat @ q.T).mul_(factor).to(x.dtype).reshape(x.shape)
             local = None
             if ctx.need_local:
-                local = (p_hat @ q_local.T).to(x.dtype).reshape(x.shape)
+                local = (p_hat @ q_local.T).mul_(2.0**k_q).to(x.dtype).reshape(x.shape)
         return Reduced(total=total, local=local)
 
 
-__all__ = ["STATE_Q", "PowerSGD", "orthonormalize"]
+def _pow2(exponent: int, like: torch.Tensor) -> torch.Tensor:
+    """``exponent`` as a 0-d tensor for :func:`torch.ldexp` (exact power-of-two scaling)."""
+    return torch.tensor(exponent, dtype=like.dtype, device=like.device)
+
+
+__all__ = ["STATE_Q", "PowerSGD", "headroom_log2", "orthonormalize", "unit_columns"]

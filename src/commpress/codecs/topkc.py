@@ -23,6 +23,8 @@ from commpress.codecs.thc import reply_part
 from commpress.errors import error_context
 
 _FLOAT16 = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+#: Elements per slice when computing float64 chunk norms (bounds the float64 temporary).
+_NORM_SLICE = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,8 +185,17 @@ class TopKC(Codec):
     def _norms(self, chunks: torch.Tensor) -> torch.Tensor:
         """Squared chunk norms in the wire type: float64 arithmetic (|x| up to 3.4e38 squared
         and summed over a chunk stays far inside float64's range), finite values clamped to
-        the wire type's largest finite value, NaN for chunks holding a NaN or Inf."""
-        sq = torch.linalg.vector_norm(chunks, ord=2, dim=1, dtype=torch.float64).square()
+        the wire type's largest finite value, NaN for chunks holding a NaN or Inf.
+
+        ``vector_norm(dtype=float64)`` converts its input to float64 first, so rows are taken
+        in slices of about ``_NORM_SLICE`` elements to bound that temporary (32 MiB)."""
+        rows = max(1, _NORM_SLICE // max(1, chunks.shape[1]))
+        sq = torch.cat(
+            [
+                torch.linalg.vector_norm(part, ord=2, dim=1, dtype=torch.float64).square()
+                for part in chunks.split(rows)
+            ]
+        ) if chunks.shape[0] else chunks.new_zeros(0, dtype=torch.float64)
         top = torch.finfo(self._norm_dtype).max
         sq = torch.where(torch.isinf(sq), torch.full_like(sq, math.nan), sq.clamp(max=top))
         return sq.to(torch.float32).to(self._norm_dtype)

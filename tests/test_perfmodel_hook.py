@@ -1,0 +1,178 @@
+"""The performance model of commpress's own DDP hook: queue-mode timeline, the hook's dense
+fallback plan, protocol calibration, and the platform constants added for validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from commpress.codecs.registry import get_codec
+from commpress.errors import CommpressError
+from commpress.perfmodel.calibration import ALL_FITTABLE, FITTABLE, Measurement, fit_platform
+from commpress.perfmodel.codec_costs import (
+    CodecSpeed,
+    SpeedTable,
+    calibrate_protocol_speeds,
+)
+from commpress.perfmodel.collectives import Cluster
+from commpress.perfmodel.model import HookPlan, Platform, Setup, Workload, predict
+from commpress.perfmodel.timeline import Segment, simulate_step
+
+
+def _job(enc: float, net: float, dec: float) -> list[Segment]:
+    return [Segment("gpu", enc, "codec", "enc"), Segment("net", net, "comm", "ar"),
+            Segment("gpu", dec, "codec", "dec")]
+
+
+def test_queue_mode_timeline_by_hand() -> None:
+    """Two buckets (backward 2 each after forward 1); bucket 0 has jobs A, B, C, bucket 1 has
+    job D; every job is encode 0.5, exchange 1, decode 0.5; depth 2; optimizer 0.
+
+    b0 [1,3]. A: enc [3,3.5] (codec before compute on the tie), net [3.5,4.5].
+    B: released when A's net starts (3.5); the GPU runs b1 [3.5,5.5]... no: B's encode is
+    released at 3.5 together with b1 (released at A-enc end 3.5); codec first: B.enc
+    [3.5,4], then b1 [4,6]. B.net waits for A.net to end: [4.5,5.5].
+    A.dec released 4.5, GPU busy with b1 until 6: [6,6.5]. C: released when B's net started
+    (4.5) and A ended (6.5, depth 2): C.enc [6.5,7]; B.dec released 5.5 -> it ran before C?
+    B.dec is released at 5.5 < C.enc's 6.5, so after A.dec: B.dec [6.5,7], C.enc [7,7.5].
+    C.net [7.5,8.5], C.dec [8.5,9]. D (bucket 1): waits for every job of bucket 0 to end
+    (9): D.enc [9,9.5], D.net [9.5,10.5], D.dec [10.5,11]. Step: 11.
+    """
+    tl = simulate_step(forward_s=1.0, backward_s=[2.0, 2.0],
+                       jobs=[_job(0.5, 1.0, 0.5)] * 4, bucket_of=[0, 0, 0, 1], queue_depth=2)
+    ev = {e.name.split(":")[0]: (e.start, e.end) for e in tl.events}
+    assert ev["bucket[0].job[0].0"] == (3.0, 3.5)
+    assert ev["bucket[0].job[0].1"] == (3.5, 4.5)
+    assert ev["bucket[0].job[1].0"] == (3.5, 4.0)
+    assert ev["backward[1]"] == (4.0, 6.0)
+    assert ev["bucket[0].job[1].1"] == (4.5, 5.5)
+    assert ev["bucket[0].job[0].2"] == (6.0, 6.5)
+    assert ev["bucket[0].job[1].2"] == (6.5, 7.0)
+    assert ev["bucket[0].job[2].0"] == (7.0, 7.5)
+    assert ev["bucket[0].job[2].1"] == (7.5, 8.5)
+    assert ev["bucket[1].job[3].0"] == (9.0, 9.5)
+    assert tl.total == 11.0
+    # Without queue mode, bucket 1's job only waits for the previous job's exchange to start:
+    # D.enc is released at 8.5 (C.net start) and finishes before C's decode.
+    free = simulate_step(forward_s=1.0, backward_s=[2.0, 2.0],
+                         jobs=[_job(0.5, 1.0, 0.5)] * 4, bucket_of=[0, 0, 0, 1])
+    assert free.total < tl.total
+
+
+def test_queue_mode_depth_one_is_sequential() -> None:
+    jobs = [_job(0.5, 1.0, 0.5)] * 3
+    tl = simulate_step(forward_s=0.0, backward_s=[1.0], jobs=jobs, bucket_of=[0, 0, 0],
+                       queue_depth=1)
+    # backward 1, then three jobs of 2 s each back to back.
+    assert tl.total == pytest.approx(7.0)
+
+
+def test_queue_mode_rejects_bad_input() -> None:
+    with pytest.raises(CommpressError, match="bucket_of"):
+        simulate_step(forward_s=0, backward_s=[1.0], jobs=[[]], bucket_of=[0, 0])
+    with pytest.raises(CommpressError, match="non-decreasing"):
+        simulate_step(forward_s=0, backward_s=[1.0, 1.0], jobs=[[], []], bucket_of=[1, 0])
+    with pytest.raises(CommpressError, match="queue_depth"):
+        simulate_step(forward_s=0, backward_s=[1.0], jobs=[[]], queue_depth=0)
+
+
+SHAPES = [(256, 128), (128,), (384, 128), (384,), (512, 128), (128, 512), (64, 128)]
+
+
+def test_hook_plan_sends_small_and_incompressible_tensors_as_fp16() -> None:
+    plan = HookPlan(min_numel=4096, min_compression_rate=2.0)
+    psgd = get_codec("powersgd:rank=4")
+    jobs = plan.bucket_jobs(psgd, SHAPES)
+    # First one flat fp16 group with the two vectors, then one job per matrix in order.
+    assert jobs[0][0].codec_id == "fp16" and jobs[0][1] == [(128,), (384,)]
+    assert [c.codec_id for c, _ in jobs[1:]] == ["powersgd"] * 5
+    assert [s for _, (s,) in jobs[1:]] == [(256, 128), (384, 128), (512, 128), (128, 512),
+                                          (64, 128)]
+    # fp16 shrinks by 2: with min_compression_rate 2.5 even fp16's own matrices... fp16 is a
+    # cast, never replaced; a codec that compresses < 2.5x is.
+    strict = HookPlan(min_numel=0, min_compression_rate=1e9)
+    assert all(c.codec_id == "fp16" for c, _ in strict.bucket_jobs(psgd, SHAPES))
+    assert len(strict.bucket_jobs(psgd, SHAPES)) == 1
+    with pytest.raises(CommpressError, match="fallback_codec"):
+        HookPlan(fallback_codec="sign")
+    with pytest.raises(CommpressError, match="depth"):
+        HookPlan(depth=0)
+
+
+def test_hooked_prediction_counts_fp16_fallback_bytes() -> None:
+    w = Workload.from_shapes(SHAPES, compute_s=0.1)
+    cl = Cluster.build(nodes=2, gpus_per_node=1, inter_bw="100mbit")
+    plan = HookPlan(min_numel=4096, min_compression_rate=2.0)
+    hooked = predict(w, cl, "powersgd:rank=4", hook=plan)
+    plain = predict(w, cl, "powersgd:rank=4")
+    # The two vectors (512 elements) go as fp16: 1024 bytes more than PowerSGD alone sends
+    # for them.
+    vec_psgd = predict(Workload.from_shapes([(128,), (384,)], compute_s=0.1), cl,
+                       "powersgd:rank=4").wire_bytes
+    assert hooked.wire_bytes == pytest.approx(plain.wire_bytes - vec_psgd + 1024)
+    # fp16 through the hook is still one flat exchange per bucket: same bytes.
+    assert predict(w, cl, "fp16", hook=plan).wire_bytes == pytest.approx(
+        predict(w, cl, "fp16").wire_bytes)
+
+
+def test_message_latency_and_compute_scale() -> None:
+    w = Workload.from_shapes(SHAPES, compute_s=0.1)
+    cl = Cluster.build(nodes=4, gpus_per_node=1, inter_bw="10gbit")
+    base = predict(w, cl, "fp16", platform=Platform())
+    slow = predict(w, cl, "fp16", platform=Platform(message_latency_s=1e-3))
+    # One flat bucket (everything < 1 MiB): one ring all-reduce of 2 (n-1) = 6 messages,
+    # exposed after backward.
+    assert len(w.buckets) == 1
+    assert slow.total - base.total == pytest.approx(6e-3, rel=1e-6)
+    scaled = predict(w, cl, "fp16", platform=Platform(compute_time_scale=2.0))
+    assert scaled.total - base.total == pytest.approx(0.1, rel=1e-6)
+    with pytest.raises(CommpressError, match="message_latency_s"):
+        Platform(message_latency_s=-1.0)
+    with pytest.raises(CommpressError, match="compute_time_scale"):
+        Platform(compute_time_scale=0.0)
+
+
+def test_setup_carries_its_own_speed_table() -> None:
+    w = Workload.from_shapes(SHAPES, compute_s=0.1)
+    cl = Cluster.build(nodes=2, gpus_per_node=1, inter_bw="1gbit")
+    fast = SpeedTable({"*": CodecSpeed(1e-6, 1e12, 1e12)}, "fast")
+    slow = fast.scaled(1000.0)
+    assert slow.speeds["*"].overhead_s == pytest.approx(1e-3)
+    assert slow.speeds["*"].encode_eps == pytest.approx(1e9)
+    s = Setup(w, cl, "sign", speeds=slow)
+    assert s.predict(speeds=fast).total == pytest.approx(s.predict().total)
+    assert s.predict().total > Setup(w, cl, "sign").predict(speeds=fast).total
+    with pytest.raises(CommpressError, match="scale factor"):
+        fast.scaled(0.0)
+
+
+def test_extended_constants_are_fittable_but_not_by_default() -> None:
+    assert set(FITTABLE) < set(ALL_FITTABLE)
+    assert {"message_latency_s", "compute_time_scale"} <= set(ALL_FITTABLE) - set(FITTABLE)
+    w = Workload.from_shapes(SHAPES, compute_s=0.05)
+    truth = Platform(message_latency_s=5e-4, compute_time_scale=1.3)
+    ms = []
+    for n in (2, 3, 4):
+        for bw in ("100mbit", "1gbit"):
+            s = Setup(w, Cluster.build(nodes=n, gpus_per_node=1, inter_bw=bw), "fp16",
+                      label=f"{n} {bw}")
+            ms.append(Measurement(s, s.predict(truth).total))
+    fit = fit_platform(ms, fit=["message_latency_s", "compute_time_scale"],
+                       start=Platform(message_latency_s=1e-4), max_iter=400)
+    # Noise-free data from the model itself: the truth is the exact minimum.
+    assert fit.platform.message_latency_s == pytest.approx(5e-4, rel=0.02)
+    assert fit.platform.compute_time_scale == pytest.approx(1.3, rel=0.02)
+
+
+def test_protocol_calibration_counts_every_gathered_decode() -> None:
+    table = calibrate_protocol_speeds(["fp16", "sign", "powersgd:rank=2"], world_size=4,
+                                      matrix_shapes=((32, 32), (64, 64)),
+                                      flat_sizes=(1024, 4096), repeats=2)
+    assert set(table.speeds) == {"fp16", "sign", "powersgd:rank=2"}
+    for v in table.speeds.values():
+        assert v.overhead_s > 0 and math.isfinite(v.encode_eps) and v.encode_eps > 0
+    # PowerSGD's work is split in halves between encode and decode.
+    p = table.speeds["powersgd:rank=2"]
+    assert p.encode_eps == pytest.approx(p.decode_eps)
+    assert "world size 4" in table.source
