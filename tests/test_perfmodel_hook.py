@@ -26,38 +26,37 @@ def _job(enc: float, net: float, dec: float) -> list[Segment]:
 
 
 def test_queue_mode_timeline_by_hand() -> None:
-    """Two buckets (backward 2 each after forward 1); bucket 0 has jobs A, B, C, bucket 1 has
-    job D; every job is encode 0.5, exchange 1, decode 0.5; depth 2; optimizer 0.
+    """Two buckets (forward 1, backward 2 each); bucket 0 holds jobs A, B, C and bucket 1 job
+    D; every job is encode 0.5, exchange 1, decode 0.5 (GPU, net, GPU); depth 2.
 
-    b0 [1,3]. A: enc [3,3.5] (codec before compute on the tie), net [3.5,4.5].
-    B: released when A's net starts (3.5); the GPU runs b1 [3.5,5.5]... no: B's encode is
-    released at 3.5 together with b1 (released at A-enc end 3.5); codec first: B.enc
-    [3.5,4], then b1 [4,6]. B.net waits for A.net to end: [4.5,5.5].
-    A.dec released 4.5, GPU busy with b1 until 6: [6,6.5]. C: released when B's net started
-    (4.5) and A ended (6.5, depth 2): C.enc [6.5,7]; B.dec released 5.5 -> it ran before C?
-    B.dec is released at 5.5 < C.enc's 6.5, so after A.dec: B.dec [6.5,7], C.enc [7,7.5].
-    C.net [7.5,8.5], C.dec [8.5,9]. D (bucket 1): waits for every job of bucket 0 to end
-    (9): D.enc [9,9.5], D.net [9.5,10.5], D.dec [10.5,11]. Step: 11.
+    b0 [1,3]. A.enc [3,3.5] (released with b1 at 3: codec first). A.net [3.5,4.5].
+    B.enc is released when A's exchange starts (3.5), later than b1 (3): b1 [3.5,5.5], then
+    B.enc [5.5,6] (released 3.5) before A.dec (released 4.5) [6,6.5]. B.net [6,7].
+    C.enc waits for A to end (depth 2): [6.5,7]. B.dec [7,7.5]; C.net [7,8] (after B.net);
+    C.dec [8,8.5]. D (next bucket) waits for A, B and C to end: D.enc [8.5,9], D.net
+    [9,10], D.dec [10,10.5]. Step 10.5. Without queue mode D.enc is released once C's
+    exchange starts (7) and runs at [7.5,8] on the GPU, so the step ends 1 s earlier.
     """
     tl = simulate_step(forward_s=1.0, backward_s=[2.0, 2.0],
                        jobs=[_job(0.5, 1.0, 0.5)] * 4, bucket_of=[0, 0, 0, 1], queue_depth=2)
     ev = {e.name.split(":")[0]: (e.start, e.end) for e in tl.events}
-    assert ev["bucket[0].job[0].0"] == (3.0, 3.5)
-    assert ev["bucket[0].job[0].1"] == (3.5, 4.5)
-    assert ev["bucket[0].job[1].0"] == (3.5, 4.0)
-    assert ev["backward[1]"] == (4.0, 6.0)
-    assert ev["bucket[0].job[1].1"] == (4.5, 5.5)
-    assert ev["bucket[0].job[0].2"] == (6.0, 6.5)
-    assert ev["bucket[0].job[1].2"] == (6.5, 7.0)
-    assert ev["bucket[0].job[2].0"] == (7.0, 7.5)
-    assert ev["bucket[0].job[2].1"] == (7.5, 8.5)
-    assert ev["bucket[1].job[3].0"] == (9.0, 9.5)
-    assert tl.total == 11.0
-    # Without queue mode, bucket 1's job only waits for the previous job's exchange to start:
-    # D.enc is released at 8.5 (C.net start) and finishes before C's decode.
+    expected = {
+        "backward[1]": (3.5, 5.5),
+        "bucket[0].job[0].0": (3.0, 3.5), "bucket[0].job[0].1": (3.5, 4.5),
+        "bucket[0].job[0].2": (6.0, 6.5),
+        "bucket[0].job[1].0": (5.5, 6.0), "bucket[0].job[1].1": (6.0, 7.0),
+        "bucket[0].job[1].2": (7.0, 7.5),
+        "bucket[0].job[2].0": (6.5, 7.0), "bucket[0].job[2].1": (7.0, 8.0),
+        "bucket[0].job[2].2": (8.0, 8.5),
+        "bucket[1].job[3].0": (8.5, 9.0), "bucket[1].job[3].1": (9.0, 10.0),
+        "bucket[1].job[3].2": (10.0, 10.5),
+    }
+    for name, span in expected.items():
+        assert ev[name] == span, name
+    assert tl.total == 10.5
     free = simulate_step(forward_s=1.0, backward_s=[2.0, 2.0],
                          jobs=[_job(0.5, 1.0, 0.5)] * 4, bucket_of=[0, 0, 0, 1])
-    assert free.total < tl.total
+    assert free.total == 9.5
 
 
 def test_queue_mode_depth_one_is_sequential() -> None:

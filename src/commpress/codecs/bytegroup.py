@@ -29,10 +29,11 @@ lets Huffman code lengths fit better); the rare others are escaped (code 15) and
 stored in a separate plane. When more than 1/16 of the elements would escape, the residual is
 stored as a full byte instead (``byte_mode``).
 
-Exact zeros: when at least 1/64 of the words are zero, a bitmap of the non-zero words is sent
-and zero words are dropped from every plane, so all-zero rows (embedding gradients) or ReLU
-zeros cost about one bit each before compression and nearly nothing after it. Statistics
-(row/column means) always ignore zero words.
+Exact zeros: when at least 1/64 of the words are zero (judged on the rows sampled for the
+column statistics, so no extra pass is needed), a bitmap of the non-zero words is sent and
+zero words are dropped from every plane, so all-zero rows (embedding gradients) or ReLU zeros
+cost about one bit each before compression and nearly nothing after it; rows without zeros
+and all-zero rows take fast paths. Statistics (row/column means) always ignore zero words.
 
 Everything has a plain-torch implementation that runs on any device. On CPU, fused numba
 kernels (compiled on first use and cached on disk) do the exponent grouping in about two
@@ -228,6 +229,41 @@ def _nb_colstats(words: Any, n: Any, cols: Any, stride: Any, man: Any, emask: An
             colcnt[j] += v != 0
 
 
+def _nb_set_bits(mask: Any, start: Any, count: Any) -> None:
+    # Set bits [start, start + count) of an LSB-first bitmap.
+    end = start + count
+    i = start
+    while i < end and i & 7:
+        mask[i >> 3] |= np.uint8(1 << (i & 7))
+        i += 1
+    while i + 8 <= end:
+        mask[i >> 3] = np.uint8(255)
+        i += 8
+    while i < end:
+        mask[i >> 3] |= np.uint8(1 << (i & 7))
+        i += 1
+
+
+def _nb_count_bits(mask: Any, start: Any, count: Any) -> Any:
+    # Number of set bits in [start, start + count) of an LSB-first bitmap.
+    end = start + count
+    total = 0
+    i = start
+    while i < end and i & 7:
+        total += (mask[i >> 3] >> (i & 7)) & 1
+        i += 1
+    while i + 8 <= end:
+        b = np.int64(mask[i >> 3])
+        b = b - ((b >> 1) & 0x55)
+        b = (b & 0x33) + ((b >> 2) & 0x33)
+        total += (b + (b >> 4)) & 0x0F
+        i += 8
+    while i < end:
+        total += (mask[i >> 3] >> (i & 7)) & 1
+        i += 1
+    return total
+
+
 def _nb_emit_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits: Any,
                       use_mask: Any, use_row: Any, c4: Any, g4: Any, byte_mode: Any,
                       r4_out: Any, t: Any, t2: Any, esc: Any, mant: Any, remv: Any,
@@ -246,6 +282,7 @@ def _nb_emit_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits
         row = words[base : min(base + cols, n)]
         m = row.size
         r4 = g4
+        c = np.int64(m)
         if use_row:
             s = np.int64(0)
             c = np.int64(0)
@@ -256,8 +293,17 @@ def _nb_emit_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits
             if c > 0:
                 r4 = (4 * s + c // 2) // c
             r4_out[i] = r4
+        elif use_mask:
+            c = np.int64(0)
+            for j in range(m):
+                c += row[j] != 0
         rb = r4 + 2
         if use_mask:
+            if c == 0:  # an all-zero row: its mask bits stay 0, nothing else to write
+                continue
+            if c == m:  # no zero in this row: set its mask bits, then the dense path below
+                _nb_set_bits(mask, base, m)
+        if use_mask and c < m:
             for j in range(m):
                 v = np.int64(row[j])
                 if v == 0:
@@ -357,7 +403,14 @@ def _nb_decode_exponent(n: Any, cols: Any, man: Any, emask: Any, wbits: Any, use
         m = min(cols, n - base)
         rb = r4[i] + 2
         orow = out[base : base + m]
+        ones = m
         if use_mask:
+            ones = _nb_count_bits(mask, base, m)
+            if ones == 0:
+                for j in range(m):
+                    orow[j] = 0
+                continue
+        if ones < m:
             for j in range(m):
                 idx = base + j
                 if ((mask[idx >> 3] >> (idx & 7)) & 1) == 0:
@@ -388,19 +441,25 @@ def _nb_decode_exponent(n: Any, cols: Any, man: Any, emask: Any, wbits: Any, use
         if k + m > kept:
             return 1
         sc = scratch[:m]
-        for j in range(m):
-            sc[j] = 0
-        for q in range(nplanes):
-            plane = mant[q, k : k + m]
-            sh = 8 * q
+        single = nplanes == 1 and not has_rem  # bf16: read the one plane directly below
+        if not single:
             for j in range(m):
-                sc[j] |= np.int64(plane[j]) << sh
+                sc[j] = 0
+            for q in range(nplanes):
+                plane = mant[q, k : k + m]
+                sh = 8 * q
+                for j in range(m):
+                    sc[j] |= np.int64(plane[j]) << sh
         if has_rem:
             rv = remv[k : k + m]
             sh = 8 * nplanes
             for j in range(m):
                 sc[j] |= np.int64(rv[j]) << sh
         if byte_mode:
+            if single:
+                plane = mant[0, k : k + m]
+                for j in range(m):
+                    sc[j] = np.int64(plane[j])
             tt = t[k : k + m]
             tt2 = t2[k : k + m]
             for j in range(m):
@@ -419,12 +478,22 @@ def _nb_decode_exponent(n: Any, cols: Any, man: Any, emask: Any, wbits: Any, use
             codes_row = nib[k & 1 : (k & 1) + m]
             rb11 = rb - 44
             bad = 0
-            for j in range(m):
-                code = np.int64(codes_row[j])
-                bad += code == 15
-                e = (((rb11 + c4[j]) >> 2) + code) & emask
-                v = sc[j]
-                orow[j] = (((v >> man) & 1) << sbit) | (e << man) | (v & mmask)
+            if single:
+                plane = mant[0, k : k + m]
+                for j in range(m):
+                    code = np.int64(codes_row[j])
+                    bad += code == 15
+                    e = (((rb11 + c4[j]) >> 2) + code) & emask
+                    v = np.int64(plane[j])
+                    orow[j] = (((v >> man) & 1) << sbit) | (e << man) | (v & mmask)
+                    sc[j] = v
+            else:
+                for j in range(m):
+                    code = np.int64(codes_row[j])
+                    bad += code == 15
+                    e = (((rb11 + c4[j]) >> 2) + code) & emask
+                    v = sc[j]
+                    orow[j] = (((v >> man) & 1) << sbit) | (e << man) | (v & mmask)
             if bad:
                 for j in range(m):
                     if codes_row[j] == 15:
@@ -499,17 +568,15 @@ def _nb_encode_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbi
                         codes: Any, rem: Any) -> Any:
     # The whole exponent grouping of one tensor in one call (see encode_exponent).
     rows = (n + cols - 1) // cols
-    use_mask = False
-    if allow_mask and n > 0:
-        zeros = 0
-        for i in range(n):
-            zeros += words[i] == 0
-        use_mask = zeros * 64 >= n
     colsum = np.zeros(cols, dtype=np.int64)
     colcnt = np.zeros(cols, dtype=np.int64)
     _nb_colstats(words, n, cols, stride, man, emask, colsum, colcnt)
     tot = colsum.sum()
     cnt = colcnt.sum()
+    sampled = 0
+    for i in range(0, rows, stride):
+        sampled += min(cols, n - i * cols)
+    use_mask = allow_mask and sampled > 0 and (sampled - cnt) * 64 >= sampled
     g4 = (4 * tot + cnt // 2) // cnt if cnt > 0 else np.int64(0)
     c4 = np.zeros(cols, dtype=np.int64)
     if use_col:
@@ -534,6 +601,8 @@ def _nb_encode_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbi
 
 
 _KERNELS = (
+    "_nb_set_bits",
+    "_nb_count_bits",
     "_nb_colstats",
     "_nb_emit_exponent",
     "_nb_decode_exponent",
@@ -663,6 +732,8 @@ class Context:
     use_col: bool
     r4: np.ndarray | None = None  # int64 [rows] (four times the row means), when use_row
     c4: np.ndarray | None = None  # int64 [cols] (column means minus g4, times four)
+    sampled: int = 0  # elements in the sampled rows, and how many of them are non-zero
+    sampled_nonzero: int = 0
 
     def c4_or_zeros(self) -> np.ndarray:
         return self.c4 if self.c4 is not None else np.zeros(self.cols, dtype=np.int64)
@@ -710,7 +781,10 @@ def make_context(
     c4 = None
     if use_col:
         c4 = (_mean4_array(colsum, colcnt, g4) - g4).astype(np.int64)
-    return Context(rows=rows, cols=cols, g4=g4, use_row=use_row, use_col=use_col, c4=c4)
+    stride = max(1, rows // COL_SAMPLE_ROWS)
+    sampled = sum(min(cols, n - i * cols) for i in range(0, rows, stride)) if n else 0
+    return Context(rows=rows, cols=cols, g4=g4, use_row=use_row, use_col=use_col, c4=c4,
+                   sampled=sampled, sampled_nonzero=int(colcnt.sum()))
 
 
 # ---------------------------------------------------------------------- exponent grouping
@@ -889,8 +963,8 @@ def encode_exponent(
         cx = Context(rows=rows, cols=cols, g4=int(g4), use_row=use_row, use_col=use_col,
                      c4=c4 if use_col else None)
         return planes, cx
-    use_mask = allow_mask and wants_mask(count_zeros(words), n)
     cx = make_context(words, lay, shape, use_row=use_row, use_col=use_col)
+    use_mask = allow_mask and n > 0 and wants_mask(cx.sampled - cx.sampled_nonzero, cx.sampled)
     return emit_exponent(words, lay, cx, use_mask=use_mask, byte_mode=False), cx
 
 

@@ -127,6 +127,16 @@ def _put_varint(out: bytearray, value: int) -> None:
     out.append(value)
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    _put_varint(out, value)
+    return bytes(out)
+
+
+_SMALL = 1 << 14
+_VARINTS = [_varint(v) for v in range(_SMALL)]
+
+
 def _zigzag(value: int) -> int:
     return (value << 1) if value >= 0 else ((-value << 1) - 1)
 
@@ -475,36 +485,30 @@ class NetZip(Codec):
 
     def _frame(self, sections: list[_Section], *, header: bytearray) -> tuple[np.ndarray, int]:
         """Compress every section, then lay out header, sections and CRC in one buffer."""
-        blobs: list[Any] = []
+        blobs: list[Any] = [header]
         header.append(len(sections))  # at most a dozen sections: a one-byte varint
         level = self.level
         backend_ids = bk.BACKEND_IDS
         for s in sections:
             data = s.data
+            size = data.size
             name = self._backend_for(s)
-            blob: bytes | np.ndarray
-            if name == "raw" or not data.size:
-                used, blob = "raw", data
+            if name == "raw" or not size:
+                used, blob = "raw", data.data
             else:
                 used, blob = bk.compressed_or_raw(name, data, level=level)  # type: ignore[arg-type]
+                if used == "raw":
+                    blob = data.data
             blobs.append(blob)
             header.append(s.tag)
             header.append(backend_ids[used])
-            _put_varint(header, data.size)
-            _put_varint(header, len(blob))
-        pos = len(header)
-        total = pos + sum(len(b) for b in blobs) + _CRC.size
-        out = np.empty(total, dtype=np.uint8)
-        out[:pos] = np.frombuffer(header, dtype=np.uint8)
-        for blob in blobs:
-            size = len(blob)
-            out[pos : pos + size] = (
-                blob if isinstance(blob, np.ndarray) else np.frombuffer(blob, dtype=np.uint8)
-            )
-            pos += size
-        crc = zlib.crc32(out[:pos].data) & 0xFFFFFFFF
-        _CRC.pack_into(out.data, pos, crc)
-        return out, crc
+            header += _VARINTS[size] if size < _SMALL else _varint(size)
+            stored = len(blob)
+            header += _VARINTS[stored] if stored < _SMALL else _varint(stored)
+        out = bytearray().join(blobs)
+        crc = zlib.crc32(out) & 0xFFFFFFFF
+        out += _CRC.pack(crc)
+        return np.frombuffer(out, dtype=np.uint8), crc
 
     def fingerprint(self) -> str:
         """The configuration's fingerprint (cached: it is checked on every decode)."""

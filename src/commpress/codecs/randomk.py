@@ -16,6 +16,7 @@ import torch
 
 from commpress.codecs.base import Codec, CodecContext, Payload, param, require
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
+from commpress.codecs.quantize import require_seed
 from commpress.codecs.registry import register_codec
 from commpress.codecs.thc import reply_part
 from commpress.errors import error_context
@@ -62,7 +63,8 @@ class RandomK(Codec):
             train well; Random-K is mostly a baseline for TopK-style methods.
         value_dtype: wire type of the values: ``"float32"`` (exact), ``"float16"`` or
             ``"bfloat16"`` (half the bytes, adds rounding error far below the sampling error).
-        seed: base seed mixed with the key and step; change it to draw another sequence.
+        seed: base seed (an integer in ``[0, 2**63)``) mixed with the key and step; change it
+            to draw another sequence.
     """
 
     codec_id: ClassVar[str] = "randomk"
@@ -83,6 +85,7 @@ class RandomK(Codec):
             0.0 < self.ratio <= 1.0 and math.isfinite(self.ratio),
             "ratio must be in (0, 1]", self.ratio,
         )
+        require_seed(self.seed)
 
     def num_selected(self, numel: int) -> int:
         """``k`` for a tensor of ``numel`` elements."""

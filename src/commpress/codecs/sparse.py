@@ -24,6 +24,7 @@ from typing import ClassVar, Literal
 import torch
 
 from commpress.codecs.base import Codec, CodecContext, Payload, param, require
+from commpress.codecs.quantize import require_seed
 from commpress.codecs.registry import register_codec
 from commpress.errors import CommpressError
 
@@ -201,7 +202,7 @@ class DGC(Codec):
             is one more pass over ``d`` elements. Set ``adapt_iters=0`` to accept the first
             threshold.
         value_dtype: float32 (64 bits per sent coordinate) by default; float16/bfloat16 give 48.
-        seed: base of the per-rank sampling stream.
+        seed: base of the per-rank sampling stream (an integer in ``[0, 2**63)``).
     """
 
     codec_id: ClassVar[str] = "dgc"
@@ -243,6 +244,7 @@ class DGC(Codec):
             self.min_count_factor,
         )
         require(self.adapt_iters >= 0, "adapt_iters must be >= 0", self.adapt_iters)
+        require_seed(self.seed)
 
     def target(self, numel: int) -> int:
         """The target count ``K`` for a tensor of ``numel`` elements."""
