@@ -29,8 +29,7 @@ lets Huffman code lengths fit better); the rare others are escaped (code 15) and
 stored in a separate plane. When more than 1/16 of the elements would escape, the residual is
 stored as a full byte instead (``byte_mode``).
 
-Exact zeros: when at least 1/64 of the words are zero (judged on the rows sampled for the
-column statistics, so no extra pass is needed), a bitmap of the non-zero words is sent and
+Exact zeros: when at least 1/64 of the words are zero, a bitmap of the non-zero words is sent and
 zero words are dropped from every plane, so all-zero rows (embedding gradients) or ReLU zeros
 cost about one bit each before compression and nearly nothing after it; rows without zeros
 and all-zero rows take fast paths. Statistics (row/column means) always ignore zero words.
@@ -275,6 +274,8 @@ def _nb_emit_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits
     has_rem = remv.size > 0
     mmask = (np.int64(1) << man) - 1
     sbit = wbits - 1
+    cval = np.empty(cols, dtype=words.dtype)
+    cc4 = np.empty(cols, dtype=np.int64)
     k = 0
     ne = 0
     for i in range(rows):
@@ -303,40 +304,28 @@ def _nb_emit_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits
                 continue
             if c == m:  # no zero in this row: set its mask bits, then the dense path below
                 _nb_set_bits(mask, base, m)
+        c4row = c4[:m]
         if use_mask and c < m:
+            # some zeros: set the mask bits and compact the row (values and their column
+            # predictions), then run the dense loops below on the compacted row
+            cnt = 0
             for j in range(m):
-                v = np.int64(row[j])
-                if v == 0:
-                    continue
+                v = row[j]
+                nzb = v != 0
+                cval[cnt] = v
+                cc4[cnt] = c4[j]
+                cnt += nzb
                 idx = base + j
-                mask[idx >> 3] |= np.uint8(1 << (idx & 7))
-                e = (v >> man) & emask
-                p = (rb + c4[j]) >> 2
-                if byte_mode:
-                    r = (e - p) & emask
-                    t[k] = np.uint8(r & 255)
-                    t2[k] = np.uint8(r >> 8)
-                else:
-                    code = e - p + 11
-                    if code < 0 or code > 14:
-                        code = 15
-                        if ne < esc.size:
-                            esc[ne] = e
-                        ne += 1
-                    t[k] = np.uint8(code)
-                sm = (((v >> sbit) & 1) << man) | (v & mmask)
-                for q in range(nplanes):
-                    mant[q, k] = np.uint8((sm >> (8 * q)) & 255)
-                if has_rem:
-                    remv[k] = np.uint8(sm >> (8 * nplanes))
-                k += 1
-            continue
+                mask[idx >> 3] |= np.uint8(np.int64(nzb) << (idx & 7))
+            row = cval[:cnt]
+            c4row = cc4[:cnt]
+            m = cnt
         tt = t[k : k + m]
         if byte_mode:
             tt2 = t2[k : k + m]
             for j in range(m):
                 v = np.int64(row[j])
-                r = (((v >> man) & emask) - ((rb + c4[j]) >> 2)) & emask
+                r = (((v >> man) & emask) - ((rb + c4row[j]) >> 2)) & emask
                 tt[j] = np.uint8(r & 255)
                 tt2[j] = np.uint8(r >> 8)
         else:
@@ -346,7 +335,7 @@ def _nb_emit_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits
                 out = mant[0, k : k + m]
                 for j in range(m):
                     v = np.int64(row[j])
-                    code = ((v >> man) & emask) - ((rb11 + c4[j]) >> 2)
+                    code = ((v >> man) & emask) - ((rb11 + c4row[j]) >> 2)
                     ok = (code >= 0) & (code <= 14)
                     bad += 1 - ok
                     tt[j] = np.uint8(code if ok else 15)
@@ -354,7 +343,7 @@ def _nb_emit_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits
             else:
                 for j in range(m):
                     v = np.int64(row[j])
-                    code = ((v >> man) & emask) - ((rb11 + c4[j]) >> 2)
+                    code = ((v >> man) & emask) - ((rb11 + c4row[j]) >> 2)
                     ok = (code >= 0) & (code <= 14)
                     bad += 1 - ok
                     tt[j] = np.uint8(code if ok else 15)
@@ -573,10 +562,12 @@ def _nb_encode_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbi
     _nb_colstats(words, n, cols, stride, man, emask, colsum, colcnt)
     tot = colsum.sum()
     cnt = colcnt.sum()
-    sampled = 0
-    for i in range(0, rows, stride):
-        sampled += min(cols, n - i * cols)
-    use_mask = allow_mask and sampled > 0 and (sampled - cnt) * 64 >= sampled
+    use_mask = False
+    if allow_mask:  # an exact count: a flat, vectorized pass
+        nonzero = 0
+        for i in range(n):
+            nonzero += words[i] != 0
+        use_mask = (n - nonzero) * 64 >= n
     g4 = (4 * tot + cnt // 2) // cnt if cnt > 0 else np.int64(0)
     c4 = np.zeros(cols, dtype=np.int64)
     if use_col:
@@ -732,8 +723,6 @@ class Context:
     use_col: bool
     r4: np.ndarray | None = None  # int64 [rows] (four times the row means), when use_row
     c4: np.ndarray | None = None  # int64 [cols] (column means minus g4, times four)
-    sampled: int = 0  # elements in the sampled rows, and how many of them are non-zero
-    sampled_nonzero: int = 0
 
     def c4_or_zeros(self) -> np.ndarray:
         return self.c4 if self.c4 is not None else np.zeros(self.cols, dtype=np.int64)
@@ -781,10 +770,7 @@ def make_context(
     c4 = None
     if use_col:
         c4 = (_mean4_array(colsum, colcnt, g4) - g4).astype(np.int64)
-    stride = max(1, rows // COL_SAMPLE_ROWS)
-    sampled = sum(min(cols, n - i * cols) for i in range(0, rows, stride)) if n else 0
-    return Context(rows=rows, cols=cols, g4=g4, use_row=use_row, use_col=use_col, c4=c4,
-                   sampled=sampled, sampled_nonzero=int(colcnt.sum()))
+    return Context(rows=rows, cols=cols, g4=g4, use_row=use_row, use_col=use_col, c4=c4)
 
 
 # ---------------------------------------------------------------------- exponent grouping
@@ -964,7 +950,7 @@ def encode_exponent(
                      c4=c4 if use_col else None)
         return planes, cx
     cx = make_context(words, lay, shape, use_row=use_row, use_col=use_col)
-    use_mask = allow_mask and n > 0 and wants_mask(cx.sampled - cx.sampled_nonzero, cx.sampled)
+    use_mask = allow_mask and wants_mask(count_zeros(words), n)
     return emit_exponent(words, lay, cx, use_mask=use_mask, byte_mode=False), cx
 
 

@@ -157,9 +157,11 @@ class Thc(Codec):
        workers holding ``x = 2.0`` aggregate to ``2.0`` instead of ``4.0``. With ``n`` workers
        holding the same tensor the saturated aggregate is about ``clamp(n v, -L, L)`` in code
        units (``v`` one worker's scaled value), an NMSE of ``2 ((1 + a^2) Q(a) - a phi(a))``
-       with ``a = L / (n sigma_v)`` for Gaussian-like codes: about 0.2 at ``n = 5`` and
-       ``q = b = 4`` (measured 0.21 on correlated gradients), growing towards 1 with ``n``.
-       Use it only for nearly independent gradients, or buy headroom with ``lane_bits``.
+       with ``a = L / (n sigma_v)`` for Gaussian-like codes (``Q``, ``phi``: the standard
+       normal tail and density). Measured with ``q = b = 4``, ``d = 4096``: 0.04, 0.24 and
+       0.42 for 2, 5 and 8 identical workers, 0.23 at 5 workers holding ``g + 0.3 noise``,
+       against 0.03, 0.011 and 0.007 without saturation; it grows towards 1 with ``n``. Use
+       it only for nearly independent gradients, or buy headroom with ``lane_bits``.
 
     Range of inputs: finite inputs never decode to NaN. Estimates beyond the output dtype's
     range (a sum whose true value overflows, or quantization noise on coordinates within a

@@ -218,6 +218,19 @@ def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> f
     return statistics.median(times)
 
 
+def _min_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Fastest of ``repeats`` timed runs after a warm-up."""
+    fn()
+    _sync(device)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def calibrate_speeds(
     specs: Sequence[str | Codec],
     *,
@@ -302,6 +315,7 @@ def calibrate_protocol_speeds(
     feedback: bool = True,
     device: str | torch.device = "cpu",
     repeats: int = 5,
+    statistic: str = "median",
 ) -> SpeedTable:
     """Measure what one rank's codec work costs inside a real reduction (a micro-benchmark).
 
@@ -316,17 +330,22 @@ def calibrate_protocol_speeds(
        locally (all-reduce: its own tensors; all-gather: ``world_size`` copies of its payload),
        with ``need_local`` and the residual arithmetic ``x + e``, ``e = x - local`` when
        ``feedback`` applies (lossy codecs other than the casts, as :func:`commpress.ddp.register`
-       does); median of ``repeats`` after a warm-up.
+       does); the median (``statistic="median"``) or the fastest (``"min"``) of ``repeats``
+       after a warm-up.
     3. Split ``T`` into encode (before the exchange) and decode (after): a single-round codec's
        decode is its measured ``decode`` time, once per payload it decodes (``world_size`` for
        an all-gather); a multi-round codec's work is split in halves.
     4. ``c0`` and the throughputs come from the small and large sizes as in
        :func:`calibrate_speeds`.
 
-    Tuning: run it under the conditions of the training run (same threads per process, and in
-    as many concurrent processes as share the machine) so contention is part of the numbers;
-    ``matrix_shapes`` should bracket the model's weight matrices.
+    Tuning: the median includes what the machine's other work costs the codec at the time; on
+    a shared, noisy machine take ``"min"`` (every disturbance only adds time) and account for
+    contention separately. Use the training run's threads per process; ``matrix_shapes``
+    should bracket the model's weight matrices.
     """
+    if statistic not in ("median", "min"):
+        raise CommpressError(f"statistic must be 'median' or 'min', got {statistic!r}")
+    timer = _median_time if statistic == "median" else _min_time
     dev = torch.device(device)
     speeds: dict[str, CodecSpeed] = {}
     for spec in specs:
@@ -352,12 +371,11 @@ def calibrate_protocol_speeds(
                         torch.sub(xin, out.local, out=err)
                         err.mul_(0.0)  # keep the input fixed across repeats
 
-                total = _median_time(run, dev, repeats)
+                total = timer(run, dev, repeats)
                 decodes = 0.0
                 if not codec.multi_round:
                     payload = codec.encode(x, CodecContext(rank=0, world_size=world_size))
-                    one = _median_time(functools.partial(codec.decode, payload, ctx), dev,
-                                       repeats)
+                    one = timer(functools.partial(codec.decode, payload, ctx), dev, repeats)
                     k = 1 if codec.summable else world_size
                     decodes = min(k * one, 0.9 * total)
                     measured.append((math.prod(shape), total - decodes, decodes / k))

@@ -626,7 +626,15 @@ class Setup:
     """One configuration to predict (and, for validation, to measure).
 
     ``label`` names it in tables; ``extra`` carries anything the caller wants to keep with it
-    (for example the command that measured it).
+    (for example the command that measured it). ``hook`` models commpress's DDP hook
+    (:class:`HookPlan`); ``speeds`` is a codec speed table measured for this setup (used
+    instead of the one passed to :meth:`predict`).
+
+    ``contention`` is how many runnable threads share each CPU core during the step (1 on a
+    GPU machine, where the codec runs on the GPU and the host has cores to spare). The
+    platform's CPU-bound software costs - codec time, per-call overhead, per-message latency
+    (a message is handled only when its receiver gets a core) - are multiplied by it; the
+    workload's compute times must already be measured under the same contention.
     """
 
     workload: Workload
@@ -640,15 +648,31 @@ class Setup:
     extra: Mapping[str, Any] = field(default_factory=dict)
     hook: HookPlan | None = None
     speeds: SpeedTable | None = None
+    contention: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.contention) and self.contention >= 1.0):
+            raise CommpressError(f"contention must be a number >= 1, got {self.contention!r}")
+
+    def platform_for(self, platform: Platform | None = None) -> Platform:
+        """``platform`` with its CPU-bound software costs multiplied by :attr:`contention`."""
+        p = platform or Platform()
+        c = self.contention
+        if c == 1.0:
+            return p
+        return replace(p, codec_time_scale=p.codec_time_scale * c,
+                       collective_overhead_s=p.collective_overhead_s * c,
+                       message_latency_s=p.message_latency_s * c)
 
     def predict(self, platform: Platform | None = None,
                 speeds: SpeedTable | None = None) -> Prediction:
-        """Predict with ``platform``; ``speeds`` is used unless the setup carries its own
-        table (one measured under the setup's own conditions, e.g. its process count)."""
+        """Predict with ``platform`` (see :attr:`contention`); ``speeds`` is used unless the
+        setup carries its own table."""
         return predict(
             self.workload, self.cluster, self.codec, strategy=self.strategy,
             algorithm=self.algorithm, granularity=self.granularity, offload=self.offload,
-            platform=platform, speeds=self.speeds or speeds, hook=self.hook,
+            platform=self.platform_for(platform), speeds=self.speeds or speeds,
+            hook=self.hook,
         )
 
     def with_(self, **changes: Any) -> Setup:

@@ -47,7 +47,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -161,16 +161,19 @@ def parse_group(text: str, codecs: Sequence[str]) -> Group:
 # ------------------------------------------------------------------ calibration benchmark
 @dataclass(frozen=True)
 class PlatformProfile:
-    """What :func:`measure_platform` measured, for one process count.
+    """What the calibration micro-benchmark measured before (and after) one launch.
 
     Attributes:
         processes: concurrent processes (the training world size on this machine).
         threads: torch (and numba) threads per process.
-        forward_s, backward_s, optimizer_s: median per-step times of one process's shard of
-            the batch (optimizer includes gradient clipping), over steps and processes.
-        speeds: the codec speed table (median over processes of each figure).
-        wall_s: seconds the benchmark took.
+        forward_s, backward_s, optimizer_s: per-step times of one process's shard of the
+            batch (optimizer includes gradient clipping): medians over steps and processes,
+            averaged over the measurements before and after the launch.
+        speeds: the codec speed table at this world size (uncontended: see
+            :func:`calibrate_codecs`).
+        wall_s: seconds the compute measurements took.
         cores: CPU cores of the machine.
+        samples: the individual ``[forward, backward, optimizer]`` measurements averaged.
     """
 
     processes: int
@@ -181,20 +184,17 @@ class PlatformProfile:
     speeds: SpeedTable
     wall_s: float = 0.0
     cores: int = 1
-
-    @property
-    def oversubscription(self) -> float:
-        """How many threads want each core: ``processes * threads / cores``, at least 1.
-
-        The compute timings include it (all processes compute at once, as in training), but
-        the codec timings are medians of sub-millisecond calls, which mostly fall between the
-        scheduler's preemptions; in training the hook's codec work shares the core with the
-        other processes' backward passes, so it is slowed by this factor."""
-        return max(1.0, self.processes * self.threads / max(1, self.cores))
+    samples: tuple[tuple[float, float, float], ...] = ()
 
     @property
     def compute_s(self) -> float:
         return self.forward_s + self.backward_s + self.optimizer_s
+
+    @property
+    def contention(self) -> float:
+        """Runnable threads per core during training: ``processes * threads / cores``, at
+        least 1 (see :attr:`commpress.perfmodel.model.Setup.contention`)."""
+        return max(1.0, self.processes * self.threads / max(1, self.cores))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -202,6 +202,7 @@ class PlatformProfile:
             "forward_s": self.forward_s, "backward_s": self.backward_s,
             "optimizer_s": self.optimizer_s, "speeds": self.speeds.to_dict(),
             "wall_s": self.wall_s, "cores": self.cores,
+            "samples": [list(s) for s in self.samples],
         }
 
     @classmethod
@@ -213,87 +214,212 @@ class PlatformProfile:
                 optimizer_s=float(data["optimizer_s"]),
                 speeds=SpeedTable.from_dict(data["speeds"]), wall_s=float(data.get("wall_s", 0)),
                 cores=int(data.get("cores", 1)),
+                samples=tuple(tuple(float(v) for v in s)  # type: ignore[misc]
+                              for s in data.get("samples", [])),
             )
 
 
 def _benchmark_worker(config_path: str, rank: int) -> int:
-    """Body of one micro-benchmark process (see :func:`measure_platform`)."""
+    """Body of one compute micro-benchmark process (see :class:`ComputePool`): build the
+    model, print ``ready``, then answer every ``compute N`` line on stdin with one JSON line
+    of median forward/backward/optimizer times over ``N`` steps (after 2 warm-up steps)."""
     cfg = json.loads(Path(config_path).read_text())
-    out = Path(cfg["dir"]) / f"result{rank}.json"
-    try:
-        import torch
+    import torch
 
-        threads = int(cfg["threads"])
-        torch.set_num_threads(threads)
+    threads = int(cfg["threads"])
+    torch.set_num_threads(threads)
+    from commpress.demo.data import batches, stdlib_corpus
+    from commpress.demo.model import build_model, preset
+    from commpress.demo.train import make_optimizer
+
+    processes = int(cfg["processes"])
+    config = preset(cfg["model"])
+    net = build_model(config, seed=0)
+    opt = make_optimizer(net, 3e-3)
+    data = batches(stdlib_corpus(200_000), batch_size=int(cfg["batch_size"]),
+                   context=config.context, seed=0, rank=rank, world_size=processes)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "exit":
+            break
+        if cmd != "compute":
+            print(json.dumps({"error": f"unknown command {cmd!r}"}), flush=True)
+            continue
         try:
+            fwd, bwd, upd = [], [], []
+            warm = 2
+            for i in range(warm + int(arg)):
+                x, y = next(data)
+                t0 = time.perf_counter()
+                loss = net.loss(net(x), y)
+                t1 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                t2 = time.perf_counter()
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+                opt.step()
+                float(loss.detach())
+                t3 = time.perf_counter()
+                if i >= warm:
+                    fwd.append(t1 - t0)
+                    bwd.append(t2 - t1)
+                    upd.append(t3 - t2)
+            reply: dict[str, Any] = {
+                "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
+                "optimizer_s": statistics.median(upd),
+            }
+        except Exception as exc:  # reported to the parent instead of a silent exit
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(reply), flush=True)
+    return 0
+
+
+class ComputePool:
+    """``processes`` long-lived processes timing the built-in model's compute together.
+
+    Starting Python and torch costs seconds on a busy machine; the pool pays it once, so the
+    compute can be measured right before and right after every launch for a second or two
+    each. Use as a context manager (the processes are stopped on exit).
+    """
+
+    def __init__(self, processes: int, *, threads: int | None = None, model: str = "tiny",
+                 batch_size: int = 16, timeout_s: float = 120.0) -> None:
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+            raise CommpressError(f"processes must be an int >= 1, got {processes!r}")
+        if batch_size % processes:
+            raise CommpressError(f"batch_size {batch_size} must be a multiple of the number "
+                                 f"of processes {processes}")
+        self.processes = processes
+        self.threads = threads or max(1, (os.cpu_count() or 1) // processes)
+        self.model = model
+        self.batch_size = batch_size
+        self.timeout_s = timeout_s
+        self._procs: list[Any] = []
+        self._tmp: Any = None
+
+    def __enter__(self) -> ComputePool:
+        import subprocess
+        import tempfile
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="commpress-bench-")
+        config_path = Path(self._tmp.name) / "config.json"
+        config_path.write_text(json.dumps({
+            "threads": self.threads, "processes": self.processes, "model": self.model,
+            "batch_size": self.batch_size,
+        }))
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads),
+               "NUMBA_NUM_THREADS": str(self.threads)}
+        try:
+            for r in range(self.processes):
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "commpress.perfmodel.validate",
+                     "--benchmark-worker", str(config_path), str(r)],
+                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL, text=True, bufsize=1,
+                ))
+            for line in self._read_all("start"):
+                if line.strip() != "ready":
+                    raise CommpressError(f"a benchmark process said {line.strip()!r}")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _read_all(self, what: str) -> list[str]:
+        import select
+
+        deadline = time.monotonic() + self.timeout_s
+        lines: list[str | None] = [None] * len(self._procs)
+        while any(x is None for x in lines):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CommpressError(f"the compute micro-benchmark timed out after "
+                                     f"{self.timeout_s:g} s ({what})")
+            waiting = {p.stdout.fileno(): i for i, p in enumerate(self._procs)
+                       if lines[i] is None}
+            ready, _, _ = select.select(list(waiting), [], [], min(left, 1.0))
+            for fd in ready:
+                i = waiting[fd]
+                line = self._procs[i].stdout.readline()
+                if not line:
+                    raise CommpressError(
+                        f"a compute micro-benchmark process exited (code "
+                        f"{self._procs[i].poll()}) during {what}"
+                    )
+                lines[i] = line
+        return [x for x in lines if x is not None]
+
+    def measure(self, steps: int = 12) -> tuple[float, float, float]:
+        """Median forward, backward and optimizer seconds over ``steps`` steps, all processes
+        stepping at once (median over the processes too)."""
+        if not self._procs:
+            raise CommpressError("ComputePool.measure needs the pool started (use `with`)")
+        for p in self._procs:  # start them together
+            p.stdin.write(f"compute {int(steps)}\n")
+            p.stdin.flush()
+        replies = [json.loads(line) for line in self._read_all("a measurement")]
+        errors = [r["error"] for r in replies if "error" in r]
+        if errors:
+            raise CommpressError(f"the compute micro-benchmark failed: {errors[0]}")
+        return (statistics.median(r["forward_s"] for r in replies),
+                statistics.median(r["backward_s"] for r in replies),
+                statistics.median(r["optimizer_s"] for r in replies))
+
+    def __exit__(self, *exc: object) -> None:
+        import subprocess
+
+        for p in self._procs:
+            try:
+                if p.stdin and not p.stdin.closed:
+                    p.stdin.write("exit\n")
+                    p.stdin.close()
+            except OSError:
+                pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10.0)
+            if p.stdout:
+                p.stdout.close()
+        self._procs = []
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def calibrate_codecs(codecs: Sequence[str], *, world_size: int, threads: int = 1,
+                     repeats: int = 9) -> SpeedTable:
+    """Codec speeds (:func:`~commpress.perfmodel.codec_costs.calibrate_protocol_speeds`) in
+    this process with ``threads`` torch/numba threads, taking the *fastest* of ``repeats``
+    runs: on a shared machine every disturbance only adds time, so the minimum estimates the
+    uncontended cost, and the model applies the training run's contention itself
+    (:attr:`commpress.perfmodel.model.Setup.contention`)."""
+    import torch
+
+    from commpress.perfmodel.codec_costs import calibrate_protocol_speeds
+
+    saved = torch.get_num_threads()
+    numba_saved = None
+    try:
+        import numba
+
+        numba_saved = numba.get_num_threads()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    except (ImportError, ValueError, RuntimeError):  # pragma: no cover
+        numba_saved = None
+    torch.set_num_threads(threads)
+    try:
+        return calibrate_protocol_speeds(codecs, world_size=world_size, repeats=repeats,
+                                         statistic="min")
+    finally:
+        torch.set_num_threads(saved)
+        if numba_saved is not None:
             import numba
 
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        except ImportError:  # pragma: no cover - numba is a dependency
-            pass
-        from commpress.demo.data import batches, stdlib_corpus
-        from commpress.demo.model import build_model, preset
-        from commpress.demo.train import make_optimizer
-        from commpress.perfmodel.codec_costs import calibrate_protocol_speeds
-
-        processes = int(cfg["processes"])
-        config = preset(cfg["model"])
-        net = build_model(config, seed=0)
-        opt = make_optimizer(net, 3e-3)
-        data = batches(stdlib_corpus(200_000), batch_size=int(cfg["batch_size"]),
-                       context=config.context, seed=0, rank=rank, world_size=processes)
-        # Start together: announce readiness, wait for the parent's go (bounded).
-        (Path(cfg["dir"]) / f"ready{rank}").touch()
-        go = Path(cfg["dir"]) / "go"
-        deadline = time.monotonic() + float(cfg["timeout_s"])
-        while not go.exists():
-            if time.monotonic() > deadline:
-                raise CommpressError("no start signal from the parent")
-            time.sleep(0.005)
-        warm = 3
-        fwd, bwd, upd = [], [], []
-        for i in range(warm + int(cfg["steps"])):
-            x, y = next(data)
-            t0 = time.perf_counter()
-            loss = net.loss(net(x), y)
-            t1 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            t2 = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            opt.step()
-            float(loss.detach())
-            t3 = time.perf_counter()
-            if i >= warm:
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
-                upd.append(t3 - t2)
-        result: dict[str, Any] = {
-            "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
-            "optimizer_s": statistics.median(upd),
-        }
-        if cfg["codecs"]:
-            table = calibrate_protocol_speeds(cfg["codecs"], world_size=processes, repeats=5)
-            result["speeds"] = table.to_dict()
-    except Exception as exc:  # reported to the parent instead of a silent exit
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, default=_json_default))
-    os.replace(tmp, out)
-    return 0 if "error" not in result else 1
-
-
-def _median_speed(tables: Sequence[SpeedTable]) -> SpeedTable:
-    keys = sorted(set().union(*(t.speeds for t in tables)))
-    merged = {}
-    for k in keys:
-        entries = [t.speeds[k] for t in tables if k in t.speeds]
-        merged[k] = CodecSpeed(
-            statistics.median(e.overhead_s for e in entries),
-            statistics.median(e.encode_eps for e in entries),
-            statistics.median(e.decode_eps for e in entries),
-        )
-    return SpeedTable(merged, tables[0].source)
+            numba.set_num_threads(numba_saved)
 
 
 def measure_platform(
@@ -304,97 +430,34 @@ def measure_platform(
     model: str = "tiny",
     batch_size: int = 16,
     steps: int = 12,
-    timeout_s: float = 300.0,
 ) -> PlatformProfile:
-    """The calibration micro-benchmark: compute and codec times under training conditions.
+    """The calibration micro-benchmark in one call (what :func:`run_validation` does around
+    each launch, without the launch).
 
     Algorithm:
 
-    1. Start ``processes`` processes at once (as many as train concurrently on this machine),
-       each with ``threads`` torch and numba threads (default: the training workers' share,
-       ``max(1, cores // processes)``).
-    2. Each builds the model, takes 3 warm-up steps, then ``steps`` timed steps on its shard of
-       a ``batch_size`` batch, all processes starting every step together (a barrier), timing
-       forward (with the loss), backward, and gradient clipping plus the AdamW step
-       separately. No communication: this is the compute DDP overlaps with.
-    3. Then each runs :func:`~commpress.perfmodel.codec_costs.calibrate_protocol_speeds`
-       for ``codecs`` at world size ``processes``, concurrently, so the codec figures include
-       the same contention for cores.
-    4. Medians over steps, then over processes.
+    1. Start ``processes`` processes (as many as train concurrently on this machine), each
+       with ``threads`` torch threads (default: a training worker's share,
+       ``max(1, cores // processes)``), building the model (:class:`ComputePool`).
+    2. All step together: 2 warm-up steps, then ``steps`` timed steps on their shard of a
+       ``batch_size`` batch, timing forward (with the loss), backward, and gradient clipping
+       plus AdamW separately. No communication: this is the compute DDP overlaps with, under
+       the same contention for cores as in training.
+    3. Codec speeds at world size ``processes`` (:func:`calibrate_codecs`).
 
     Tuning: ``steps`` 10-20 is enough for the tiny model (a step is tens of milliseconds); a
     busy machine needs more.
     """
-    import subprocess
-    import tempfile
-
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-        raise CommpressError(f"processes must be an int >= 1, got {processes!r}")
-    if batch_size % processes:
-        raise CommpressError(f"batch_size {batch_size} must be a multiple of the number of "
-                             f"processes {processes}")
-    threads = threads or max(1, (os.cpu_count() or 1) // processes)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="commpress-bench-") as tmp:
-        cfg = {"dir": tmp, "threads": threads, "processes": processes, "model": model,
-               "batch_size": batch_size, "steps": steps, "codecs": list(codecs),
-               "timeout_s": timeout_s}
-        config_path = Path(tmp) / "config.json"
-        config_path.write_text(json.dumps(cfg))
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "commpress.perfmodel.validate", "--benchmark-worker",
-                 str(config_path), str(r)],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            )
-            for r in range(processes)
-        ]
-        deadline = time.monotonic() + timeout_s
-        try:
-            def wait_for(names: list[Path], what: str) -> None:
-                while not all(n.exists() for n in names):
-                    if time.monotonic() > deadline:
-                        raise CommpressError(
-                            f"the calibration micro-benchmark timed out after {timeout_s:g} s "
-                            f"waiting for {what}"
-                        )
-                    if any(p.poll() not in (None, 0) for p in procs):
-                        errs = [p.stderr.read() if p.stderr else "" for p in procs
-                                if p.poll() not in (None, 0)]
-                        raise CommpressError(
-                            "a calibration micro-benchmark process died: "
-                            + (errs[0].strip().splitlines() or ["no output"])[-1]
-                        )
-                    time.sleep(0.02)
-
-            wait_for([Path(tmp) / f"ready{r}" for r in range(processes)], "the processes to start")
-            (Path(tmp) / "go").touch()
-            wait_for([Path(tmp) / f"result{r}.json" for r in range(processes)], "the results")
-            results = [json.loads((Path(tmp) / f"result{r}.json").read_text())
-                       for r in range(processes)]
-        finally:
-            for p in procs:
-                try:
-                    p.wait(timeout=10.0)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=10.0)
-                if p.stderr:
-                    p.stderr.close()
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        raise CommpressError(f"the calibration micro-benchmark failed: {errors[0]}")
-    return PlatformProfile(
-        processes=processes, threads=threads,
-        forward_s=statistics.median(r["forward_s"] for r in results),
-        backward_s=statistics.median(r["backward_s"] for r in results),
-        optimizer_s=statistics.median(r["optimizer_s"] for r in results),
-        speeds=(_median_speed([SpeedTable.from_dict(r["speeds"]) for r in results])
-                if codecs else SpeedTable({}, "not measured")),
-        wall_s=time.perf_counter() - t0,
-        cores=os.cpu_count() or 1,
-    )
+    with ComputePool(processes, threads=threads, model=model, batch_size=batch_size) as pool:
+        fwd, bwd, upd = pool.measure(steps)
+        threads = pool.threads
+    wall = time.perf_counter() - t0
+    speeds = (calibrate_codecs(codecs, world_size=processes, threads=threads) if codecs
+              else SpeedTable({}, "not measured"))
+    return PlatformProfile(processes=processes, threads=threads, forward_s=fwd,
+                           backward_s=bwd, optimizer_s=upd, speeds=speeds, wall_s=wall,
+                           cores=os.cpu_count() or 1, samples=((fwd, bwd, upd),))
 
 
 # ------------------------------------------------------------------ measured runs
@@ -571,24 +634,28 @@ def run_validation(
     profiles: list[PlatformProfile] = []
     runs: list[Run] = []
     loads: list[float] = []
+    pool: ComputePool | None = None
     try:
         for gi, group in enumerate(groups):
             ws = group.world_size
             bs = batch_size if batch_size % ws == 0 else ws * math.ceil(batch_size / ws)
             loads.append(_loadavg())
             if bar is not None:
-                bar.set_postfix_str(f"calibrating {ws} processes")
-            # Compute before every launch (it follows the machine's load); codec speeds once
-            # per world size, for every codec the grid runs at that size.
-            todo = [] if ws in speeds_by_size else sorted(
-                {"fp16", *(c for g in groups if g.world_size == ws for c in g.codecs)})
-            profile = measure_platform(todo, processes=ws, model=model, batch_size=bs,
-                                       steps=benchmark_steps)
-            if todo:
-                speeds_by_size[ws] = profile.speeds
-            else:
-                profile = replace(profile, speeds=speeds_by_size[ws])
-            profiles.append(profile)
+                bar.set_postfix_str(f"calibrating for {ws} processes")
+            # One pool of benchmark processes per world size (kept while consecutive groups
+            # share it); compute measured right before and right after every launch.
+            if pool is None or (pool.processes, pool.batch_size) != (ws, bs):
+                if pool is not None:
+                    pool.__exit__()
+                    pool = None
+                pool = ComputePool(ws, model=model, batch_size=bs).__enter__()
+            if ws not in speeds_by_size:
+                todo = sorted({"fp16", *(c for g in groups if g.world_size == ws
+                                         for c in g.codecs)})
+                speeds_by_size[ws] = calibrate_codecs(todo, world_size=ws, threads=pool.threads)
+            t0 = time.perf_counter()
+            before = pool.measure(benchmark_steps)
+            bench_wall = time.perf_counter() - t0
             setups = [RunSetup(codec=c, label=group.label(c), warmup_steps=warmup_steps,
                                min_numel=hook.min_numel,
                                min_compression_rate=hook.min_compression_rate)
@@ -613,7 +680,22 @@ def run_validation(
                     batch_size=bs, model=model, timing_skip=timing_skip,
                     eval_every=steps + 1, eval_batches=1, work_dir=gdir, progress=on_event,
                 )
+            t0 = time.perf_counter()
+            after = pool.measure(benchmark_steps)
+            bench_wall += time.perf_counter() - t0
+            samples = (before, after)
+            profiles.append(PlatformProfile(
+                processes=ws, threads=pool.threads,
+                forward_s=statistics.fmean(x[0] for x in samples),
+                backward_s=statistics.fmean(x[1] for x in samples),
+                optimizer_s=statistics.fmean(x[2] for x in samples),
+                speeds=speeds_by_size[ws], wall_s=bench_wall, cores=os.cpu_count() or 1,
+                samples=samples,
+            ))
             for i, (codec, res) in enumerate(zip(group.codecs, results, strict=True)):
+                if res.network.get("mode") != "emulated" and use_cluster:
+                    raise CommpressError(f"{res.label} did not run on the emulated cluster: "
+                                         f"{res.network.get('note')}")
                 runs.append(Run(
                     group_index=gi, codec=codec, label=res.label,
                     measured_s=res.step_time_median,
@@ -625,13 +707,14 @@ def run_validation(
                 if bar is not None:  # steps the progress file did not report
                     bar.update(max(0, steps - seen.get(i, 0)))
                     seen[i] = steps
-                if not res.network.get("mode") == "emulated" and use_cluster:
-                    raise CommpressError(f"{res.label} did not run on the emulated cluster: "
-                                         f"{res.network.get('note')}")
             if log is not None:
-                log(f"{group.label('').strip()}: " + ", ".join(
-                    f"{r.codec} {r.measured_s * 1e3:.0f} ms" for r in runs[-len(results):]))
+                log(f"{group.label('').strip()}: compute {profiles[-1].compute_s * 1e3:.0f} ms "
+                    f"(before {sum(before) * 1e3:.0f}, after {sum(after) * 1e3:.0f}); " +
+                    ", ".join(f"{r.codec} {r.measured_s * 1e3:.0f} ms"
+                              for r in runs[-len(results):]))
     finally:
+        if pool is not None:
+            pool.__exit__()
         if bar is not None:
             bar.close()
     return ValidationRun(
@@ -659,7 +742,7 @@ def model_setup(run: ValidationRun, r: Run) -> Setup:
     )
     return Setup(
         workload=workload, cluster=cluster, codec=r.codec, label=r.label, hook=run.hook,
-        speeds=SpeedTable.builtin().merged(profile.speeds).scaled(profile.oversubscription),
+        speeds=SpeedTable.builtin().merged(profile.speeds), contention=profile.contention,
         extra={"codec": r.codec, "nodes": group.nodes, "bandwidth": group.bandwidth,
                "procs_per_node": group.procs_per_node},
     )
