@@ -26,6 +26,13 @@ That is the fast intra-node link a hierarchical scheme relies on
 A small JSON state file per cluster (``/run/commpress/clusters/commpress-<id>.json`` as root,
 override with ``COMMPRESS_CLUSTER_STATE_DIR``) lists what ``up`` created. It is written *before*
 anything is created, so ``down`` can finish the job even after a crash mid-way.
+
+Ownership. The state file also records who made the cluster (:data:`OWNERS`) and the owning
+process (pid and start time). A cluster made by ``commpress cluster up`` belongs to whoever runs
+``commpress cluster down``; one made by ``commpress launch`` or from Python belongs to its process
+while that process lives, and that process tears it down. :meth:`EmulatedCluster.in_use` says
+when a cluster is someone else's or has a job running inside; ``cluster down`` and
+``cluster status`` leave such clusters alone unless told otherwise (``--force``).
 """
 
 from __future__ import annotations
@@ -63,6 +70,11 @@ ADDRESS_FORMAT = "10.213.{cluster}.{host}"
 MAX_NODES = 64
 MAX_PROCS_PER_NODE = 256
 STATE_VERSION = 1
+#: Who brings clusters up: ``"up"`` (``commpress cluster up``: the cluster outlives the command
+#: and belongs to whoever tears it down), ``"launch"`` (``commpress launch`` / :func:`launch`:
+#: torn down by the launching process when its job ends), ``"api"`` (Python code, e.g. the
+#: context manager: torn down by that process).
+OWNERS = ("up", "launch", "api")
 
 
 def state_dir() -> str:
@@ -220,6 +232,10 @@ class EmulatedCluster:
         burst: tbf bucket depth (``"256kb"``); the default (2 ms of traffic within
             128 KB..1 MB) is right unless you study burstiness.
         cluster_id: force an id (1..250) instead of taking the smallest free one.
+        owner: who is bringing it up, one of :data:`OWNERS` (default ``"api"``): recorded in
+            the state file so that ``commpress cluster down``/``status`` never disturb a
+            cluster that a live process is using. Only ``"up"`` clusters are meant to outlive
+            their process.
     """
 
     def __init__(
@@ -231,7 +247,10 @@ class EmulatedCluster:
         loss: str | float | None = None,
         burst: str | int | None = None,
         cluster_id: int | None = None,
+        owner: str = "api",
     ) -> None:
+        if owner not in OWNERS:
+            raise CommpressError(f"owner must be one of {list(OWNERS)}, got {owner!r}")
         if not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
             raise CommpressError(f"nodes must be an integer in [1, {MAX_NODES}], got {nodes!r}")
         if not isinstance(procs_per_node, int) or not 1 <= procs_per_node <= MAX_PROCS_PER_NODE:
@@ -257,8 +276,13 @@ class EmulatedCluster:
         self.owned = True
         #: Whether ``up`` finished (a crash mid-way leaves an incomplete state file).
         self.complete = False
-        #: Process that brought the cluster up.
+        #: Who brought the cluster up (one of :data:`OWNERS`; ``"unknown"`` for state files
+        #: written before owners were recorded).
+        self.owner = owner
+        #: Process that brought the cluster up, and its start time (None: not recorded).
         self.owner_pid = os.getpid()
+        self.owner_start: str | None = None
+        self.created = 0.0
 
     # ----------------------------------------------------------------------------- naming
     @property
@@ -317,8 +341,10 @@ class EmulatedCluster:
             "bridge_netns": self.bridge_netns,
             "bridge": self.bridge,
             "node_list": [asdict(n) for n in self.nodes],
-            "owner_pid": os.getpid(),
-            "created": time.time(),
+            "owner": self.owner,
+            "owner_pid": self.owner_pid,
+            "owner_start": self.owner_start,
+            "created": self.created,
             "complete": complete,
         }
 
@@ -339,8 +365,54 @@ class EmulatedCluster:
         self.nodes = [Node(**n) for n in st["node_list"]]
         self.owned = False
         self.complete = bool(st.get("complete"))
+        self.owner = str(st.get("owner", "unknown"))
         self.owner_pid = int(st.get("owner_pid", 0))
+        self.owner_start = st.get("owner_start")
+        self.created = float(st.get("created", 0.0))
         return self
+
+    # ---------------------------------------------------------------------------- owners
+    def owner_alive(self) -> bool:
+        """Whether the process that brought the cluster up still runs (same pid *and* start
+        time, so a reused pid does not count)."""
+        start = netns.process_start_time(self.owner_pid)
+        if start is None or not netns.pid_alive(self.owner_pid):
+            return False
+        return self.owner_start is None or start == self.owner_start
+
+    def held_by(self) -> int | None:
+        """Pid of another live process that owns this cluster and will tear it down itself
+        (a running ``commpress launch`` or Python program), else None. Clusters made by
+        ``commpress cluster up`` are never held: they belong to whoever runs ``down``."""
+        if self.owner == "up" or self.owner_pid == os.getpid():
+            return None
+        return self.owner_pid if self.owner_alive() else None
+
+    def busy_pids(self) -> list[int]:
+        """Processes running inside the cluster's nodes (a job, e.g. ``launch --cluster``)."""
+        self._require_up()
+        pids: list[int] = []
+        for node in self.nodes:
+            pids.extend(netns.netns_pids(node.netns))
+        return sorted(set(pids) - {os.getpid()})
+
+    def in_use(self) -> str:
+        """Why tearing down or measuring this cluster would disturb someone ("" when it would
+        not): it belongs to another live process, or processes run inside its nodes."""
+        holder = self.held_by()
+        if holder is not None:
+            what = {"launch": "`commpress launch`", "api": "a Python program"}.get(
+                self.owner, "a process"
+            )
+            return (
+                f"owned by {what} that is still running (pid {holder}); it tears the cluster "
+                "down when its job ends"
+            )
+        busy = self.busy_pids()
+        if busy:
+            shown = ", ".join(map(str, busy[:8])) + (", ..." if len(busy) > 8 else "")
+            return f"{len(busy)} process(es) run inside its nodes (pids {shown})"
+        return ""
 
     # -------------------------------------------------------------------------- lifecycle
     def up(self) -> EmulatedCluster:
@@ -372,6 +444,9 @@ class EmulatedCluster:
             # The lock is held until the namespaces exist, so a concurrent `up` (even one
             # with another state directory) sees them and picks another id.
             self._plan(cid)
+            self.owner_pid = os.getpid()
+            self.owner_start = netns.process_start_time(self.owner_pid)
+            self.created = time.time()
             _write_state(self.state(complete=False))
             try:
                 self._create()
@@ -530,10 +605,22 @@ def _quiet_ipv6(ns: str) -> None:
         )
 
 
-def down_all() -> list[int]:
-    """Tear down every cluster that has a state file; returns their ids."""
+def down_all(force: bool = False) -> list[int]:
+    """Tear down every cluster that has a state file; returns their ids.
+
+    Clusters in use (:meth:`EmulatedCluster.in_use`: owned by another live process, or with
+    processes running inside) are left alone unless ``force``.
+    """
     done = []
     for cid in cluster_ids():
-        EmulatedCluster.attach(cid).down()
+        try:
+            cluster = EmulatedCluster.attach(cid)
+        except CommpressError:
+            if cid in cluster_ids():
+                raise
+            continue  # its owner tore it down meanwhile
+        if not force and cluster.in_use():
+            continue
+        cluster.down()
         done.append(cid)
     return done

@@ -134,15 +134,28 @@ def kill_pids(pids: Sequence[int], grace_s: float = 3.0) -> list[int]:
     return alive
 
 
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of ``/proc/<pid>/stat`` after the command name (state first), or None."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
             stat = fh.read()
     except OSError:
-        return False
-    state = stat.rsplit(")", 1)[-1].split()[0]
-    return state not in ("Z", "X")
+        return None
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    fields = _stat_fields(pid) if pid > 0 else None
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def process_start_time(pid: int) -> str | None:
+    """Start time of ``pid`` (clock ticks since boot, as text), or None when it is gone: with
+    the pid it identifies a process even after the pid is reused."""
+    fields = _stat_fields(pid) if pid > 0 else None
+    # fields[0] is stat field 3 (state); the start time is field 22.
+    return fields[19] if fields is not None and len(fields) > 19 else None
 
 
 def delete_netns(name: str) -> None:

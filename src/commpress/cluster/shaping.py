@@ -35,6 +35,22 @@ from commpress.errors import CommpressError
 #: unshaped gloo between namespaces reaches about 7 Gbit/s.
 MAX_EMULATED_BPS: float = 7e9
 
+#: Fastest link ``tbf`` is asked to shape (bits/s). Beyond ~1.7 Tbit/s the queue limit of 20 ms
+#: of traffic overflows tc's 32-bit ``limit`` field, and a 1 MB bucket shrinks below one tick of
+#: the packet scheduler; no real link this project targets is faster than 800 Gbit/s anyway.
+MAX_RATE_BPS: float = 1e12
+
+#: tc's ``limit`` (queue bytes) is a 32-bit field.
+TC_U32_MAX: int = 2**32 - 1
+
+#: Longest token bucket (burst / rate, seconds) tc represents: it stores the bucket as a 32-bit
+#: count of packet-scheduler ticks (64 ns), so ~275 s wraps around silently; keep a margin.
+MAX_BUCKET_SECONDS: float = 250.0
+
+#: Largest burst accepted from the user (tc's burst is a 32-bit byte count, and the queue limit
+#: is at least two bursts).
+MAX_BURST_LIMIT_BYTES: int = 1 << 30
+
 #: Smallest and largest token-bucket burst (bytes) that reach ~95% of the rate (measured).
 MIN_BURST_BYTES: int = 128 * 1024
 MAX_BURST_BYTES: int = 1024 * 1024
@@ -109,6 +125,13 @@ def parse_rate(value: str | float | int) -> float:
         rate = number * _RATE_UNITS[unit]
     if not math.isfinite(rate) or rate < 8e3:
         raise CommpressError(f"bandwidth must be at least 8kbit and finite, got {value!r}")
+    if rate > MAX_RATE_BPS:
+        raise CommpressError(
+            f"bandwidth must be at most 1tbit, got {value!r}: tc's token bucket cannot shape "
+            "faster links (its queue limit is a 32-bit byte count), and this machine moves "
+            f"only ~{format_rate(MAX_EMULATED_BPS)} between namespaces anyway; leave "
+            "--bandwidth unset for an unshaped link"
+        )
     return rate
 
 
@@ -238,6 +261,21 @@ class LinkShape:
                 f"burst must hold at least one full frame (>= 2kb), got {shape.burst_bytes} "
                 "bytes; 128kb..1mb reaches ~95% of the rate"
             )
+        if shape.burst_bytes is not None and shape.burst_bytes > MAX_BURST_LIMIT_BYTES:
+            raise CommpressError(
+                f"burst must be at most 1gb (tc stores it in 32 bits), got {shape.burst_bytes} "
+                "bytes; 128kb..1mb reaches ~95% of the rate"
+            )
+        if shape.bandwidth_bps is not None and shape.burst_bytes is not None:
+            bucket_s = shape.burst_bytes * 8 / shape.bandwidth_bps
+            if bucket_s > MAX_BUCKET_SECONDS:
+                raise CommpressError(
+                    f"burst {shape.burst_bytes} bytes holds {bucket_s:.0f} s of traffic at "
+                    f"{format_rate(shape.bandwidth_bps)}; tc's token bucket holds at most "
+                    f"{MAX_BUCKET_SECONDS:g} s (it wraps silently beyond ~275 s); pick a burst "
+                    f"<= {int(shape.bandwidth_bps / 8 * MAX_BUCKET_SECONDS)} bytes or leave "
+                    "it unset (2 ms of traffic within 128kb..1mb)"
+                )
         if warn and shape.too_fast_note():
             warnings.warn(shape.too_fast_note(), UserWarning, stacklevel=2)
         return shape
@@ -304,7 +342,8 @@ class LinkShape:
         burst = self.burst
         assert burst is not None
         # Queue: 20 ms of traffic, at least two buckets; a deep queue only adds bufferbloat.
-        limit = int(max(2 * burst, self.bandwidth_bps / 8 * 0.02))
+        # tc stores it in 32 bits (only reachable near MAX_RATE_BPS or with a huge burst).
+        limit = min(TC_U32_MAX, int(max(2 * burst, self.bandwidth_bps / 8 * 0.02)))
         return [
             "tbf",
             "rate",

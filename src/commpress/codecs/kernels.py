@@ -24,7 +24,10 @@ the element index and a seed taken from the caller's torch generator) because dr
 Kernels are compiled on first use (10-20 s of CPU once; :func:`warm_up` does it eagerly) and
 cached on disk (``cache=True``, next to this file or in numba's user cache directory). Calls
 are serialised by a lock, because numba's default ``workqueue`` threading layer aborts the
-process on concurrent parallel launches from several Python threads.
+process on concurrent parallel launches from several Python threads. Each launch uses as many
+threads as torch does (``torch.get_num_threads()``, which torchrun sets to 1 per process when
+several share a machine): numba's own default is every core, and a parallel kernel in each of
+several processes on the same cores slows down by up to 100x from oversubscription.
 """
 
 from __future__ import annotations
@@ -54,6 +57,18 @@ _lock = threading.Lock()
 _load_lock = threading.Lock()
 _compiled: dict[str, Callable[..., Any]] | None = None
 _import_error: str | None = None
+
+
+@contextmanager
+def _launch() -> Iterator[None]:
+    """Serialise kernel launches and run them on torch's thread count (see module docs)."""
+    with _lock:
+        import numba
+
+        wanted = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        if numba.get_num_threads() != wanted:
+            numba.set_num_threads(wanted)
+        yield
 
 
 # ---------------------------------------------------------------------- backend selection
@@ -562,7 +577,7 @@ def minmax_encode(
         mode, noise_np = 2, _np(noise)
     else:
         mode, noise_np = (1 if stochastic else 0), np.zeros(1, np.float32)
-    with _lock:
+    with _launch():
         _kernel("minmax_encode")(
             _np(x),
             chunk,
@@ -582,7 +597,7 @@ def minmax_decode(
 ) -> torch.Tensor:
     """Inverse of :func:`minmax_encode`: ``n`` fp32 values ``code * scale + min``."""
     out = torch.empty(n, dtype=torch.float32)
-    with _lock:
+    with _launch():
         _kernel("minmax_decode")(
             _np(packed.contiguous()),
             _np(lo.contiguous()),
@@ -600,7 +615,7 @@ def sign_encode(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     n = x.numel()
     packed = torch.empty(-(-n // 8), dtype=torch.uint8)
     partial = np.zeros(-(-n // UNIT), np.float64)
-    with _lock:
+    with _launch():
         _kernel("sign_encode")(_np(x), _np(packed), partial)
     return packed, float(partial.sum())
 
@@ -608,7 +623,7 @@ def sign_encode(x: torch.Tensor) -> tuple[torch.Tensor, float]:
 def sign_decode(packed: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
     """``n`` fp32 values: ``+scale`` where the bit is 1, ``-scale`` where it is 0."""
     out = torch.empty(n, dtype=torch.float32)
-    with _lock:
+    with _launch():
         _kernel("sign_decode")(_np(packed.contiguous()), np.float32(scale.item()), _np(out))
     return out
 
