@@ -38,7 +38,7 @@ def test_bench_codecs_measures_every_requested_codec(
     ])
     assert code == 0
     rows = json.loads(out_file.read_text())
-    assert [r["codec"] for r in rows] == ["identity()", "fp16()"]
+    assert [r["codec"] for r in rows] == ["identity", "fp16"]
     fp16 = rows[1]
     assert fp16["bits_per_coordinate"] == 16.0
     assert 0 < fp16["nmse_gaussian"] < 2.0**-22  # fp16 unit roundoff squared

@@ -145,3 +145,15 @@ def test_decode_checks_codec_output_against_payload() -> None:
     assert out.shape == (4, 3)
     with pytest.raises(CommpressError, match="12 elements, expected 13"):
         codec.decode(payload.replace(shape=(13,)))
+
+
+def test_spec_string_names_changed_parameters_and_parses_back() -> None:
+    codec = get_codec("topk", ratio=0.05)
+    assert codec.spec() == "topk:ratio=0.05"
+    assert get_codec(codec.spec()) == codec
+    assert get_codec("fp16").spec() == "fp16"
+    thc = get_codec("thc", saturate=True, bits=2)
+    assert get_codec(thc.spec()) == thc
+    sparse = get_codec("topk", value_dtype="float32")
+    assert sparse.spec() == "topk:value_dtype=float32"
+    assert get_codec(sparse.spec()) == sparse

@@ -117,7 +117,7 @@ def test_random_bit_patterns_round_trip(kernels: str) -> None:
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
 
-    @hypothesis.settings(max_examples=60, deadline=None, derandomize=True, database=None)
+    @hypothesis.settings(max_examples=40, deadline=None, derandomize=True, database=None)
     @hypothesis.given(
         dtype=st.sampled_from(DTYPES),
         rows=st.integers(0, 40),

@@ -23,6 +23,7 @@ buffer and completes the future DDP waits for.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
@@ -32,7 +33,14 @@ import torch
 import torch.distributed
 
 from commpress.codecs.base import CodecContext
-from commpress.collectives.driver import Exchange, Pending, protocol_task, run_tasks
+from commpress.collectives.api import agree
+from commpress.collectives.driver import (
+    Exchange,
+    Pending,
+    protocol_task,
+    require_initialized,
+    run_tasks,
+)
 from commpress.collectives.feedback import FALLBACK_CODECS, Schedule
 from commpress.collectives.policy import CodecPolicy, CompressionState, Plan
 from commpress.collectives.queue import queue_for
@@ -51,14 +59,23 @@ class DDPCompressionState(CompressionState):
         granularity: ``"parameter"`` (each parameter's gradient is a tensor for the policy,
             keyed by its name) or ``"bucket"`` (the whole flat bucket is one tensor, keyed by
             the names it holds).
-        param_names: parameter -> name, from the model (not pickled: rebuilt by
-            :func:`register`).
+        param_names: parameter (by identity) -> name, from the model. Parameter identities do
+            not survive pickling, so this is not pickled; :attr:`layouts` is.
+        layouts: for each bucket layout seen (bucket index, shapes and dtypes of its
+            parameters), the names of its parameters in bucket order (``None`` when two
+            different parameter lists had the same layout). Pickled: a state unpickled and
+            registered on a fresh DDP model of the same architecture
+            (``model.register_comm_hook(state, comm_hook)``) finds its names (and thus its
+            error-feedback memory and codec states) again. :meth:`bind` re-binds names
+            directly from a model instead.
         plans: the most recent :class:`~commpress.collectives.policy.Plan` of every key, for
             inspection and tests.
     """
 
-    __slots__ = ("granularity", "param_names", "plans")
-    _TRANSIENT = (*CompressionState._TRANSIENT, "param_names")
+    __slots__ = ("granularity", "param_names", "layouts", "plans", "_verified", "_failed",
+                 "_settings")
+    _TRANSIENT = (*CompressionState._TRANSIENT, "param_names", "_verified", "_failed",
+                  "_settings")
 
     def __init__(
         self,
@@ -77,15 +94,82 @@ class DDPCompressionState(CompressionState):
         self.param_names: dict[int, str] = {
             id(p): n for p, n in (param_names or {}).items()
         }
+        self.layouts: dict[str, list[str] | None] = {}
         self.plans: dict[str, Plan] = {}
+        self._verified: dict[int, int] = {}
+        self._failed: str | None = None
+        self._settings: int | None = None
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         super().__setstate__(state)
         self.param_names = {}
+        self._verified = {}
+        self._failed = None
+        self._settings = None
+        if not hasattr(self, "layouts"):
+            self.layouts = {}
 
-    def name_of(self, param: torch.Tensor, index: int) -> str:
-        """The parameter's name (``"param{index}"`` for one the model did not name)."""
-        return self.param_names.get(id(param), f"param{index}")
+    def bind(self, model: torch.nn.Module) -> None:
+        """Take parameter names from ``model`` (a DDP model or its module), e.g. after
+        unpickling the state for a model whose bucket layout differs from the pickled one."""
+        module = getattr(model, "module", model)
+        self.param_names = {id(p): n for n, p in module.named_parameters()}
+
+    def names_of(self, bucket_index: int, params: Sequence[torch.Tensor]) -> list[str]:
+        """The names of a bucket's parameters, in bucket order.
+
+        Names come from the bound model (:attr:`param_names`) and are recorded in
+        :attr:`layouts`; for parameters the state does not know (a state unpickled and
+        registered on a fresh model) they are looked up there.
+        """
+        layout = _layout_key(bucket_index, params)
+        found = [self.param_names.get(id(p)) for p in params]
+        if all(n is not None for n in found):
+            names = [str(n) for n in found]
+            with self._lock:
+                if layout not in self.layouts:
+                    self.layouts[layout] = names
+                elif self.layouts[layout] not in (None, names):
+                    self.layouts[layout] = None  # ambiguous: never guess from it
+            return names
+        known = self.layouts.get(layout)
+        if known is None:
+            why = (
+                "two different parameter lists had this layout"
+                if layout in self.layouts
+                else "the state has never seen this bucket layout"
+            )
+            raise CommpressError(
+                f"the DDP hook state does not know the names of the parameters in bucket "
+                f"{bucket_index} ({why}); names key the error-feedback memory and codec "
+                "states. After unpickling a state for another model object, call "
+                "state.bind(model) before training, or register with commpress.ddp.register"
+            )
+        return list(known)
+
+    def settings_fingerprint(self) -> int:
+        """A stable 63-bit hash of the policy, schedule, feedback settings and granularity
+        (what every rank must agree on), computed once."""
+        if self._settings is None:
+            desc = {
+                "policy": self.policy.describe(),
+                "schedule": repr(self.schedule),
+                "error_feedback": self.error_feedback,
+                "feedback": repr(self.memory.config),
+                "granularity": self.granularity,
+            }
+            self._settings = _hash63(json.dumps(desc, sort_keys=True, default=str))
+        return self._settings
+
+
+def _hash63(text: str) -> int:
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _layout_key(bucket_index: int, params: Sequence[torch.Tensor]) -> str:
+    shapes = ";".join(f"{tuple(p.shape)}{str(p.dtype).replace('torch.', '')}" for p in params)
+    return f"{bucket_index}|{shapes}"
 
 
 def _bucket_key(names: Sequence[str]) -> str:
@@ -154,12 +238,76 @@ def _reduce_bucket(
     The reductions are pipelined (``run_tasks``, two in flight): encoding the next tensor
     overlaps the transfer of the previous one, in the same order on every rank.
     """
+    if state._failed is not None:
+        # Ranks may be out of step after a failure: issuing more collectives could pair up
+        # mismatched operations (gloo aborts the process), so refuse without communicating.
+        raise CommpressError(
+            f"DDP comm hook, bucket {bucket_index} at step {step}: not reduced because an "
+            f"earlier bucket failed: {state._failed}"
+        )
+    try:
+        return _reduce_bucket_now(state, items, buffer, step, bucket_index, stream)
+    except BaseException as exc:
+        state._failed = str(exc) or type(exc).__name__
+        raise
+
+
+def _check_bucket(
+    state: DDPCompressionState,
+    ex: Exchange,
+    items: list[tuple[str, torch.Tensor]],
+    plans: list[Plan],
+    bucket_index: int,
+) -> None:
+    """Compare the hook settings and this bucket's plan across ranks when the plan changed.
+
+    The plan (names, shapes, dtypes, codec fingerprints, feedback) changes at the first step,
+    when DDP rebuilds its buckets and when warm-up ends, so this costs one small all-gather
+    per bucket a handful of times per training run.
+    """
+    described = [
+        (key, tuple(t.shape), str(t.dtype), plan.codec.fingerprint(), plan.feedback)
+        for (key, t), plan in zip(items, plans, strict=True)
+    ]
+    bucket_fp = _hash63(repr(described))
+    if state._verified.get(bucket_index) == bucket_fp:
+        return
+    codecs = sorted({str(plan.codec) for plan in plans})
+    agree(
+        ex,
+        {
+            "hook settings (policy, schedule, error feedback, granularity)": (
+                state.settings_fingerprint()
+            ),
+            "the bucket's plan (parameter names, shapes, dtypes, codecs)": bucket_fp,
+        },
+        device=ex.comm_device(items[0][1].device if items else None),
+        hint=(
+            f"This rank's hook: policy {state.policy!r}, {state.schedule}, error_feedback="
+            f"{state.error_feedback}, granularity {state.granularity!r}; bucket "
+            f"{bucket_index} sent with {', '.join(codecs)}. Every rank must call "
+            "commpress.ddp.register with the same codec, parameters and options on the same "
+            "model"
+        ),
+    )
+    state._verified[bucket_index] = bucket_fp
+
+
+def _reduce_bucket_now(
+    state: DDPCompressionState,
+    items: list[tuple[str, torch.Tensor]],
+    buffer: torch.Tensor,
+    step: int,
+    bucket_index: int,
+    stream: Any,
+) -> torch.Tensor:
     ctx_mgr = torch.cuda.stream(stream) if stream is not None else nullcontext()
     with ctx_mgr, error_context(f"DDP comm hook, bucket {bucket_index} at step {step}"):
         ex = Exchange.of(
             state.process_group, timeout=state.timeout, label=f"DDP bucket {bucket_index}"
         )
         plans = [state.plan(key, t.shape, t.dtype, step=step) for key, t in items]
+        _check_bucket(state, ex, items, plans, bucket_index)
         for plan in plans:
             state.plans[plan.key] = plan
         groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
@@ -206,6 +354,12 @@ def comm_hook(
        c. runs those reductions pipelined, two in flight, in the same order on every rank;
        d. writes the means (identical on every rank) into the buffer and returns it.
 
+       Before reducing, whenever a bucket's plan differs from the one last checked (first
+       step, rebuilt buckets, end of warm-up), every rank's settings and plan fingerprints
+       are compared in one small all-gather: a rank configured differently makes every rank
+       raise :class:`CommpressError` instead of pairing up mismatched collectives. After a
+       failure, later buckets fail at once without communicating.
+
     Tuning lives in :func:`register`'s arguments (codec, policy, schedule, feedback).
     """
     buffer = bucket.buffer()
@@ -213,17 +367,23 @@ def comm_hook(
     if bucket.is_last():
         state.advance()
     params = bucket.parameters()
+    names = state.names_of(bucket.index(), params)
     if state.granularity == "bucket" or not params:
-        names = [state.name_of(p, i) for i, p in enumerate(params)]
         items = [(_bucket_key(names), buffer)]
     else:
-        grads = bucket.gradients()
-        pairs = enumerate(zip(params, grads, strict=True))
-        items = [(state.name_of(p, i), g) for i, (p, g) in pairs]
+        items = list(zip(names, bucket.gradients(), strict=True))
     stream = torch.cuda.current_stream(buffer.device) if buffer.is_cuda else None
-    return queue_for(state.process_group).submit(
+    fut = queue_for(state.process_group).submit(
         _reduce_bucket, state, items, buffer, step, bucket.index(), stream
     )
+    # A failed job's future holds the exception as its *value* (Python's set_exception); DDP
+    # reads the value in C++ and would report "Unable to cast ... to Tensor". Chaining turns
+    # the failure into a real error of the returned future, whose message DDP shows.
+    return fut.then(_value_or_raise)
+
+
+def _value_or_raise(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    return fut.wait()
 
 
 # DDP checks the hook's annotations against the real classes; postponed (string) annotations
@@ -252,6 +412,7 @@ def register(
     fallback_codec: str = "fp16",
     granularity: Granularity = "parameter",
     timeout: float | None = None,
+    own_group: bool = True,
     **codec_params: Any,
 ) -> DDPCompressionState:
     """Make ``model`` average its gradients through commpress codecs.
@@ -286,6 +447,14 @@ def register(
             is one vector: fewer, larger collectives; fits element-wise and sparsifying codecs).
         timeout: seconds a collective may wait for peers before a clear error (default: the
             process group's timeout).
+        own_group: give the hook its own process group over the same ranks (created here,
+            collectively: every rank of the group must call ``register``). DDP issues
+            collectives of its own on the model's group from the autograd thread
+            (``find_unused_parameters``, buffer broadcasts) while the hook's queue thread
+            sends bucket collectives; on one shared group the two streams interleave
+            differently on different ranks and gloo fails ("Received data size doesn't
+            match"). Keep the default; ``False`` shares the model's group (only safe when DDP
+            issues nothing else during backward).
 
     Returns:
         The :class:`DDPCompressionState`; save ``state.state_dict()`` with your checkpoint and
@@ -329,6 +498,8 @@ def register(
     )
     if group is None:
         group = getattr(model, "process_group", None)
+    if own_group:
+        group = _own_group(group)
     names = {p: n for n, p in model.module.named_parameters()}
     state = DDPCompressionState(
         built,
@@ -344,6 +515,19 @@ def register(
     with error_context("registering the commpress DDP comm hook"):
         model.register_comm_hook(state, comm_hook)
     return state
+
+
+def _own_group(group: ProcessGroup | None) -> ProcessGroup:
+    """A new process group over the ranks of ``group`` (default: the default group), with the
+    same backend, created collectively by those ranks only."""
+    require_initialized()
+    pg = group if group is not None else torch.distributed.distributed_c10d._get_default_group()
+    with error_context("creating the DDP comm hook's own process group"):
+        ranks = torch.distributed.get_process_group_ranks(pg)
+        backend = torch.distributed.get_backend(pg)
+        return torch.distributed.new_group(
+            ranks, backend=backend, use_local_synchronization=True
+        )
 
 
 def _with_params(codec: Any, params: Mapping[str, Any]) -> Any:

@@ -97,7 +97,7 @@ def bench_codec(
     dec = best_time(lambda: codec.decode(payload, ctx), repeat)
     heavy_out = codec.decode(codec.encode(heavy, ctx), ctx)
     return CodecRow(
-        codec=str(codec),
+        codec=codec.spec(),
         bits_per_coordinate=payload.bits_per_coordinate,
         nmse_gaussian=nmse(out, x),
         nmse_heavy=nmse(heavy_out, heavy),

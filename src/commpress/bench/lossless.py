@@ -56,6 +56,7 @@ NETZIP_MAIN = (
     "netzip",
     "netzip:context=none",
     "netzip:backend=ans",
+    "netzip:backend=zstd,mantissa_backend=zstd,level=1",
     "netzip:grouping=auto,delta=auto",
     "netzip:grouping=byte,context=none,backend=lz4,mantissa_backend=lz4",
 )

@@ -16,16 +16,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="run a training command on an emulated cluster (one torchrun per node)",
         description="Brings an emulated cluster up, runs one torchrun per node inside it "
         "(--nnodes/--node-rank/--master-addr, as on a real cluster), streams the output with "
-        "rank prefixes, returns the first non-zero exit code and always tears down. Without "
-        "root or namespaces it runs the same commands as local processes on loopback, "
-        "unshaped.",
+        "rank prefixes, returns the exit code of the first failed worker and always tears "
+        "down. Without root or namespaces it runs the same commands as local processes on "
+        "loopback, unshaped.",
         usage="commpress launch [options] -- COMMAND [ARGS...]",
     )
     add_shape_arguments(p)
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--cluster", type=int, metavar="ID",
-        help="run on a cluster from `commpress cluster up` (left up afterwards)",
+        help="run on a cluster from `commpress cluster up` (left up afterwards); "
+        "--nodes/--procs-per-node must be left out or match it",
     )
     where.add_argument(
         "--local", action="store_true", help="plain local processes on loopback, unshaped"

@@ -9,9 +9,12 @@ Algorithm of :func:`launch_on`:
    LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, so the same script and command shape work
    on a real cluster.
 2. Stream every line: worker lines come prefixed ``[rank<r>]:`` (torchrun's ``--tee`` with a
-   rank template), torchrun's own lines get ``[node <k>]``.
-3. Wait. When a node exits non-zero, give the others ``grace_s`` seconds (they usually fail
-   on their own once a peer is gone) and then stop them: a survivor could otherwise wait in a
+   rank template; a second copy of the prefix, which torch adds itself to some lines, is
+   dropped), torchrun's own lines get ``[node <k>]``. From torchrun's failure summary, note
+   the exit code of the node's root-cause worker ("Root Cause (first observed failure)").
+3. Wait. When a node exits non-zero, its code is that of its root-cause worker (torchrun
+   itself always exits 1), give the others ``grace_s`` seconds (they usually fail on their
+   own once a peer is gone) and then stop them: a survivor could otherwise wait in a
    collective until gloo's 30-minute timeout. ``timeout_s`` bounds the whole job (exit 124).
 4. Always, also on an exception or a signal: SIGTERM each torchrun's process group (torchrun
    then stops its workers; one with no workers left is SIGKILLed at once, as it may be stuck
@@ -19,15 +22,18 @@ Algorithm of :func:`launch_on`:
    descendant seen while the job ran (workers live in sessions of their own).
 
 :func:`launch` wraps it: it brings a fresh :class:`EmulatedCluster` up, turns SIGINT, SIGTERM
-and SIGHUP into an orderly teardown (exit code 128 + signal), and tears the cluster down. Without
-root or namespace support it runs the same torchrun commands as local processes on loopback
-and says that the links are not shaped.
+and SIGHUP into an orderly teardown (exit code 128 + signal), and tears the cluster down. The
+handlers are installed explicitly, so Ctrl-C works even in a process that inherited SIGINT
+ignored (a background job of a non-interactive shell, as in CI). Without root or namespace
+support it runs the same torchrun commands as local processes on loopback and says that the
+links are not shaped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -51,6 +57,13 @@ DEFAULT_MASTER_PORT = 29500
 #: torchrun's worker-line prefix; ``${rank}`` is the global rank.
 RANK_PREFIX_TEMPLATE = "[rank${rank}]:"
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: A worker line whose text already starts with its rank prefix (torch adds one to some lines).
+_DOUBLED_PREFIX = re.compile(r"^(\[rank\d+\]:)\1")
+#: torchrun's failure summary ("exitcode  : -9 (pid: 123)") and its per-worker error log line
+#: ("failed (exitcode: 7) local_rank: 0 (pid: 123) of binary: ...").
+_SUMMARY_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\b")
+_FAILED_EXITCODE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank")
+_ROOT_CAUSE = "Root Cause (first observed failure)"
 
 
 class LaunchInterrupted(BaseException):
@@ -204,15 +217,22 @@ class ProcessTracker:
 # ---------------------------------------------------------------------------- signals
 @contextlib.contextmanager
 def _signals_raise() -> Iterator[None]:
-    """Turn SIGTERM/SIGHUP into :class:`LaunchInterrupted` (SIGINT stays KeyboardInterrupt)."""
+    """Turn SIGTERM/SIGHUP into :class:`LaunchInterrupted` and SIGINT into KeyboardInterrupt.
+
+    All three handlers are installed explicitly: a process started with SIGINT ignored (a
+    background job of a non-interactive shell) gets no KeyboardInterrupt handler from Python,
+    and would otherwise sleep through Ctrl-C while its job runs on.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: object) -> None:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise LaunchInterrupted(signum)
 
-    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.getsignal(s) for s in _FORWARDED_SIGNALS}
     for s in old:
         signal.signal(s, handler)
     try:
@@ -240,11 +260,42 @@ def _shielded() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------- streaming
-def _pump(pipe: IO[bytes], dest: IO[str], prefix: str, lock: threading.Lock) -> None:
+class NodeOutput:
+    """What :func:`_pump` learned from one torchrun's own lines: the exit code of the worker it
+    names as the root cause of its failure (or, failing that, of the first worker it saw
+    fail), as the worker returned it (negative: killed by that signal)."""
+
+    def __init__(self) -> None:
+        self.root_cause: int | None = None
+        self.first_failed: int | None = None
+        self._in_root = False
+
+    def feed(self, line: str) -> None:
+        if _ROOT_CAUSE in line:
+            self._in_root = True
+            return
+        m = _SUMMARY_EXITCODE.match(line)
+        if m and self._in_root and self.root_cause is None:
+            self.root_cause = int(m.group(1))
+        m = _FAILED_EXITCODE.search(line)
+        if m and self.first_failed is None:
+            self.first_failed = int(m.group(1))
+
+    @property
+    def worker_code(self) -> int | None:
+        return self.root_cause if self.root_cause is not None else self.first_failed
+
+
+def _pump(
+    pipe: IO[bytes], dest: IO[str], prefix: str, lock: threading.Lock, seen: NodeOutput
+) -> None:
     with contextlib.suppress(OSError, ValueError):
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", errors="replace")
-            if not line.startswith("[rank"):
+            if line.startswith("[rank"):
+                line = _DOUBLED_PREFIX.sub(r"\1", line)
+            else:
+                seen.feed(line)
                 line = prefix + line
             if not line.endswith("\n"):
                 line += "\n"
@@ -274,9 +325,14 @@ def launch_on(
 ) -> int:
     """Run ``cmd`` on every node of ``cluster`` under torchrun (steps 1-4 above).
 
-    Returns 0, or the first non-zero exit code of a node's torchrun (a worker failure makes
-    torchrun exit 1; a node killed by a signal gives 128 + signal; 124 on ``timeout_s``).
-    A KeyboardInterrupt or :class:`LaunchInterrupted` is re-raised after the teardown.
+    Returns 0 when every node succeeded. Otherwise the code of the first node seen to fail
+    (nodes are polled every 0.1 s): the exit code of the worker that its torchrun names as the
+    root cause in its failure summary, i.e. the worker's own ``sys.exit`` code, 1 for an
+    uncaught exception, 128 + signal for a worker killed by a signal; when torchrun names no
+    worker (it failed by itself), torchrun's own code (128 + signal if it was killed). 124
+    when ``timeout_s`` ran out with no failure. Which node fails *first* is a race when a
+    failure makes its peers fail too (they then usually exit 1). A KeyboardInterrupt or
+    :class:`LaunchInterrupted` is re-raised after the teardown.
 
     Args:
         cluster: an :class:`EmulatedCluster` that is up, or a :class:`LocalHost`.
@@ -307,6 +363,7 @@ def launch_on(
     log_root = tempfile.mkdtemp(prefix="commpress-launch-")
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    outputs: list[NodeOutput] = []
     tracker = ProcessTracker()
     lock = threading.Lock()
     try:
@@ -326,14 +383,16 @@ def launch_on(
                     stdin=subprocess.DEVNULL, start_new_session=True,
                 )
                 procs.append(proc)
+                outputs.append(NodeOutput())
                 for pipe, dest in ((proc.stdout, out), (proc.stderr, err)):
                     assert pipe is not None
                     t = threading.Thread(
-                        target=_pump, args=(pipe, dest, f"[node {k}] ", lock), daemon=True
+                        target=_pump, args=(pipe, dest, f"[node {k}] ", lock, outputs[k]),
+                        daemon=True,
                     )
                     t.start()
                     pumps.append(t)
-            return _wait(procs, tracker, timeout_s, grace_s, err, lock)
+            return _wait(procs, tracker, timeout_s, grace_s, err, lock, pumps, outputs)
     finally:
         with _shielded():
             _stop(procs, tracker, stop_grace_s)
@@ -349,6 +408,8 @@ def _wait(
     grace_s: float,
     err: IO[str],
     lock: threading.Lock,
+    pumps: list[threading.Thread],
+    outputs: list[NodeOutput],
 ) -> int:
     start = time.monotonic()
     first_bad: int | None = None
@@ -363,11 +424,19 @@ def _wait(
         codes = [p.poll() for p in procs]
         for k, code in enumerate(codes):
             if code not in (None, 0) and first_bad is None:
-                first_bad, failed_at = _exit_code(code), now
+                # The failure summary is torchrun's last output: let its pumps reach EOF.
+                for t in pumps[2 * k : 2 * k + 2]:
+                    t.join(2.0)
+                worker = outputs[k].worker_code
+                if worker == 0 or code < 0:  # no worker to blame, or torchrun was killed
+                    worker = None
+                first_bad = _exit_code(code if worker is None else worker)
+                failed_at = time.monotonic()
                 running = sum(c is None for c in codes)
+                detail = f" (worker exit code {first_bad})" if worker is not None else ""
                 with lock:
                     err.write(
-                        f"[node {k}] torchrun exited with code {first_bad}"
+                        f"[node {k}] torchrun exited with code {_exit_code(code)}{detail}"
                         + (f"; stopping the other {running} node(s) in {grace_s:g} s\n"
                            if running else "\n")
                     )
@@ -412,8 +481,8 @@ def _stop(procs: list[subprocess.Popen], tracker: ProcessTracker, stop_grace_s: 
 def launch(
     cmd: Sequence[str],
     *,
-    nodes: int = 2,
-    procs_per_node: int = 1,
+    nodes: int | None = None,
+    procs_per_node: int | None = None,
     bandwidth: str | float | None = None,
     latency: str | float | None = None,
     loss: str | float | None = None,
@@ -432,13 +501,15 @@ def launch(
 
     Args:
         cmd: the training command, e.g. ``["python", "train.py"]``.
-        nodes, procs_per_node, bandwidth, latency, loss, burst: the cluster (see
-            :class:`EmulatedCluster`).
+        nodes, procs_per_node: the layout (default 2 nodes x 1 process; with ``cluster_id``,
+            the cluster's own, and a different value is refused).
+        bandwidth, latency, loss, burst: the links (see :class:`EmulatedCluster`).
         use_netns: ``None`` (default) emulates when root and namespaces are available and
             otherwise falls back to local unshaped processes with a notice; ``True`` refuses
             to fall back; ``False`` always runs locally.
         cluster_id: run on the existing cluster with this id (``commpress cluster up``), which
-            is left up afterwards; the shape arguments must then be left unset.
+            is left up afterwards; the link arguments must then be left unset, and ``nodes``
+            / ``procs_per_node`` unset or equal to the cluster's.
         check: print the link check before starting the job.
         master_port, timeout_s, grace_s, env, stdout, stderr: see :func:`launch_on`.
 
@@ -456,20 +527,27 @@ def launch(
                         "shaped; drop --bandwidth/--latency/--loss/--burst"
                     )
                 attached = EmulatedCluster.attach(cluster_id)
+                _check_layout(attached, nodes, procs_per_node)
                 if check:
                     print(attached.check_links().table(), file=stdout or sys.stdout)
                 return launch_on(attached, cmd, master_port=master_port, timeout_s=timeout_s,
                                  grace_s=grace_s, env=env, stdout=stdout, stderr=stderr)
+            nodes = 2 if nodes is None else nodes
+            procs_per_node = 1 if procs_per_node is None else procs_per_node
             available, reason = netns.namespaces_available()
             if use_netns is True and not available:
                 raise CommpressError(f"cannot emulate a cluster: {reason}")
             if use_netns is False or not available:
-                why = "as asked" if use_netns is False else f"because {reason}"
-                ignored = f" (requested {shape.describe()} is ignored)" if shape.shaped else ""
-                err.write(
-                    f"commpress launch: running {nodes} node(s) x {procs_per_node} process(es) "
-                    f"as local processes on loopback {why}: links are NOT shaped{ignored}\n"
-                )
+                layout = (f"running {nodes} node(s) x {procs_per_node} process(es) as plain "
+                          "local processes on loopback")
+                ignored = (f" (the requested {shape.describe()} is ignored)"
+                           if shape.shaped else "")
+                if use_netns is False:
+                    notice = f"{layout}, as asked (--local). Links are NOT shaped{ignored}."
+                else:
+                    notice = (f"no emulated cluster ({reason}); {layout} instead. Links are "
+                              f"NOT shaped{ignored}.")
+                err.write(f"commpress launch: {notice}\n")
                 host = LocalHost(nodes, procs_per_node)
                 return launch_on(host, cmd, master_port=master_port, timeout_s=timeout_s,
                                  grace_s=grace_s, env=env, stdout=stdout, stderr=stderr)
@@ -477,7 +555,7 @@ def launch(
                 warnings.simplefilter("ignore")  # already warned above
                 cluster = EmulatedCluster(
                     nodes=nodes, procs_per_node=procs_per_node, bandwidth=bandwidth,
-                    latency=latency, loss=loss, burst=burst,
+                    latency=latency, loss=loss, burst=burst, owner="launch",
                 )
             try:
                 cluster.up()
@@ -499,3 +577,19 @@ def launch(
         except KeyboardInterrupt:
             err.write("commpress launch: interrupted; everything was torn down\n")
             return 128 + signal.SIGINT
+
+
+def _check_layout(cluster: EmulatedCluster, nodes: int | None, procs_per_node: int | None) -> None:
+    """Refuse a layout that differs from the existing cluster's (``launch --cluster``)."""
+    wrong = []
+    if nodes is not None and nodes != cluster.num_nodes:
+        wrong.append(f"--nodes {nodes}")
+    if procs_per_node is not None and procs_per_node != cluster.procs_per_node:
+        wrong.append(f"--procs-per-node {procs_per_node}")
+    if wrong:
+        raise CommpressError(
+            f"cluster {cluster.cluster_id} ({cluster.name}) has {cluster.num_nodes} node(s) x "
+            f"{cluster.procs_per_node} process(es), not {' and '.join(wrong)}; leave "
+            "--nodes/--procs-per-node out to use its layout, or bring up a cluster with the "
+            "layout you want (`commpress cluster up --nodes N --procs-per-node P`)"
+        )

@@ -6,11 +6,14 @@ Python is needed (no iperf, no ping).
 
 Algorithm of :func:`check_links`:
 
-1. For every node ``k``, stream ``nbytes`` over TCP from node ``k`` to node ``(k+1) mod N``
-   (so every node's upload and download are each measured once). The receiver times the
-   transfer after the first ``skip`` bytes, which pass at line speed while the token buckets
-   drain; goodput = bytes after skip / time. The rate on the wire (what ``tbf`` limits) is
-   goodput x 1514/1448, the Ethernet+IP+TCP framing at MTU 1500.
+1. For every node ``k``, stream bytes over TCP from node ``k`` to node ``(k+1) mod N`` (so
+   every node's upload and download are each measured once). The first ``skip`` bytes (the
+   token bucket's burst plus 1/8 margin) pass at line speed and are not timed; the timed part
+   is ``seconds`` of traffic at the requested rate, within 64 KiB..64 MiB
+   (:func:`transfer_plan`), so a 200 kbit/s link is checked in seconds, not minutes. Socket
+   timeouts grow with the expected duration (:func:`transfer_timeout`). Goodput = timed bytes
+   / time. The rate on the wire (what ``tbf`` limits) is goodput x 1514/1448, the
+   Ethernet+IP+TCP framing at MTU 1500.
 2. Time ``pings`` one-byte TCP round trips on the same path (Nagle off), after a short
    warm-up; the minimum and the median are reported.
 3. Do the same inside every node over its own address: that is the intra-node (loopback)
@@ -37,8 +40,12 @@ from commpress.errors import CommpressError
 if TYPE_CHECKING:
     from commpress.cluster.emulated import EmulatedCluster
 
-#: Socket timeout of every measurement: a dead link fails the check, never hangs it.
+#: Socket timeout of every measurement beyond its expected duration: a dead link fails the
+#: check, never hangs it.
 SOCKET_TIMEOUT_S = 30.0
+#: Bounds of the timed part of a throughput test (bytes).
+MIN_TIMED_BYTES = 64 << 10
+MAX_TIMED_BYTES = 64 << 20
 _CHUNK = 1 << 20
 
 
@@ -148,27 +155,32 @@ def measure_throughput(
     address: str,
     nbytes: int,
     skip: int,
+    timeout_s: float = SOCKET_TIMEOUT_S,
 ) -> float:
     """Goodput (bits/s) of one TCP stream of ``nbytes`` from ``sender`` to ``listener``.
 
     ``sender`` and ``listener`` are fresh sockets (in whatever namespaces); ``listener`` is
-    bound to ``address``. Timing starts once ``skip`` bytes have arrived. Both are closed.
+    bound to ``address``. Timing starts once ``skip`` bytes have arrived. The whole transfer
+    must finish within ``timeout_s`` (see :func:`transfer_timeout`). Both are closed.
     """
     if not 0 <= skip < nbytes:
         raise CommpressError(f"skip must be in [0, nbytes), got skip={skip} nbytes={nbytes}")
+    if not timeout_s > 0:
+        raise CommpressError(f"timeout_s must be positive, got {timeout_s}")
     result: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
     try:
         port = _listener(listener, address)
 
         def receive() -> None:
             try:
                 conn, _ = listener.accept()
-                conn.settimeout(SOCKET_TIMEOUT_S)
+                conn.settimeout(timeout_s)
                 with conn:
                     buf = bytearray(_CHUNK)
                     got = 0
                     t_skip = None
-                    while got < nbytes:
+                    while got < nbytes and time.monotonic() < deadline:
                         n = conn.recv_into(buf)
                         if not n:
                             break
@@ -183,18 +195,22 @@ def measure_throughput(
 
         thread = threading.Thread(target=receive, name="linkcheck-recv", daemon=True)
         thread.start()
-        sender.settimeout(SOCKET_TIMEOUT_S)
+        sender.settimeout(min(timeout_s, SOCKET_TIMEOUT_S))
         sender.connect((address, port))
         payload = memoryview(bytes(_CHUNK))
         left = nbytes
         while left > 0:
             n = min(left, _CHUNK)
+            # sendall's timeout bounds the whole call: give it what is left of the budget.
+            sender.settimeout(max(1e-3, deadline - time.monotonic()))
             sender.sendall(payload[:n])
             left -= n
         sender.shutdown(socket.SHUT_WR)
-        thread.join(SOCKET_TIMEOUT_S * 2)
+        thread.join(max(1.0, deadline - time.monotonic()) + 5.0)
     except OSError as exc:
-        raise CommpressError(f"throughput test to {address}: {exc}") from exc
+        raise CommpressError(
+            f"throughput test to {address} ({nbytes} bytes within {timeout_s:.0f} s): {exc}"
+        ) from exc
     finally:
         sender.close()
         listener.close()
@@ -260,10 +276,42 @@ def measure_rtt(
 
 
 def transfer_size(rate_bps: float | None, seconds: float) -> int:
-    """Bytes that take ``seconds`` at ``rate_bps``, within 2..64 MiB (64 MiB when unshaped)."""
+    """Bytes to time: ``seconds`` of traffic at ``rate_bps``, within 64 KiB..64 MiB (64 MiB
+    when unshaped). 64 KiB is ~45 full frames, enough for the timing; it takes 2.6 s at
+    200 kbit/s."""
     if rate_bps is None:
-        return 64 << 20
-    return int(min(64 << 20, max(2 << 20, rate_bps / 8 * seconds)))
+        return MAX_TIMED_BYTES
+    return int(min(MAX_TIMED_BYTES, max(MIN_TIMED_BYTES, rate_bps / 8 * seconds)))
+
+
+def transfer_plan(
+    rate_bps: float | None, burst: int | None, seconds: float, nbytes: int | None = None
+) -> tuple[int, int]:
+    """``(nbytes, skip)`` of one throughput test.
+
+    ``skip``: bytes not timed. On a shaped link that is the token bucket's ``burst`` (which
+    passes at line speed) plus 1/8 for the tokens refilled while TCP ramps up: timing only
+    what crosses an empty bucket measures the rate itself. Unshaped: the first 1/8 (TCP's slow
+    start). ``nbytes``: ``skip`` plus :func:`transfer_size`, unless given (then ``skip`` is at
+    most half of it).
+    """
+    warmup = burst + burst // 8 if rate_bps is not None and burst else 0
+    if nbytes is None:
+        timed = transfer_size(rate_bps, seconds)
+        skip = warmup or timed // 8
+        return skip + timed, skip
+    if nbytes < 2:
+        raise CommpressError(f"nbytes must be at least 2, got {nbytes}")
+    return nbytes, min(nbytes // 2, warmup or nbytes // 8)
+
+
+def transfer_timeout(nbytes: int, rate_bps: float | None) -> float:
+    """Time allowed for a transfer of ``nbytes``: :data:`SOCKET_TIMEOUT_S` plus twice its
+    duration at ``rate_bps`` on the wire (framing included), so a slow link is never cut off
+    and a dead one fails within that bound."""
+    if rate_bps is None:
+        return SOCKET_TIMEOUT_S
+    return SOCKET_TIMEOUT_S + 2.0 * nbytes * WIRE_BYTES_PER_PAYLOAD_BYTE * 8 / rate_bps
 
 
 def check_links(
@@ -280,9 +328,11 @@ def check_links(
 
     Args:
         cluster: a cluster that is up.
-        seconds: target duration of each inter-node transfer at the requested rate; longer
-            averages out more scheduling noise (0.3 s keeps a 4-node check near 2 s).
-        nbytes: override the transfer size (bytes); default from ``seconds`` (2..64 MiB).
+        seconds: target duration of the timed part of each inter-node transfer at the
+            requested rate, within 64 KiB..64 MiB of traffic (so slow links take longer: 2.6 s
+            at 200 kbit/s); longer averages out more scheduling noise (0.3 s keeps a 4-node
+            check at 1 Gbit/s near 2 s).
+        nbytes: override the transfer size (bytes, burst included); default from ``seconds``.
         pings: round trips per path (minimum and median are reported).
         tolerance: relative tolerance of the bandwidth and latency checks (0.10 = 10%).
         rtt_slack_s: absolute allowance on the latency check for a busy CPU (Python wakes
@@ -292,16 +342,19 @@ def check_links(
     cluster._require_up()
     if not 0 < tolerance < 1:
         raise CommpressError(f"tolerance must be in (0, 1), got {tolerance}")
+    if not seconds > 0:
+        raise CommpressError(f"seconds must be positive, got {seconds}")
     shape = cluster.shape
-    size = nbytes or transfer_size(shape.bandwidth_bps, seconds)
-    burst = shape.burst or 0
-    skip = min(size // 4, max(2 * burst, size // 8))
+    size, skip = transfer_plan(shape.bandwidth_bps, shape.burst, seconds, nbytes)
     links: list[LinkResult] = []
     n = cluster.num_nodes
 
     def path(src: int, dst: int, kind: str, nb: int, sk: int) -> LinkResult:
         addr = cluster.nodes[dst].address
-        goodput = measure_throughput(cluster.socket(src), cluster.socket(dst), addr, nb, sk)
+        rate = shape.bandwidth_bps if kind == "inter" else None
+        goodput = measure_throughput(
+            cluster.socket(src), cluster.socket(dst), addr, nb, sk, transfer_timeout(nb, rate)
+        )
         rtts = measure_rtt(cluster.socket(src), cluster.socket(dst), addr, pings)
         return LinkResult(
             kind=kind,

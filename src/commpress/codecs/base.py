@@ -461,6 +461,25 @@ class Codec(ABC):
         if payload.summed < 1:
             raise CommpressError(f"payload.summed must be >= 1, got {payload.summed}")
 
+    def spec(self) -> str:
+        """Short spec string: the id plus the parameters that differ from their defaults,
+        ``"topk:ratio=0.05"`` (``get_codec`` parses it back)."""
+
+        def text(value: Any) -> str:
+            if isinstance(value, str) and "," not in value:
+                try:
+                    json.loads(value)
+                except json.JSONDecodeError:
+                    return value  # a plain word reads back as a string
+            return json.dumps(value)
+
+        changed = [
+            f"{f.name}={text(getattr(self, f.name))}"
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if getattr(self, f.name) != f.default
+        ]
+        return self.codec_id + (":" + ",".join(changed) if changed else "")
+
     def __str__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
         return f"{self.codec_id}({args})"

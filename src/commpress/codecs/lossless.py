@@ -100,7 +100,7 @@ AUTO_MIN_NUMEL = 4096
 #: ``grouping``/``delta`` ``auto`` estimate sizes on this many sampled elements, and pick
 #: another grouping than ``exponent`` (or a delta) only when its estimate is smaller by
 #: more than this factor.
-AUTO_SAMPLE = 8192
+AUTO_SAMPLE = 4096
 AUTO_MARGIN = 1.03
 #: A stream larger than the raw tensor plus this many bytes is replaced by the stored words.
 STORED_SLACK = 32

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 import threading
 from collections.abc import Mapping
@@ -124,6 +125,35 @@ def _resolve_strategy(codec: Codec, strategy: str) -> str:
     return strategy
 
 
+def agree(ex: Exchange, fields: Mapping[str, int], *, hint: str, device: torch.device) -> None:
+    """All-gather ``fields`` (name -> int64 value) from every rank and compare them.
+
+    Every rank sees every rank's row, so either all ranks return or all raise the same
+    :class:`CommpressError`, naming the fields that differ and the ranks that differ from
+    rank 0, followed by ``hint`` (what this rank has and what the caller must fix).
+    """
+    if ex.world_size == 1:
+        return
+    mine = torch.tensor([int(v) for v in fields.values()], dtype=torch.int64)
+    rows = [torch.empty_like(mine, device=device) for _ in range(ex.world_size)]
+    ex.wait(
+        Pending(
+            [dist.all_gather(rows, mine.to(device), group=ex.group, async_op=True)],
+            "agreement check",
+        )
+    )
+    table = [r.cpu().tolist() for r in rows]
+    mismatched = [
+        name for i, name in enumerate(fields) if any(row[i] != table[0][i] for row in table)
+    ]
+    if mismatched:
+        differing = [r for r, row in enumerate(table) if row != table[0]]
+        raise CommpressError(
+            f"{ex.label}: ranks disagree on {', '.join(mismatched)} (ranks {differing} differ "
+            f"from rank 0; this is rank {ex.rank}). {hint}"
+        )
+
+
 def check_agreement(
     ex: Exchange,
     codec: Codec,
@@ -135,19 +165,23 @@ def check_agreement(
     bucket_elems: int,
     local_size: int,
     depth: int,
-) -> None:
+) -> int:
     """On the first call with this signature, make sure every rank made the same call.
 
-    Each rank contributes its codec fingerprint, tensor key, size and dtype, strategy, op,
+    Each rank contributes its codec fingerprint, tensor key, shape and dtype, strategy, op,
     bucketing, node size and pipeline depth (everything that shapes the exchanges). Every
     rank sees every contribution, so either all proceed or all raise the same
-    :class:`CommpressError` (never a hang on mismatched collectives).
+    :class:`CommpressError` (never a hang on mismatched collectives). Later calls with a
+    verified signature only compare the signature itself (a stable 63-bit hash of those
+    fields) in one tiny all-reduce (:func:`check_call_order`), which catches calls made in a
+    different order on different ranks. Returns the signature.
     """
     fp = codec.fingerprint()
     fields = {
         "codec fingerprint": int(fp[:15], 16),
         "tensor key": name_hash(key),
         "numel": x.numel(),
+        "shape": name_hash(repr(tuple(x.shape))),
         "dtype": dtype_code(x.dtype),
         "strategy": name_hash(strategy),
         "op": name_hash(op),
@@ -155,36 +189,55 @@ def check_agreement(
         "local size": local_size,
         "pipeline depth": depth,
     }
-    signature = hash(tuple(fields.values()))
+    digest = hashlib.blake2b(repr(tuple(fields.values())).encode(), digest_size=8).digest()
+    signature = int.from_bytes(digest, "little") >> 1
     gid = _group_id(ex.group)
     with _LOCK:
-        if (gid, signature) in _VERIFIED:
-            return
-    if ex.world_size > 1:
-        mine = torch.tensor(list(fields.values()), dtype=torch.int64)
-        device = ex.comm_device(x.device)
-        rows = [torch.empty_like(mine, device=device) for _ in range(ex.world_size)]
-        ex.wait(
-            Pending(
-                [dist.all_gather(rows, mine.to(device), group=ex.group, async_op=True)],
-                "agreement check",
-            )
-        )
-        table = [r.cpu().tolist() for r in rows]
-        mismatched = [
-            name for i, name in enumerate(fields) if any(row[i] != table[0][i] for row in table)
-        ]
-        if mismatched:
-            differing = [r for r, row in enumerate(table) if row != table[0]]
-            raise CommpressError(
-                f"{ex.label}: ranks disagree on {', '.join(mismatched)} (ranks {differing} "
-                f"differ from rank 0; this rank {ex.rank} has codec {codec} fingerprint {fp}, "
-                f"shape {tuple(x.shape)} {x.dtype}, strategy {strategy!r}, op {op!r}). Every rank "
-                "must call all_reduce with the same codec configuration, tensor shape and "
-                "options, in the same order"
-            )
+        verified = (gid, signature) in _VERIFIED
+    if verified:
+        check_call_order(ex, signature, key=key, device=ex.comm_device(x.device))
+        return signature
+    agree(
+        ex,
+        fields,
+        device=ex.comm_device(x.device),
+        hint=(
+            f"This rank has codec {codec} (fingerprint {fp}), key {key!r}, shape "
+            f"{tuple(x.shape)} {x.dtype}, strategy {strategy!r}, op {op!r}. Every rank must "
+            "call all_reduce with the same codec configuration, tensor shape and options, in "
+            "the same order"
+        ),
+    )
     with _LOCK:
         _VERIFIED.add((gid, signature))
+    return signature
+
+
+def check_call_order(ex: Exchange, signature: int, *, key: str, device: torch.device) -> None:
+    """Make sure every rank is at the same call: one tiny all-reduce (MAX of ``[s, -s]``).
+
+    Calls whose signature was verified once (:func:`check_agreement`) can still be issued in a
+    different order on different ranks (threads racing to submit); that would silently pair
+    different tensors. The maximum and the negated minimum of the signatures are equal on
+    every rank, so a disagreement raises the same :class:`CommpressError` everywhere.
+    """
+    if ex.world_size == 1:
+        return
+    t = torch.tensor([signature, -signature], dtype=torch.int64, device=device)
+    ex.wait(
+        Pending(
+            [dist.all_reduce(t, dist.ReduceOp.MAX, group=ex.group, async_op=True)],
+            "call order check",
+        )
+    )
+    hi, neg_lo = t.cpu().tolist()
+    if hi != -neg_lo:
+        raise CommpressError(
+            f"{ex.label}: ranks are at different calls (this rank {ex.rank} reduces key {key!r} "
+            "here, another rank a tensor with another key, shape, codec or options). Calls on a "
+            "group must be made in the same order on every rank: submit them from one thread, "
+            "or in a fixed order; pass check=False to skip this check"
+        )
 
 
 # ---------------------------------------------------------------------------- the reduction
@@ -231,7 +284,10 @@ def reduce(
             error feedback. For ``ring`` and ``hierarchical*`` it is ``decode(encode(x))``.
         pipeline_depth: buckets in flight at once (2 overlaps encoding with transfer).
         check: on the first call with a given signature, check that all ranks agree on codec
-            configuration, shape, dtype and options.
+            configuration, key, shape, dtype and options (one small all-gather); on later
+            calls, check that every rank is at the same call (one 16-byte all-reduce), which
+            catches calls submitted in different orders. ``False`` skips both (hot loops
+            whose call order is known to be fixed).
         stats: a dict that receives byte counters: ``wire_bytes`` (this rank's payload bytes
             over all rounds and hops, at the codec's logical lane widths) and, for
             hierarchical strategies, ``intra_node_bytes`` (uncompressed traffic on the node).
@@ -270,8 +326,11 @@ def reduce(
         local_size = 0
     if ctx is None:
         gid = _group_id(group)
+        # Without a key, tensors of different shapes or dtypes must not share codec state
+        # (PowerSGD's Q of a 64x32 matrix cannot serve a 64x48 one).
+        state_key = key or f"<no key: {tuple(x.shape)} {x.dtype}>"
         with _LOCK:
-            state = _STATES.setdefault((gid, codec.fingerprint(), key), {})
+            state = _STATES.setdefault((gid, codec.fingerprint(), state_key), {})
         ctx = CodecContext(rank=ex.rank, world_size=ex.world_size, step=step, key=key, state=state)
     elif (ctx.rank, ctx.world_size) != (ex.rank, ex.world_size):
         raise CommpressError(
@@ -443,6 +502,8 @@ def all_reduce(
     1. On the first call with a given signature (key, codec configuration, shape, dtype,
        options), all ranks exchange a fingerprint of it; a mismatch raises
        :class:`CommpressError` on every rank instead of pairing up mismatched collectives.
+       Later calls compare the signature in one tiny all-reduce, so calls made in different
+       orders on different ranks are refused too (``check=False`` skips both).
     2. The tensor is split into buckets of at most ``bucket_bytes`` (whole rows for tensors of
        two or more dimensions, so buckets stay matrices); each bucket gets its own codec key
        and state (``key[i]``).
@@ -475,7 +536,10 @@ def all_reduce(
         ctx: codec context with caller-owned ``state``; rank and world size must match the
             group. Without it commpress keeps state per (group, codec, ``key``).
         key: stable name of the tensor (seeds and state depend on it). Use distinct keys
-            for distinct tensors.
+            for distinct tensors, and always pass one with stateful codecs (PowerSGD's
+            warm-started ``Q``, TopKC): without a key, state is shared by every call with the
+            same codec, shape and dtype, so two same-shaped tensors would warm-start from
+            each other's state.
         step: training step (seeds depend on it); pass the iteration number.
         timeout: seconds any exchange may wait for peers before :class:`CommpressError`
             (default: the process group's timeout). A dead or stalled peer never hangs us.
@@ -513,9 +577,11 @@ __all__ = [
     "STRATEGIES",
     "Op",
     "Strategy",
+    "agree",
     "all_reduce",
     "all_reduce_async",
     "check_agreement",
+    "check_call_order",
     "reduce",
     "reduce_async",
     "reset_state",
