@@ -199,7 +199,8 @@ class EmulatedCluster:
     Algorithm of :meth:`up`:
 
     1. Check for root and namespace support, take the machine-wide lock, allocate the smallest
-       free cluster id and write the state file listing every name about to be created.
+       free cluster id and write the state file listing every name about to be created and
+       the owner (``owner``, this process's pid and start time).
     2. Create the bridge namespace ``commpress-<id>-br`` with bridge ``cp<id>br``.
     3. For each node ``k``: create namespace ``commpress-<id>-n<k>`` (loopback up, IPv6 off so
        gloo only sees the IPv4 address), a veth pair ``cp<id>p<k>`` (bridge side, enslaved to
@@ -576,7 +577,8 @@ class EmulatedCluster:
 
     def launch(self, cmd: Sequence[str], **kwargs: Any) -> int:
         """Run ``cmd`` as a torchrun job across the nodes; see
-        :func:`commpress.cluster.launcher.launch_on`. Returns the first non-zero exit code."""
+        :func:`commpress.cluster.launcher.launch_on`. Returns 0 or the first failed worker's
+        exit code."""
         from commpress.cluster.launcher import launch_on
 
         return launch_on(self, cmd, **kwargs)

@@ -23,7 +23,7 @@ Wire format of one transfer (both messages use the caller's ``tag``):
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -90,6 +90,19 @@ def _check_tag(tag: int) -> None:
         raise CommpressError(f"tag must be an int in [0, {0x5C0000}), got {tag!r}")
 
 
+def _issue(ex: Exchange, peer: int, what: str, start: Callable[[], list[Any]]) -> list[Any]:
+    """Issue point-to-point operations; a failure at issue time (gloo notices a closed
+    connection before any wait) becomes a :class:`CommpressError` naming the peer."""
+    try:
+        return start()
+    except Exception as exc:
+        raise CommpressError(
+            f"{ex.label}: {what} failed on rank {ex.rank} of {ex.world_size}: peer rank {peer} "
+            f"is unreachable ({type(exc).__name__}: {exc}). The peer probably died or left the "
+            "group; this process group can no longer be used safely"
+        ) from exc
+
+
 def _send_now(
     tensor: torch.Tensor,
     dst: int,
@@ -115,11 +128,14 @@ def _send_now(
     head[_FIXED : _FIXED + x.dim()] = torch.tensor(list(x.shape), dtype=torch.int64)
     head[_FIXED + _MAX_DIMS :] = padded_payload_meta(payload)
     body = pack_bytes([desc_t] + [payload.parts[n] for n in names], device=device)
-    works = [
-        dist.isend(head.to(device), peer, group=ex.group, tag=tag),
-        dist.isend(body, peer, group=ex.group, tag=tag),
-    ]
-    ex.wait(Pending(works, "transfer"))
+    works = _issue(
+        ex, dst, "sending",
+        lambda: [
+            dist.isend(head.to(device), peer, group=ex.group, tag=tag),
+            dist.isend(body, peer, group=ex.group, tag=tag),
+        ],
+    )
+    ex.wait(Pending(works, f"transfer to rank {dst}"))
     return payload.nbytes
 
 
@@ -137,7 +153,8 @@ def _recv_now(
     peer = _check_peer(ex, src, "source")
     comm = ex.comm_device(None if device is None else torch.device(device))
     head = torch.empty(HEADER_LEN, dtype=torch.int64, device=comm)
-    ex.wait(Pending([dist.irecv(head, peer, group=ex.group, tag=tag)], "header"))
+    works = _issue(ex, src, "receiving", lambda: [dist.irecv(head, peer, group=ex.group, tag=tag)])
+    ex.wait(Pending(works, f"header from rank {src}"))
     row = head.cpu().tolist()
     if row[0] != _MAGIC:
         raise CommpressError(
@@ -150,7 +167,8 @@ def _recv_now(
     specs = [((int(row[4]),), torch.uint8), *parse_payload_meta(meta)]
     body = torch.empty(packed_layout(specs)[1], dtype=torch.uint8, device=comm)
     # Always take the body off the wire, even when refusing it, so the sender never blocks.
-    ex.wait(Pending([dist.irecv(body, peer, group=ex.group, tag=tag)], "body"))
+    works = _issue(ex, src, "receiving", lambda: [dist.irecv(body, peer, group=ex.group, tag=tag)])
+    ex.wait(Pending(works, f"body from rank {src}"))
     if row[1] != _fp_int(codec):
         raise CommpressError(
             f"{ex.label}: the sender encoded with another codec configuration than this "

@@ -174,6 +174,7 @@ class PlatformProfile:
         wall_s: seconds the compute measurements took.
         cores: CPU cores of the machine.
         samples: the individual ``[forward, backward, optimizer]`` measurements averaged.
+        sample_times: when each sample was taken (seconds since the validation started).
     """
 
     processes: int
@@ -185,10 +186,24 @@ class PlatformProfile:
     wall_s: float = 0.0
     cores: int = 1
     samples: tuple[tuple[float, float, float], ...] = ()
+    sample_times: tuple[float, ...] = ()
 
     @property
     def compute_s(self) -> float:
         return self.forward_s + self.backward_s + self.optimizer_s
+
+    def compute_at(self, t: float | None) -> tuple[float, float, float]:
+        """Forward, backward and optimizer seconds at time ``t``: interpolated linearly
+        between the samples taken before and after the launch (the machine's load drifts),
+        clamped to them; their average when ``t`` or the sample times are unknown."""
+        avg = (self.forward_s, self.backward_s, self.optimizer_s)
+        if t is None or len(self.samples) != 2 or len(self.sample_times) != 2:
+            return avg
+        (b, a), (tb, ta) = self.samples, self.sample_times
+        if not ta > tb:
+            return avg
+        w = min(1.0, max(0.0, (t - tb) / (ta - tb)))
+        return (b[0] + w * (a[0] - b[0]), b[1] + w * (a[1] - b[1]), b[2] + w * (a[2] - b[2]))
 
     @property
     def contention(self) -> float:
@@ -203,6 +218,7 @@ class PlatformProfile:
             "optimizer_s": self.optimizer_s, "speeds": self.speeds.to_dict(),
             "wall_s": self.wall_s, "cores": self.cores,
             "samples": [list(s) for s in self.samples],
+            "sample_times": list(self.sample_times),
         }
 
     @classmethod
@@ -216,6 +232,7 @@ class PlatformProfile:
                 cores=int(data.get("cores", 1)),
                 samples=tuple(tuple(float(v) for v in s)  # type: ignore[misc]
                               for s in data.get("samples", [])),
+                sample_times=tuple(float(t) for t in data.get("sample_times", [])),
             )
 
 
@@ -475,6 +492,8 @@ class Run:
         steady_from: first step counted in ``measured_s``.
         bits_per_coord: collective input bits per gradient element (from the run).
         replicas_identical: whether all ranks ended with the same parameters.
+        window_s: when the setup started and ended training (seconds since the validation
+            started; ``None`` when unknown).
     """
 
     group_index: int
@@ -486,6 +505,17 @@ class Run:
     steady_from: int
     bits_per_coord: float
     replicas_identical: bool
+    window_s: tuple[float, float] | None = None
+
+    @property
+    def steady_mid_s(self) -> float | None:
+        """Middle of the timed (steady) steps, assuming steps of equal length."""
+        if self.window_s is None:
+            return None
+        t0, t1 = self.window_s
+        n = max(1, len(self.step_times))
+        start = t0 + (t1 - t0) * min(self.steady_from, n) / n
+        return 0.5 * (start + t1)
 
 
 @dataclass
@@ -532,6 +562,8 @@ class ValidationRun:
             for r in data["runs"]:
                 r = dict(r)
                 r["spread_s"] = tuple(r["spread_s"])
+                if r.get("window_s") is not None:
+                    r["window_s"] = tuple(r["window_s"])
                 runs.append(Run(**r))
             return cls(
                 groups=[Group(g["nodes"], g["bandwidth"], tuple(g["codecs"]),
@@ -656,15 +688,24 @@ def run_validation(
             t0 = time.perf_counter()
             before = pool.measure(benchmark_steps)
             bench_wall = time.perf_counter() - t0
+            t_before = 0.5 * (t0 + t0 + bench_wall) - t_start
             setups = [RunSetup(codec=c, label=group.label(c), warmup_steps=warmup_steps,
                                min_numel=hook.min_numel,
                                min_compression_rate=hook.min_compression_rate)
                       for c in group.codecs]
             seen: dict[int, int] = {}
+            windows: dict[int, list[float]] = {}
 
             def on_event(event: dict[str, Any], seen: dict[int, int] = seen,
-                         group: Group = group) -> None:
-                if bar is None or event.get("event") != "step":
+                         group: Group = group, windows: dict[int, list[float]] = windows
+                         ) -> None:
+                kind = event.get("event")
+                now = time.perf_counter() - t_start
+                if kind == "start":
+                    windows[int(event.get("setup", 0))] = [now, now]
+                elif kind in ("step", "done") and int(event.get("setup", 0)) in windows:
+                    windows[int(event.get("setup", 0))][1] = now
+                if bar is None or kind != "step":
                     return
                 idx = int(event.get("setup", 0))
                 step = int(event.get("step", 0))
@@ -682,6 +723,7 @@ def run_validation(
                 )
             t0 = time.perf_counter()
             after = pool.measure(benchmark_steps)
+            t_after = 0.5 * (t0 + time.perf_counter()) - t_start
             bench_wall += time.perf_counter() - t0
             samples = (before, after)
             profiles.append(PlatformProfile(
@@ -690,7 +732,7 @@ def run_validation(
                 backward_s=statistics.fmean(x[1] for x in samples),
                 optimizer_s=statistics.fmean(x[2] for x in samples),
                 speeds=speeds_by_size[ws], wall_s=bench_wall, cores=os.cpu_count() or 1,
-                samples=samples,
+                samples=samples, sample_times=(t_before, t_after),
             ))
             for i, (codec, res) in enumerate(zip(group.codecs, results, strict=True)):
                 if res.network.get("mode") != "emulated" and use_cluster:
@@ -703,6 +745,7 @@ def run_validation(
                     step_times=list(res.step_times), steady_from=res.steady_from,
                     bits_per_coord=res.bits_per_coord,
                     replicas_identical=res.replicas_identical,
+                    window_s=tuple(windows[i]) if i in windows else None,  # type: ignore[arg-type]
                 ))
                 if bar is not None:  # steps the progress file did not report
                     bar.update(max(0, steps - seen.get(i, 0)))
@@ -730,10 +773,10 @@ def model_setup(run: ValidationRun, r: Run) -> Setup:
     group = run.groups[r.group_index]
     profile = run.profiles[r.group_index]
     buckets = ddp_buckets(_model_shapes(run.model))
+    fwd, bwd, upd = profile.compute_at(r.steady_mid_s)
     workload = Workload(
-        buckets=tuple(tuple(b) for b in buckets), forward_s=profile.forward_s,
-        backward_s=profile.backward_s, optimizer_s=profile.optimizer_s,
-        name=f"{run.model} GPT",
+        buckets=tuple(tuple(b) for b in buckets), forward_s=fwd, backward_s=bwd,
+        optimizer_s=upd, name=f"{run.model} GPT",
     )
     cluster = Cluster.build(
         nodes=group.nodes, gpus_per_node=group.procs_per_node, inter_bw=group.bandwidth,
