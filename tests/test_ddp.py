@@ -347,23 +347,25 @@ def test_checkpoint_resume_is_bit_identical_and_schedule_rules_apply() -> None:
 
 # ------------------------------------------------------------- issue 4: robustness of the hook
 class _WithUnused(torch.nn.Module):
-    """Two used layers, one frozen layer and one layer the forward never touches."""
+    """Two trained layers, a frozen one and (optionally) one the forward never touches."""
 
-    def __init__(self) -> None:
+    def __init__(self, unused: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.a = torch.nn.Linear(16, 32)
         self.frozen = torch.nn.Linear(32, 32)
         self.frozen.requires_grad_(False)
         self.b = torch.nn.Linear(32, 8)
-        self.unused = torch.nn.Linear(8, 8)
+        if unused:
+            self.unused = torch.nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.relu(self.frozen(torch.relu(self.a(x)))))
 
 
-def _small_ddp(**kwargs: Any) -> DDP:
-    return DDP(_WithUnused(), bucket_cap_mb=0.001, **kwargs)
+def _small_ddp(find_unused_parameters: bool = False) -> DDP:
+    return DDP(_WithUnused(unused=find_unused_parameters), bucket_cap_mb=0.001,
+               find_unused_parameters=find_unused_parameters)
 
 
 def _small_train(model: DDP, steps: range, rank: int, accumulate: int = 1) -> None:

@@ -34,10 +34,15 @@ zero words are dropped from every plane, so all-zero rows (embedding gradients) 
 cost about one bit each before compression and nearly nothing after it; rows without zeros
 and all-zero rows take fast paths. Statistics (row/column means) always ignore zero words.
 
-Everything has a plain-torch implementation that runs on any device. On CPU, fused numba
-kernels (compiled on first use and cached on disk) do the exponent grouping in about two
-memory passes; both paths produce identical planes, which the tests check. Set
-``COMMPRESS_KERNELS=torch`` to disable the kernels (see :func:`use_kernels`).
+Column statistics come from at most :data:`COL_SAMPLE_ROWS` evenly spaced rows, the global
+mean from the same rows; row statistics from the whole row.
+
+Everything has a plain-torch implementation that runs on any device. On CPU, one fused numba
+kernel per call (compiled on first use, cached on disk, single-threaded) does the whole
+exponent grouping: a zero count, the sampled column statistics, then per row a sum, the codes
+with the first mantissa plane, and the other planes, while the row is in cache; both paths
+produce identical planes, which the tests check. Set ``COMMPRESS_KERNELS=torch`` to disable
+the kernels (see :func:`use_kernels`).
 """
 
 from __future__ import annotations

@@ -47,9 +47,11 @@ Tuning:
   ``median``) cannot make a sign-symmetric tensor more compressible, and ``previous`` helps
   only where consecutive steps share most high-order bits (slowly changing activations or
   weights), at the memory cost above. ``auto`` tries none/min/median on a sample.
-* ``backend="auto"`` uses zstd's Huffman coder on exponent planes; ``ans`` comes a little
-  closer to the entropy at several times the cost; ``zstd`` with a high ``level`` finds
-  longer repeats (runs) at a much lower speed; ``lz4`` is fastest and weakest.
+* ``backend="auto"`` uses zstd's Huffman coder (one table per 128 KiB block) on exponent
+  planes. ``ans`` codes a plane at its order-0 entropy with one table per tensor, usually no
+  better and several times slower; ``zstd`` with ``level`` also finds long repeats (repeated
+  rows of embedding outputs: use ``backend="zstd", mantissa_backend="zstd", level=1`` for
+  activations); ``lz4`` is fastest and has no entropy coder.
 * ``mantissa_backend="auto"`` stores near-random planes raw and compresses the others (for
   example fp32 tensors that hold bf16 values have all-zero low mantissa bytes).
 """
@@ -493,12 +495,12 @@ class NetZip(Codec):
             data = s.data
             size = data.size
             name = self._backend_for(s)
-            if name == "raw" or not size:
-                used, blob = "raw", data.data
-            else:
-                used, blob = bk.compressed_or_raw(name, data, level=level)  # type: ignore[arg-type]
-                if used == "raw":
-                    blob = data.data
+            blob: Any = data.data
+            used = "raw"
+            if name != "raw" and size:
+                used, packed = bk.compressed_or_raw(name, data, level=level)  # type: ignore[arg-type]
+                if used != "raw":
+                    blob = packed
             blobs.append(blob)
             header.append(s.tag)
             header.append(backend_ids[used])

@@ -60,7 +60,7 @@ from commpress.perfmodel.calibration import (
     fit_platform,
     validate,
 )
-from commpress.perfmodel.codec_costs import CodecSpeed, SpeedTable
+from commpress.perfmodel.codec_costs import SpeedTable
 from commpress.perfmodel.collectives import TCP_EFFICIENCY, Cluster
 from commpress.perfmodel.model import HookPlan, Platform, Setup, Workload, ddp_buckets
 
@@ -424,7 +424,7 @@ def calibrate_codecs(codecs: Sequence[str], *, world_size: int, threads: int = 1
         import numba
 
         numba_saved = numba.get_num_threads()
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(min(threads, getattr(numba.config, "NUMBA_NUM_THREADS", threads)))
     except (ImportError, ValueError, RuntimeError):  # pragma: no cover
         numba_saved = None
     torch.set_num_threads(threads)
@@ -704,7 +704,10 @@ def run_validation(
                 if kind == "start":
                     windows[int(event.get("setup", 0))] = [now, now]
                 elif kind in ("step", "done") and int(event.get("setup", 0)) in windows:
-                    windows[int(event.get("setup", 0))][1] = now
+                    window = windows[int(event.get("setup", 0))]
+                    if kind == "step" and int(event.get("step", 0)) == 1:
+                        window[0] = now  # training starts after the codec's pre-warm-up
+                    window[1] = now
                 if bar is None or kind != "step":
                     return
                 idx = int(event.get("setup", 0))
@@ -863,8 +866,8 @@ def analyse(run: ValidationRun, *, fit: Sequence[str] | None = None,
     names = tuple(fit) if fit is not None else fit_names(len(fit_half))
     # Constants not fitted stay ideal; fitted ones start inside their range so the search can
     # move both ways.
-    initial = {"overlap_efficiency": 0.8, "collective_overhead_s": 1e-3,
-               "message_latency_s": 1e-4}
+    initial: dict[str, Any] = {"overlap_efficiency": 0.8, "collective_overhead_s": 1e-3,
+                               "message_latency_s": 1e-4}
     start = Platform(**{k: v for k, v in initial.items() if k in names})
     result: FitResult = fit_platform(fit_half, fit=names, start=start, max_iter=max_iter,
                                      name=f"fitted on {len(fit_half)} runs")
@@ -879,7 +882,7 @@ def analyse(run: ValidationRun, *, fit: Sequence[str] | None = None,
 # ------------------------------------------------------------------ output
 def report_rows(analysis: Analysis) -> list[dict[str, Any]]:
     """One row per setup: label, half, predicted, measured, signed error."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for half, rep in (("fit", analysis.calibration.fit_report), ("holdout", analysis.holdout)):
         for r in rep.rows:
             rows.append({"label": r.label, "half": half, "predicted_s": r.predicted_s,
