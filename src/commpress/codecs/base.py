@@ -222,6 +222,9 @@ def _describe_hint(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
+_FINGERPRINTS: dict[Codec, str] = {}
+
+
 class Codec(ABC):
     """Base class of all codecs. Subclasses are frozen slotted keyword-only dataclasses.
 
@@ -297,9 +300,18 @@ class Codec(ABC):
         return codec
 
     def fingerprint(self) -> str:
-        """A short stable hash of the configuration (equal on every rank for equal configs)."""
-        text = json.dumps(self.get_config(), sort_keys=True, separators=(",", ":"))
-        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+        """A short stable hash of the configuration (equal on every rank for equal configs).
+
+        Cached per configuration: codecs are frozen, and equal codecs share a fingerprint.
+        """
+        cached = _FINGERPRINTS.get(self)
+        if cached is None:
+            text = json.dumps(self.get_config(), sort_keys=True, separators=(",", ":"))
+            cached = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+            if len(_FINGERPRINTS) >= 4096:
+                _FINGERPRINTS.clear()
+            _FINGERPRINTS[self] = cached
+        return cached
 
     # ------------------------------------------------------------------ public API
     def encode(self, tensor: torch.Tensor, ctx: CodecContext | None = None) -> Payload:
