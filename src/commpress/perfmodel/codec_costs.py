@@ -667,9 +667,10 @@ class _Planner:
 
     # pieces -----------------------------------------------------------------
     @staticmethod
-    def _add(segs: list[Segment], resource: str, seconds: float, kind: str, label: str) -> None:
+    def _add(segs: list[Segment], resource: str, seconds: float, kind: str, label: str,
+             nbytes: float = 0.0) -> None:
         if seconds > 0:
-            segs.append(Segment(resource, seconds, kind, label))
+            segs.append(Segment(resource, seconds, kind, label, nbytes))
 
     def collective(self, seconds: float) -> float:
         return seconds + self.cfg.collective_overhead_s
@@ -690,7 +691,9 @@ class _Planner:
                     t = coll.allreduce(r.nbytes * share, ranks, link, self.cfg.algorithm)
                 else:
                     t = coll.allgather(r.nbytes * share, ranks, link)
-                self._add(segs, "net", self.collective(t), "comm", f"{label}{r.kind}[{k}]")
+                moved = coll.link_bytes(r.kind, r.nbytes * share, ranks, self.cfg.algorithm)
+                self._add(segs, "net", self.collective(t), "comm", f"{label}{r.kind}[{k}]",
+                          moved)
         decodes = ranks if prof.gathers else 1
         self._add(segs, self.where, decodes * self.dec(numel), "codec", f"{label}decode")
         return segs
@@ -702,7 +705,8 @@ class _Planner:
         self._add(segs, self.where, self.enc(numel), "codec", "encode")
         if ranks > 1:
             t = coll.allgather(payload, ranks, link)
-            self._add(segs, "net", self.collective(t), "comm", "allgather")
+            self._add(segs, "net", self.collective(t), "comm", "allgather",
+                      coll.link_bytes("allgather", payload, ranks))
         self._add(segs, self.where, ranks * self.dec(numel), "codec", "decode")
         return segs
 

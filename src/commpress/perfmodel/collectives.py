@@ -53,11 +53,17 @@ class Link:
         latency: ``alpha``, seconds per message (one-way latency plus software overhead).
         efficiency: fraction of ``bandwidth`` left for payload (``TCP_EFFICIENCY`` for TCP over
             Ethernet at MTU 1500, 1.0 for NVLink or when ``bandwidth`` is already a goodput).
+        burst: token-bucket depth in bytes of a rate-limited link (``tc tbf``, as on the
+            emulated cluster; 0 for a NIC running at line rate). After an idle period a
+            shaped link passes this many bytes at the speed of the path underneath and only
+            then settles to ``bandwidth``; :func:`commpress.perfmodel.timeline.simulate_step`
+            models the bucket.
     """
 
     bandwidth: float
     latency: float = 0.0
     efficiency: float = 1.0
+    burst: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
@@ -67,6 +73,8 @@ class Link:
             raise CommpressError(f"link latency must be finite and >= 0 s, got {self.latency!r}")
         if not 0 < self.efficiency <= 1:
             raise CommpressError(f"link efficiency must be in (0, 1], got {self.efficiency!r}")
+        if not (math.isfinite(self.burst) and self.burst >= 0):
+            raise CommpressError(f"link burst must be finite and >= 0 bytes, got {self.burst!r}")
 
     @property
     def effective_bandwidth(self) -> float:
@@ -169,6 +177,30 @@ def allgather(nbytes_per_rank: float, n: int, link: Link) -> float:
     """Ring all-gather where every rank contributes ``nbytes_per_rank`` (payloads of
     non-summable codecs): ``(n-1) (alpha + p beta)``."""
     return ring_allgather(nbytes_per_rank * n, n, link)
+
+
+def link_bytes(kind: str, nbytes: float, n: int, algorithm: str = "ring") -> float:
+    """Bytes one rank pushes through its link (in each direction) during a collective: the
+    ``z beta`` terms above without ``beta``. ``kind`` is ``"allreduce"`` (``nbytes`` the
+    vector, with ``algorithm``) or ``"allgather"`` (``nbytes`` each rank's payload)."""
+    _check_ranks(n)
+    _check_bytes(nbytes)
+    if n == 1:
+        return 0.0
+    if kind == "allgather":
+        return (n - 1) * nbytes
+    if kind != "allreduce":
+        raise CommpressError(f"kind must be 'allreduce' or 'allgather', got {kind!r}")
+    if algorithm == "ring":
+        return 2 * (n - 1) / n * nbytes
+    if algorithm == "tree":
+        return 2 * math.ceil(math.log2(n)) * nbytes
+    if algorithm == "rhd":
+        p = 1 << (n.bit_length() - 1)
+        return 2 * (p - 1) / p * nbytes + (2 * nbytes if n != p else 0.0)
+    raise CommpressError(
+        f"unknown all-reduce algorithm {algorithm!r}; accepted: {', '.join(ALLREDUCE_ALGORITHMS)}"
+    )
 
 
 # ---------------------------------------------------------------------------- codec in the wire
@@ -328,17 +360,20 @@ class Cluster:
         intra_latency: str | float = "5us",
         inter_efficiency: float = TCP_EFFICIENCY,
         intra_efficiency: float = 1.0,
+        inter_burst: float = 0.0,
     ) -> Cluster:
         """A cluster from human-readable quantities (see :mod:`commpress.perfmodel.units`).
 
         Defaults describe NVLink-class intra-node links and an Ethernet/TCP inter-node network
         (``inter_efficiency`` = 1448/1514: what TCP framing leaves of a shaped rate).
+        ``inter_burst`` is the token-bucket depth (bytes) of rate-limited inter-node links
+        (:attr:`Link.burst`; 0 for NICs at line rate).
         """
         return cls(
             nodes=int(nodes),
             gpus_per_node=int(gpus_per_node),
             inter=Link(parse_bandwidth(inter_bw), parse_duration(inter_latency),
-                       inter_efficiency),
+                       inter_efficiency, float(inter_burst)),
             intra=Link(parse_bandwidth(intra_bw), parse_duration(intra_latency),
                        intra_efficiency),
         )
@@ -437,6 +472,7 @@ __all__ = [
     "allgather",
     "allreduce",
     "hierarchical_steps",
+    "link_bytes",
     "p2p",
     "rhd_allreduce",
     "ring_allgather",

@@ -535,6 +535,7 @@ def predict(
         jobs=jobs,
         optimizer_s=workload.optimizer_s * scale,
         overlap_efficiency=platform.overlap_efficiency,
+        token_bucket=_token_bucket(cl),
     )
     return Prediction(
         codecs=tuple(spec_key(c) for c in codecs),
@@ -543,6 +544,14 @@ def predict(
         wire_bytes=wire,
         bits_per_coordinate=8.0 * wire / max(1, workload.params),
     )
+
+
+def _token_bucket(cl: Cluster) -> tuple[float, float] | None:
+    """The bottleneck link's token bucket in payload terms, if it is rate-limited."""
+    link = cl.bottleneck
+    if link.burst <= 0 or cl.nodes < 2:
+        return None
+    return (link.burst * link.efficiency, link.effective_bandwidth)
 
 
 def _predict_hooked(
@@ -584,6 +593,7 @@ def _predict_hooked(
         overlap_efficiency=platform.overlap_efficiency,
         bucket_of=owners,
         queue_depth=hook.depth,
+        token_bucket=_token_bucket(cl),
     )
     return Prediction(
         codecs=tuple(spec_key(c) for c in codecs),

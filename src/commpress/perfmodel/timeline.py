@@ -65,12 +65,16 @@ class Segment:
         seconds: duration (>= 0).
         kind: what it is for the breakdown: ``"compute"``, ``"comm"`` or ``"codec"``.
         label: free text for timelines and debugging.
+        nbytes: for ``net`` segments, the bytes this rank pushes through its link (each
+            direction), whose ``nbytes / bandwidth`` is part of ``seconds``; the timeline's
+            token bucket (``token_bucket``) may pass some of them for free.
     """
 
     resource: str
     seconds: float
     kind: str
     label: str = ""
+    nbytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.resource not in RESOURCES:
@@ -82,6 +86,8 @@ class Segment:
                                  f"got {self.kind!r}")
         if not (math.isfinite(self.seconds) and self.seconds >= 0):
             raise CommpressError(f"segment duration must be finite and >= 0, got {self.seconds!r}")
+        if not (math.isfinite(self.nbytes) and self.nbytes >= 0):
+            raise CommpressError(f"segment bytes must be finite and >= 0, got {self.nbytes!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +144,7 @@ class _Task:
     seconds: float
     bucket: int
     prio: int  # 0 codec/comm, 1 compute (ties: codec before compute)
+    nbytes: float = 0.0
     end_deps: list[int] = field(default_factory=list)
     start_deps: list[int] = field(default_factory=list)
     successors: list[int] = field(default_factory=list)
@@ -186,6 +193,7 @@ def simulate_step(
     overlap_efficiency: float = 1.0,
     bucket_of: Sequence[int] | None = None,
     queue_depth: int | None = None,
+    token_bucket: tuple[float, float] | None = None,
 ) -> StepTimeline:
     """Simulate one step (see the module docstring for the rules).
 
@@ -205,6 +213,11 @@ def simulate_step(
             the earlier buckets has ended; inside a bucket, job ``k`` starts after job
             ``k-1``'s first ``net`` segment has started and after job ``k-d`` has ended
             (``d`` jobs in flight).
+        token_bucket: ``(depth, rate)`` in payload bytes and bytes/s of a rate-limited link
+            (``tc tbf``): the bucket starts the step full, refills at ``rate`` up to
+            ``depth``, and each ``net`` segment's first bytes (its ``nbytes``) are sent free
+            while tokens last (``seconds`` shrinks by ``credit / rate``). ``None``: a link at
+            line rate.
     """
     if bucket_of is None:
         if len(jobs) != len(backward_s):
@@ -228,6 +241,13 @@ def simulate_step(
         isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1
     ):
         raise CommpressError(f"queue_depth must be None or an int >= 1, got {queue_depth!r}")
+    if token_bucket is not None:
+        depth, rate = token_bucket
+        if not (math.isfinite(depth) and depth >= 0 and math.isfinite(rate) and rate > 0):
+            raise CommpressError(
+                f"token_bucket must be (depth >= 0 bytes, rate > 0 bytes/s), got {token_bucket!r}"
+            )
+    tokens, tokens_at = (token_bucket[0], 0.0) if token_bucket is not None else (0.0, 0.0)
     if not 0.0 <= overlap_efficiency <= 1.0:
         raise CommpressError(f"overlap_efficiency must be in [0, 1], got {overlap_efficiency!r}")
     for name, value in (("forward_s", forward_s), ("optimizer_s", optimizer_s),
@@ -239,7 +259,8 @@ def simulate_step(
 
     def add(name: str, seg: Segment, bucket: int) -> _Task:
         prio = 1 if seg.kind == "compute" else 0
-        t = _Task(len(tasks), name, seg.resource, seg.kind, seg.seconds, bucket, prio)
+        t = _Task(len(tasks), name, seg.resource, seg.kind, seg.seconds, bucket, prio,
+                  seg.nbytes)
         tasks.append(t)
         return t
 
@@ -343,6 +364,14 @@ def simulate_step(
         t = tasks[idx]
         rel, who, is_start = release_of(t)
         t.start = start
+        if token_bucket is not None and r == "net" and t.nbytes > 0:
+            # Net segments run in start order, so the bucket is tracked at the link's time.
+            depth, rate = token_bucket
+            tokens = min(depth, tokens + (start - tokens_at) * rate)
+            credit = min(tokens, t.nbytes, t.seconds * rate)
+            t.seconds -= credit / rate
+            tokens -= credit
+            tokens_at = start + t.seconds
         t.end = start + t.seconds
         if free[r] > rel and last_on[r] >= 0:
             t.binding, t.binding_is_start = last_on[r], False

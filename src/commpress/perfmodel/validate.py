@@ -781,10 +781,15 @@ def model_setup(run: ValidationRun, r: Run) -> Setup:
         buckets=tuple(tuple(b) for b in buckets), forward_s=fwd, backward_s=bwd,
         optimizer_s=upd, name=f"{run.model} GPT",
     )
+    from commpress.cluster.shaping import choose_burst
+    from commpress.perfmodel.units import parse_bandwidth
+
+    rate = parse_bandwidth(group.bandwidth)
     cluster = Cluster.build(
-        nodes=group.nodes, gpus_per_node=group.procs_per_node, inter_bw=group.bandwidth,
+        nodes=group.nodes, gpus_per_node=group.procs_per_node, inter_bw=rate * 8,
         inter_latency=BASE_LATENCY_S, inter_efficiency=TCP_EFFICIENCY,
         intra_bw="10gbit", intra_latency=BASE_LATENCY_S,
+        inter_burst=choose_burst(rate * 8),  # the emulated links' tbf bucket
     )
     return Setup(
         workload=workload, cluster=cluster, codec=r.codec, label=r.label, hook=run.hook,
