@@ -259,9 +259,10 @@ def test_wire_profile_extrapolates_powersgd_exactly() -> None:
 
 @pytest.mark.skipif(not registered("thc"), reason="thc not registered yet")
 def test_wire_profile_of_a_block_codec_is_not_fooled_by_sample_padding() -> None:
-    # THC (4 bits, blocks of 4096) sends 4 bits per coordinate plus one scale per block; the
-    # scaled-down sample must not be padded more than the (block-aligned) real tensor.
-    prof = wire_profile(get_codec("thc"), (4032, 1344), world_size=8)
+    # THC with saturation (4-bit lanes, blocks of 4096) sends 4 bits per coordinate plus one
+    # scale per block; the scaled-down sample must not be padded more than the (block-aligned)
+    # real tensor. (THC's default widens lanes by ceil(log2 n) bits instead of saturating.)
+    prof = wire_profile(get_codec("thc", saturate=True), (4032, 1344), world_size=8)
     assert 4.0 <= prof.bits_per_coordinate < 4.05
 
 

@@ -22,7 +22,7 @@ from commpress.perfmodel.calibration import (
 )
 from commpress.perfmodel.codec_costs import CodecSpeed, SpeedTable
 from commpress.perfmodel.model import HookPlan, Platform
-from commpress.perfmodel.validate import (
+from commpress.perfmodel.validation import (
     VALIDATION_FIT,
     Group,
     PlatformProfile,

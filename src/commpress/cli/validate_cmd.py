@@ -9,7 +9,7 @@ Example::
 Trains the built-in GPT with DDP on the emulated cluster for a grid of node counts, link
 bandwidths and codecs, calibrates the platform constants on one half of the runs and reports
 predicted against measured iteration time on the other half (see
-:mod:`commpress.perfmodel.validate`). Writes ``validation.json`` (summary, every row, fitted
+:mod:`commpress.perfmodel.validation`). Writes ``validation.json`` (summary, every row, fitted
 platform, raw measurements), ``validation.png`` (scatter) and ``platform.json`` (for
 ``commpress predict --platform``) to ``--out``.
 """
@@ -89,7 +89,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from commpress.errors import CommpressError
-    from commpress.perfmodel.validate import (
+    from commpress.perfmodel.validation import (
         DEFAULT_CODECS,
         analyse,
         default_grid,

@@ -330,7 +330,7 @@ class ComputePool:
         try:
             for r in range(self.processes):
                 self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "commpress.perfmodel.validate",
+                    [sys.executable, "-m", "commpress.perfmodel.validation",
                      "--benchmark-worker", str(config_path), str(r)],
                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL, text=True, bufsize=1,
@@ -1037,8 +1037,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(
-        prog="python -m commpress.perfmodel.validate",
-        description="Worker of commpress.perfmodel.validate.measure_platform (started by it; "
+        prog="python -m commpress.perfmodel.validation",
+        description="Worker of commpress.perfmodel.validation.measure_platform (started by it; "
         "not meant to be run by hand). Use `commpress validate`.",
     )
     p.add_argument("--benchmark-worker", nargs=2, metavar=("CONFIG", "RANK"), required=True)
