@@ -291,7 +291,12 @@ def _drive_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext, world_size
     """Run ``codec.reduce`` for one rank, answering every round as if the other ranks had sent
     the same thing (all-reduce: the request's tensors; all-gather: ``world_size`` copies of
     the payload). Returns the protocol's result; all its codec work is done on this thread."""
-    gen = codec.reduce(x, ctx)
+    return _drive_protocol_gen(codec.reduce(x, ctx), world_size)
+
+
+def _drive_protocol_gen(gen: Any, world_size: int) -> Any:
+    """Drive a reduction protocol generator as :func:`_drive_protocol` does."""
+    codec_id = "protocol"
     try:
         req: Any = next(gen)
         while True:
@@ -300,7 +305,7 @@ def _drive_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext, world_size
             elif isinstance(req, AllGather):
                 reply = [req.payload] * world_size
             else:
-                raise CommpressError(f"{codec.codec_id} yielded {type(req).__name__}")
+                raise CommpressError(f"{codec_id} yielded {type(req).__name__}")
             req = gen.send(reply)
     except StopIteration as stop:
         return stop.value
@@ -326,12 +331,13 @@ def calibrate_protocol_speeds(
 
     1. For each codec, a small and a large tensor (``matrix_shapes``; element-wise casts, which
        the DDP hook sends as one flat bucket, use 1-D tensors of ``flat_sizes``).
-    2. Time ``T``: drive ``codec.reduce`` for rank 0 of ``world_size`` with the rounds answered
-       locally (all-reduce: its own tensors; all-gather: ``world_size`` copies of its payload),
-       with ``need_local`` and the residual arithmetic ``x + e``, ``e = x - local`` when
-       ``feedback`` applies (lossy codecs other than the casts, as :func:`commpress.ddp.register`
-       does); the median (``statistic="median"``) or the fastest (``"min"``) of ``repeats``
-       after a warm-up.
+    2. Time ``T``: the DDP hook's per-tensor path
+       (:meth:`~commpress.collectives.policy.CompressionState.reduce`: compensation by the
+       error-feedback residual when ``feedback`` and the codec is lossy and not a cast, the
+       codec's protocol, the residual update) for rank 0 of ``world_size``, with the rounds
+       answered locally (all-reduce: its own tensors; all-gather: ``world_size`` copies of its
+       payload); the median (``statistic="median"``) or the fastest (``"min"``) of
+       ``repeats`` after a warm-up.
     3. Split ``T`` into encode (before the exchange) and decode (after): a single-round codec's
        decode is its measured ``decode`` time, once per payload it decodes (``world_size`` for
        an all-gather); a multi-round codec's work is split in halves.
@@ -348,10 +354,11 @@ def calibrate_protocol_speeds(
     timer = _median_time if statistic == "median" else _min_time
     dev = torch.device(device)
     speeds: dict[str, CodecSpeed] = {}
+    from commpress.collectives.policy import CompressionState
+
     for spec in specs:
         codec = get_codec(spec)
         casts = codec.codec_id in ELEMENTWISE_CODECS
-        ef = feedback and not casts and not codec.lossless
         sizes: list[tuple[int, ...]] = (
             [(flat_sizes[0],), (flat_sizes[1],)] if casts else [tuple(s) for s in matrix_shapes]
         )
@@ -359,18 +366,14 @@ def calibrate_protocol_speeds(
             measured = []
             for shape in sizes:
                 x = _sample(shape).to(dev)
-                err = torch.zeros_like(x)  # the residual memory (kept at zero: fixed input)
-                scratch = torch.empty_like(x)
-                ctx = CodecContext(rank=0, world_size=world_size, key="calibrate", state={},
-                                   need_local=ef)
+                # The DDP hook's per-tensor path: plan, compensation, the codec's protocol,
+                # residual update (automatic error feedback unless feedback=False).
+                state = CompressionState(codec, error_feedback=None if feedback else False)
+                ctx = CodecContext(rank=0, world_size=world_size, key="calibrate")
 
-                def run(x: torch.Tensor = x, err: torch.Tensor = err,
-                        scratch: torch.Tensor = scratch, ctx: CodecContext = ctx,
-                        codec: Codec = codec, ef: bool = ef) -> None:
-                    xin = x + err if ef else x
-                    out = _drive_protocol(codec, xin, ctx, world_size)
-                    if ef and out is not None and out.local is not None:
-                        torch.sub(xin, out.local, out=scratch)
+                def run(x: torch.Tensor = x, state: CompressionState = state) -> None:
+                    _drive_protocol_gen(state.reduce("calibrate", x, rank=0,
+                                                     world_size=world_size), world_size)
 
                 total = timer(run, dev, repeats)
                 decodes = 0.0

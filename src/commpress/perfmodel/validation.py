@@ -282,10 +282,7 @@ def _benchmark_worker(config_path: str, rank: int) -> int:
                     fwd.append(t1 - t0)
                     bwd.append(t2 - t1)
                     upd.append(t3 - t2)
-            reply: dict[str, Any] = {
-                "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
-                "optimizer_s": statistics.median(upd),
-            }
+            reply: dict[str, Any] = {"forward_s": fwd, "backward_s": bwd, "optimizer_s": upd}
         except Exception as exc:  # reported to the parent instead of a silent exit
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(reply), flush=True)
@@ -368,8 +365,14 @@ class ComputePool:
         return [x for x in lines if x is not None]
 
     def measure(self, steps: int = 12) -> tuple[float, float, float]:
-        """Median forward, backward and optimizer seconds over ``steps`` steps, all processes
-        stepping at once (median over the processes too)."""
+        """Median forward, backward and optimizer seconds over ``steps`` steps (after 2
+        warm-up steps), all processes started together and stepping freely (median over the
+        processes too).
+
+        Free-running, not in lockstep: a barrier before every step makes the processes wake
+        up together on one core (the scheduler places woken tasks near their waker) and
+        measures that artefact instead of the compute.
+        """
         if not self._procs:
             raise CommpressError("ComputePool.measure needs the pool started (use `with`)")
         for p in self._procs:  # start them together
@@ -379,9 +382,10 @@ class ComputePool:
         errors = [r["error"] for r in replies if "error" in r]
         if errors:
             raise CommpressError(f"the compute micro-benchmark failed: {errors[0]}")
-        return (statistics.median(r["forward_s"] for r in replies),
-                statistics.median(r["backward_s"] for r in replies),
-                statistics.median(r["optimizer_s"] for r in replies))
+        return tuple(  # type: ignore[return-value]
+            statistics.median(statistics.median(r[k]) for r in replies)
+            for k in ("forward_s", "backward_s", "optimizer_s")
+        )
 
     def __exit__(self, *exc: object) -> None:
         import subprocess
