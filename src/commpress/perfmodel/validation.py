@@ -6,36 +6,51 @@ module trains the built-in GPT with DDP across real processes on the emulated cl
 counts, link bandwidths and codecs, measures the iteration times, and checks the model against
 them without ever fitting and reporting on the same runs.
 
-Algorithm of :func:`run_validation`:
+Algorithm of :func:`run_validation` (measuring) and :func:`analyse` (checking):
 
-1. For each *group* of the grid (node count, processes per node, bandwidth, codecs; one
-   emulated cluster and one launch per group), first run the **calibration micro-benchmark**
-   (:func:`measure_platform`) under the same conditions: as many concurrent processes as the
-   group's world size, each with the same torch/numba thread count as a training worker.
-   Each times the built-in model's forward, backward and optimizer step on its shard of the
-   batch (no communication), and every codec's whole per-tensor codec path
-   (:func:`~commpress.perfmodel.codec_costs.calibrate_protocol_speeds`). Measuring right
-   before each launch follows the machine's load as it drifts.
-2. Launch the group: every codec trains ``steps`` steps with commpress's DDP hook; a setup's
+1. **Calibration micro-benchmarks**, none of them a grid run:
+
+   a. *Codec speeds*, once per world size, in this process with a training worker's thread
+      count: every codec's whole per-tensor path as the DDP hook runs it (compensation,
+      protocol with the rounds answered locally, decodes, residual update), the fastest of 9
+      runs (:func:`calibrate_codecs`). Contention is applied by the model (step 3).
+   b. *Compute*, right before and right after every launch: as many processes as the
+      launch's world size (:class:`ComputePool`, kept alive between launches), each with a
+      worker's thread count, time the model's forward, backward and optimizer step on their
+      shard of the batch, without communication. Step by step the slowest process counts
+      (synchronous data parallelism waits for it); medians over 12 steps.
+
+2. **Runs**: one launch per *group* (node count, processes per node, bandwidth, codecs; one
+   emulated cluster). Every codec trains ``steps`` steps with commpress's DDP hook; a setup's
    measured iteration time is the median over its steady steps (after ``timing_skip``
    start-up steps and the codec's fp16 warm-up), each step timed as the slowest rank's.
-3. Build one :class:`~commpress.perfmodel.model.Setup` per run: the workload from the
-   model's parameter shapes in DDP's buckets with the micro-benchmark's compute times, the
-   cluster from the requested link rate (TCP framing leaves 1448/1514 of it), the hook's plan
+
+3. **Model setups** (:func:`model_setup`): the workload from the model's parameter shapes in
+   DDP's buckets, with the compute interpolated in time between the benchmark before and after
+   the launch at the middle of the setup's timed steps (the machine's load drifts); the
+   cluster from the requested link rate (TCP framing leaves 1448/1514 of it) with the
+   emulator's token bucket (``tbf`` burst); the hook's plan
    (:class:`~commpress.perfmodel.model.HookPlan`: small and incompressible tensors go as
-   fp16) and the group's codec speeds.
-4. :func:`split` deals the setups into a fit half and a holdout half (sorted by codec, node
-   count and bandwidth, then alternately, so each codec's runs fall in both halves);
+   fp16, one bucket at a time, two tensors in flight); the codec speeds; and the *contention*
+   ``processes x threads / cores`` (CPU-bound software costs are multiplied by it).
+
+4. **Split** (:func:`split`): sorted by codec, node count and bandwidth, the setups are dealt
+   alternately into a fit half and a holdout half, so each codec's runs fall in both halves.
    :func:`~commpress.perfmodel.calibration.fit_platform` fits the platform constants
-   (:data:`VALIDATION_FIT`: overlap efficiency, per-collective overhead, effective-bandwidth
-   factor, codec-time scale, per-message latency, compute-time scale) on the fit half only;
+   (:data:`VALIDATION_FIT`: per-collective overhead, codec-time scale, effective-bandwidth
+   factor, compute-time scale, overlap efficiency, per-message latency) on the fit half only;
    the holdout half is predicted with them and compared.
-5. Report every setup (which half it was in), the holdout's median and worst absolute error
-   (issue 6's goals: 10% and 25%), a JSON file with everything measured, and a PNG scatter
-   of predicted against measured.
+
+5. **Report**: every setup (and its half), the holdout's median and worst absolute error
+   (issue 6's goals: 10% and 25%), the uncalibrated model's error for comparison, a JSON file
+   with everything measured, a PNG scatter of predicted against measured.
 
 Measurements are saved before the analysis, so :func:`analyse` can refit a saved run
 (``commpress validate --from validation.json``) without training again.
+
+Tuning: the machine should be otherwise idle. Every other job that wakes up during a launch
+slows the training steps it overlaps, and the compute benchmarks around the launch catch
+that only on average; on a busy 2-core machine this noise, not the model, dominates the error.
 """
 
 from __future__ import annotations
@@ -365,9 +380,10 @@ class ComputePool:
         return [x for x in lines if x is not None]
 
     def measure(self, steps: int = 12) -> tuple[float, float, float]:
-        """Median forward, backward and optimizer seconds over ``steps`` steps (after 2
-        warm-up steps), all processes started together and stepping freely (median over the
-        processes too).
+        """Forward, backward and optimizer seconds: all processes start together and step
+        freely for ``steps`` steps (after 2 warm-up steps); for every step index the slowest
+        process's times are kept (synchronous data parallelism waits for the slowest rank),
+        and the median over steps is returned.
 
         Free-running, not in lockstep: a barrier before every step makes the processes wake
         up together on one core (the scheduler places woken tasks near their waker) and
@@ -382,9 +398,12 @@ class ComputePool:
         errors = [r["error"] for r in replies if "error" in r]
         if errors:
             raise CommpressError(f"the compute micro-benchmark failed: {errors[0]}")
-        return tuple(  # type: ignore[return-value]
-            statistics.median(statistics.median(r[k]) for r in replies)
-            for k in ("forward_s", "backward_s", "optimizer_s")
+        # Synchronous data parallelism waits for the slowest rank at every step: take, step
+        # by step, the process with the longest step, then the median over steps.
+        per_step = [max(((r["forward_s"][k], r["backward_s"][k], r["optimizer_s"][k])
+                         for r in replies), key=sum) for k in range(int(steps))]
+        return tuple(
+            statistics.median(x[i] for x in per_step) for i in range(3)
         )
 
     def __exit__(self, *exc: object) -> None:
@@ -623,7 +642,8 @@ def run_validation(
     work_dir: str | Path | None = None,
     log: Callable[[str], None] | None = None,
 ) -> ValidationRun:
-    """Measure every setup of ``groups`` (steps 1-2 of the module's algorithm).
+    """Measure every setup of ``groups`` (steps 1-2 of the module's algorithm); pass the
+    result to :func:`analyse`.
 
     Args:
         groups: the grid, one launch each.
@@ -635,7 +655,8 @@ def run_validation(
         model: built-in model preset.
         batch_size: global rows per step (a multiple of every world size: 16 fits 2 and 4,
             48 fits 3 too; the default is rounded up per group).
-        benchmark_steps: steps of the compute micro-benchmark before each group.
+        benchmark_steps: steps of each compute micro-benchmark (before and after every
+            launch). 12 tiny-model steps take about a second.
         use_cluster: ``True`` requires the emulated cluster (root and network namespaces);
             ``None`` falls back to unshaped local processes (the links are then not what the
             model is told, so the comparison is meaningless except as a smoke test).
