@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         measured.command = command_line(args)
         save_run(measured, out / "measurements.json")  # kept even if the analysis fails
     analysis = analyse(measured)
-    print(table(analysis))
+    print(table(analysis, measured))
     report = report_dict(measured, analysis)
     json_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
     png_path = out / "validation.png"

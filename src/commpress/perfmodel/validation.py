@@ -922,8 +922,9 @@ def report_rows(analysis: Analysis) -> list[dict[str, Any]]:
     return rows
 
 
-def table(analysis: Analysis) -> str:
-    """The predicted-vs-measured table and the summary lines."""
+def table(analysis: Analysis, run: ValidationRun | None = None) -> str:
+    """The predicted-vs-measured table and the summary lines (with ``run``, also the
+    machine's load during the measurements)."""
     from commpress.cli.table import render_table
     from commpress.perfmodel.units import format_seconds
 
@@ -948,6 +949,14 @@ def table(analysis: Analysis) -> str:
         f"uncalibrated model on the holdout: median |error| "
         f"{analysis.ideal.median_abs_error:.1%}, worst {analysis.ideal.worst_abs_error:.1%}",
     ]
+    loads = [x for x in (run.load if run is not None else []) if math.isfinite(x)]
+    if loads:
+        cores = run.profiles[0].cores if run is not None and run.profiles else os.cpu_count()
+        lines.append(
+            f"machine load (1-minute average) before each launch: {min(loads):.1f} to "
+            f"{max(loads):.1f} on {cores} cores (this run's own processes included; other "
+            "jobs on the machine make the measurements noisy)"
+        )
     return "\n".join(lines)
 
 
@@ -999,7 +1008,7 @@ def plot(analysis: Analysis, path: str | Path) -> None:
         raise CommpressError("nothing to plot")
     codecs = sorted({r["label"].split(" ", 2)[-1] for r in rows})
     colours = {c: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(codecs)}
-    xs = [r["measured_s"] for r in rows] + [r["predicted_s"] for r in rows]
+    xs = [1e3 * r["measured_s"] for r in rows] + [1e3 * r["predicted_s"] for r in rows]
     lo, hi = min(xs) / 1.3, max(xs) * 1.3
     fig, ax = plt.subplots(figsize=(6.4, 5.6), constrained_layout=True)
     line = [lo, hi]
@@ -1011,7 +1020,7 @@ def plot(analysis: Analysis, path: str | Path) -> None:
     for r in rows:
         codec = r["label"].split(" ", 2)[-1]
         hold = r["half"] == "holdout"
-        ax.scatter(r["measured_s"] * 1e3 / 1e3, r["predicted_s"], s=36,
+        ax.scatter(1e3 * r["measured_s"], 1e3 * r["predicted_s"], s=36,
                    facecolors=colours[codec] if hold else "none", edgecolors=colours[codec],
                    linewidths=1.2)
     for c in codecs:
@@ -1022,8 +1031,15 @@ def plot(analysis: Analysis, path: str | Path) -> None:
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
-    ax.set_xlabel("measured iteration time (s)")
-    ax.set_ylabel("predicted iteration time (s)")
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(plain)
+        axis.set_minor_formatter(plain)
+        axis.set_tick_params(which="both", labelsize=7)
+    ax.set_xlabel("measured iteration time (ms)")
+    ax.set_ylabel("predicted iteration time (ms)")
     hold = analysis.holdout
     ax.set_title(f"commpress validate: holdout median |error| {hold.median_abs_error:.1%}, "
                  f"worst {hold.worst_abs_error:.1%}", fontsize=9)
