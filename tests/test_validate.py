@@ -40,6 +40,7 @@ from commpress.perfmodel.validation import (
     save_run,
     split,
     table,
+    wait_for_quiet,
 )
 
 CODECS = ("fp16", "powersgd:rank=4", "sign")
@@ -233,6 +234,14 @@ def test_fit_refuses_unknown_constants() -> None:
     ms = [Measurement(model_setup(run, r), r.measured_s) for r in run.runs[:4]]
     with pytest.raises(CommpressError, match="fittable"):
         fit_platform(ms, fit=["warp_factor"])
+
+
+def test_wait_for_quiet_is_bounded() -> None:
+    # It returns as soon as one interval was quiet, and never waits (much) past its limit.
+    waited = wait_for_quiet(busy_below=1.01, interval_s=0.05, max_wait_s=5.0)
+    assert 0.04 <= waited < 1.0  # busy fraction is always < 1.01: one interval
+    waited = wait_for_quiet(busy_below=0.0, interval_s=0.05, max_wait_s=0.3)
+    assert 0.3 <= waited < 1.5  # never quiet enough: gives up after the limit
 
 
 # ------------------------------------------------------------------------ real runs

@@ -17,8 +17,10 @@ Algorithm of :func:`run_validation` (measuring) and :func:`analyse` (checking):
    b. *Compute*, right before and right after every launch: as many processes as the
       launch's world size (:class:`ComputePool`, kept alive between launches), each with a
       worker's thread count, time the model's forward, backward and optimizer step on their
-      shard of the batch, without communication. Step by step the slowest process counts
-      (synchronous data parallelism waits for it); medians over 12 steps.
+      shard of the batch, without communication, once the machine is quiet
+      (:func:`wait_for_quiet`: a finished launch leaves kernel work behind). Step by step
+      the slowest process counts (synchronous data parallelism waits for it); medians over
+      12 steps.
 
 2. **Runs**: one launch per *group* (node count, processes per node, bandwidth, codecs; one
    emulated cluster). Every codec trains ``steps`` steps with commpress's DDP hook; a setup's
@@ -621,6 +623,40 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {value!r}")
 
 
+def _cpu_times() -> tuple[float, float] | None:
+    """Busy and total jiffies of all CPUs since boot (``/proc/stat``), or ``None``."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [float(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    total = sum(fields[:8])
+    return total - idle, total
+
+
+def wait_for_quiet(*, busy_below: float = 0.25, interval_s: float = 0.25,
+                   max_wait_s: float = 10.0) -> float:
+    """Wait until less than ``busy_below`` of the machine's CPU time was busy over the last
+    ``interval_s`` (the kernel's teardown of a finished launch's namespaces and processes,
+    another job's burst), at most ``max_wait_s``; returns the seconds waited. Used before each
+    compute benchmark, so that it measures the model's compute rather than a transient."""
+    t0 = time.perf_counter()
+    prev = _cpu_times()
+    if prev is None:
+        return 0.0
+    while True:
+        time.sleep(interval_s)
+        cur = _cpu_times()
+        if cur is None:
+            return time.perf_counter() - t0
+        busy, total = cur[0] - prev[0], cur[1] - prev[1]
+        prev = cur
+        waited = time.perf_counter() - t0
+        if (total > 0 and busy / total < busy_below) or waited >= max_wait_s:
+            return waited
+
+
 def _loadavg() -> float:
     try:
         return os.getloadavg()[0]
@@ -710,6 +746,7 @@ def run_validation(
                 todo = sorted({"fp16", *(c for g in groups if g.world_size == ws
                                          for c in g.codecs)})
                 speeds_by_size[ws] = calibrate_codecs(todo, world_size=ws, threads=pool.threads)
+            wait_for_quiet()
             t0 = time.perf_counter()
             before = pool.measure(benchmark_steps)
             bench_wall = time.perf_counter() - t0
@@ -749,6 +786,7 @@ def run_validation(
                     batch_size=bs, model=model, timing_skip=timing_skip,
                     eval_every=steps + 1, eval_batches=1, work_dir=gdir, progress=on_event,
                 )
+            wait_for_quiet()
             t0 = time.perf_counter()
             after = pool.measure(benchmark_steps)
             t_after = 0.5 * (t0 + time.perf_counter()) - t_start
@@ -1071,6 +1109,7 @@ __all__ = [
     "save_run",
     "split",
     "table",
+    "wait_for_quiet",
 ]
 
 
