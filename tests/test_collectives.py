@@ -296,6 +296,58 @@ def test_ordered_queue_errors_and_nesting() -> None:
     q.shutdown()
 
 
+def test_ordered_queue_run_is_inline_when_idle_and_never_overtakes() -> None:
+    q = OrderedQueue("test")
+    caller = threading.current_thread()
+    # Idle queue: the job runs on the caller's thread (no hand-off).
+    assert q.run(threading.current_thread) is caller
+    # A job is running and another is queued: run() waits behind both, on the worker thread.
+    seen: list[str] = []
+    gate = threading.Event()
+    first = q.submit(lambda: (gate.wait(10), seen.append("first")))
+    second = q.submit(lambda: seen.append("second"))
+    result: dict[str, Any] = {}
+    th = threading.Thread(
+        target=lambda: result.update(
+            thread=q.run(lambda: (seen.append("run"), threading.current_thread())[1])
+        )
+    )
+    th.start()
+    th.join(0.2)
+    assert th.is_alive() and seen == []  # blocked behind the running and the queued job
+    gate.set()
+    th.join(10)
+    first.wait()
+    second.wait()
+    assert seen == ["first", "second", "run"]
+    assert result["thread"] is not caller and result["thread"] is not th
+    # While a job runs inline, a job submitted by another thread waits for it.
+    release = threading.Event()
+    order: list[str] = []
+
+    def inline_job() -> str:
+        other = threading.Thread(target=lambda: order.append(q.submit(lambda: "queued").wait()))
+        other.start()
+        release.wait(0.2)
+        order.append("inline")
+        return "done"
+
+    assert q.run(inline_job) == "done"
+    deadline = threading.Event()
+    for _ in range(100):
+        if len(order) == 2:
+            break
+        deadline.wait(0.05)
+    assert order == ["inline", "queued"]
+    # Errors of inline jobs are reported like queued ones; nesting inline does not deadlock.
+    with pytest.raises(CommpressError, match=r"test: job \d+ \(.*\) failed: KeyError"):
+        q.run(lambda: {}["x"])
+    assert q.run(lambda: q.run(lambda: 2) + q.submit(lambda: 3).wait()) == 5
+    q.shutdown()
+    with pytest.raises(CommpressError, match="shut down"):
+        q.run(lambda: 1)
+
+
 def test_api_needs_an_initialized_process_group() -> None:
     with pytest.raises(CommpressError, match="not initialized"):
         all_reduce(torch.ones(3), "identity")

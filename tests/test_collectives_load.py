@@ -82,14 +82,17 @@ def _load_worker(rank: int, world: int, n_threads: int, n_jobs: int) -> list[flo
             with turn:
                 turn.wait_for(lambda k=k: state["next"] == k)
                 codec: Any = TwoRoundInt() if k % 3 else "fp16"
-                futures[k] = all_reduce_async(
-                    inputs[k][rank],
-                    codec,
-                    op="sum",
-                    key=f"job{k}",
-                    step=k,
-                    bucket_bytes=96 if k % 2 else None,
+                kwargs: dict[str, Any] = dict(
+                    op="sum", key=f"job{k}", step=k, bucket_bytes=96 if k % 2 else None
                 )
+                if k % 4 == 3:
+                    # A blocking call among asynchronous ones: it must queue behind the jobs
+                    # still pending (or run inline when none is), never overtake them.
+                    done: Any = torch.futures.Future()
+                    done.set_result(all_reduce(inputs[k][rank], codec, **kwargs))
+                    futures[k] = done
+                else:
+                    futures[k] = all_reduce_async(inputs[k][rank], codec, **kwargs)
                 state["next"] += 1
                 turn.notify_all()
 

@@ -26,6 +26,7 @@ from commpress.demo.e2e import (
     CollectiveBytes,
     RunResult,
     Setup,
+    as_setup,
     elapsed_clock,
     link_tx_bytes,
     load_results,
@@ -160,12 +161,13 @@ def test_runner_two_local_processes(tmp_path: object) -> None:
     steps = 6
     results = run_setups(
         ["fp16", Setup(codec="powersgd:rank=2", warmup_steps=2), Setup(codec="sign",
-                                                                       warmup_steps=2)],
+                                                                       warmup_steps=2),
+         "fp16@ring"],
         world_size=2, use_cluster=False, steps=steps, batch_size=8, eval_every=3,
         eval_batches=1, timeout_s=LAUNCH_TIMEOUT_S, work_dir=str(tmp_path),
     )
-    fp16, psgd, sign = results
-    assert [r.label for r in results] == ["fp16", "powersgd:rank=2", "sign"]
+    fp16, psgd, sign, ring = results
+    assert [r.label for r in results] == ["fp16", "powersgd:rank=2", "sign", "fp16@ring"]
     for r in results:
         assert r.network["mode"] == "local" and r.world_size == 2
         assert r.replicas_identical, r.checksums
@@ -194,7 +196,24 @@ def test_runner_two_local_processes(tmp_path: object) -> None:
         assert max(r.bytes_per_step[2:]) < 0.15 * fp16.bytes_per_step[0]
     assert 1.0 < sign.bits_per_coord < 1.5
     assert psgd.plans["powersgd"]["tensors"] > 0 and psgd.plans["fp16"]["tensors"] > 0
+    # fp16 in a 2-rank ring: each rank sends half the bucket at the reduce-scatter hop and
+    # half at the all-gather hop (point-to-point, counted at isend): fp16's 2 bytes/element.
+    assert ring.bytes_per_step[2:] == [2 * ring.grad_numel] * (steps - 2)
+    assert ring.losses[0] == fp16.losses[0]
     assert load_results(os.path.join(str(tmp_path), "results.json")) == results
+
+
+def test_setup_strategy_specs() -> None:
+    assert as_setup("fp16@ring") == Setup(codec="fp16", strategy="ring")
+    assert as_setup("powersgd:rank=4@hierarchical").codec == "powersgd:rank=4"
+    assert as_setup("fp16").strategy == "auto" and as_setup("fp16").name == "fp16"
+    assert Setup(codec="sign", strategy="allgather").name == "sign@allgather"
+    assert Setup(codec="sign", strategy="allgather", label="x").name == "x"
+    assert Setup(codec="fp16", strategy="ring").check()["id"] == "fp16"
+    with pytest.raises(CommpressError, match="several exchange rounds"):
+        Setup(codec="powersgd", strategy="ring").check()
+    with pytest.raises(CommpressError, match="unknown strategy"):
+        as_setup("fp16@tree").check()
 
 
 @pytest.mark.timeout(60)

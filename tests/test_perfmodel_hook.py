@@ -9,11 +9,16 @@ import pytest
 
 from commpress.codecs.registry import get_codec
 from commpress.errors import CommpressError
+from commpress.perfmodel import collectives as coll
 from commpress.perfmodel.calibration import ALL_FITTABLE, FITTABLE, Measurement, fit_platform
 from commpress.perfmodel.codec_costs import (
     CodecSpeed,
+    ExchangeConfig,
     SpeedTable,
     calibrate_protocol_speeds,
+    exchange_segments,
+    exchange_wire_bytes,
+    wire_profile,
 )
 from commpress.perfmodel.collectives import Cluster
 from commpress.perfmodel.model import HookPlan, Platform, Setup, Workload, predict
@@ -175,3 +180,100 @@ def test_protocol_calibration_counts_every_gathered_decode() -> None:
     p = table.speeds["powersgd:rank=2"]
     assert p.encode_eps == pytest.approx(p.decode_eps)
     assert "world size 4" in table.source
+
+
+# ------------------------------------------------------------------ strategies in the hook
+def _cfg(cl: Cluster, strategy: str, **kw: object) -> ExchangeConfig:
+    return ExchangeConfig(cluster=cl, strategy=strategy, **kw)  # type: ignore[arg-type]
+
+
+def test_ring_segments_by_hand() -> None:
+    """4 ranks, a 4000-element fp32 vector with identity: chunks of 1000 elements (4000 bytes).
+    The hook's software ring makes 2 (n-1) = 6 point-to-point exchanges, each paying the link
+    (alpha + bytes / rate) and, but for the first, the per-call overhead the collective
+    already pays once: 6 link times + 6 overheads. netzip (payload size varies) sends a size
+    header first at every hop: 6 more latencies. Wire bytes: 6 chunk payloads per rank."""
+    cl = Cluster.build(nodes=4, gpus_per_node=1, inter_bw="100mbit", inter_latency="1ms")
+    cfg = _cfg(cl, "ring", collective_overhead_s=2e-3)
+    segs = exchange_segments("identity", [(4000,)], cfg)
+    ring = [s for s in segs if s.label == "ring"]
+    assert len(ring) == 1
+    hop = cl.bottleneck.time(4000)
+    assert ring[0].seconds == pytest.approx(6 * hop + 6 * 2e-3, rel=1e-12)
+    netzip = [s for s in exchange_segments("netzip", [(4000,)], cfg) if s.label == "ring"]
+    q = wire_profile(get_codec("netzip"), (1000,), 1).nbytes
+    assert netzip[0].seconds == pytest.approx(
+        6 * cl.bottleneck.time(q) + 6 * 2e-3 + 6 * cl.bottleneck.latency, rel=1e-12)
+    assert exchange_wire_bytes("identity", (4000,), cl, "ring") == 6 * 4000
+    assert exchange_wire_bytes("identity", (4000,), cl, "auto") == 16000
+
+
+def test_hierarchical_shards_matrices_by_rows_and_runs_one_at_a_time() -> None:
+    """2 nodes x 2 ranks: PowerSGD's inter-node exchange is of a (64/2) x 32 shard (what
+    hierarchical_task hands the codec), both local ranks' shards sharing the node's link; the
+    intra-node reduce-scatter and all-gather move the uncompressed matrix. Queue depth 1."""
+    cl = Cluster.build(nodes=2, gpus_per_node=2, inter_bw="100mbit", intra_bw="10gbit")
+    cfg = _cfg(cl, "hierarchical")
+    codec = get_codec("powersgd:rank=4")
+    segs = exchange_segments(codec, [(64, 32)], cfg)
+    inter = [s for s in segs if s.label.startswith("inter allreduce")]
+    rounds = wire_profile(codec, (32, 32), 2).rounds
+    assert len(inter) == len(rounds) == 2
+    for seg, r in zip(inter, rounds, strict=True):
+        assert seg.seconds == pytest.approx(coll.allreduce(2 * r.nbytes, 2, cl.inter), rel=1e-12)
+    rs = [s for s in segs if s.label == "intra reduce-scatter"]
+    assert rs[0].seconds == pytest.approx(coll.ring_reduce_scatter(64 * 32 * 4, 2, cl.intra))
+    assert exchange_wire_bytes(codec, (64, 32), cl, "hierarchical") == sum(
+        r.nbytes for r in rounds)
+    # one exchange at a time: the hook's depth does not matter with hierarchical, it does with
+    # auto (two sign tensors in one bucket, encode and exchange of similar length: the second's
+    # encode overlaps the first exchange)
+    w = Workload.from_shapes([(256, 256), (256, 256)], compute_s=0.01)
+    cl = Cluster.build(nodes=2, gpus_per_node=2, inter_bw="1mbit", intra_bw="10gbit")
+    assert len(w.buckets) == 1
+    slow = SpeedTable({"*": CodecSpeed(0.0, 1e6, 1e6)})
+    one, two = HookPlan(depth=1), HookPlan(depth=2)
+    for strategy, same in (("hierarchical", True), ("auto", False)):
+        a = predict(w, cl, "sign", strategy=strategy, speeds=slow, hook=one).total
+        b = predict(w, cl, "sign", strategy=strategy, speeds=slow, hook=two).total
+        assert (a == pytest.approx(b, rel=1e-12)) is same, (strategy, a, b)
+
+
+def test_ring_and_hierarchical_pay_the_feedback_round_trip() -> None:
+    """With error feedback the hook's ring and hierarchical exchanges also compute
+    decode(encode(x)) of the whole tensor; the codec's own protocol yields it for free. One
+    tensor, no compute to overlap: the step grows by exactly one encode plus one decode."""
+    w = Workload.from_shapes([(256, 256)], compute_s=0.0)
+    cl = Cluster.build(nodes=2, gpus_per_node=2, inter_bw="1gbit")
+    speeds = SpeedTable({"*": CodecSpeed(0.0, 1e6, 4e6)})
+    n = 256 * 256
+    for strategy in ("ring", "hierarchical", "hierarchical-compress-first"):
+        on = predict(w, cl, "sign", strategy=strategy, speeds=speeds, hook=HookPlan())
+        off = predict(w, cl, "sign", strategy=strategy, speeds=speeds,
+                      hook=HookPlan(error_feedback=False))
+        assert on.total - off.total == pytest.approx(n / 1e6 + n / 4e6, rel=1e-9), strategy
+    on = predict(w, cl, "sign", strategy="allgather", speeds=speeds, hook=HookPlan())
+    off = predict(w, cl, "sign", strategy="allgather", speeds=speeds,
+                  hook=HookPlan(error_feedback=False))
+    assert on.total == off.total
+    # fp16 has no feedback by default: no round trip
+    a = predict(w, cl, "fp16", strategy="ring", speeds=speeds, hook=HookPlan())
+    b = predict(w, cl, "fp16", strategy="ring", speeds=speeds, hook=HookPlan(error_feedback=False))
+    assert a.total == b.total
+
+
+def test_hooked_strategies_refuse_what_the_hook_refuses() -> None:
+    w = Workload.from_shapes(SHAPES, compute_s=0.1)
+    cl = Cluster.build(nodes=2, gpus_per_node=2, inter_bw="100mbit")
+    for codec, strategy, match in (("powersgd", "ring", "several exchange rounds"),
+                                   ("topkc", "allgather", "several exchange rounds"),
+                                   ("sign", "allreduce", "not summable")):
+        with pytest.raises(CommpressError, match=match):
+            predict(w, cl, codec, strategy=strategy, hook=HookPlan())
+    # what the hook accepts, the model predicts
+    for codec, strategy in (("powersgd", "hierarchical"), ("fp16", "ring"),
+                            ("sign", "allgather"), ("fp16", "allreduce"),
+                            ("netzip", "hierarchical-compress-first")):
+        assert predict(w, cl, codec, strategy=strategy, hook=HookPlan()).total > 0
+    with pytest.raises(CommpressError, match="error_feedback"):
+        HookPlan(error_feedback="yes")  # type: ignore[arg-type]

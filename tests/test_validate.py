@@ -41,6 +41,7 @@ from commpress.perfmodel.validation import (
     split,
     table,
     wait_for_quiet,
+    with_strategies,
 )
 
 CODECS = ("fp16", "powersgd:rank=4", "sign")
@@ -212,7 +213,55 @@ def test_grids_cover_the_issue_range() -> None:
     bws = [parse_bandwidth(g.bandwidth) for g in grid]
     assert min(bws) == parse_bandwidth("50mbit") and max(bws) == parse_bandwidth("2gbit")
     assert {g.nodes for g in grid} == {2, 3, 4}
-    assert sum(len(g.codecs) for g in quick_grid()) == 4
+    assert sum(len(g.codecs) for g in quick_grid()) == 5
+    # strategies: fp16 by all-reduce, ring and hierarchically on 2 nodes x 2 processes, a
+    # non-summable quantizer gathered; the 40 codec-protocol setups are kept
+    specs = {(g.nodes, g.procs_per_node, c) for g in grid for c in g.codecs}
+    for spec in ("fp16@allreduce", "fp16@ring", "fp16@hierarchical", "qsgd@allgather"):
+        assert (2, 2, spec) in specs, spec
+    assert sum(1 for g in grid for c in g.codecs if "@" not in c) == 40
+    assert all("@" not in c for g in default_grid(CODECS) for c in g.codecs)
+
+
+def test_strategies_reach_the_model_and_round_trip_through_json(tmp_path: Path) -> None:
+    """A ``codec@strategy`` setup is predicted with that strategy; saved runs keep it; JSON
+    written before strategies existed (plain codec specs) loads as strategy auto."""
+    groups = [Group(2, "200mbit", ("fp16", "fp16@ring", "fp16@hierarchical",
+                                   "sign@allgather"), procs_per_node=2)]
+    profiles = [PlatformProfile(processes=4, threads=1, forward_s=0.02, backward_s=0.04,
+                                optimizer_s=0.01, speeds=SPEEDS, cores=4)]
+    run = ValidationRun(groups=groups, profiles=profiles, runs=[], model="tiny", steps=10,
+                        batch_size=16, hook=HookPlan(min_numel=4096, min_compression_rate=2.0))
+    run.runs = [Run(0, c, groups[0].label(c), 0.1, (0.1, 0.1), [0.1] * 10, 3, 16.0, True)
+                for c in groups[0].codecs]
+    setups = {r.codec: model_setup(run, r) for r in run.runs}
+    assert {c: (s.codec, s.strategy) for c, s in setups.items()} == {
+        "fp16": ("fp16", "auto"), "fp16@ring": ("fp16", "ring"),
+        "fp16@hierarchical": ("fp16", "hierarchical"), "sign@allgather": ("sign", "allgather")}
+    assert groups[0].label("fp16@ring") == "2nx2 200mbit fp16@ring"
+    # the strategy changes the prediction (ring and hierarchical move other bytes)
+    totals = {c: s.predict().total for c, s in setups.items()}
+    assert len({round(t, 12) for t in totals.values()}) == len(totals), totals
+    save_run(run, tmp_path / "m.json")
+    back = load_run(tmp_path / "m.json")
+    assert back.to_dict() == run.to_dict()
+    assert model_setup(back, back.runs[1]).strategy == "ring"
+    # old JSON: no strategy anywhere, hook without error_feedback
+    old = run.to_dict()
+    old["groups"][0]["codecs"] = ["fp16", "sign"]
+    old["hook"].pop("error_feedback")
+    old["runs"] = [dict(old["runs"][0]), dict(old["runs"][3], codec="sign",
+                                                 label="2nx2 200mbit sign")]
+    legacy = ValidationRun.from_dict(json.loads(json.dumps(old)))
+    assert [model_setup(legacy, r).strategy for r in legacy.runs] == ["auto", "auto"]
+    # crossing codecs with strategies skips what the hook refuses
+    specs, skipped = with_strategies(["fp16", "powersgd", "sign@allgather"], ["auto", "ring"])
+    assert specs == ["fp16", "fp16@ring", "powersgd", "sign@allgather"]
+    assert skipped == ["powersgd@ring"]
+    with pytest.raises(CommpressError, match="several exchange rounds"):
+        Group(2, "1gbit", ("powersgd@ring",))
+    with pytest.raises(CommpressError, match="unknown strategy"):
+        Group(2, "1gbit", ("fp16@butterfly",))
 
 
 def test_bad_grid_input_is_refused() -> None:
@@ -268,8 +317,8 @@ def test_quick_validation_on_the_emulated_cluster(tmp_path: Path) -> None:
     assert "holdout half: median |error|" in proc.stdout
     report = json.loads((out / "validation.json").read_text())
     rows = report["rows"]
-    assert len(rows) == 4
-    assert sorted(r["half"] for r in rows) == ["fit", "fit", "holdout", "holdout"]
+    assert len(rows) == 5
+    assert sorted(r["half"] for r in rows) == ["fit", "fit", "fit", "holdout", "holdout"]
     assert {r["label"].split(" ", 2)[-1] for r in rows} == set(quick_grid()[0].codecs)
     for r in rows:
         # Steps of the tiny model at 100 Mbit/s take tens to hundreds of milliseconds.

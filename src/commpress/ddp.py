@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed
 
-from commpress.codecs.base import CodecContext
-from commpress.collectives.api import agree
+from commpress.codecs.base import Codec, CodecContext
+from commpress.codecs.protocol import Reduced
+from commpress.collectives.api import STRATEGIES, Strategy, agree
 from commpress.collectives.driver import (
     Exchange,
     Pending,
@@ -44,12 +45,44 @@ from commpress.collectives.driver import (
 from commpress.collectives.feedback import FALLBACK_CODECS, Schedule
 from commpress.collectives.policy import CodecPolicy, CompressionState, Plan
 from commpress.collectives.queue import queue_for
+from commpress.collectives.strategies import (
+    RING_TAG_BASE,
+    gather_protocol,
+    hierarchical_task,
+    local_size_from_env,
+    ring_task,
+)
 from commpress.errors import CommpressError, error_context
 
 if TYPE_CHECKING:
     from torch.distributed import GradBucket, ProcessGroup
 
 Granularity = Literal["parameter", "bucket"]
+
+#: Strategies that run a codec's payloads through one exchange (single-round codecs only).
+_SINGLE_ROUND_ONLY = ("allgather", "ring", "hierarchical-compress-first")
+
+
+def strategy_refusal(codec: Codec, strategy: str) -> str | None:
+    """Why the DDP hook cannot send ``codec`` with ``strategy`` (``None``: it can).
+
+    ``auto`` and ``hierarchical`` take every codec; ``allreduce`` needs payloads an all-reduce
+    can add (summable codecs, and multi-round codecs whose rounds are all-reduces);
+    ``allgather``, ``ring`` and ``hierarchical-compress-first`` need single-round codecs.
+    """
+    if strategy == "allreduce" and not (codec.summable or codec.multi_round):
+        return (
+            f"codec {codec.codec_id!r} is not summable (its payloads cannot be added by an "
+            "all-reduce); strategies accepted for it: 'auto', 'allgather', 'ring', "
+            "'hierarchical', 'hierarchical-compress-first'"
+        )
+    if strategy in _SINGLE_ROUND_ONLY and codec.multi_round:
+        return (
+            f"codec {codec.codec_id!r} needs several exchange rounds, which strategy "
+            f"{strategy!r} cannot carry; strategies accepted for it: 'auto', 'allreduce', "
+            "'hierarchical'"
+        )
+    return None
 
 
 class DDPCompressionState(CompressionState):
@@ -72,8 +105,8 @@ class DDPCompressionState(CompressionState):
             inspection and tests.
     """
 
-    __slots__ = ("granularity", "param_names", "layouts", "plans", "_verified", "_failed",
-                 "_settings")
+    __slots__ = ("granularity", "strategy", "local_size", "param_names", "layouts", "plans",
+                 "_verified", "_failed", "_settings")
     _TRANSIENT = (*CompressionState._TRANSIENT, "param_names", "_verified", "_failed",
                   "_settings")
 
@@ -82,6 +115,8 @@ class DDPCompressionState(CompressionState):
         policy: Any = "identity",
         *,
         granularity: Granularity = "parameter",
+        strategy: Strategy = "auto",
+        local_size: int | None = None,
         param_names: Mapping[torch.nn.Parameter, str] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -90,7 +125,21 @@ class DDPCompressionState(CompressionState):
             raise CommpressError(
                 f"granularity must be 'parameter' or 'bucket', got {granularity!r}"
             )
+        if strategy not in STRATEGIES:
+            raise CommpressError(
+                f"unknown strategy {strategy!r}; accepted: "
+                f"{', '.join(repr(s) for s in STRATEGIES)}"
+            )
+        if local_size is not None and (
+            isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1
+        ):
+            raise CommpressError(
+                f"local_size must be an int >= 1 (ranks per node) or None, got {local_size!r}"
+            )
         self.granularity: Granularity = granularity
+        self.strategy: Strategy = strategy
+        #: Ranks per node for the hierarchical strategies (``None`` for the others).
+        self.local_size = local_size if strategy.startswith("hierarchical") else None
         self.param_names: dict[int, str] = {
             id(p): n for p, n in (param_names or {}).items()
         }
@@ -108,6 +157,10 @@ class DDPCompressionState(CompressionState):
         self._settings = None
         if not hasattr(self, "layouts"):
             self.layouts = {}
+        if not hasattr(self, "strategy"):  # pickled before strategies existed
+            self.strategy = "auto"
+        if not hasattr(self, "local_size"):
+            self.local_size = None
 
     def bind(self, model: torch.nn.Module) -> None:
         """Take parameter names from ``model`` (a DDP model or its module), e.g. after
@@ -148,8 +201,8 @@ class DDPCompressionState(CompressionState):
         return list(known)
 
     def settings_fingerprint(self) -> int:
-        """A stable 63-bit hash of the policy, schedule, feedback settings and granularity
-        (what every rank must agree on), computed once."""
+        """A stable 63-bit hash of the policy, schedule, feedback settings, granularity,
+        strategy and local size (what every rank must agree on), computed once."""
         if self._settings is None:
             desc = {
                 "policy": self.policy.describe(),
@@ -157,9 +210,29 @@ class DDPCompressionState(CompressionState):
                 "error_feedback": self.error_feedback,
                 "feedback": repr(self.memory.config),
                 "granularity": self.granularity,
+                "strategy": self.strategy,
+                "local_size": self.local_size,
             }
             self._settings = _hash63(json.dumps(desc, sort_keys=True, default=str))
         return self._settings
+
+
+    def __repr__(self) -> str:
+        where = f", local_size={self.local_size}" if self.local_size is not None else ""
+        return (
+            f"{type(self).__name__}(policy={self.policy!r}, schedule={self.schedule}, "
+            f"error_feedback={self.error_feedback}, momentum={self.memory.config.momentum}, "
+            f"granularity={self.granularity!r}, strategy={self.strategy!r}{where}, "
+            f"step={self.step})"
+        )
+
+    def check_codec(self, codec: Codec, what: str) -> None:
+        """Refuse ``codec`` (sent for ``what``) if the hook's strategy cannot carry it."""
+        why = strategy_refusal(codec, self.strategy)
+        if why is not None:
+            raise CommpressError(
+                f"DDP hook strategy {self.strategy!r} cannot send {what}: {why}"
+            )
 
 
 def _hash63(text: str) -> int:
@@ -177,6 +250,37 @@ def _bucket_key(names: Sequence[str]) -> str:
     return f"bucket[{names[0]}..{names[-1]}|{len(names)}]#{digest}" if names else "bucket[]"
 
 
+def _exchange(
+    state: DDPCompressionState,
+    codec: Codec,
+    x: torch.Tensor,
+    ctx: CodecContext,
+    ex: Exchange,
+    tag: int,
+) -> Generator[Pending, None, Reduced]:
+    """Exchange ``x`` with ``codec`` by the hook's strategy; returns the :class:`Reduced`
+    (``local`` filled when ``ctx.need_local``; ``decode(encode(x))`` for ring/hierarchical)."""
+    strategy = state.strategy
+    if strategy in ("auto", "allreduce"):
+        return (yield from protocol_task(codec.reduce(x, ctx), ex))
+    if strategy == "allgather":
+        return (yield from protocol_task(gather_protocol(codec, x, ctx), ex))
+    if strategy == "ring":
+        return (yield from ring_task(codec, x, ctx, ex, tag=tag))
+    assert state.local_size is not None
+    return (
+        yield from hierarchical_task(
+            codec,
+            x,
+            ctx,
+            ex,
+            local_size=state.local_size,
+            compress_first=strategy == "hierarchical-compress-first",
+            tag=tag,
+        )
+    )
+
+
 def _dense_task(
     state: DDPCompressionState,
     ex: Exchange,
@@ -184,6 +288,7 @@ def _dense_task(
     plans: list[Plan],
     step: int,
     key: str,
+    tag: int,
 ) -> Generator[Pending, None, None]:
     """Reduce several tensors sharing an element-wise codec as one flat tensor.
 
@@ -198,7 +303,7 @@ def _dense_task(
         rank=ex.rank, world_size=ex.world_size, step=step, key=key, need_local=feedback,
         average=True,
     )
-    reduced = yield from protocol_task(codec.reduce(flat, ctx), ex)
+    reduced = yield from _exchange(state, codec, flat, ctx, ex, tag)
     offset = 0
     for (k, t), x, plan in zip(items, xs, plans, strict=True):
         n = t.numel()
@@ -216,10 +321,15 @@ def _single_task(
     t: torch.Tensor,
     plan: Plan,
     step: int,
+    tag: int,
 ) -> Generator[Pending, None, None]:
-    """Reduce one tensor with its plan's codec (error feedback inside ``state.reduce``)."""
-    protocol = state.reduce(key, t, rank=ex.rank, world_size=ex.world_size, step=step, plan=plan)
-    reduced = yield from protocol_task(protocol, ex)
+    """Reduce one tensor with its plan's codec by the hook's strategy, compensated before and
+    remembered after (``state.prepare`` / ``state.finish``) when error feedback applies."""
+    plan, x, ctx = state.prepare(
+        key, t, rank=ex.rank, world_size=ex.world_size, step=step, plan=plan
+    )
+    result = yield from _exchange(state, plan.codec, x, ctx, ex, tag)
+    reduced = state.finish(key, t, x, plan, result)
     t.copy_(reduced.total)
 
 
@@ -276,7 +386,7 @@ def _check_bucket(
     agree(
         ex,
         {
-            "hook settings (policy, schedule, error feedback, granularity)": (
+            "hook settings (policy, schedule, error feedback, granularity, strategy)": (
                 state.settings_fingerprint()
             ),
             "the bucket's plan (parameter names, shapes, dtypes, codecs)": bucket_fp,
@@ -284,7 +394,8 @@ def _check_bucket(
         device=ex.comm_device(items[0][1].device if items else None),
         hint=(
             f"This rank's hook: policy {state.policy!r}, {state.schedule}, error_feedback="
-            f"{state.error_feedback}, granularity {state.granularity!r}; bucket "
+            f"{state.error_feedback}, granularity {state.granularity!r}, strategy "
+            f"{state.strategy!r}, local_size {state.local_size}; bucket "
             f"{bucket_index} sent with {', '.join(codecs)}. Every rank must call "
             "commpress.ddp.register with the same codec, parameters and options on the same "
             "model"
@@ -309,9 +420,10 @@ def _reduce_bucket_now(
         plans = [state.plan(key, t.shape, t.dtype, step=step) for key, t in items]
         _check_bucket(state, ex, items, plans, bucket_index)
         for plan in plans:
+            state.check_codec(plan.codec, f"{plan.key!r} ({plan.reason})")
             state.plans[plan.key] = plan
         groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
-        tasks: list[Callable[[], Generator[Pending, None, None]]] = []
+        tasks: list[Callable[..., Generator[Pending, None, None]]] = []
         for i, plan in enumerate(plans):
             if plan.codec.codec_id in FALLBACK_CODECS:
                 group_key = (plan.codec.fingerprint(), plan.feedback, items[i][1].dtype)
@@ -324,7 +436,15 @@ def _reduce_bucket_now(
                 _dense_task, state, ex, [items[i] for i in indices], [plans[i] for i in indices],
                 step, f"bucket{bucket_index}/{codec_id}/{n}",
             ))
-        run_tasks(tasks, ex, depth=2)
+        # Exchanges in flight at once get distinct point-to-point tags (ring messages of two
+        # tensors must not pair up); buckets run one after the other on the queue.
+        tasks = [partial(task, tag=RING_TAG_BASE + 4 * (i % 4096))
+                 for i, task in enumerate(tasks)]
+        # Hierarchical exchanges use several groups whose protocols may take different numbers
+        # of steps on different ranks: interleaving two could order intra-node operations
+        # differently across ranks, so they run one at a time.
+        depth = 1 if state.strategy.startswith("hierarchical") else 2
+        run_tasks(tasks, ex, depth=depth)
         if stream is not None:
             stream.synchronize()
     return buffer
@@ -349,9 +469,12 @@ def comm_hook(
        a. plans every tensor: the policy's codec, or the schedule's dense fallback (warm-up,
           ``min_numel``, ``min_compression_rate``);
        b. reduces tensors with element-wise casts (identity, fp16, bf16) as one flat tensor
-          per (codec, feedback, dtype), and every other tensor with its own protocol,
-          compensated by error feedback (and DGC momentum) when it applies;
-       c. runs those reductions pipelined, two in flight, in the same order on every rank;
+          per (codec, feedback, dtype), and every other tensor on its own, each exchanged by
+          the state's strategy (the codec's protocol, an all-gather, a ring with the codec in
+          the wire, or a hierarchical exchange), compensated by error feedback (and DGC
+          momentum) when it applies;
+       c. runs those reductions pipelined, two in flight (one for the hierarchical
+          strategies), in the same order on every rank;
        d. writes the means (identical on every rank) into the buffer and returns it.
 
        Before reducing, whenever a bucket's plan differs from the one last checked (first
@@ -411,6 +534,8 @@ def register(
     min_compression_rate: float = 0.0,
     fallback_codec: str = "fp16",
     granularity: Granularity = "parameter",
+    strategy: Strategy = "auto",
+    local_size: int | None = None,
     timeout: float | None = None,
     own_group: bool = True,
     **codec_params: Any,
@@ -445,6 +570,32 @@ def register(
         granularity: ``"parameter"`` (default: each parameter is compressed on its own, so
             PowerSGD sees matrices and the policy sees names) or ``"bucket"`` (the flat bucket
             is one vector: fewer, larger collectives; fits element-wise and sparsifying codecs).
+        strategy: how every tensor (and every flat group of element-wise casts) is exchanged,
+            as in :func:`commpress.all_reduce`:
+
+            * ``"auto"`` (default): the codec's own protocol (all-reduce of summable payloads,
+              all-gather of the others, several rounds for PowerSGD/TopKC/THC).
+            * ``"allreduce"``: the same, refusing codecs whose payloads cannot be added.
+            * ``"allgather"``: gather every payload, decode and add (single-round codecs).
+            * ``"ring"``: reduce-scatter and all-gather from point-to-point messages with the
+              codec re-encoding at every hop (single-round codecs; bandwidth-optimal for
+              non-summable ones such as lossless codecs).
+            * ``"hierarchical"``: uncompressed reduce-scatter inside each node of
+              ``local_size`` ranks, compressed exchange of each shard between nodes (the
+              codec's protocol, any codec), all-gather inside the node; exchanges run one at
+              a time.
+            * ``"hierarchical-compress-first"``: the same with the codec on the intra-node
+              hops too (single-round codecs).
+
+            Combinations the strategy cannot carry are refused here, for every codec the
+            policy names; the dense warm-up and fallback casts (identity, fp16, bf16) suit
+            every strategy. With ``"ring"`` and ``"hierarchical*"`` the error-feedback
+            residual is taken against ``decode(encode(x))`` (a rank's contribution is never
+            sent alone), which costs one extra encode and decode per tensor.
+        local_size: ranks per node for the hierarchical strategies (default: the
+            ``LOCAL_WORLD_SIZE`` environment variable set by torchrun, else the whole group,
+            i.e. one node); must divide the group size, ranks ``k*L .. (k+1)*L - 1`` form
+            node ``k``. Ignored by the other strategies.
         timeout: seconds a collective may wait for peers before a clear error (default: the
             process group's timeout).
         own_group: give the hook its own process group over the same ranks (created here,
@@ -496,14 +647,37 @@ def register(
         min_compression_rate=min_compression_rate,
         fallback_codec=fallback_codec,
     )
+    if strategy not in STRATEGIES:
+        raise CommpressError(
+            f"unknown strategy {strategy!r}; accepted: {', '.join(repr(s) for s in STRATEGIES)}"
+        )
+    for what, c in _policy_codecs(built):
+        why = strategy_refusal(c, strategy)
+        if why is not None:
+            raise CommpressError(f"commpress.ddp.register: strategy {strategy!r} cannot send "
+                                 f"{what}: {why}")
     if group is None:
         group = getattr(model, "process_group", None)
+    if strategy.startswith("hierarchical"):
+        require_initialized()
+        world = torch.distributed.get_world_size(group)
+        if local_size is None:
+            local_size = local_size_from_env(world)
+        if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 or (
+            world % local_size
+        ):
+            raise CommpressError(
+                f"strategy {strategy!r} needs local_size (ranks per node) dividing the group "
+                f"size {world}, got {local_size!r}; pass local_size= or set LOCAL_WORLD_SIZE"
+            )
     if own_group:
         group = _own_group(group)
     names = {p: n for n, p in model.module.named_parameters()}
     state = DDPCompressionState(
         built,
         granularity=granularity,
+        strategy=strategy,
+        local_size=local_size,
         param_names=names,
         process_group=group,
         schedule=schedule,
@@ -515,6 +689,14 @@ def register(
     with error_context("registering the commpress DDP comm hook"):
         model.register_comm_hook(state, comm_hook)
     return state
+
+
+def _policy_codecs(policy: CodecPolicy) -> list[tuple[str, Codec]]:
+    """The codecs a policy names up front (a policy function's are checked at each plan)."""
+    found = [(f"the default codec {policy.default}", policy.default)]
+    found += [(f"{c} (rule {pattern!r})", c) for pattern, c in policy.rules]
+    found += [(f"{c} (by_size >= {t})", c) for t, c in policy.by_size]
+    return found
 
 
 def _own_group(group: ProcessGroup | None) -> ProcessGroup:

@@ -151,7 +151,7 @@ def render(rows: Sequence[CodecRow]) -> str:
     )
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "codecs",
         help="encode/decode GB/s, bits per coordinate and NMSE of every codec vs memcpy",

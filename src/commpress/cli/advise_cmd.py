@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     from commpress.perfmodel.cliargs import add_cluster_args, add_model_args, add_workload_args
 
     p = sub.add_parser(

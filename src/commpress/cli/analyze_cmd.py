@@ -27,7 +27,7 @@ PLOT_MAX = 12
 _CAPTURE_RE = re.compile(r"^(?P<kind>[a-z_]+)_step(?P<step>\d+)_(?P<dtype>\w+)\.safetensors$")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "analyze",
         help="per-bit / per-byte-plane entropy, entropy bounds and achieved lossless ratios",

@@ -16,7 +16,7 @@ SUITES: list[str] = [
 ]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (codecs, ...) measured side by side in one run")
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
     for name in SUITES:

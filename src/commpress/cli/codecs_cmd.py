@@ -9,7 +9,7 @@ from commpress.cli.table import render_table
 from commpress.codecs import list_codecs
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("codecs", help="list every codec: id, summable, lossless, parameters")
     p.add_argument("--json", action="store_true", help="print the default configs as JSON")
     p.add_argument("--verbose", "-v", action="store_true", help="describe each parameter")

@@ -3,12 +3,16 @@
 Example::
 
     commpress validate --out validation/            # full grid, ~10 minutes on 2 cores
-    commpress validate --quick --out /tmp/v          # 4 setups, about a minute
+    commpress validate --quick --out /tmp/v          # 5 setups, about a minute
+    commpress validate --group 2x2:200mbit --codec fp16 --codec sign \
+        --strategy auto --strategy ring --strategy hierarchical      # strategies crossed
+    commpress validate --group 2x2:1gbit --codec fp16@ring --codec powersgd@hierarchical
     commpress validate --from validation/validation.json --out validation/   # refit only
 
 Trains the built-in GPT with DDP on the emulated cluster for a grid of node counts, link
-bandwidths and codecs, calibrates the platform constants on one half of the runs and reports
-predicted against measured iteration time on the other half (see
+bandwidths, codecs and exchange strategies (``codec@strategy``), calibrates the platform
+constants on one half of the runs and reports predicted against measured iteration time on
+the other half (see
 :mod:`commpress.perfmodel.validation`). Writes ``validation.json`` (summary, every row, fitted
 platform, raw measurements), ``validation.png`` (scatter) and ``platform.json`` (for
 ``commpress predict --platform``) to ``--out``.
@@ -33,12 +37,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     g = p.add_argument_group("grid")
     g.add_argument("--quick", action="store_true",
-                   help="4 setups on one 2-node 100 Mbit/s cluster (a smoke test, ~1 minute)")
+                   help="5 setups on one 2-node 100 Mbit/s cluster (a smoke test, ~1 minute)")
     g.add_argument("--group", action="append", default=[], metavar="NODES:BW",
                    help="a cluster of the grid, e.g. 4:200mbit or 2x2:1gbit (NODESxPROCS); "
                    "repeat; default: 8 clusters from 50mbit to 2gbit, 2 to 4 nodes")
     g.add_argument("--codec", action="append", default=[],
-                   help="codec spec (repeat); default: fp16, powersgd:rank=4, topkc, sign, thc")
+                   help="codec spec (repeat), optionally with the hook's exchange strategy "
+                   "after '@' (fp16@ring, powersgd:rank=4@hierarchical); default: fp16, "
+                   "powersgd:rank=4, topkc, sign, thc, plus fp16@allreduce, fp16@ring, "
+                   "fp16@hierarchical, qsgd@allgather, powersgd:rank=4@hierarchical on 2x2 "
+                   "processes")
+    g.add_argument("--strategy", action="append", default=[],
+                   choices=["auto", "allreduce", "allgather", "ring", "hierarchical",
+                            "hierarchical-compress-first"],
+                   help="exchange strategy of the DDP hook (repeat): every --codec written "
+                   "without '@' runs with each; pairs the hook refuses (multi-round codecs "
+                   "in a ring...) are skipped with a note. hierarchical* use the group's "
+                   "processes per node (give NODESxPROCS groups)")
     g.add_argument("--steps", type=int, default=20,
                    help="training steps per setup (20; the first max(timing-skip, warmup) are "
                    "not timed)")
@@ -75,6 +90,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--group", g]
     for c in args.codec:
         parts += ["--codec", c]
+    for s in args.strategy:
+        parts += ["--strategy", s]
     defaults = {"steps": 20, "warmup_steps": 2, "timing_skip": 3, "model": "tiny",
                 "batch_size": 16, "benchmark_steps": 12}
     for name, default in defaults.items():
@@ -101,24 +118,36 @@ def run(args: argparse.Namespace) -> int:
         run_validation,
         save_run,
         table,
+        with_strategies,
     )
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "validation.json"
     if args.from_path:
-        if args.quick or args.group or args.codec:
+        if args.quick or args.group or args.codec or args.strategy:
             raise CommpressError("--from refits saved runs; it takes no grid options")
         measured = load_run(args.from_path)
     else:
         codecs = tuple(args.codec) or DEFAULT_CODECS
+        if args.strategy:
+            crossed, skipped = with_strategies(codecs, args.strategy)
+            if skipped:
+                print(f"skipped (strategy not supported by the codec): {', '.join(skipped)}",
+                      file=sys.stderr)
+            if not crossed:
+                raise CommpressError(
+                    f"no codec of {list(codecs)} supports the strategies {args.strategy}"
+                )
+            codecs = tuple(crossed)
+        custom = bool(args.codec or args.strategy)
         if args.group:
             groups = [parse_group(g, codecs) for g in args.group]
         elif args.quick:
-            groups = quick_grid() if not args.codec else [
+            groups = quick_grid() if not custom else [
                 type(quick_grid()[0])(2, "100mbit", codecs)]
         else:
-            groups = default_grid(codecs)
+            groups = default_grid(codecs, () if custom else None)
         log = (lambda line: None) if args.quiet else (
             lambda line: print(line, file=sys.stderr, flush=True))
         measured = run_validation(

@@ -65,7 +65,8 @@ def _launch() -> Iterator[None]:
     with _lock:
         import numba
 
-        wanted = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        limit = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+        wanted = max(1, min(torch.get_num_threads(), limit))
         if numba.get_num_threads() != wanted:
             numba.set_num_threads(wanted)
         yield

@@ -37,8 +37,6 @@ from commpress.collectives.driver import (
     Pending,
     dtype_code,
     name_hash,
-    prefetch,
-    prefetched_task,
     protocol_task,
     run_tasks,
 )
@@ -165,11 +163,12 @@ def check_agreement(
     bucket_elems: int,
     local_size: int,
     depth: int,
+    offload: bool = False,
 ) -> int:
     """On the first call with this signature, make sure every rank made the same call.
 
     Each rank contributes its codec fingerprint, tensor key, shape and dtype, strategy, op,
-    bucketing, node size and pipeline depth (everything that shapes the exchanges). Every
+    bucketing, node size, pipeline depth and offload (everything that shapes the exchanges). Every
     rank sees every contribution, so either all proceed or all raise the same
     :class:`CommpressError` (never a hang on mismatched collectives). Later calls with a
     verified signature only compare the signature itself (a stable 63-bit hash of those
@@ -188,6 +187,7 @@ def check_agreement(
         "bucket elements": bucket_elems,
         "local size": local_size,
         "pipeline depth": depth,
+        "offload": int(offload),
     }
     digest = hashlib.blake2b(repr(tuple(fields.values())).encode(), digest_size=8).digest()
     signature = int.from_bytes(digest, "little") >> 1
@@ -282,6 +282,15 @@ def reduce(
     Args:
         need_local: also return this rank's decoded contribution (``Reduced.local``) for
             error feedback. For ``ring`` and ``hierarchical*`` it is ``decode(encode(x))``.
+        offload: run all codec work (encoding, decoding, protocol steps, ring hops) on one
+            shared "codec worker" thread, for every strategy, while this thread issues the
+            collectives and waits for transfers; with ``pipeline_depth`` 2, bucket ``i + 1``'s
+            codec work overlaps bucket ``i``'s transfer and the issuing of its operations.
+            Results are bit-identical with and without it; every rank must pass the same
+            value (it is part of the checked signature). It can only pay when a bucket's
+            codec work costs about as much as its transfer and a core is free for the worker:
+            each hand-off costs about 0.1 ms on a CPU, so cheap codecs (identity, fp16) and
+            tiny buckets cannot gain.
         pipeline_depth: buckets in flight at once (2 overlaps encoding with transfer).
         check: on the first call with a given signature, check that all ranks agree on codec
             configuration, key, shape, dtype and options (one small all-gather); on later
@@ -347,6 +356,9 @@ def reduce(
     # protocols may take different numbers of steps (shards differ), so interleaving buckets
     # could order intra-node operations differently on different ranks.
     depth = 1 if plan.startswith("hierarchical") else pipeline_depth
+    # Codec work on the offload pool adds wait points to the tasks, which are points of the
+    # scheduler's rotation: every rank must make the same choice, so it is part of the signature.
+    pool = _offload_pool() if offload else None
     if check:
         check_agreement(
             ex,
@@ -354,6 +366,7 @@ def reduce(
             x,
             key=ctx.key,
             strategy=strategy,
+            offload=offload,
             op=op,
             bucket_elems=bucket_elems,
             local_size=local_size,
@@ -381,9 +394,11 @@ def reduce(
         return codec.reduce(piece(i), bucket_ctx(i))
 
     def make_task(i: int) -> Any:
+        # With offload every strategy runs its codec work on the pool; the scheduler's thread
+        # alone issues the collectives, in the same order as without it (see run_tasks).
         tag = RING_TAG_BASE + 4 * (i % 4096)
         if plan == "ring":
-            return ring_task(codec, piece(i), bucket_ctx(i), ex, tag=tag)
+            return ring_task(codec, piece(i), bucket_ctx(i), ex, tag=tag, pool=pool)
         if plan.startswith("hierarchical"):
             return hierarchical_task(
                 codec,
@@ -393,24 +408,11 @@ def reduce(
                 local_size=local_size,
                 compress_first=plan == "hierarchical-compress-first",
                 tag=tag,
+                pool=pool,
             )
-        return protocol_task(make_protocol(i), ex)
+        return protocol_task(make_protocol(i), ex, pool=pool)
 
-    if offload and plan in ("protocol", "allgather"):
-        pool = _offload_pool()
-        futures: dict[int, Any] = {}
-
-        def offloaded(i: int) -> Any:
-            # Encode up to `pipeline_depth` buckets ahead on the offload thread.
-            for j in range(i, min(i + pipeline_depth + 1, len(slices))):
-                if j not in futures:
-                    futures[j] = prefetch(pool, functools.partial(make_protocol, j))
-            return prefetched_task(futures.pop(i), ex)
-
-        tasks = [functools.partial(offloaded, i) for i in range(len(slices))]
-    else:
-        tasks = [functools.partial(make_task, i) for i in range(len(slices))]
-
+    tasks = [functools.partial(make_task, i) for i in range(len(slices))]
     results: list[Reduced] = run_tasks(tasks, ex, depth=depth)
     if not many:
         reduced = results[0]
@@ -449,20 +451,29 @@ def all_reduce_async(
     order. The input must not be modified until the future completes. Extra ``options`` are
     those of :func:`reduce` (``need_local`` is not available here: use :func:`reduce_async`).
     """
+    options.update(op=op, strategy=strategy, ctx=ctx, key=key, step=step, timeout=timeout)
+    return _queued_total(tensor, codec, group, bucket_bytes, options, blocking=False)
+
+
+def _queued_total(
+    tensor: torch.Tensor,
+    codec: CodecSpec,
+    group: Any,
+    bucket_bytes: int | None,
+    options: dict[str, Any],
+    *,
+    blocking: bool,
+) -> Any:
+    """:func:`reduce`'s total, in the group's queue order: waited for (``blocking``; run on
+    this thread when nothing is pending) or as a future."""
     if "need_local" in options:
-        raise CommpressError("all_reduce_async returns the total only; use reduce_async")
-    kwargs = dict(
-        group=group,
-        op=op,
-        strategy=strategy,
-        ctx=ctx,
-        key=key,
-        step=step,
-        timeout=timeout,
-        bucket_bytes=bucket_bytes,
-        **options,
-    )
-    return queue_for(group).submit(_total_of_reduce, tensor, codec, kwargs)
+        name = "all_reduce" if blocking else "all_reduce_async"
+        raise CommpressError(f"{name} returns the total only; use reduce or reduce_async")
+    kwargs = dict(options, group=group, bucket_bytes=bucket_bytes)
+    q = queue_for(group)
+    if blocking:
+        return q.run(_total_of_reduce, tensor, codec, kwargs)
+    return q.submit(_total_of_reduce, tensor, codec, kwargs)
 
 
 def _total_of_reduce(tensor: torch.Tensor, codec: CodecSpec, kwargs: dict[str, Any]) -> Any:
@@ -546,26 +557,15 @@ def all_reduce(
         bucket_bytes: split tensors larger than this into buckets that are pipelined
             (``None``: one bucket). 4-25 MB buckets overlap well; very small buckets add
             per-call latency.
-        **options: ``local_size`` (hierarchical node size), ``offload=True`` (encode
-            upcoming buckets on a separate codec worker thread), ``pipeline_depth`` (2),
+        **options: ``local_size`` (hierarchical node size), ``offload=True`` (run the
+            codec work of every strategy on a separate worker thread), ``pipeline_depth`` (2),
             ``check`` (True), ``stats`` (a dict receiving byte counters), ``inplace`` (write
             the result into ``tensor``, avoiding copies where the codec allows); see
             :func:`reduce`.
     """
-    fut = all_reduce_async(
-        tensor,
-        codec,
-        group=group,
-        op=op,
-        strategy=strategy,
-        ctx=ctx,
-        key=key,
-        step=step,
-        timeout=timeout,
-        bucket_bytes=bucket_bytes,
-        **options,
-    )
-    return fut.wait()
+    # In queue order with the group's asynchronous calls; on this thread when none is pending.
+    options.update(op=op, strategy=strategy, ctx=ctx, key=key, step=step, timeout=timeout)
+    return _queued_total(tensor, codec, group, bucket_bytes, options, blocking=True)
 
 
 def wire_bytes_estimate(tensor: torch.Tensor, codec: CodecSpec) -> int:

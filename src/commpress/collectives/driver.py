@@ -19,13 +19,21 @@ the task. :func:`execute` runs one protocol; :func:`run_tasks` interleaves many 
 in a fixed first-in-first-out order, so every rank issues the same operations in the same order
 while encoding one bucket overlaps the network transfer of another.
 
+Codec work (encoding, decoding, the codec's protocol steps) may run on an *offload* pool, the
+software analogue of a compressing NIC: a task submits it with :func:`offloaded`, which yields
+an :class:`OffloadedWork` that the scheduler waits for like any other work. Only the scheduler's
+thread ever issues ``torch.distributed`` operations; the pool computes on tensors only.
+
 Every wait is bounded by ``timeout`` (or the process group's own timeout): a peer that dies or
 stalls makes the survivors raise :class:`~commpress.errors.CommpressError`, never hang.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import datetime
+import functools
 import math
 import time
 import zlib
@@ -34,7 +42,7 @@ from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,9 +50,10 @@ import torch.distributed as dist
 from commpress.codecs.base import Payload
 from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced, Request
 from commpress.codecs.simulate import reduce_tensors
-from commpress.errors import CommpressError
+from commpress.errors import CommpressError, error_context
 
 ProcessGroup: TypeAlias = dist.ProcessGroup
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +71,103 @@ class Pending:
 
 #: A task issues operations, yields them as :class:`Pending`, is resumed once they complete.
 Task: TypeAlias = Generator[Pending, None, Any]
+
+
+# ---------------------------------------------------------------------------- offload
+class OffloadedWork:
+    """Codec work running on an offload pool, waitable like a ``torch.distributed`` work.
+
+    Made by :func:`submit_offload`; a task yields it inside a :class:`Pending` and the
+    scheduler's :meth:`Exchange.wait` waits for it in the same first-in-first-out order as the
+    network operations. An exception raised by the work (a codec's :class:`CommpressError`)
+    is re-raised by :meth:`wait` and :meth:`result` as itself, with the pool thread's traceback.
+
+    Attributes:
+        future: the ``concurrent.futures.Future`` of the submitted function.
+        what: what the work computes, for error messages (``"reduce-scatter hop 0 encode"``).
+    """
+
+    __slots__ = ("future", "what")
+
+    def __init__(self, future: ConcurrentFuture[Any], what: str) -> None:
+        self.future = future
+        self.what = what
+
+    def is_completed(self) -> bool:
+        """Whether the work has finished (successfully or not)."""
+        return self.future.done()
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Block until the work is done; re-raise its exception, if any, unchanged.
+
+        ``timeout`` (``None``: no limit) bounds the wait; running past it raises
+        :class:`CommpressError` (the work keeps running on the pool). Returns ``True``.
+        """
+        self.result(None if timeout is None else timeout.total_seconds())
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The work's return value (blocks like :meth:`wait`)."""
+        try:
+            return self.future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise CommpressError(
+                f"offload worker: {self.what} did not finish within {timeout:g}s"
+            ) from None
+        except concurrent.futures.CancelledError:
+            raise CommpressError(
+                f"offload worker: {self.what} was cancelled (the offload pool was shut down)"
+            ) from None
+
+
+def submit_offload(pool: ThreadPoolExecutor, fn: Callable[[], T], what: str) -> OffloadedWork:
+    """Run ``fn()`` on ``pool`` as the calling thread would; returns its :class:`OffloadedWork`.
+
+    The pool thread adopts the caller's thread-local state that codec arithmetic depends on:
+    whether autograd is recording, and on CUDA the caller's current device and stream (so the
+    work is ordered after the kernels that produced its inputs, exactly as on the caller's
+    thread). Errors become :class:`CommpressError` prefixed with ``"offload worker: <what>"``.
+
+    ``fn`` must only compute on tensors: it must never issue ``torch.distributed`` operations
+    (only the scheduler's thread does, in schedule order) nor wait for other offloaded work.
+    """
+    grad_enabled = torch.is_grad_enabled()
+    stream = (
+        torch.cuda.current_stream()
+        if torch.cuda.is_available() and torch.cuda.is_initialized()
+        else None
+    )
+
+    def run() -> T:
+        with (
+            error_context(f"offload worker: {what}"),
+            torch.set_grad_enabled(grad_enabled),
+            torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
+        ):
+            return fn()
+
+    with error_context(f"offload worker: submitting {what}"):
+        future = pool.submit(run)  # RuntimeError once the pool or the interpreter shut down
+    return OffloadedWork(future, what)
+
+
+def offloaded(
+    pool: ThreadPoolExecutor | None, fn: Callable[[], T], what: str
+) -> Generator[Pending, None, T]:
+    """Task step computing ``fn()``: on ``pool`` when given, else inline on the caller's thread.
+
+    Use as ``value = yield from offloaded(pool, fn, what)``. With a pool, the step submits
+    ``fn`` (:func:`submit_offload`), yields ``Pending([work], what)`` and returns the result
+    once the scheduler resumes the task; meanwhile the scheduler resumes the other tasks in
+    flight (issuing their operations, waiting for their transfers). Without a pool it calls
+    ``fn()`` at once and yields nothing, which is exactly the code path without offload.
+    """
+    if pool is None:
+        return fn()
+    work = submit_offload(pool, fn, what)
+    yield Pending([work], what)
+    return work.result()
+
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -222,11 +328,19 @@ class Exchange:
         return dist.get_global_rank(self.group, group_rank)
 
     def wait(self, pending: Pending) -> None:
-        """Wait for pending works; a failure or a timeout becomes a :class:`CommpressError`."""
+        """Wait for pending works; a failure or a timeout becomes a :class:`CommpressError`.
+
+        An :class:`OffloadedWork` is local codec work, not an exchange: it is waited for
+        without :attr:`timeout` (it never depends on a peer) and its error, already a
+        :class:`CommpressError` naming the codec step, is re-raised as itself.
+        """
         start = time.monotonic()
         what = pending.what
         for work in pending.works:
             if work is None:
+                continue
+            if isinstance(work, OffloadedWork):
+                work.wait()
                 continue
             try:
                 if self.timeout is None:
@@ -507,25 +621,50 @@ def all_gather_task(
     return out
 
 
+def _advance(protocol: Protocol, reply: Any, *, start: bool = False) -> tuple[str, Any]:
+    """Run a codec protocol to its next request: ``("request", r)`` or ``("done", value)``."""
+    try:
+        return "request", (next(protocol) if start else protocol.send(reply))
+    except StopIteration as stop:
+        return "done", stop.value
+
+
 def protocol_task(
-    protocol: Protocol, ex: Exchange, *, first: tuple[str, Any] | None = None
+    protocol: Protocol,
+    ex: Exchange,
+    *,
+    first: tuple[str, Any] | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> Generator[Pending, None, Reduced]:
     """Task driving a codec's :meth:`~commpress.codecs.base.Codec.reduce` generator.
 
-    ``first`` is the outcome of advancing ``protocol`` to its first request when that was done
-    elsewhere (see :func:`prefetch`): ``("request", request)`` or ``("done", reduced)``.
+    Algorithm:
+
+    1. Advance ``protocol`` to its first request (the codec encodes its tensor).
+    2. Perform the request (:func:`all_reduce_task` or :func:`all_gather_task`) on ``ex``.
+    3. Send the reply into ``protocol``, which decodes and returns :class:`Reduced` or asks
+       for another round (back to 2).
+
+    Args:
+        protocol: the generator of ``codec.reduce(tensor, ctx)`` (or a protocol such as
+            :func:`~commpress.collectives.strategies.gather_protocol`).
+        ex: where the requests are performed.
+        first: the outcome of step 1 when it was done elsewhere: ``("request", request)`` or
+            ``("done", reduced)``.
+        pool: an offload pool (one worker thread) on which steps 1 and 3 run -- every
+            ``next(protocol)`` / ``protocol.send(reply)``, so all of the codec's work -- while
+            the scheduler resumes other tasks. The requests themselves are always issued by the
+            scheduler's thread, at the same points of the task, so the order of collectives is
+            the same with and without a pool (and on every rank). ``None``: everything runs on
+            the scheduler's thread.
     """
     if first is None:
-        try:
-            first = ("request", next(protocol))
-        except StopIteration as stop:
-            first = ("done", stop.value)
+        step = functools.partial(_advance, protocol, None, start=True)
+        first = yield from offloaded(pool, step, "encode")
     kind, value = first
-    if kind == "done":
-        return _check_reduced(value)
-    request: Request = value
     round_index = 0
-    while True:
+    while kind != "done":
+        request: Request = value
         if isinstance(request, AllReduce):
             reply: Any = yield from all_reduce_task(request, ex, what=f"round {round_index}")
         elif isinstance(request, AllGather):
@@ -535,11 +674,10 @@ def protocol_task(
                 f"{ex.label}: the codec's protocol yielded {type(request).__name__}; expected "
                 "AllReduce or AllGather"
             )
+        step = functools.partial(_advance, protocol, reply)
+        kind, value = yield from offloaded(pool, step, f"codec work after round {round_index}")
         round_index += 1
-        try:
-            request = protocol.send(reply)
-        except StopIteration as stop:
-            return _check_reduced(stop.value)
+    return _check_reduced(value)
 
 
 def _check_reduced(value: Any) -> Reduced:
@@ -566,6 +704,14 @@ def run_tasks(
 
     Every rank therefore issues identical operation sequences, and the computation done when
     starting task ``i + 1`` (encoding its bucket) runs while task ``i``'s data is on the wire.
+
+    Offloaded codec work (:func:`offloaded`) is one more kind of pending work in this rotation:
+    while the pool encodes or decodes for task ``i + 1``, this thread waits for task ``i``'s
+    transfer and resumes it. Which operation is issued next depends only on the tasks' own
+    sequences of yields, never on which work finishes first, so offloading does not change the
+    order of collectives; and only this thread issues them (pool work never touches
+    ``torch.distributed``). All ranks must make the same offload choice, since the extra
+    yields are points of the rotation.
 
     Args:
         tasks: tasks, or zero-argument factories called when the task is started (so that
@@ -614,34 +760,6 @@ def run_tasks(
     return results
 
 
-def prefetch(
-    pool: ThreadPoolExecutor, protocol_factory: Callable[[], Protocol]
-) -> ConcurrentFuture[tuple[Protocol, tuple[str, Any]]]:
-    """Build a protocol on ``pool`` and advance it to its first request there.
-
-    The codec work before the first request (encoding) is pure, so it may run on another
-    thread (the "offload" worker); the request itself is issued later, in schedule order, by
-    :func:`prefetched_task`.
-    """
-
-    def first() -> tuple[Protocol, tuple[str, Any]]:
-        protocol = protocol_factory()
-        try:
-            return protocol, ("request", next(protocol))
-        except StopIteration as stop:
-            return protocol, ("done", stop.value)
-
-    return pool.submit(first)
-
-
-def prefetched_task(
-    future: ConcurrentFuture[tuple[Protocol, tuple[str, Any]]], ex: Exchange
-) -> Generator[Pending, None, Reduced]:
-    """Task driving a protocol whose first step ran on an offload thread."""
-    protocol, first = future.result()
-    return (yield from protocol_task(protocol, ex, first=first))
-
-
 def execute(
     protocol: Protocol,
     *,
@@ -670,6 +788,7 @@ def execute(
 
 __all__ = [
     "Exchange",
+    "OffloadedWork",
     "Pending",
     "Task",
     "all_gather_task",
@@ -678,13 +797,13 @@ __all__ = [
     "dtype_code",
     "execute",
     "name_hash",
+    "offloaded",
     "pack_bytes",
     "packed_layout",
     "payload_meta",
-    "prefetch",
-    "prefetched_task",
     "protocol_task",
     "require_initialized",
     "run_tasks",
+    "submit_offload",
     "unpack_bytes",
 ]

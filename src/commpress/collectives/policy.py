@@ -278,6 +278,8 @@ class CompressionState:
        DGC momentum correction, the velocity) to the gradient.
     3. **Reduce**: run ``codec.reduce`` with the codec's persistent per-tensor state (PowerSGD's
        ``Q``), asking for the mean over workers and, with feedback, the local contribution.
+       Callers that exchange another way (a ring, a hierarchical exchange) run steps 1-2 with
+       :meth:`prepare` and step 4 with :meth:`finish` around their own exchange.
     4. **Remember** (with feedback): error = compensated input - local contribution.
 
     Error feedback applies when ``error_feedback`` is ``True`` and ``C`` is lossy, or, with
@@ -403,6 +405,59 @@ class CompressionState:
         return state
 
     # ------------------------------------------------------------------ reduction
+    def prepare(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        *,
+        rank: int,
+        world_size: int,
+        step: int | None = None,
+        average: bool = True,
+        plan: Plan | None = None,
+    ) -> tuple[Plan, torch.Tensor, CodecContext]:
+        """Steps 1-2 of the algorithm for one tensor: its plan, its compensated input and the
+        codec context to reduce it with.
+
+        Returns ``(plan, x, ctx)``: ``x`` is ``tensor`` plus the remembered error (and DGC
+        velocity) when feedback applies, else ``tensor`` itself; ``ctx`` carries the codec's
+        persistent per-tensor state and asks for the local contribution exactly when
+        feedback applies. Hand ``x`` to any exchange that returns a
+        :class:`~commpress.codecs.protocol.Reduced` honouring ``ctx.need_local`` (the codec's
+        own protocol, a ring, a hierarchical exchange), then call :meth:`finish`.
+        """
+        step = self.step if step is None else step
+        if plan is None:
+            plan = self.plan(key, tensor.shape, tensor.dtype, step=step)
+        x = self.memory.compensate(key, tensor) if plan.feedback else tensor
+        ctx = CodecContext(
+            rank=rank,
+            world_size=world_size,
+            step=step,
+            key=key,
+            state=self.codec_state(plan, tensor.device),
+            need_local=plan.feedback,
+            average=average,
+        )
+        return plan, x, ctx
+
+    def finish(
+        self, key: str, tensor: torch.Tensor, x: torch.Tensor, plan: Plan, result: Reduced
+    ) -> Reduced:
+        """Step 4 for one tensor: remember ``x - result.local`` when feedback applies and give
+        the total ``tensor``'s dtype. ``x`` and ``plan`` are what :meth:`prepare` returned."""
+        if plan.feedback:
+            if result.local is None:
+                raise CommpressError(
+                    f"the exchange of {key!r} with {plan.codec.codec_id!r} returned no local "
+                    "contribution, which error feedback needs (it must honour ctx.need_local)"
+                )
+            self.memory.update(key, x, result.local, mask_momentum=not plan.fallback)
+        total = result.total
+        if total.dtype != tensor.dtype:
+            total = total.to(tensor.dtype)
+        return Reduced(total=total, local=result.local)
+
     def reduce(
         self,
         key: str,
@@ -419,28 +474,14 @@ class CompressionState:
         A generator like :meth:`Codec.reduce`, to be driven by
         :func:`commpress.collectives.driver.execute` (or any driver). Its ``Reduced.total`` is
         the mean over workers (sum when ``average=False``) in ``tensor``'s dtype; its
-        ``local`` is this worker's decoded contribution when feedback applied.
+        ``local`` is this worker's decoded contribution when feedback applied. It is
+        :meth:`prepare`, the codec's own protocol and :meth:`finish`.
         """
-        step = self.step if step is None else step
-        if plan is None:
-            plan = self.plan(key, tensor.shape, tensor.dtype, step=step)
-        x = self.memory.compensate(key, tensor) if plan.feedback else tensor
-        ctx = CodecContext(
-            rank=rank,
-            world_size=world_size,
-            step=step,
-            key=key,
-            state=self.codec_state(plan, tensor.device),
-            need_local=plan.feedback,
-            average=average,
+        plan, x, ctx = self.prepare(
+            key, tensor, rank=rank, world_size=world_size, step=step, average=average, plan=plan
         )
         result = yield from plan.codec.reduce(x, ctx)
-        if plan.feedback:
-            self.memory.update(key, x, result.local, mask_momentum=not plan.fallback)
-        total = result.total
-        if total.dtype != tensor.dtype:
-            total = total.to(tensor.dtype)
-        return Reduced(total=total, local=result.local)
+        return self.finish(key, tensor, x, plan, result)
 
     def advance(self) -> int:
         """Move to the next step; returns the step that just ended."""

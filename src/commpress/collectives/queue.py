@@ -60,6 +60,12 @@ class OrderedQueue:
         self._lock = threading.Lock()
         self._closed = False
         self._counter = itertools.count()
+        # Jobs submitted but not finished (queued, running, or run inline by a caller), and
+        # the lock a job holds while it runs: a caller may run a job inline only when this is
+        # zero, so inline jobs never overtake queued ones.
+        self._unfinished = 0
+        self._running = threading.Lock()
+        self._inline_thread: threading.Thread | None = None
         self._thread = threading.Thread(target=self._run, name=f"{name}-queue", daemon=True)
         self._thread.start()
 
@@ -80,16 +86,47 @@ class OrderedQueue:
                     f"the ordered queue {self.name!r} is shut down (its process group was "
                     "destroyed or the process is exiting); no more jobs can be submitted"
                 )
+            self._unfinished += 1
             self._jobs.put((job_id, fut, fn, args, kwargs))
         return fut
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Submit ``fn`` and wait for its result (re-raising its exception)."""
+        """Run ``fn`` in queue order and return its result (re-raising its exception).
+
+        When nothing is queued or running, ``fn`` runs right here on the caller's thread
+        (saving two thread hand-offs, which cost more than a small collective); jobs submitted
+        meanwhile wait for it, exactly as if it had been queued first. Otherwise it is queued
+        behind the earlier jobs and this call waits for it.
+        """
+        if not self.on_worker_thread():
+            with self._lock:
+                if self._closed:
+                    raise CommpressError(
+                        f"the ordered queue {self.name!r} is shut down (its process group was "
+                        "destroyed or the process is exiting); no more jobs can be submitted"
+                    )
+                inline = self._unfinished == 0
+                if inline:
+                    self._unfinished += 1
+                    self._running.acquire()
+                    self._inline_thread = threading.current_thread()
+            if inline:
+                fut: torch.futures.Future = torch.futures.Future()
+                try:
+                    self._run_job(next(self._counter), fut, fn, args, kwargs)
+                finally:
+                    self._inline_thread = None
+                    self._running.release()
+                    with self._lock:
+                        self._unfinished -= 1
+                return fut.wait()
         return self.submit(fn, *args, **kwargs).wait()
 
     def on_worker_thread(self) -> bool:
-        """Whether the caller is this queue's worker thread."""
-        return threading.current_thread() is self._thread
+        """Whether the caller is running a job of this queue (on the worker thread, or inline
+        in :meth:`run`); jobs it submits then run immediately, so nesting never deadlocks."""
+        current = threading.current_thread()
+        return current is self._thread or current is self._inline_thread
 
     @property
     def alive(self) -> bool:
@@ -117,7 +154,12 @@ class OrderedQueue:
             if item is _STOP:
                 self._drain("the queue was shut down")
                 return
-            self._run_job(*item)
+            try:
+                with self._running:
+                    self._run_job(*item)
+            finally:
+                with self._lock:
+                    self._unfinished -= 1
 
     def _run_job(
         self,
@@ -157,6 +199,8 @@ class OrderedQueue:
                 return
             if item is _STOP:
                 continue
+            with self._lock:
+                self._unfinished -= 1
             _, fut, fn, _, _ = item
             fut.set_exception(
                 CommpressError(f"{self.name}: job {getattr(fn, '__qualname__', fn)} dropped: {why}")

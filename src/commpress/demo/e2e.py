@@ -90,7 +90,8 @@ class Setup:
 
     Attributes:
         codec: codec spec string, e.g. ``"powersgd:rank=4"`` or ``"fp16"``.
-        label: name in tables and plots (default: ``codec``).
+        label: name in tables and plots (default: ``codec``, or ``codec@strategy`` when the
+            strategy is not ``auto``).
         error_feedback: ``None`` (automatic: on for lossy codecs except the fp16/bf16 casts),
             ``True`` or ``False``. Biased codecs (sign, top-k, PowerSGD) need it.
         warmup_steps: first steps sent as fp16 before the codec starts (ignored for the fp16
@@ -101,6 +102,11 @@ class Setup:
             the built-in models.
         min_compression_rate: tensors the codec shrinks less than this (input bytes / wire
             bytes) go as fp16; 2 means "only where it beats fp16".
+        strategy: how the hook exchanges each tensor (``strategy=`` of
+            :func:`commpress.ddp.register`): ``"auto"`` (the codec's own protocol),
+            ``"allreduce"``, ``"allgather"``, ``"ring"``, ``"hierarchical"`` or
+            ``"hierarchical-compress-first"``; the hierarchical ones take the launch's
+            processes per node as the node size.
     """
 
     codec: str
@@ -109,10 +115,11 @@ class Setup:
     warmup_steps: int = DEFAULT_WARMUP_STEPS
     min_numel: int = DEFAULT_MIN_NUMEL
     min_compression_rate: float = DEFAULT_MIN_COMPRESSION_RATE
+    strategy: str = "auto"
 
     @property
     def name(self) -> str:
-        return self.label or self.codec
+        return self.label or setup_spec(self.codec, self.strategy)
 
     def check(self) -> dict[str, Any]:
         """Validate (building the codec once) and return the codec's full configuration."""
@@ -135,22 +142,49 @@ class Setup:
         if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0):
             raise CommpressError(f"min_compression_rate must be a number >= 0, got {rate!r}")
         with error_context(f"codec {self.codec!r}"):
-            return get_codec(self.codec).get_config()
+            codec = get_codec(self.codec)
+        from commpress.collectives.api import STRATEGIES
+        from commpress.ddp import strategy_refusal
+
+        if self.strategy not in STRATEGIES:
+            raise CommpressError(
+                f"unknown strategy {self.strategy!r} for {self.codec!r}; accepted: "
+                f"{', '.join(STRATEGIES)}"
+            )
+        why = strategy_refusal(codec, self.strategy)
+        if why is not None:
+            raise CommpressError(f"setup {self.name!r}: {why}")
+        return codec.get_config()
+
+
+def setup_spec(codec: str, strategy: str = "auto") -> str:
+    """``codec`` for strategy ``auto``, else ``codec@strategy`` (``"fp16@ring"``)."""
+    return codec if strategy == "auto" else f"{codec}@{strategy}"
+
+
+def parse_setup_spec(spec: str) -> tuple[str, str]:
+    """``"fp16@ring"`` -> ``("fp16", "ring")``; a spec without ``@`` has strategy ``auto``."""
+    codec, sep, strategy = spec.rpartition("@")
+    if not sep:
+        return spec, "auto"
+    return codec, strategy.strip()
 
 
 def as_setup(item: str | Setup | Mapping[str, Any]) -> Setup:
-    """A :class:`Setup` from a spec string, a mapping of its fields, or a Setup."""
+    """A :class:`Setup` from a spec string (``"powersgd:rank=4"``, ``"fp16@ring"`` for a
+    strategy), a mapping of its fields, or a Setup."""
     if isinstance(item, Setup):
         return item
     if isinstance(item, str):
-        return Setup(codec=item)
+        codec, strategy = parse_setup_spec(item)
+        return Setup(codec=codec, strategy=strategy)
     if isinstance(item, Mapping):
         try:
             return Setup(**dict(item))
         except TypeError as exc:
             raise CommpressError(
                 f"bad setup {dict(item)!r}: {exc}; accepted keys: codec, label, "
-                "error_feedback, warmup_steps, min_numel, min_compression_rate"
+                "error_feedback, warmup_steps, min_numel, min_compression_rate, strategy"
             ) from None
     raise CommpressError(
         f"a setup is a codec spec string, a Setup or a mapping, got {type(item).__name__}"
@@ -861,6 +895,10 @@ def _prewarm(codec: Any, cfg: Mapping[str, Any], min_numel: int) -> float:
     return time.perf_counter() - t0
 
 
+def _label_of(setup: Mapping[str, Any]) -> str:
+    return str(setup.get("label") or setup_spec(setup["codec"], setup.get("strategy", "auto")))
+
+
 def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpus: bytes,
              initial_loss: float, emit: Callable[..., None]) -> dict[str, Any] | None:
     import torch
@@ -872,8 +910,9 @@ def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpu
     from commpress.demo.train import train
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    label = setup.get("label") or setup["codec"]
+    label = _label_of(setup)
     codec = get_codec(setup["codec"])
+    strategy = str(setup.get("strategy", "auto"))
     dense = codec.codec_id in ("fp16", "bf16", "identity") or codec.lossless
     warmup = 0 if dense else int(setup["warmup_steps"])
     states: list[Any] = []
@@ -883,7 +922,9 @@ def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpu
             ddp_model, codec, error_feedback=setup["error_feedback"], warmup_steps=warmup,
             warmup_codec="fp16", min_numel=int(setup["min_numel"]),
             min_compression_rate=float(setup["min_compression_rate"]), fallback_codec="fp16",
-            timeout=float(cfg["hook_timeout_s"]),
+            timeout=float(cfg["hook_timeout_s"]), strategy=strategy,  # type: ignore[arg-type]
+            local_size=int(cfg["procs_per_node"]) if strategy.startswith("hierarchical")
+            else None,
         ))
 
     counter = CollectiveBytes()
@@ -941,8 +982,9 @@ def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpu
         "label": label,
         "codec": setup["codec"],
         "codec_config": setup["codec_config"],
-        "setup": {k: setup[k] for k in ("codec", "label", "error_feedback", "warmup_steps",
-                                        "min_numel", "min_compression_rate")},
+        "setup": {**{k: setup[k] for k in ("codec", "label", "error_feedback", "warmup_steps",
+                                           "min_numel", "min_compression_rate")},
+                  "strategy": strategy},
         "world_size": world,
         "nodes": int(cfg["nodes"]),
         "procs_per_node": int(cfg["procs_per_node"]),
@@ -996,7 +1038,7 @@ def worker_main(config_path: str) -> int:
         results: list[dict[str, Any]] = []
         with _progress_writer(cfg["progress_path"] if rank == 0 else None) as emit:
             for i, setup in enumerate(cfg["setups"]):
-                label = setup.get("label") or setup["codec"]
+                label = _label_of(setup)
                 try:
                     result = _run_one(i, setup, cfg, corpus, initial_loss, emit)
                 except Exception as exc:
@@ -1043,7 +1085,9 @@ __all__ = [
     "elapsed_clock",
     "link_tx_bytes",
     "load_results",
+    "parse_setup_spec",
     "resolve_layout",
     "run_setup",
     "run_setups",
+    "setup_spec",
 ]

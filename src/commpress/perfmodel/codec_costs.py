@@ -714,27 +714,53 @@ class _Planner:
         return segs
 
     def ring(self, numel: int, ranks: int, link: coll.Link) -> list[Segment]:
-        """All-reduce ring with the codec in the wire; codec work sits on the communicator."""
+        """All-reduce ring with the codec in the wire; codec work sits on the communicator.
+
+        As :func:`commpress.collectives.strategies.ring_task` runs it: ``2 (n-1)`` hops, each
+        a point-to-point exchange of one chunk's payload (a software ring pays the per-call
+        overhead at every hop; codecs whose payload size varies send a size header first,
+        one more message latency per hop); ``n`` encodes (``n-1`` partial sums and the final
+        chunk) and ``2n-1`` decodes (``n-1`` partial sums, then the ``n`` gathered chunks).
+        """
         segs: list[Segment] = []
         if ranks == 1:
             self._add(segs, self.where, self.enc(numel) + self.dec(numel), "codec", "encode")
             return segs
         chunk = -(-numel // ranks)
         q = wire_profile(self.codec, (chunk,), 1).nbytes
-        hops = 2 * (ranks - 1) * link.time(q)
+        n_hops = 2 * (ranks - 1)
+        hops = n_hops * link.time(q)
+        if self.cfg.offload is None:
+            hops += (n_hops - 1) * self.cfg.collective_overhead_s
+            if not self.codec.fixed_size:
+                hops += n_hops * link.latency
         # Software rings decode the n gathered chunks after the all-gather (2n-1 decodes on the
         # path); an offload device decodes them as they stream by (n decodes).
         decodes = ranks if self.cfg.offload is not None else 2 * ranks - 1
         codec_s = ranks * self.enc(chunk) + decodes * self.dec(chunk)
-        self._add(segs, "net", self.collective(hops), "comm", "ring")
+        self._add(segs, "net", self.collective(hops), "comm", "ring", n_hops * q)
         self._add(segs, "net", codec_s, "codec", "ring codec")
         return segs
 
-    def hierarchical(self, numel: int, compress_first: bool) -> list[Segment]:
+    def hierarchical(self, shape: tuple[int, ...], compress_first: bool) -> list[Segment]:
+        """As :func:`commpress.collectives.strategies.hierarchical_task` runs it, on ``m``
+        ranks per node and ``n`` nodes: an uncompressed intra-node reduce-scatter (a ring
+        with the codec in the wire for ``compress_first``); the codec's own protocol on one
+        shard among the ``n`` nodes, the ``m`` local ranks sharing the node's link (a matrix
+        is sharded by whole rows, padded to a multiple of ``m`` rows, so low-rank codecs see
+        ``ceil(rows/m) x cols``); an uncompressed intra-node all-gather."""
         cl = self.cfg.cluster
         m, n = cl.gpus_per_node, cl.nodes
         segs: list[Segment] = []
-        shard = -(-numel // m)
+        numel = math.prod(shape)
+        if len(shape) >= 2 and not compress_first:
+            unit = math.prod(shape[1:])
+            rows = -(-shape[0] // m)
+            shard_shape: tuple[int, ...] = (rows, *shape[1:])
+            shard = rows * unit
+        else:
+            shard = -(-numel // m)
+            shard_shape = (shard,)
         gb = self.cfg.grad_bytes
         if m > 1:
             if compress_first:
@@ -760,7 +786,7 @@ class _Planner:
                 self._add(segs, "net", self.collective(comm), "comm", "inter ring")
                 self._add(segs, "net", t - comm, "codec", "inter ring codec (offload)")
             else:
-                segs.extend(self.protocol((shard,), n, cl.inter, share=m, label="inter "))
+                segs.extend(self.protocol(shard_shape, n, cl.inter, share=m, label="inter "))
         elif m == 1:
             self._add(segs, self.where, self.enc(numel) + self.dec(numel), "codec", "encode")
         if m > 1:
@@ -794,7 +820,15 @@ class _Planner:
             return self.gather(shape, ranks, link)
         if strategy == "ring":
             return self.ring(numel, ranks, link)
-        return self.hierarchical(numel, strategy == "hierarchical-compress-first")
+        return self.hierarchical(shape if shape else (1,),
+                                 strategy == "hierarchical-compress-first")
+
+    def local_roundtrip(self, numel: int) -> list[Segment]:
+        """``decode(encode(x))`` of the whole tensor: the error-feedback residual's reference
+        that the ring and hierarchical strategies compute besides the exchange."""
+        segs: list[Segment] = []
+        self._add(segs, self.where, self.enc(numel) + self.dec(numel), "codec", "local")
+        return segs
 
 
 def exchange_segments(
@@ -823,6 +857,48 @@ def exchange_segments(
     for s in norm:
         segs.extend(planner.tensor(s))
     return segs
+
+
+def local_roundtrip_segments(codec: Codec | str, numel: int, cfg: ExchangeConfig) -> list[Segment]:
+    """The codec work of one ``decode(encode(x))`` of ``numel`` elements (what the ring and
+    hierarchical strategies add per tensor when error feedback needs the local contribution,
+    which the codec's own protocol yields for free)."""
+    return _Planner(get_codec(codec), cfg).local_roundtrip(numel) if numel else []
+
+
+def exchange_wire_bytes(codec: Codec | str, shape: Sequence[int], cluster: Cluster,
+                        strategy: str = "auto") -> float:
+    """Payload bytes one rank sends to exchange a tensor of ``shape`` by ``strategy``
+    (every round and hop; uncompressed intra-node traffic of the hierarchical strategies not
+    counted): the codec's rounds for ``auto``/``allreduce``, one payload for ``allgather``,
+    ``2 (n-1)`` chunk payloads for ``ring``, the shard's rounds among the nodes for
+    ``hierarchical`` (the intra-node ring's chunk payloads too with compress-first)."""
+    c = get_codec(codec)
+    dims = tuple(int(d) for d in shape)
+    numel = math.prod(dims)
+    n = cluster.world_size
+    if numel == 0:
+        return 0.0
+    if strategy in ("auto", "allreduce"):
+        return wire_profile(c, dims, n).nbytes
+    if strategy == "allgather":
+        return wire_profile(c, dims, 1).nbytes
+    if strategy == "ring":
+        if n == 1:
+            return 0.0
+        return 2 * (n - 1) * wire_profile(c, (-(-numel // n),), 1).nbytes
+    m, nodes = cluster.gpus_per_node, cluster.nodes
+    total = 0.0
+    if strategy == "hierarchical-compress-first" and m > 1:
+        total += (m - 1) * wire_profile(c, (-(-numel // m),), 1).nbytes
+        shard_shape: tuple[int, ...] = (-(-numel // m),)
+    elif len(dims) >= 2:
+        shard_shape = (-(-dims[0] // m), *dims[1:])
+    else:
+        shard_shape = (-(-numel // m),)
+    if nodes > 1:
+        total += wire_profile(c, shard_shape, nodes).nbytes
+    return total
 
 
 # ---------------------------------------------------------------------------- accuracy
@@ -870,6 +946,8 @@ __all__ = [
     "calibrate_protocol_speeds",
     "calibrate_speeds",
     "exchange_segments",
+    "exchange_wire_bytes",
+    "local_roundtrip_segments",
     "measure_nmse",
     "spec_key",
     "wire_profile",

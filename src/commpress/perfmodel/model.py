@@ -27,6 +27,8 @@ from commpress.perfmodel.codec_costs import (
     Offload,
     SpeedTable,
     exchange_segments,
+    exchange_wire_bytes,
+    local_roundtrip_segments,
     spec_key,
     wire_profile,
 )
@@ -332,18 +334,24 @@ class HookPlan:
     shrink it less than ``min_compression_rate`` times (then ``fallback_codec``, as
     :class:`commpress.collectives.feedback.Schedule` decides); tensors with an element-wise
     cast (identity, fp16, bf16) are sent as one flat tensor per cast, first; every other
-    tensor is its own exchange, ``depth`` of them in flight.
+    tensor is its own exchange, ``depth`` of them in flight (one with the hierarchical
+    strategies, which the hook runs one at a time). Every exchange uses :func:`predict`'s
+    ``strategy``, as ``register(..., strategy=...)`` does.
 
     Attributes:
         min_numel, min_compression_rate, fallback_codec: as in :func:`commpress.ddp.register`
             (the defaults there are 0, 0 and ``"fp16"``).
         depth: exchanges in flight inside a bucket (the hook pipelines 2).
+        error_feedback: as in :func:`commpress.ddp.register` (``None``: automatic, on for
+            lossy codecs except the fp16/bf16 casts). With the ring and hierarchical
+            strategies feedback costs one more ``decode(encode(x))`` per exchange.
     """
 
     min_numel: int = 0
     min_compression_rate: float = 0.0
     fallback_codec: str = "fp16"
     depth: int = 2
+    error_feedback: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or (
@@ -360,6 +368,22 @@ class HookPlan:
             )
         if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
             raise CommpressError(f"depth must be an int >= 1, got {self.depth!r}")
+        if self.error_feedback not in (None, True, False):
+            raise CommpressError(
+                f"error_feedback must be True, False or None (automatic), got "
+                f"{self.error_feedback!r}"
+            )
+
+    def feedback(self, codec: Any) -> bool:
+        """Whether error feedback applies to the tensors of a bucket whose codec (before any
+        fallback) is ``codec``: the rule of :meth:`CompressionState.uses_feedback`."""
+        if codec.lossless or self.error_feedback is False:
+            return False
+        return self.error_feedback is True or codec.codec_id not in ("fp16", "bf16")
+
+    def depth_for(self, strategy: str) -> int:
+        """Exchanges in flight inside a bucket with ``strategy``."""
+        return 1 if strategy.startswith("hierarchical") else self.depth
 
     def choose(self, codec: Any, shape: Shape) -> Any:
         """The codec the hook sends a tensor of ``shape`` with (after any warm-up)."""
@@ -564,21 +588,33 @@ def _predict_hooked(
     strategy: str,
 ) -> Prediction:
     """:func:`predict` for commpress's DDP hook: one job per exchange of
-    :meth:`HookPlan.bucket_jobs`, buckets in queue mode (see :func:`simulate_step`)."""
+    :meth:`HookPlan.bucket_jobs`, each exchanged by ``strategy`` as the hook runs it (ring:
+    per-hop re-encoding; hierarchical: intra-node reduce-scatter and all-gather around the
+    inter-node exchange of one shard, one exchange at a time), plus the ``decode(encode(x))``
+    that ring and hierarchical exchanges compute when error feedback applies; buckets in
+    queue mode (see :func:`simulate_step`)."""
     jobs: list[list[Any]] = []
     owners: list[int] = []
     wire = 0.0
-    cache: dict[tuple[str, tuple[Shape, ...]], Any] = {}
+    cache: dict[tuple[str, bool, tuple[Shape, ...]], Any] = {}
+    roundtrip = strategy in ("ring", "hierarchical", "hierarchical-compress-first")
     for b, (codec, bucket) in enumerate(zip(codecs, workload.buckets, strict=True)):
+        feedback = roundtrip and hook.feedback(codec)
         for c, shapes in hook.bucket_jobs(codec, bucket):
-            key = (str(id(c)), tuple(shapes))
+            key = (str(id(c)), feedback, tuple(shapes))
             if key not in cache:
                 flat = c.codec_id in ELEMENTWISE_CODECS
-                with error_context(f"planning {spec_key(c)} for {len(shapes)} tensor(s)"):
+                with error_context(f"planning {spec_key(c)} for {len(shapes)} tensor(s) with "
+                                   f"strategy {strategy!r}"):
                     segs = exchange_segments(c, shapes, cfg,
                                              granularity="bucket" if flat else "parameter")
                 tensors = [(sum(_numel(s) for s in shapes),)] if flat else list(shapes)
-                nbytes = sum(wire_profile(c, t, cl.world_size).nbytes for t in tensors)
+                if feedback:
+                    # the hook's flat group is one exchange: one round trip of its length
+                    local = [seg for t in tensors
+                             for seg in local_roundtrip_segments(c, _numel(t), cfg)]
+                    segs = local + segs
+                nbytes = sum(exchange_wire_bytes(c, t, cl, strategy) for t in tensors)
                 cache[key] = (segs, nbytes)
             segs, nbytes = cache[key]
             jobs.append(segs)
@@ -592,7 +628,7 @@ def _predict_hooked(
         optimizer_s=workload.optimizer_s * scale,
         overlap_efficiency=platform.overlap_efficiency,
         bucket_of=owners,
-        queue_depth=hook.depth,
+        queue_depth=hook.depth_for(strategy),
         token_bucket=_token_bucket(cl),
     )
     return Prediction(

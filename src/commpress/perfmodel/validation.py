@@ -23,8 +23,12 @@ Algorithm of :func:`run_validation` (measuring) and :func:`analyse` (checking):
       12 steps.
 
 2. **Runs**: one launch per *group* (node count, processes per node, bandwidth, codecs; one
-   emulated cluster). Every codec trains ``steps`` steps with commpress's DDP hook; a setup's
-   measured iteration time is the median over its steady steps (after ``timing_skip``
+   emulated cluster). A codec entry ``codec@strategy`` (``"fp16@ring"``) makes the hook
+   exchange with that strategy (``commpress.ddp.register(..., strategy=)``; the hierarchical
+   ones with the group's processes per node as the node) and the model predict it with the
+   same strategy; a plain codec uses the codec's own protocol. Every codec trains ``steps``
+   steps with commpress's DDP hook; a setup's measured iteration time is the median over its
+   steady steps (after ``timing_skip``
    start-up steps and the codec's fp16 warm-up), each step timed as the slowest rank's.
 
 3. **Model setups** (:func:`model_setup`): the workload from the model's parameter shapes in
@@ -100,6 +104,14 @@ VALIDATION_FIT: tuple[str, ...] = (
 #: gathered from every rank (sign) and a quantizer with a costly encoder (THC).
 DEFAULT_CODECS: tuple[str, ...] = ("fp16", "powersgd:rank=4", "topkc", "sign", "thc")
 
+#: Setups of the default grid that vary the exchange strategy (``codec@strategy``, see
+#: :func:`commpress.demo.e2e.parse_setup_spec`), on 2 nodes x 2 processes so that the
+#: hierarchical strategy has a node to reduce on: fp16 by the codec's all-reduce, a ring with the
+#: codec in the wire and hierarchically; a non-summable quantizer gathered; PowerSGD
+#: hierarchically (its rounds on one shard per local rank).
+STRATEGY_SETUPS: tuple[str, ...] = ("fp16@allreduce", "fp16@ring", "fp16@hierarchical",
+                                    "qsgd@allgather", "powersgd:rank=4@hierarchical")
+
 #: Per-message latency assumed before calibration: the emulated links add none (no netem),
 #: so ``alpha`` is the kernel's veth and TCP path, tens of microseconds.
 BASE_LATENCY_S = 50e-6
@@ -135,28 +147,67 @@ class Group:
             parse_bandwidth(self.bandwidth)
         if not self.codecs:
             raise CommpressError("a validation group needs at least one codec")
+        from commpress.demo.e2e import as_setup
+
+        for spec in self.codecs:
+            with error_context(f"validation setup {spec!r}"):
+                as_setup(spec).check()
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
 
     def label(self, codec: str) -> str:
+        """``"<nodes>n[x<procs>] <bandwidth> <codec[@strategy]>"``."""
         layout = f"{self.nodes}n" + (f"x{self.procs_per_node}" if self.procs_per_node > 1 else "")
         return f"{layout} {self.bandwidth} {codec}"
 
 
-def default_grid(codecs: Sequence[str] = DEFAULT_CODECS) -> list[Group]:
+def default_grid(codecs: Sequence[str] = DEFAULT_CODECS,
+                 strategies: Sequence[str] | None = None) -> list[Group]:
     """The full grid: 8 clusters from 50 Mbit/s to 2 Gbit/s and 2 to 4 nodes, each with every
-    codec (40 setups with the default codecs)."""
+    codec (40 setups with the default codecs, each with the codec's own protocol), plus one
+    2-node x 2-process cluster at 200 Mbit/s with ``strategies`` (``codec@strategy`` specs;
+    default :data:`STRATEGY_SETUPS` when ``codecs`` are the default ones, none otherwise):
+    45 setups by default."""
     layouts = [(2, "50mbit"), (2, "200mbit"), (2, "1gbit"), (3, "100mbit"), (3, "500mbit"),
                (4, "50mbit"), (4, "200mbit"), (4, "2gbit")]
-    return [Group(n, bw, tuple(codecs)) for n, bw in layouts]
+    groups = [Group(n, bw, tuple(codecs)) for n, bw in layouts]
+    if strategies is None:
+        strategies = STRATEGY_SETUPS if tuple(codecs) == DEFAULT_CODECS else ()
+    if strategies:
+        groups.append(Group(2, "200mbit", tuple(strategies), procs_per_node=2))
+    return groups
 
 
 def quick_grid() -> list[Group]:
-    """Four setups on one 2-node cluster at 100 Mbit/s (a smoke test of the whole pipeline,
-    about a minute): fp16, PowerSGD, sign and TopKC."""
-    return [Group(2, "100mbit", ("fp16", "powersgd:rank=4", "sign", "topkc"))]
+    """Five setups on one 2-node cluster at 100 Mbit/s (a smoke test of the whole pipeline,
+    about a minute): fp16, PowerSGD, sign and TopKC by their own protocols, and fp16 in a ring
+    with the codec in the wire."""
+    return [Group(2, "100mbit", ("fp16", "powersgd:rank=4", "sign", "topkc", "fp16@ring"))]
+
+
+def with_strategies(codecs: Sequence[str], strategies: Sequence[str]) -> tuple[list[str],
+                                                                                list[str]]:
+    """Every codec of ``codecs`` with every strategy (``codec@strategy``; a codec already
+    written with ``@`` is kept as is). Returns the specs and the skipped pairs, which the
+    hook refuses (multi-round codecs in a ring, non-summable ones in ``allreduce``...)."""
+    from commpress.demo.e2e import as_setup, parse_setup_spec, setup_spec
+
+    specs: list[str] = []
+    skipped: list[str] = []
+    for codec in codecs:
+        base, own = parse_setup_spec(codec)
+        for strategy in ([own] if "@" in codec else strategies):
+            spec = setup_spec(base, strategy)
+            try:
+                as_setup(spec).check()
+            except CommpressError:
+                skipped.append(spec)
+                continue
+            if spec not in specs:
+                specs.append(spec)
+    return specs, skipped
 
 
 def parse_group(text: str, codecs: Sequence[str]) -> Group:
@@ -509,7 +560,8 @@ class Run:
 
     Attributes:
         group_index: index of its :class:`Group` in :attr:`ValidationRun.groups`.
-        codec: codec spec.
+        codec: codec spec, ``codec@strategy`` when the hook used another strategy than
+            ``auto`` (JSON written before strategies existed has none: ``auto``).
         label: ``"<nodes>n <bandwidth> <codec>"``.
         measured_s: median steady iteration time (seconds).
         spread_s: 10th and 90th percentile of the steady iteration times.
@@ -701,7 +753,7 @@ def run_validation(
         log: called with one line per finished group (default: nothing).
     """
     from commpress.demo.e2e import Setup as RunSetup
-    from commpress.demo.e2e import run_setups
+    from commpress.demo.e2e import parse_setup_spec, run_setups
 
     if not groups:
         raise CommpressError("the validation grid is empty")
@@ -743,15 +795,16 @@ def run_validation(
                     pool = None
                 pool = ComputePool(ws, model=model, batch_size=bs).__enter__()
             if ws not in speeds_by_size:
-                todo = sorted({"fp16", *(c for g in groups if g.world_size == ws
-                                         for c in g.codecs)})
+                todo = sorted({"fp16", *(parse_setup_spec(c)[0] for g in groups
+                                         if g.world_size == ws for c in g.codecs)})
                 speeds_by_size[ws] = calibrate_codecs(todo, world_size=ws, threads=pool.threads)
             wait_for_quiet()
             t0 = time.perf_counter()
             before = pool.measure(benchmark_steps)
             bench_wall = time.perf_counter() - t0
             t_before = 0.5 * (t0 + t0 + bench_wall) - t_start
-            setups = [RunSetup(codec=c, label=group.label(c), warmup_steps=warmup_steps,
+            setups = [RunSetup(codec=parse_setup_spec(c)[0], strategy=parse_setup_spec(c)[1],
+                               label=group.label(c), warmup_steps=warmup_steps,
                                min_numel=hook.min_numel,
                                min_compression_rate=hook.min_compression_rate)
                       for c in group.codecs]
@@ -854,11 +907,15 @@ def model_setup(run: ValidationRun, r: Run) -> Setup:
         intra_bw="10gbit", intra_latency=BASE_LATENCY_S,
         inter_burst=choose_burst(rate * 8),  # the emulated links' tbf bucket
     )
+    from commpress.demo.e2e import parse_setup_spec
+
+    codec, strategy = parse_setup_spec(r.codec)
     return Setup(
-        workload=workload, cluster=cluster, codec=r.codec, label=r.label, hook=run.hook,
-        speeds=SpeedTable.builtin().merged(profile.speeds), contention=profile.contention,
-        extra={"codec": r.codec, "nodes": group.nodes, "bandwidth": group.bandwidth,
-               "procs_per_node": group.procs_per_node},
+        workload=workload, cluster=cluster, codec=codec, strategy=strategy, label=r.label,
+        hook=run.hook, speeds=SpeedTable.builtin().merged(profile.speeds),
+        contention=profile.contention,
+        extra={"codec": r.codec, "strategy": strategy, "nodes": group.nodes,
+               "bandwidth": group.bandwidth, "procs_per_node": group.procs_per_node},
     )
 
 
@@ -1089,6 +1146,7 @@ def plot(analysis: Analysis, path: str | Path) -> None:
 __all__ = [
     "DEFAULT_CODECS",
     "RUN_FORMAT",
+    "STRATEGY_SETUPS",
     "VALIDATION_FIT",
     "Analysis",
     "Group",
@@ -1110,6 +1168,7 @@ __all__ = [
     "split",
     "table",
     "wait_for_quiet",
+    "with_strategies",
 ]
 
 
