@@ -251,6 +251,41 @@ def test_every_strategy_is_exact_and_identical(world: int, local_size: int, dtyp
             assert torch.equal(value, results[rank][name]), f"{name}: rank {rank} differs"
 
 
+def _posting_order_worker(rank: int, world: int) -> list[str]:
+    """Record the point-to-point operations a ring all-reduce posts, in order."""
+    import torch.distributed as dist
+
+    posted: list[str] = []
+    real_isend, real_irecv = dist.isend, dist.irecv
+
+    def isend(*args: Any, **kwargs: Any) -> Any:
+        posted.append("send")
+        return real_isend(*args, **kwargs)
+
+    def irecv(*args: Any, **kwargs: Any) -> Any:
+        posted.append("recv")
+        return real_irecv(*args, **kwargs)
+
+    dist.isend, dist.irecv = isend, irecv
+    try:
+        for codec in ("fp16", "topk:ratio=0.25"):  # fixed-size payloads, and sized ones
+            all_reduce(torch.randn(1000), codec, op="sum", strategy="ring", check=False)
+    finally:
+        dist.isend, dist.irecv = real_isend, real_irecv
+    return posted
+
+
+def test_ring_posts_each_receive_before_its_send() -> None:
+    # gloo announces a posted receive to the sender on the same TCP stream as its own data:
+    # a receive posted after a large send is announced only once that send is through, and
+    # the two directions of every hop then run one after the other (measured on a 100 Mbit/s
+    # emulated link: 155 ms instead of 78 ms per 1 MB hop).
+    for posted in run_workers(_posting_order_worker, 3, timeout=120):
+        assert posted and len(posted) % 2 == 0
+        pairs = [tuple(posted[i : i + 2]) for i in range(0, len(posted), 2)]
+        assert set(pairs) == {("recv", "send")}, posted
+
+
 # ---------------------------------------------------------------------------- queue (local)
 def test_ordered_queue_runs_jobs_in_submission_order() -> None:
     q = OrderedQueue("test")

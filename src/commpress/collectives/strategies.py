@@ -138,9 +138,13 @@ class _Link:
         else:
             meta_out = padded_payload_meta(out).to(device)
             meta_in = torch.empty_like(meta_out)
+            # Receive posted before the send, here and below: gloo tells a sender that its
+            # peer's receive is ready on the same TCP stream as its own data, so a receive
+            # posted after a large send is announced only once that send is through, and the
+            # two directions of a hop run one after the other (twice the time on a slow link).
             works = [
-                dist.isend(meta_out, self.right, group=group, tag=self.tag),
                 dist.irecv(meta_in, self.left, group=group, tag=self.tag),
+                dist.isend(meta_out, self.right, group=group, tag=self.tag),
             ]
             yield Pending(works, f"{what} (sizes)")
             row = meta_in.cpu().tolist()
@@ -156,10 +160,10 @@ class _Link:
         in_size = packed_layout(in_specs)[1]
         body_in = torch.empty(in_size, dtype=torch.uint8, device=device)
         works = []
-        if body_out.numel():
-            works.append(dist.isend(body_out, self.right, group=group, tag=self.tag + 1))
         if in_size:
             works.append(dist.irecv(body_in, self.left, group=group, tag=self.tag + 1))
+        if body_out.numel():
+            works.append(dist.isend(body_out, self.right, group=group, tag=self.tag + 1))
         yield Pending(works, what)
         parts = unpack_bytes(body_in.to(template.device), in_specs)
         shape = (in_numel,)
