@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import zlib
 from typing import Any
 
 import numpy as np
@@ -14,6 +13,7 @@ from commpress.analysis import order0_bits
 from commpress.codecs import CodecContext, get_codec, simulate
 from commpress.codecs import bytegroup as bg
 from commpress.codecs.lossless import GROUPING_IDS, NetZip
+from commpress.codecs.lossless_kernels import checksum, checksum_reference
 from commpress.errors import CommpressError
 from commpress.testing import check_round_trip, gaussian, run_all_contract_checks
 from dist_utils import run_workers
@@ -171,6 +171,158 @@ def test_numba_and_torch_paths_write_identical_streams() -> None:
                 assert torch.equal(a, b), f"{dtype} {tuple(x.shape)} {config}"
 
 
+def _bf16_cases() -> list[torch.Tensor]:
+    """bf16 tensors that exercise every branch of the narrow-lane bf16 kernels: dense rows,
+    zero rows and partly-zero rows (zero bitmap), a few escapes, many escapes (byte-mode
+    fallback), predictions outside the 8-bit-safe range (subnormal rows), special values,
+    odd column counts, flat tensors with a partial last block, and tiny tensors."""
+    g = torch.Generator().manual_seed(11)
+    dense = torch.randn(96, 70, generator=g) * torch.logspace(-4, 2, 70)
+    sparse = dense.clone()
+    sparse[::4] = 0.0
+    sparse[1::5, ::3] = 0.0
+    few_zeros = dense.clone()
+    few_zeros.view(-1)[::90] = 0.0  # below 1/64: no bitmap, but row means skip zeros
+    subnormal = torch.randn(64, 80, generator=g) * 1e-39  # rows predicted near exponent 0
+    subnormal[::7] *= 1e38
+    special = dense.clone()
+    special.view(-1)[::397] = float("nan")
+    special.view(-1)[5::401] = float("-inf")
+    special.view(-1)[7::409] = -0.0
+    special.view(-1)[11::419] = 1e-40  # subnormal
+    wide = torch.randn(3000, generator=g) * 2.0 ** torch.randint(-60, 60, (3000,), generator=g)
+    flat = torch.randn(1000, generator=g) * 1e-3
+    flat[300:700] = 0.0
+    return [t.to(torch.bfloat16) for t in (
+        dense, sparse, few_zeros, subnormal, special, wide, flat, flat[:5], dense[:1, :1],
+        torch.zeros(64, 64),
+    )]
+
+
+def _bf16_kernel_takes(x: torch.Tensor) -> bool:
+    """Whether the narrow-lane bf16 encoder handles ``x`` itself (no hand-over)."""
+    n = x.numel()
+    rows, cols, _ = bg.matrix_view(tuple(x.shape), n)
+    buf = np.empty(bg.bf16_layout(n, rows, cols)[-1], dtype=np.uint8)
+    with bg.use_backend("numba"):
+        bg.use_kernels(x)
+        result = bg._k("encode_bf16_buf")(bits_of(x).numpy(), cols, 7, max(1, rows // 64), buf)
+    return bool(result[0])
+
+
+def test_bf16_fast_kernels_equal_the_general_ones() -> None:
+    """The bf16 kernels (encode and decode) write/read exactly the planes of the general
+    kernels, including the cases where they hand over (byte residuals)."""
+    lay = bg.layout(torch.bfloat16)
+    cases = _bf16_cases()
+    # the fast kernel really runs on all but the spread-exponent case (so the comparison
+    # below is not vacuous)
+    assert [_bf16_kernel_takes(x) for x in cases[:6]] == [True] * 5 + [False]
+    for x in cases:
+        words = bits_of(x)
+        for use_row, use_col in ((True, True), (True, False), (False, False)):
+            with bg.use_backend("numba"):
+                fast, cx_f = bg.encode_exponent(words, lay, tuple(x.shape), use_row=use_row,
+                                                use_col=use_col, allow_mask=True, fast=True)
+                fast_arrays = {k: None if v is None else np.array(v, copy=True)
+                               for k, v in vars_of(fast).items()}
+                slow, cx_s = bg.encode_exponent(words, lay, tuple(x.shape), use_row=use_row,
+                                                use_col=use_col, allow_mask=True, fast=False)
+            for key, value in vars_of(slow).items():
+                other = fast_arrays[key]
+                if isinstance(value, np.ndarray) or other is not None and hasattr(other, "shape"):
+                    assert np.array_equal(np.asarray(value), other), (tuple(x.shape), key)
+                else:
+                    assert value == other, (tuple(x.shape), key)
+            assert cx_f.g4 == cx_s.g4
+            cx_s.r4 = slow.r4  # the decoder gets the row statistics from the stream
+            n = words.numel()
+            if not n:
+                continue
+            for fast_decode in (True, False):
+                with bg.use_backend("numba"):
+                    out = bg.decode_exponent(
+                        lay, n, cx_s, kept=slow.kept, byte_mode=slow.byte_mode, codes=slow.codes,
+                        codes_hi=slow.codes_hi, escapes=slow.escapes, nesc=slow.nesc,
+                        mant=slow.mant, rem=slow.rem, mask=slow.mask,
+                        device=torch.device("cpu"), fast=fast_decode,
+                    )
+                assert torch.equal(out, words), (tuple(x.shape), fast_decode)
+
+
+def vars_of(planes: bg.ExponentPlanes) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in ("kept", "byte_mode", "nesc", "codes", "codes_hi", "escapes", "rem", "mask",
+                "r4"):
+        out[key] = getattr(planes, key)
+    for q, plane in enumerate(planes.mant):
+        out[f"mant{q}"] = plane
+    return out
+
+
+def test_fast_path_writes_the_general_paths_stream() -> None:
+    """The default codec's fast path (plan cache, inlined framing, bf16 kernels) and the
+    general path (torch transforms, generic framing) write the same bytes, and both decoders
+    return the input bit for bit from either stream."""
+    codec = get_codec("netzip")
+    for x in _bf16_cases() + [t.to(dtype) for t in _bf16_cases()[:3]
+                              for dtype in (torch.float16, torch.float32)]:
+        with bg.use_backend("numba"):
+            fast = codec.encode(x)
+            assert_bit_exact(codec.decode(fast), x)
+            general = codec._encode_general(x, CodecContext())  # generic framing, kernels on
+            assert torch.equal(fast.parts["stream"], general.parts["stream"]), tuple(x.shape)
+        with bg.use_backend("torch"):
+            slow = codec.encode(x)
+            assert_bit_exact(codec.decode(fast), x)
+        assert torch.equal(fast.parts["stream"], slow.parts["stream"]), tuple(x.shape)
+
+
+def test_checksum_kernel_matches_its_specification() -> None:
+    """The numba checksum equals the word-by-word Python definition for every length
+    0..80 (every tail size and lane count) and unaligned starts."""
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 4200).astype(np.uint8)
+    for size in [*range(0, 81), 1000, 4099]:
+        for start in (0, 1, 5):
+            chunk = data[start : start + size]
+            assert checksum(chunk) == checksum_reference(chunk.tobytes()), (size, start)
+
+
+def test_checksum_catches_corruption_in_every_region_of_the_payload() -> None:
+    """A payload with every kind of section (zero bitmap, statistics, codes, escapes,
+    mantissa plane): flipping any single byte, in any region, is refused; so are 300 random
+    multi-byte corruptions. (The hash is a bijection of each 8-byte word for a fixed lane
+    state, so a change confined to one word always changes the 64-bit state: single-byte
+    errors can only slip through the final fold to 32 bits, and no such collision exists
+    for this payload; random corruptions pass with probability ~2^-32 each, so 300 trials
+    all being caught fails by chance with probability < 1e-7.)"""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(64, 80, generator=g) * torch.logspace(-4, 2, 80)
+    x[::5] = 0.0  # zero rows: bitmap
+    x.view(-1)[3::97] = 1e30  # escapes
+    x = x.to(torch.bfloat16)
+    codec = get_codec("netzip")
+    payload = codec.encode(x)
+    data = _stream(payload)
+    flags = int(data[6])
+    assert flags & 1 and flags & 2 and flags & 4, "expected bitmap and row/column statistics"
+    assert data.numel() > 1000
+    for i in range(data.numel()):
+        bad = data.clone()
+        bad[i] ^= 1 << (i % 8)
+        with pytest.raises(CommpressError):
+            codec.decode(_with_stream(payload, bad))
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        bad = data.clone()
+        where = torch.from_numpy(rng.choice(data.numel(), size=int(rng.integers(2, 9)),
+                                            replace=False))
+        bad[where] ^= torch.from_numpy(rng.integers(1, 256, where.numel()).astype(np.uint8))
+        with pytest.raises(CommpressError, match="checksum"):
+            codec.decode(_with_stream(payload, bad))
+
+
 def test_byte_mode_fallback_is_used_when_exponents_spread() -> None:
     # Exponents spread over 60 binades with no row/column structure: most residuals fall
     # outside the 15-value window, so the stream must switch to byte residuals (and stay
@@ -194,7 +346,7 @@ def _with_stream(payload: Any, data: torch.Tensor) -> Any:
 
 def _recrc(data: bytes) -> torch.Tensor:
     body = data[:-4]
-    return torch.tensor(list(body + struct.pack("<I", zlib.crc32(body))), dtype=torch.uint8)
+    return torch.tensor(list(body + struct.pack("<I", checksum(body))), dtype=torch.uint8)
 
 
 def test_every_single_byte_corruption_is_detected() -> None:

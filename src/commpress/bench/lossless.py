@@ -10,7 +10,10 @@ in one run and on the same tensors, every contender is measured for:
   for compressing / decompressing the whole group, best of ``--repeat`` runs after a warm-up.
   Everything runs single-threaded (``torch.set_num_threads(1)``, blosc2 ``nthreads=1``,
   zipnn ``threads=1``). CPU time rather than wall time because the benchmark machines are
-  shared: a contender that waits for a core is not charged for it;
+  shared: a contender that waits for a core is not charged for it. (zipnn's C extension
+  still works in a helper thread, whose CPU time is counted along with the hand-offs; on a
+  loaded machine that makes its figure vary more than the others': repeat a run if in
+  doubt);
 * every round trip is checked bit for bit.
 
 Contenders: raw LZ4 and zstd levels 1 and 3 on the tensor bytes, blosc2 with byte shuffle and
@@ -464,7 +467,7 @@ def _jsonable(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "lossless",
         help="lossless codecs (lz4, zstd, blosc2, zipnn, netzip) on captured tensors",

@@ -22,7 +22,8 @@ Algorithm (one tensor, all on the integer bit patterns, so every step is exact):
    (:mod:`commpress.codecs.backends`), whichever the configuration (or ``auto``, from a
    sample of the plane) picks; a plane that would not shrink is stored raw.
 5. **Framing**: one ``uint8`` stream: a header (format version, dtype, element count, the
-   stages chosen, section lengths), the sections, and a CRC-32 of everything before it.
+   stages chosen, section lengths), the sections, and a 32-bit checksum of everything before
+   it (:mod:`commpress.codecs.lossless_kernels`).
    Decoding verifies the checksum and every length before touching the data: a corrupted or
    truncated payload raises :class:`CommpressError` instead of returning wrong values.
 
@@ -31,7 +32,7 @@ CUDA tensors are regrouped on the GPU, moved to the CPU as planes, and rebuilt o
 
 Previous-step delta keeps state on both sides, in ``ctx.state`` (per tensor ``ctx.key`` and
 per sending rank): the sender remembers what it sent, every receiver what it decoded. Each
-payload carries a sequence number and the CRC of the payload its reference came from; a
+payload carries a sequence number and the checksum of the payload its reference came from; a
 receiver whose reference differs (it missed a step, restarted, or decodes another tensor)
 raises instead of decoding garbage. Clearing the state on either side is safe: a sender
 without a reference sends a self-contained keyframe, which every receiver accepts (and
@@ -59,8 +60,8 @@ Tuning:
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -69,13 +70,15 @@ import torch
 
 from commpress.codecs import backends as bk
 from commpress.codecs import bytegroup as bg
+from commpress.codecs import lossless_kernels as lk
 from commpress.codecs.base import Codec, CodecContext, Payload, param, require
 from commpress.codecs.protocol import AllGather, Protocol, Reduced
 from commpress.codecs.registry import register_codec
 from commpress.errors import CommpressError
 
 MAGIC = b"NZ"
-VERSION = 1
+#: Format version 2: the trailing checksum is :func:`lossless_kernels.checksum` (1: CRC-32).
+VERSION = 2
 
 GROUPING_IDS: dict[str, int] = {name: i for i, name in enumerate(bg.GROUPINGS)}
 DELTAS = ("none", "min", "mean", "median", "previous")
@@ -147,37 +150,6 @@ def _unzigzag(value: int) -> int:
     return (value >> 1) if not value & 1 else -((value + 1) >> 1)
 
 
-class _Reader:
-    """Bounds-checked reader of the header."""
-
-    def __init__(self, buf: memoryview) -> None:
-        self.buf = buf
-        self.pos = 0
-
-    def byte(self) -> int:
-        if self.pos >= len(self.buf):
-            raise CommpressError("payload header is truncated")
-        value = self.buf[self.pos]
-        self.pos += 1
-        return int(value)
-
-    def varint(self) -> int:
-        value = 0
-        for shift in range(0, 70, 7):
-            b = self.byte()
-            value |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return value
-        raise CommpressError("payload header holds a malformed number")
-
-    def u32(self) -> int:
-        if self.pos + 4 > len(self.buf):
-            raise CommpressError("payload header is truncated")
-        (value,) = _CRC.unpack_from(self.buf, self.pos)
-        self.pos += 4
-        return int(value)
-
-
 @dataclass(slots=True)
 class _Section:
     tag: int
@@ -206,6 +178,54 @@ class _Header:
     sections: list[tuple[int, int, int, int]]  # tag, backend id, raw length, stored length
     body_start: int
     crc: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Value-independent facts about encoding one shape and dtype (see NetZip._plan)."""
+
+    bf16: bool
+    flags: int  # bit 0: row statistics, bit 1: column statistics
+    offsets: tuple[int, ...]  # bg.bf16_layout
+    lay: bg.Layout
+    n: int
+    rows: int
+    cols: int
+    use_row: bool
+    use_col: bool
+    stride: int
+    head: bytes  # magic, version, dtype, grouping, delta
+    numel: bytes  # varint of n
+    exp_backend: str
+    man_backend: str
+    int_dtype: torch.dtype
+    word_bytes: int
+
+
+_PLANS: dict[Any, _Plan] = {}
+#: Lower-level exceptions that encode/decode re-raise as CommpressError (as error_context).
+_WRAPPED = (RuntimeError, TypeError, ValueError, IndexError, KeyError, OverflowError)
+_SHARED_CTX = CodecContext()
+
+
+def _kernel_bf16() -> Any:
+    return bg._k("encode_bf16_buf")
+
+
+def _kernel_general() -> Any:
+    return bg._k("encode_exponent")
+
+
+def _kernel_decode_bf16() -> Any:
+    return bg._k("decode_bf16_planes")
+
+
+_NO_BYTES = np.empty(0, dtype=np.uint8)
+_DECODE_STATUS = {
+    1: "exponent planes do not hold one code per element",
+    2: "escape plane does not match the escape codes",
+    3: "row/column statistics have the wrong size",
+}
 
 
 @register_codec
@@ -324,7 +344,57 @@ class NetZip(Codec):
         return bk.choose_backend(section.data)
 
     # ------------------------------------------------------------------ encode
+    def encode(self, tensor: torch.Tensor, ctx: CodecContext | None = None) -> Payload:
+        """As :meth:`Codec.encode`; the default configuration on CPU takes a fast path that
+        needs no context (it keeps no state)."""
+        x = self.check_input(tensor)
+        try:  # what error_context("netzip.encode") does, without a generator per call
+            if self.grouping == "exponent" and self.delta == "none" and x.device.type == "cpu":
+                fast = self._encode_fast(x)
+                if fast is not None:
+                    return fast
+            return self._encode_general(x, ctx if ctx is not None else self._default_ctx())
+        except CommpressError as exc:
+            raise CommpressError(f"{self.codec_id}.encode: {exc}") from exc.__cause__
+        except _WRAPPED as exc:
+            raise CommpressError(f"{self.codec_id}.encode: {type(exc).__name__}: {exc}") from exc
+
+    def decode(
+        self,
+        payload: Payload,
+        ctx: CodecContext | None = None,
+        *,
+        shape: tuple[int, ...] | torch.Size | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`Codec.decode` (same checks and errors), with less overhead per call."""
+        self.check_payload(payload, shape)
+        try:
+            out = self._decode(payload, ctx if ctx is not None else self._default_ctx())
+        except CommpressError as exc:
+            raise CommpressError(f"{self.codec_id}.decode: {exc}") from exc.__cause__
+        except _WRAPPED as exc:
+            raise CommpressError(f"{self.codec_id}.decode: {type(exc).__name__}: {exc}") from exc
+        if out.shape != payload.shape or out.dtype != payload.dtype:
+            raise CommpressError(
+                f"{self.codec_id}.decode produced {tuple(out.shape)} {out.dtype}, expected "
+                f"{tuple(payload.shape)} {payload.dtype} (codec bug)"
+            )
+        return out
+
+    def _default_ctx(self) -> CodecContext:
+        """The context used when the caller passes none: a fresh one where the codec keeps
+        state (previous-step delta), otherwise one shared, never-modified instance."""
+        return CodecContext() if self.delta == "previous" else _SHARED_CTX
+
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        if self.grouping == "exponent" and self.delta == "none" and x.device.type == "cpu":
+            fast = self._encode_fast(x)
+            if fast is not None:
+                return fast
+        return self._encode_general(x, ctx)
+
+    def _encode_general(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        """Every configuration and device: the stages one after the other."""
         lay = bg.layout(x.dtype)
         x = x.contiguous()
         words = bg.words_of(x)
@@ -448,6 +518,166 @@ class NetZip(Codec):
             part = part.to(x.device)
         return self.make_payload(x, {"stream": part})
 
+    def _plan(self, shape: tuple[int, ...], dtype: torch.dtype) -> _Plan:
+        """Everything about encoding a tensor of this shape and dtype that does not depend on
+        its values (cached per configuration, shape and dtype)."""
+        key = (self.context, self.zeros, self.backend, self.mantissa_backend, shape, dtype)
+        plan = _PLANS.get(key)
+        if plan is None:
+            lay = bg.layout(dtype)
+            n = math.prod(shape)
+            rows, cols, is_matrix = bg.matrix_view(shape, n)
+            use_row, use_col = self._context_flags(rows, cols, is_matrix)
+            use_col = use_col and is_matrix
+            head = bytearray(MAGIC)
+            head += bytes((VERSION, lay.code, GROUPING_IDS["exponent"], DELTA_IDS["none"]))
+            # sections' backends when the configuration fixes them (None: decided per plane)
+            low = "auto" if self.backend == "auto" else self.backend
+            plan = _Plan(
+                bf16=lay.code == bg.BF16_CODE, flags=int(use_row) | (int(use_col) << 1),
+                offsets=bg.bf16_layout(n, rows, cols),
+                lay=lay, n=n, rows=rows, cols=cols, use_row=use_row, use_col=use_col,
+                stride=max(1, rows // bg.COL_SAMPLE_ROWS), head=bytes(head),
+                numel=_varint(n), exp_backend=low, man_backend=self.mantissa_backend,
+                int_dtype=lay.int_dtype, word_bytes=n * lay.nbytes,
+            )
+            if len(_PLANS) >= 4096:
+                _PLANS.clear()
+            _PLANS[key] = plan
+        return plan
+
+    def _encode_fast(self, x: torch.Tensor) -> Payload | None:
+        """The default path (exponent grouping, no delta, CPU kernels) with as little Python
+        as possible: a cached plan, one kernel call, and the framing inlined. Writes exactly
+        the stream the general path writes (tested). ``None`` when it does not apply."""
+        shape = tuple(x.shape)
+        plan = self._plan(shape, x.dtype)
+        n = plan.n
+        if not n or not bg.use_kernels(x):
+            return None
+        lay = plan.lay
+        if not x.is_contiguous():
+            x = x.contiguous()
+        w = x.view(plan.int_dtype).numpy().reshape(-1)
+        stats: np.ndarray | None = None
+        mask: np.ndarray | None = None
+        t2: np.ndarray | None = None
+        rem_buf: np.ndarray | None = None
+        ok = False
+        if plan.bf16:
+            off = plan.offsets
+            buf = bg.scratch("bf16", off[7], np.uint8)
+            ok, kept, ne, g4, use_mask, nstats = _kernel_bf16()(
+                w, plan.cols, plan.flags | (4 if self.zeros else 0), plan.stride, buf
+            )
+            if ok:
+                t = buf[: off[1]]
+                mant = buf[off[2] : off[3]].reshape(1, n)
+                codes_buf = buf[off[3] : off[4]]
+                esc_buf = buf[off[4] : off[5]]
+                stats = buf[off[5] : off[5] + nstats] if nstats else None
+                mask = buf[off[6] : off[7]] if use_mask else None
+                byte_mode = False
+                t2 = rem_buf = None
+        if not ok:
+            bufs = bg._buffers(n, lay.mant_planes, lay.rem_bits)
+            t, t2, esc_buf, mant, _, codes_buf, rem_buf = bufs
+            kept, ne, g4, use_mask, byte_mode, c4, r4, mask = _kernel_general()(
+                w, n, plan.cols, lay.man_bits, lay.emask, lay.bits, plan.use_row,
+                plan.use_col, self.zeros, plan.stride, lay.rem_bits, *bufs,
+            )
+            if plan.use_row or plan.use_col:
+                if not plan.use_col:
+                    stats = _i16_bytes(r4 - g4)
+                elif not plan.use_row:
+                    stats = _i16_bytes(c4)
+                else:
+                    stats = _i16_bytes(np.concatenate((r4 - g4, c4)))
+        kept = int(kept)
+        ne = 0 if byte_mode else int(ne)
+        g4 = int(g4)
+        flags = (_F_MASK if use_mask else 0) | (_F_ROW if plan.use_row else 0) | (
+            _F_COL if plan.use_col else 0
+        ) | (_F_BYTE_MODE if byte_mode else 0)
+        header = bytearray(plan.head)
+        header.append(flags)
+        header += plan.numel
+        if use_mask:
+            _put_varint(header, kept)
+        _put_varint(header, _zigzag(g4))
+        _put_varint(header, ne)
+        # the sections, in the general path's order, with its backend choices
+        items: list[tuple[int, np.ndarray, str]] = []
+        if use_mask:
+            assert mask is not None
+            items.append((T_MASK, mask, "auto-low"))
+        if stats is not None:
+            items.append((T_STATS, stats, "auto-low"))
+        eb, mb = plan.exp_backend, plan.man_backend
+        if byte_mode:
+            items.append((T_CODES, t[:kept], "auto-low" if eb == "auto" else eb))
+            if lay.exp_bits > 8:
+                assert t2 is not None
+                items.append((T_CODES_HI, t2[:kept], eb))
+        else:
+            items.append((T_CODES, codes_buf[: (kept + 1) // 2], "auto-low" if eb == "auto"
+                          else eb))
+        if ne:
+            esc = esc_buf[:ne]
+            escapes = esc.astype(np.uint8) if lay.exp_bits <= 8 else esc.astype("<u2")
+            items.append((T_ESC, escapes.view(np.uint8).reshape(-1), eb))
+        for q in range(lay.mant_planes):
+            items.append((T_MANT + q, mant[q, :kept], mb))
+        if lay.rem_bits:
+            assert rem_buf is not None
+            items.append((T_REM, rem_buf[: bg.packed_nbytes(kept, lay.rem_bits)], mb))
+        header.append(len(items))
+        blobs: list[Any] = []
+        total = _CRC.size
+        huff = bk.huffman_compressor()
+        level = self.level
+        for tag, data, name in items:
+            size = data.size
+            if name == "auto-low":
+                name = "huffman" if size >= bk.MIN_COMPRESS_BYTES else "raw"
+            elif name == "auto":
+                name = bk.choose_backend(data)
+            used = 0  # raw
+            blob: Any = data
+            stored = size
+            if name != "raw" and size:
+                packed = huff.compress(data) if name == "huffman" else bk.compress(
+                    name, data, level=level  # type: ignore[arg-type]
+                )
+                if len(packed) < size:
+                    blob = packed
+                    stored = len(packed)
+                    used = bk.BACKEND_IDS[name]
+            blobs.append(blob)
+            total += stored
+            header.append(tag)
+            header.append(used)
+            header += _VARINTS[size] if size < _SMALL else _varint(size)
+            header += _VARINTS[stored] if stored < _SMALL else _varint(stored)
+        total += len(header)
+        if total > plan.word_bytes + STORED_SLACK:
+            return None  # the general path stores the words themselves
+        # one allocation of the exact size (joining, then appending the checksum, would
+        # copy the stream twice)
+        out = np.empty(total, dtype=np.uint8)
+        mv = memoryview(out)  # type: ignore[arg-type]
+        pos = len(header)
+        mv[:pos] = header
+        for blob in blobs:
+            end = pos + len(blob)
+            mv[pos:end] = blob
+            pos = end
+        _CRC.pack_into(mv, pos, lk.checksum(out[:pos]))
+        return Payload(
+            codec=self.codec_id, fingerprint=self.fingerprint(), shape=shape, dtype=x.dtype,
+            parts={"stream": torch.from_numpy(out)},
+        )
+
     def _context_flags(self, rows: int, cols: int, is_matrix: bool) -> tuple[bool, bool]:
         if self.context == "none":
             return False, False
@@ -508,7 +738,7 @@ class NetZip(Codec):
             stored = len(blob)
             header += _VARINTS[stored] if stored < _SMALL else _varint(stored)
         out = bytearray().join(blobs)
-        crc = zlib.crc32(out) & 0xFFFFFFFF
+        crc = lk.checksum(out)
         out += _CRC.pack(crc)
         return np.frombuffer(out, dtype=np.uint8), crc
 
@@ -530,6 +760,12 @@ class NetZip(Codec):
         head = _parse(buf)
         n = payload.numel
         self._check_header(head, lay, n)
+        if (
+            head.grouping == "exponent" and head.delta == "none" and device.type == "cpu"
+            and lay.code == bg.BF16_CODE and not head.flags & _F_BYTE_MODE
+            and n and bg.use_kernels(bg._CPU_PROBE)
+        ):
+            return self._decode_bf16(buf, head, payload)
 
         entry: dict[str, Any] | None = None
         refs: dict[str, dict[str, Any]] | None = None
@@ -585,6 +821,54 @@ class NetZip(Codec):
                 "dtype": str(payload.dtype),
             }
         return words.view(payload.dtype).reshape(payload.shape)
+
+    def _decode_bf16(self, buf: np.ndarray, head: _Header, payload: Payload) -> torch.Tensor:
+        """The default bf16 stream (4-bit codes) on CPU: sections checked and decompressed
+        inline, then one kernel; the same checks as the general path."""
+        shape = tuple(payload.shape)
+        n = head.numel
+        rows, cols, is_matrix = bg.matrix_view(shape, n)
+        use_row, use_col = bool(head.flags & _F_ROW), bool(head.flags & _F_COL)
+        if use_col and not is_matrix:
+            raise CommpressError("payload has column statistics for a non-matrix tensor")
+        planes: dict[int, np.ndarray] = {}
+        pos = head.body_start
+        for tag, backend_id, raw_len, stored in head.sections:
+            if backend_id >= len(bk.BACKENDS):
+                raise CommpressError(f"section {tag} names unknown backend id {backend_id}")
+            if tag in planes:
+                raise CommpressError(f"section {tag} appears twice")
+            if backend_id == 0:
+                if stored != raw_len:
+                    raise CommpressError(
+                        f"raw section has {stored} bytes, expected {raw_len}"
+                    )
+                planes[tag] = buf[pos : pos + stored]
+            else:
+                planes[tag] = bk.decompress(bk.BACKENDS[backend_id], buf[pos : pos + stored].data,
+                                            raw_len)
+            pos += stored
+        use_mask = bool(head.flags & _F_MASK)
+        expected = [T_STATS] if use_row or use_col else []
+        expected += [T_CODES, T_MANT] + ([T_ESC] if head.nesc else [])
+        expected += [T_MASK] if use_mask else []
+        if len(planes) != len(expected) or any(t not in planes for t in expected):
+            _expect_tags(planes, expected)
+        esc = planes.get(T_ESC, _NO_BYTES)
+        if esc.size != head.nesc:
+            raise CommpressError(
+                f"escape plane holds {esc.size} exponents, header says {head.nesc}"
+            )
+        words = np.empty(n, dtype=np.int16)
+        codes = planes[T_CODES]
+        status = _kernel_decode_bf16()(
+            n, rows, cols, use_row, use_col, head.g4, planes.get(T_STATS, _NO_BYTES), codes, esc,
+            planes[T_MANT], words, bg.scratch("nibbles", 2 * codes.size, np.uint8), head.kept,
+            use_mask, planes[T_MASK] if use_mask else _NO_BYTES,
+        )
+        if status:
+            raise CommpressError(_DECODE_STATUS[status])
+        return torch.from_numpy(words).view(torch.bfloat16).reshape(shape)
 
     def _check_header(self, head: _Header, lay: bg.Layout, n: int) -> None:
         if head.dtype_code != lay.code:
@@ -773,62 +1057,106 @@ def _parse(buf: np.ndarray) -> _Header:
     if buf.size < len(MAGIC) + 1 + _CRC.size:
         raise CommpressError(f"payload stream of {buf.size} bytes is too short (truncated?)")
     (stored_crc,) = _CRC.unpack_from(buf.data, buf.size - _CRC.size)
-    actual = zlib.crc32(buf[: buf.size - _CRC.size].data) & 0xFFFFFFFF
+    actual = lk.checksum(buf[: buf.size - _CRC.size])
     if actual != stored_crc:
         raise CommpressError(
             f"payload checksum mismatch (stored {stored_crc:08x}, computed {actual:08x}): the "
             "stream is corrupted or truncated"
         )
-    view = buf[: buf.size - _CRC.size].data
-    r = _Reader(view)
-    magic = bytes([r.byte(), r.byte()])
-    if magic != MAGIC:
-        raise CommpressError(f"payload does not start with {MAGIC!r} (got {magic!r})")
-    version = r.byte()
+    size = buf.size - _CRC.size
+    # The header is parsed from a bytes copy of its first bytes with plain indexing (an
+    # IndexError means a truncated header); it cannot be longer than _HEADER_MAX.
+    b = buf[: min(size, _HEADER_MAX)].tobytes()
+    try:
+        return _parse_header(b, size, stored_crc)
+    except IndexError:
+        raise CommpressError("payload header is truncated") from None
+
+
+#: Longest possible header: 7 fixed bytes, at most 9 varints of 10 bytes and a u32, the
+#: section count and 127 sections of 2 bytes and two varints.
+_HEADER_MAX = 7 + 9 * 10 + 4 + 1 + 127 * 22
+
+
+def _read_varint(b: bytes, pos: int) -> tuple[int, int]:
+    value = b[pos]
+    if value < 0x80:
+        return value, pos + 1
+    value &= 0x7F
+    shift = 7
+    pos += 1
+    while shift < 70:
+        byte = b[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise CommpressError("payload header holds a malformed number")
+
+
+def _parse_header(b: bytes, size: int, stored_crc: int) -> _Header:
+    if b[0:2] != MAGIC:
+        raise CommpressError(f"payload does not start with {MAGIC!r} (got {b[0:2]!r})")
+    version = b[2]
     if version != VERSION:
         raise CommpressError(f"payload format version {version}; this reader knows {VERSION}")
-    dtype_code = r.byte()
-    gid = r.byte()
+    dtype_code, gid, dbyte, flags = b[3], b[4], b[5], b[6]
     if gid >= len(bg.GROUPINGS):
         raise CommpressError(f"payload names unknown grouping id {gid}")
-    dbyte = r.byte()
     did = dbyte & 0x0F
     if did >= len(DELTAS) or dbyte & ~(0x0F | _XOR_BIT | _KEYFRAME_BIT):
         raise CommpressError(f"payload names unknown delta {dbyte:#x}")
-    flags = r.byte()
     if flags & ~(_F_MASK | _F_ROW | _F_COL | _F_BYTE_MODE):
         raise CommpressError(f"payload has unknown flags {flags:#x}")
     grouping, delta = bg.GROUPINGS[gid], DELTAS[did]
-    numel = r.varint()
-    kept = r.varint() if flags & _F_MASK else numel
+    numel, pos = _read_varint(b, 7)
+    kept = numel
+    if flags & _F_MASK:
+        kept, pos = _read_varint(b, pos)
     g4 = nesc = 0
     if grouping == "exponent":
-        g4 = _unzigzag(r.varint())
-        nesc = r.varint()
-    base_key = _unzigzag(r.varint()) if delta in ("min", "mean", "median") else 0
+        z, pos = _read_varint(b, pos)
+        g4 = _unzigzag(z)
+        nesc, pos = _read_varint(b, pos)
+    base_key = 0
+    if delta in ("min", "mean", "median"):
+        z, pos = _read_varint(b, pos)
+        base_key = _unzigzag(z)
     source = seq = ref_seq = ref_crc = step = 0
     if delta == "previous":
-        source, seq, ref_seq = r.varint(), r.varint(), r.varint()
-        ref_crc = r.u32()
-        step = r.varint()
-    nsec = r.byte()
+        source, pos = _read_varint(b, pos)
+        seq, pos = _read_varint(b, pos)
+        ref_seq, pos = _read_varint(b, pos)
+        if pos + 4 > len(b):
+            raise IndexError
+        (ref_crc,) = _CRC.unpack_from(b, pos)
+        pos += 4
+        step, pos = _read_varint(b, pos)
+    nsec = b[pos]
+    pos += 1
     if nsec > 127:
         raise CommpressError(f"payload claims {nsec} sections")
     sections = []
+    body = 0
     for _ in range(nsec):
-        tag, backend_id = r.byte(), r.byte()
-        sections.append((tag, backend_id, r.varint(), r.varint()))
-    body = sum(s[3] for s in sections)
-    if r.pos + body != len(view):
+        tag, backend_id = b[pos], b[pos + 1]
+        raw_len, pos = _read_varint(b, pos + 2)
+        stored, pos = _read_varint(b, pos)
+        sections.append((tag, backend_id, raw_len, stored))
+        body += stored
+    if pos > size:
+        raise IndexError
+    if pos + body != size:
         raise CommpressError(
-            f"payload sections add up to {r.pos + body + _CRC.size} bytes, the stream has "
-            f"{buf.size}"
+            f"payload sections add up to {pos + body + _CRC.size} bytes, the stream has "
+            f"{size + _CRC.size}"
         )
     return _Header(
         dtype_code=dtype_code, grouping=grouping, delta=delta, xor=bool(dbyte & _XOR_BIT),
         keyframe=bool(dbyte & _KEYFRAME_BIT), flags=flags, numel=numel, kept=kept, g4=g4,
         nesc=nesc, base_key=base_key, source=source, seq=seq, ref_seq=ref_seq, ref_crc=ref_crc,
-        step=step, sections=sections, body_start=r.pos, crc=stored_crc,
+        step=step, sections=sections, body_start=pos, crc=stored_crc,
     )
 
 
