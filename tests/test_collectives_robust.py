@@ -239,3 +239,31 @@ def test_bad_arguments_are_clear_errors() -> None:
     for name, fragment in expected.items():
         assert fragment in out[name], f"{name}: {out[name]}"
     assert out["queue stopped"] == "True"
+
+
+def _two_parents_worker(rank: int, world: int) -> list[bool]:
+    """Two process groups over the same ranks, each reducing hierarchically on its own queue
+    thread at the same time."""
+    from commpress.collectives import all_reduce_async
+    from commpress.collectives.strategies import prepare_node_groups
+
+    other = dist.new_group(list(range(world)))
+    for group in (None, other):
+        prepare_node_groups(group, 2)
+    ok = []
+    for _ in range(8):
+        a = torch.full((4000,), float(rank + 1))
+        b = torch.full((64, 30), float(10 * (rank + 1)))
+        fa = all_reduce_async(a, "identity", op="sum", strategy="hierarchical", local_size=2)
+        fb = all_reduce_async(
+            b, "identity", group=other, op="sum", strategy="hierarchical", local_size=2
+        )
+        ok.append(bool(torch.all(fa.wait() == 3.0)) and bool(torch.all(fb.wait() == 30.0)))
+    return ok
+
+
+def test_parent_groups_never_share_hierarchical_subgroups() -> None:
+    # Shared intra-node subgroups let the two queues interleave their collectives differently
+    # on the two ranks: gloo aborted with "Received data size doesn't match".
+    for ok in run_workers(_two_parents_worker, 2, timeout=120):
+        assert ok == [True] * 8

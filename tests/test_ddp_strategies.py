@@ -93,15 +93,16 @@ def test_state_strategy_is_in_fingerprint_repr_and_pickle() -> None:
 
 # ------------------------------------------------------------------ 2 ranks
 
-_OPS = tuple(name for name in ("all_reduce", "all_gather", "isend", "reduce_scatter_tensor",
-                                "reduce_scatter_single") if hasattr(dist, name))
+_OPS = tuple(name for name in ("all_reduce", "all_gather", "batch_isend_irecv",
+                                "reduce_scatter_tensor", "reduce_scatter_single")
+             if hasattr(dist, name))
 
 
 def _ops_used(rank: int, args: dict[str, Any]) -> dict[str, int]:
     """Calls of each torch.distributed operation during one training step with ``args``
     (counted on the real module functions: proof that the strategy, not the codec's own
     protocol, moved the data)."""
-    counts = dict.fromkeys(("all_reduce", "all_gather", "isend", "reduce_scatter"), 0)
+    counts = dict.fromkeys(("all_reduce", "all_gather", "batch_isend_irecv", "reduce_scatter"), 0)
     saved = {name: getattr(dist, name) for name in _OPS}
 
     def counting(name: str) -> Any:
@@ -192,7 +193,7 @@ def test_strategies_on_two_ranks() -> None:
     # The strategy really moved the data: fp16's own protocol is one all-reduce per bucket
     # (plus the loss average); allgather swaps it for an all-gather; ring for point-to-point.
     ops = results[0]["ops"]
-    assert ops["auto"]["isend"] == 0 and ops["ring"]["isend"] > 0, ops
+    assert ops["auto"]["batch_isend_irecv"] == 0 and ops["ring"]["batch_isend_irecv"] > 0, ops
     assert ops["allgather"]["all_gather"] > ops["auto"]["all_gather"], ops
     assert ops["allgather"]["all_reduce"] < ops["auto"]["all_reduce"], ops
     assert ops["ring"]["all_reduce"] < ops["auto"]["all_reduce"], ops
@@ -223,9 +224,11 @@ def _mismatch(rank: int, world: int) -> dict[str, str]:
          + [{"strategy": "hierarchical", "local_size": 1}]),
     ):
         model = _build(25.0)
-        commpress.ddp.register(model, "fp16", timeout=30.0, **per_rank[rank])
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
         try:
+            # Hierarchical ranks compare settings in register (before making node groups);
+            # the others at the first bucket.
+            commpress.ddp.register(model, "fp16", timeout=30.0, **per_rank[rank])
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
             _train(model, None, range(1), opt, rank)
             out[name] = "trained"
         except Exception as exc:
@@ -275,3 +278,41 @@ def test_hierarchical_and_ring_on_two_nodes_of_two_ranks() -> None:
         messages = [r["mismatch"][name] for r in results]
         for m in messages:
             assert "hook settings" in m and "strategy" in m, (name, m)
+
+
+def _direct_state(rank: int, world: int) -> dict[str, Any]:
+    """A hierarchical hook state built directly (the ``register_comm_hook(state, comm_hook)``
+    path, which skips ``register``'s checks): the node size comes from LOCAL_WORLD_SIZE."""
+    import os
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from commpress.ddp import comm_hook
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 4))
+    state = DDPCompressionState("fp16", strategy="hierarchical")
+    state.bind(model)
+    model.register_comm_hook(state, comm_hook)
+    torch.manual_seed(rank)
+    model(torch.randn(3, 8)).sum().backward()
+    out: dict[str, Any] = {"grad": model.module.weight.grad.clone(), "local": state.local_size}
+    os.environ["LOCAL_WORLD_SIZE"] = "3"  # does not divide the world: a clear error
+    bad = DDP(torch.nn.Linear(8, 4))
+    bad_state = DDPCompressionState("fp16", strategy="hierarchical")
+    bad_state.bind(bad)
+    bad.register_comm_hook(bad_state, comm_hook)
+    try:
+        bad(torch.randn(3, 8)).sum().backward()
+        out["error"] = ""
+    except Exception as exc:  # DDP re-raises the hook's error as a RuntimeError
+        out["error"] = str(exc)
+    return out
+
+
+def test_directly_built_hierarchical_state_takes_the_node_size_from_the_environment() -> None:
+    results = run_workers(_direct_state, 2, timeout=120)
+    for res in results:
+        assert res["local"] == 2  # no LOCAL_WORLD_SIZE at first: the whole group is one node
+        assert torch.equal(res["grad"], results[0]["grad"])
+        assert "local size that divides the world size 2, got 3" in res["error"], res["error"]

@@ -50,6 +50,7 @@ from commpress.collectives.strategies import (
     gather_protocol,
     hierarchical_task,
     local_size_from_env,
+    prepare_node_groups,
     ring_task,
 )
 from commpress.errors import CommpressError, error_context
@@ -267,7 +268,10 @@ def _exchange(
         return (yield from protocol_task(gather_protocol(codec, x, ctx), ex))
     if strategy == "ring":
         return (yield from ring_task(codec, x, ctx, ex, tag=tag))
-    assert state.local_size is not None
+    if state.local_size is None:
+        # A state built directly (not by ``register``) or unpickled without one: torchrun's
+        # LOCAL_WORLD_SIZE, checked against the group by node_groups.
+        state.local_size = local_size_from_env(ex.world_size)
     return (
         yield from hierarchical_task(
             codec,
@@ -362,6 +366,18 @@ def _reduce_bucket(
         raise
 
 
+_SETTINGS_FIELD = "hook settings (policy, schedule, error feedback, granularity, strategy)"
+
+
+def _settings_hint(state: DDPCompressionState, detail: str = "") -> str:
+    return (
+        f"This rank's hook: policy {state.policy!r}, {state.schedule}, error_feedback="
+        f"{state.error_feedback}, granularity {state.granularity!r}, strategy "
+        f"{state.strategy!r}, local_size {state.local_size}{detail}. Every rank must call "
+        "commpress.ddp.register with the same codec, parameters and options on the same model"
+    )
+
+
 def _check_bucket(
     state: DDPCompressionState,
     ex: Exchange,
@@ -386,20 +402,11 @@ def _check_bucket(
     agree(
         ex,
         {
-            "hook settings (policy, schedule, error feedback, granularity, strategy)": (
-                state.settings_fingerprint()
-            ),
+            _SETTINGS_FIELD: state.settings_fingerprint(),
             "the bucket's plan (parameter names, shapes, dtypes, codecs)": bucket_fp,
         },
         device=ex.comm_device(items[0][1].device if items else None),
-        hint=(
-            f"This rank's hook: policy {state.policy!r}, {state.schedule}, error_feedback="
-            f"{state.error_feedback}, granularity {state.granularity!r}, strategy "
-            f"{state.strategy!r}, local_size {state.local_size}; bucket "
-            f"{bucket_index} sent with {', '.join(codecs)}. Every rank must call "
-            "commpress.ddp.register with the same codec, parameters and options on the same "
-            "model"
-        ),
+        hint=_settings_hint(state, f"; bucket {bucket_index} sent with {', '.join(codecs)}"),
     )
     state._verified[bucket_index] = bucket_fp
 
@@ -686,6 +693,16 @@ def register(
         momentum_masking=momentum_masking,
         timeout=timeout,
     )
+    if strategy.startswith("hierarchical") and local_size is not None:
+        # The node subgroups are made here, on every rank's main thread in the same order (made
+        # later, on the hook's queue thread, they could race with other groups being created).
+        # Ranks must first agree on the settings: a rank with another node size would create
+        # other subgroups and wait for peers that never join.
+        ex = Exchange.of(group, timeout=timeout, label="commpress.ddp.register")
+        with error_context("registering the commpress DDP comm hook"):
+            agree(ex, {_SETTINGS_FIELD: state.settings_fingerprint()},
+                  device=ex.comm_device(None), hint=_settings_hint(state))
+            prepare_node_groups(group, local_size)
     with error_context("registering the commpress DDP comm hook"):
         model.register_comm_hook(state, comm_hook)
     return state

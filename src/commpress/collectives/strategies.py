@@ -116,6 +116,22 @@ class _Link:
         self.right = ex.global_rank((r + 1) % n)
         self.left = ex.global_rank((r - 1) % n)
 
+    def _post(self, recv: torch.Tensor | None, send: torch.Tensor, tag: int) -> list[Any]:
+        """Post the receive from the left and the send to the right as one batch.
+
+        The receive comes first: gloo tells a sender that its peer's receive is ready on the
+        same TCP stream as its own data, so a receive posted after a large send is announced
+        only once that send is through, and the two directions of a hop then run one after the
+        other (twice the time on a slow link). NCCL runs a batch as one group call, which two
+        ranks sending to each other need to avoid a deadlock.
+        """
+        ops = []
+        if recv is not None and recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, self.left, self.ex.group, tag))
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send, self.right, self.ex.group, tag))
+        return list(dist.batch_isend_irecv(ops)) if ops else []
+
     def exchange(
         self, out: Payload, in_numel: int, template: Payload, what: str
     ) -> Generator[Pending, None, Payload]:
@@ -123,7 +139,7 @@ class _Link:
 
         ``template`` supplies codec, fingerprint, dtype and lane widths of the received one.
         """
-        ex, group = self.ex, self.ex.group
+        ex = self.ex
         out_names = sorted(out.parts)
         out_tensors = [out.parts[n] for n in out_names]
         device = ex.comm_device(out.device)
@@ -138,14 +154,7 @@ class _Link:
         else:
             meta_out = padded_payload_meta(out).to(device)
             meta_in = torch.empty_like(meta_out)
-            # Receive posted before the send, here and below: gloo tells a sender that its
-            # peer's receive is ready on the same TCP stream as its own data, so a receive
-            # posted after a large send is announced only once that send is through, and the
-            # two directions of a hop run one after the other (twice the time on a slow link).
-            works = [
-                dist.irecv(meta_in, self.left, group=group, tag=self.tag),
-                dist.isend(meta_out, self.right, group=group, tag=self.tag),
-            ]
+            works = self._post(meta_in, meta_out, self.tag)
             yield Pending(works, f"{what} (sizes)")
             row = meta_in.cpu().tolist()
             names_hash, in_specs = _specs_from_meta(row)
@@ -159,11 +168,7 @@ class _Link:
         body_out = pack_bytes(out_tensors, device=device)
         in_size = packed_layout(in_specs)[1]
         body_in = torch.empty(in_size, dtype=torch.uint8, device=device)
-        works = []
-        if in_size:
-            works.append(dist.irecv(body_in, self.left, group=group, tag=self.tag + 1))
-        if body_out.numel():
-            works.append(dist.isend(body_out, self.right, group=group, tag=self.tag + 1))
+        works = self._post(body_in if in_size else None, body_out, self.tag + 1)
         yield Pending(works, what)
         parts = unpack_bytes(body_in.to(template.device), in_specs)
         shape = (in_numel,)
@@ -383,7 +388,7 @@ def reference_ring_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- hierarchical
-_SUBGROUPS: dict[tuple[int, ...], Any] = {}
+_SUBGROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 _SUBGROUPS_LOCK = threading.Lock()
 
 
@@ -398,17 +403,34 @@ def local_size_from_env(world_size: int) -> int:
         raise CommpressError(f"LOCAL_WORLD_SIZE must be an integer, got {raw!r}") from None
 
 
-def _subgroup(global_ranks: tuple[int, ...]) -> Any:
-    """A process group of ``global_ranks``, created once per default group (only its members
-    take part in creating it)."""
-    world = id(dist.distributed_c10d._get_default_group())
-    key = (world, *global_ranks)
+def _subgroup(parent: Any, global_ranks: tuple[int, ...]) -> Any:
+    """A process group of ``global_ranks`` serving ``parent`` only, created on first use (only
+    its members take part in creating it).
+
+    Every parent group gets subgroups of its own: each parent has its own ordered queue, and
+    two queues issuing collectives on one shared subgroup would interleave them differently on
+    different ranks (gloo aborts on the mismatch).
+    """
+    parent_pg = parent if parent is not None else dist.distributed_c10d._get_default_group()
+    key = (id(parent_pg), *global_ranks)
     with _SUBGROUPS_LOCK:
-        pg = _SUBGROUPS.get(key)
-        if pg is None:
-            pg = dist.new_group(list(global_ranks), use_local_synchronization=True)
-            _SUBGROUPS[key] = pg
-        return pg
+        entry = _SUBGROUPS.get(key)
+        if entry is None or entry[0] is not parent_pg:
+            entry = (parent_pg, dist.new_group(list(global_ranks), use_local_synchronization=True))
+            _SUBGROUPS[key] = entry
+        return entry[1]
+
+
+def prepare_node_groups(group: Any, local_size: int) -> None:
+    """Create the intra- and inter-node subgroups the hierarchical strategies use on ``group``.
+
+    They are otherwise created at the first hierarchical reduction, on the group's queue
+    thread. Creating process groups from several threads at once (two parent groups starting
+    their first hierarchical reductions together) may pair them up differently on different
+    ranks; call this once per parent group, on every rank of it, from the main thread, before
+    reducing concurrently (``commpress.ddp.register`` does it for the hook's group).
+    """
+    node_groups(Exchange.of(group, label="preparing node groups"), local_size)
 
 
 def node_groups(ex: Exchange, local_size: int) -> tuple[Exchange, Exchange]:
@@ -427,7 +449,7 @@ def node_groups(ex: Exchange, local_size: int) -> tuple[Exchange, Exchange]:
     inter = tuple(ex.global_rank(k * local_size + local_rank) for k in range(n // local_size))
     # A group of one never communicates, so it needs no process group of its own.
     intra_ex = Exchange(
-        _subgroup(intra) if len(intra) > 1 else None,
+        _subgroup(ex.group, intra) if len(intra) > 1 else None,
         local_rank,
         len(intra),
         ex.timeout,
@@ -435,7 +457,7 @@ def node_groups(ex: Exchange, local_size: int) -> tuple[Exchange, Exchange]:
         stats=ex.stats,
     )
     inter_ex = Exchange(
-        _subgroup(inter) if len(inter) > 1 else None,
+        _subgroup(ex.group, inter) if len(inter) > 1 else None,
         node,
         len(inter),
         ex.timeout,
@@ -584,6 +606,7 @@ __all__ = [
     "hierarchical_task",
     "local_size_from_env",
     "node_groups",
+    "prepare_node_groups",
     "padded_payload_meta",
     "reference_ring_sum",
     "ring_all_gather_payloads",
