@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 
 from commpress.codecs.base import Codec, CodecContext, Payload
 from commpress.codecs.protocol import AllGather, Protocol, Reduced
@@ -126,10 +127,11 @@ class _Link:
         ranks sending to each other need to avoid a deadlock.
         """
         ops = []
+        # torch's own functions: P2POp accepts nothing else (not even a wrapper around them).
         if recv is not None and recv.numel():
-            ops.append(dist.P2POp(dist.irecv, recv, self.left, self.ex.group, tag))
+            ops.append(dist.P2POp(_c10d.irecv, recv, self.left, self.ex.group, tag))
         if send.numel():
-            ops.append(dist.P2POp(dist.isend, send, self.right, self.ex.group, tag))
+            ops.append(dist.P2POp(_c10d.isend, send, self.right, self.ex.group, tag))
         return list(dist.batch_isend_irecv(ops)) if ops else []
 
     def exchange(

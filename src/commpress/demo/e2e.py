@@ -719,10 +719,11 @@ class CollectiveBytes:
     """Counts the bytes of tensors this process hands to ``torch.distributed`` collectives.
 
     While installed (a context manager), ``all_reduce``, ``all_gather``,
-    ``all_gather_into_tensor``, ``broadcast``, ``send`` and ``isend`` of the
-    ``torch.distributed`` module are wrapped: each call adds its *input* tensor's byte size
-    (``numel * element_size``) to :attr:`total`, then runs the original. This is the
-    "collective input size" of the compression literature, measured on the real calls the DDP
+    ``all_gather_into_tensor``, ``broadcast``, ``send``, ``isend`` and ``batch_isend_irecv``
+    (its sends) of the ``torch.distributed`` module are wrapped: each call adds its *input*
+    tensor's byte size (``numel * element_size``) to :attr:`total`, then runs the original.
+    This is the "collective input size" of the compression literature, measured on the real
+    calls the DDP
     hook makes (including dtype widening and padding the transport adds). The wire traffic of
     a ring all-reduce is about ``2 (n-1)/n`` times it per rank, of an all-gather ``(n-1)``
     times it; at 2 workers both are 1x.
@@ -735,6 +736,7 @@ class CollectiveBytes:
         "broadcast": 0,
         "send": 0,
         "isend": 0,
+        "batch_isend_irecv": 0,
     }
 
     def __init__(self) -> None:
@@ -749,6 +751,19 @@ class CollectiveBytes:
 
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
+            if name == "batch_isend_irecv":  # the sends of a list of P2POp
+                import torch.distributed.distributed_c10d as c10d
+
+                ops = args[0] if args else kwargs.get("p2p_op_list", [])
+                nbytes = sum(
+                    op.tensor.numel() * op.tensor.element_size()
+                    for op in ops
+                    if op.op is c10d.isend
+                )
+                with self._lock:
+                    self.total += nbytes
+                    self.calls += 1
+                return original(*args, **kwargs)
             tensor = args[index] if len(args) > index else kwargs.get(keyword)
             nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
             with self._lock:
