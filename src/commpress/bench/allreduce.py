@@ -15,8 +15,9 @@ Reported per row: the median and the fastest time per call over the repeats (eac
 as the slowest rank's); this rank's wire bytes (the codec's logical payload bytes over all
 rounds and hops; plain rows count the tensor once); the speed relative to plain fp32
 (medians); and for the identity codec the framework's overhead relative to the equivalent
-plain call (fastest times; goal: within 5 %): ``identity/auto inplace`` against in-place
-``all_reduce``, the out-of-place identity rows against ``clone()`` plus ``all_reduce``.
+plain call (the median over repeats of the paired time ratio; goal: within 5 %): the in-place
+identity rows against in-place ``all_reduce``, the out-of-place identity rows against
+``clone()`` plus ``all_reduce``.
 Sizes up to 4 MB get 4x the repeats (short calls, noisy timings).
 
 Loopback gloo on one machine measures the *software* cost (encoding, decoding, scheduling) far
@@ -220,6 +221,7 @@ def _measure_size(
                 "method": name,
                 "ms": 1e3 * statistics.median(slowest.tolist()),
                 "ms_min": 1e3 * min(slowest.tolist()),
+                "times_ms": [1e3 * t for t in slowest.tolist()],
                 "wire_bytes": wire[name],
             }
         )
@@ -281,28 +283,33 @@ def measure(
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Add ``vs_fp32`` (plain fp32 time / this time) and the identity codec's overhead.
 
-    The overhead compares like with like: the in-place identity call against the in-place
-    plain all-reduce, and the identity codec's out-of-place calls (which return a new tensor)
-    against ``clone()`` plus a plain all-reduce. It uses the fastest of the repeats (the
-    estimate least disturbed by other load on the machine); ``vs_fp32`` uses medians.
+    The overhead compares like with like: the in-place identity calls against the in-place
+    plain all-reduce, and the identity codec's out-of-place call (which returns a new tensor)
+    against ``clone()`` plus a plain all-reduce. It is *paired*: every repeat times every
+    method once, in turn, so the ratio of the two times of one repeat sees the same machine
+    load; the overhead is the median of those ratios, minus one. ``vs_fp32`` uses medians.
     """
 
-    def times(method: str, col: str = "ms") -> dict[tuple[int, float], float]:
-        return {(r["world"], r["size_mb"]): r[col] for r in rows if r["method"] == method}
+    def times(method: str) -> dict[tuple[int, float], dict[str, Any]]:
+        return {(r["world"], r["size_mb"]): r for r in rows if r["method"] == method}
 
     inplace = times("plain fp32")
-    inplace_min = times("plain fp32", "ms_min")
-    out_of_place_min = times("plain fp32 out-of-place", "ms_min")
+    out_of_place = times("plain fp32 out-of-place")
     for r in rows:
         key = (r["world"], r["size_mb"])
         ref = inplace.get(key)
-        r["vs_fp32"] = ref / r["ms"] if ref and r["ms"] else float("nan")
+        r["vs_fp32"] = ref["ms"] / r["ms"] if ref and r["ms"] else float("nan")
         base = None
         if r["method"] in (INPLACE, INPLACE_NOCHECK):
-            base = inplace_min.get(key)
+            base = inplace.get(key)
         elif r["method"].startswith("identity/"):
-            base = out_of_place_min.get(key)
-        r["overhead_pct"] = 100.0 * (r["ms_min"] / base - 1.0) if base else float("nan")
+            base = out_of_place.get(key)
+        ratios = (
+            [t / b for t, b in zip(r["times_ms"], base["times_ms"], strict=True) if b > 0]
+            if base
+            else []
+        )
+        r["overhead_pct"] = 100.0 * (statistics.median(ratios) - 1.0) if ratios else float("nan")
     return rows
 
 
