@@ -823,31 +823,15 @@ class NetZip(Codec):
         return words.view(payload.dtype).reshape(payload.shape)
 
     def _decode_bf16(self, buf: np.ndarray, head: _Header, payload: Payload) -> torch.Tensor:
-        """The default bf16 stream (4-bit codes) on CPU: sections checked and decompressed
-        inline, then one kernel; the same checks as the general path."""
+        """The default bf16 stream (4-bit codes) on CPU: the sections (raw ones without a copy),
+        then one kernel; the same checks as the general path."""
         shape = tuple(payload.shape)
         n = head.numel
         rows, cols, is_matrix = bg.matrix_view(shape, n)
         use_row, use_col = bool(head.flags & _F_ROW), bool(head.flags & _F_COL)
         if use_col and not is_matrix:
             raise CommpressError("payload has column statistics for a non-matrix tensor")
-        planes: dict[int, np.ndarray] = {}
-        pos = head.body_start
-        for tag, backend_id, raw_len, stored in head.sections:
-            if backend_id >= len(bk.BACKENDS):
-                raise CommpressError(f"section {tag} names unknown backend id {backend_id}")
-            if tag in planes:
-                raise CommpressError(f"section {tag} appears twice")
-            if backend_id == 0:
-                if stored != raw_len:
-                    raise CommpressError(
-                        f"raw section has {stored} bytes, expected {raw_len}"
-                    )
-                planes[tag] = buf[pos : pos + stored]
-            else:
-                planes[tag] = bk.decompress(bk.BACKENDS[backend_id], buf[pos : pos + stored].data,
-                                            raw_len)
-            pos += stored
+        planes = self._sections(buf, head)
         use_mask = bool(head.flags & _F_MASK)
         expected = [T_STATS] if use_row or use_col else []
         expected += [T_CODES, T_MANT] + ([T_ESC] if head.nesc else [])

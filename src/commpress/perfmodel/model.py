@@ -552,21 +552,29 @@ def predict(
         segs, nbytes = cache[key]
         jobs.append(segs)
         wire += nbytes
-    scale = platform.compute_time_scale
-    timeline = simulate_step(
-        forward_s=workload.forward_s * scale,
-        backward_s=[b * scale for b in workload.backward_segments()],
-        jobs=jobs,
-        optimizer_s=workload.optimizer_s * scale,
-        overlap_efficiency=platform.overlap_efficiency,
-        token_bucket=_token_bucket(cl),
-    )
+    timeline = _simulate(workload, platform, cl, jobs)
     return Prediction(
         codecs=tuple(spec_key(c) for c in codecs),
         strategy=strategy,
         timeline=timeline,
         wire_bytes=wire,
         bits_per_coordinate=8.0 * wire / max(1, workload.params),
+    )
+
+
+def _simulate(
+    workload: Workload, platform: Platform, cl: Cluster, jobs: list[Any], **options: Any
+) -> Any:
+    """The step's timeline: the workload's compute (scaled by the platform) around ``jobs``."""
+    scale = platform.compute_time_scale
+    return simulate_step(
+        forward_s=workload.forward_s * scale,
+        backward_s=[b * scale for b in workload.backward_segments()],
+        jobs=jobs,
+        optimizer_s=workload.optimizer_s * scale,
+        overlap_efficiency=platform.overlap_efficiency,
+        token_bucket=_token_bucket(cl),
+        **options,
     )
 
 
@@ -620,16 +628,8 @@ def _predict_hooked(
             jobs.append(segs)
             owners.append(b)
             wire += nbytes
-    scale = platform.compute_time_scale
-    timeline = simulate_step(
-        forward_s=workload.forward_s * scale,
-        backward_s=[x * scale for x in workload.backward_segments()],
-        jobs=jobs,
-        optimizer_s=workload.optimizer_s * scale,
-        overlap_efficiency=platform.overlap_efficiency,
-        bucket_of=owners,
-        queue_depth=hook.depth_for(strategy),
-        token_bucket=_token_bucket(cl),
+    timeline = _simulate(
+        workload, platform, cl, jobs, bucket_of=owners, queue_depth=hook.depth_for(strategy)
     )
     return Prediction(
         codecs=tuple(spec_key(c) for c in codecs),
