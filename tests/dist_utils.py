@@ -48,6 +48,7 @@ def _worker(
     results: Any,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    backend: str = "gloo",
 ) -> None:
     os.environ.update(env)
     status, value = "ok", b""
@@ -56,9 +57,13 @@ def _worker(
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if torch.cuda.is_available() and (backend == "nccl" or "CUDA_TEST_DEVICE" in env):
+            # One process per GPU for NCCL (ranks beyond the GPU count share them round-robin,
+            # which gloo allows and NCCL refuses).
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
-            "gloo",
+            backend,
             store=store,
             rank=rank,
             world_size=world_size,
@@ -84,8 +89,9 @@ def run_workers(
     pg_timeout: float = 30.0,
     may_exit: Iterable[int] = (),
     env: Mapping[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
 
     Args:
         fn: module-level function; its return value must pickle.
@@ -97,6 +103,8 @@ def run_workers(
             waits for a silent peer before failing).
         may_exit: ranks allowed to end without a result (their entry is ``None``).
         env: extra environment variables for the children (``LOCAL_WORLD_SIZE`` ...).
+        backend: ``"gloo"`` (default) or ``"nccl"`` (each rank first selects GPU
+            ``rank % device_count``; ``CUDA_TEST_DEVICE`` in ``env`` does the same for gloo).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -107,7 +115,7 @@ def run_workers(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, store_path, pg_timeout, child_env, results, fn, args),
+            args=(r, world_size, store_path, pg_timeout, child_env, results, fn, args, backend),
             name=f"commpress-test-rank{r}",
             daemon=True,
         )

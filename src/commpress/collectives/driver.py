@@ -321,6 +321,18 @@ class Exchange:
             return torch.device("cuda", torch.cuda.current_device())
         return hint if hint is not None else torch.device("cpu")
 
+    def p2p_device(self, hint: torch.device | None) -> torch.device:
+        """The device for this group's point-to-point messages.
+
+        As :meth:`comm_device`, except that gloo sends and receives host memory only (given a
+        CUDA tensor it fails with "Bad address" and can abort the process), so under gloo
+        messages of CUDA tensors are staged through the CPU; its collectives take CUDA tensors.
+        """
+        device = self.comm_device(hint)
+        if device.type != "cpu" and "gloo" in self.backend and "nccl" not in self.backend:
+            return torch.device("cpu")
+        return device
+
     def global_rank(self, group_rank: int) -> int:
         """The default-group rank of ``group_rank`` in this exchange's group."""
         if self.group is None:

@@ -119,7 +119,7 @@ def _send_now(
     if x.dim() > _MAX_DIMS:
         raise CommpressError(f"send supports tensors of at most {_MAX_DIMS} dimensions")
     payload = codec.encode(x, transfer_context(key, step))
-    device = ex.comm_device(x.device)
+    device = ex.p2p_device(x.device)
     names = sorted(payload.parts)
     desc = json.dumps({"names": names, "lane_bits": dict(payload.lane_bits)}).encode()
     desc_t = torch.frombuffer(bytearray(desc), dtype=torch.uint8)
@@ -151,7 +151,8 @@ def _recv_now(
 ) -> torch.Tensor:
     ex = Exchange.of(group, timeout=timeout, label=f"recv of {key!r} from rank {src}")
     peer = _check_peer(ex, src, "source")
-    comm = ex.comm_device(None if device is None else torch.device(device))
+    target = None if device is None else torch.device(device)
+    comm = ex.p2p_device(target)
     head = torch.empty(HEADER_LEN, dtype=torch.int64, device=comm)
     works = _issue(ex, src, "receiving", lambda: [dist.irecv(head, peer, group=ex.group, tag=tag)])
     ex.wait(Pending(works, f"header from rank {src}"))
@@ -175,7 +176,7 @@ def _recv_now(
             f"receiver's {codec} (fingerprint {codec.fingerprint()}); both sides must pass the "
             "same codec"
         )
-    desc_t, *parts = unpack_bytes(body, specs)
+    desc_t, *parts = unpack_bytes(body if target is None else body.to(target), specs)
     try:
         desc = json.loads(bytes(desc_t.cpu().tolist()).decode())
         names = [str(n) for n in desc["names"]]
@@ -248,7 +249,8 @@ def irecv(
 
     Returns a future of the decoded tensor (shape and dtype as sent). A sender that used
     another codec configuration is refused with :class:`CommpressError`. ``device`` is where
-    the received bytes land (default: the group's device, CPU for gloo).
+    the decoded tensor lands (default: the group's device, CPU for gloo; gloo carries the
+    bytes of CUDA tensors through host memory).
     """
     codec_obj = _resolve(codec)
     _check_tag(tag)

@@ -144,7 +144,7 @@ class _Link:
         ex = self.ex
         out_names = sorted(out.parts)
         out_tensors = [out.parts[n] for n in out_names]
-        device = ex.comm_device(out.device)
+        device = ex.p2p_device(out.device)
         if self.codec.fixed_size:
             names, specs = _probe_specs(self.codec, in_numel, self.dtype)
             in_specs = list(specs)
