@@ -251,6 +251,38 @@ def test_every_strategy_is_exact_and_identical(world: int, local_size: int, dtyp
             assert torch.equal(value, results[rank][name]), f"{name}: rank {rank} differs"
 
 
+def _direct_identity_worker(rank: int, world: int) -> list[str]:
+    """The identity codec's direct all-reduce against its general protocol path."""
+    problems = []
+    g = torch.Generator().manual_seed(rank)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for shape in [(), (0,), (5,), (33, 7)]:
+            x = torch.randn(shape, generator=g).to(dtype)
+            for op in ("sum", "mean"):
+                name = f"{dtype}/{shape}/{op}"
+                fast_stats: dict[str, int] = {}
+                general_stats: dict[str, int] = {}
+                fast = reduce(x, "identity", op=op, key=name, stats=fast_stats).total
+                # need_local takes the general path (codec protocol through the scheduler)
+                general = reduce(
+                    x, "identity", op=op, key=name + "/g", need_local=True, stats=general_stats
+                ).total
+                inplace = x.clone()
+                all_reduce(inplace, "identity", op=op, key=name + "/i", inplace=True)
+                if not (torch.equal(fast, general) and torch.equal(inplace, general)):
+                    problems.append(f"{name}: results differ")
+                if fast_stats != general_stats:
+                    problems.append(f"{name}: stats {fast_stats} != {general_stats}")
+                if fast.data_ptr() == x.data_ptr() and x.numel():
+                    problems.append(f"{name}: the out-of-place result aliases the input")
+    return problems
+
+
+def test_identity_direct_path_matches_the_protocol_path() -> None:
+    for problems in run_workers(_direct_identity_worker, 3, timeout=120):
+        assert problems == []
+
+
 def _posting_order_worker(rank: int, world: int) -> list[list[str]]:
     """Record the point-to-point batches a ring all-reduce posts, in order."""
     import torch.distributed as dist
@@ -265,7 +297,7 @@ def _posting_order_worker(rank: int, world: int) -> list[list[str]]:
     dist.batch_isend_irecv = batch_isend_irecv
     try:
         for codec in ("fp16", "topk:ratio=0.25"):  # fixed-size payloads, and sized ones
-            all_reduce(torch.randn(1000), codec, op="sum", strategy="ring", check=False)
+            all_reduce(torch.randn(1000), codec, op="sum", strategy="ring", check="off")
     finally:
         dist.batch_isend_irecv = real
     return batches

@@ -8,7 +8,9 @@ not from gloo giving up.
 from __future__ import annotations
 
 import os
+import threading
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -148,17 +150,44 @@ def _mismatch_worker(rank: int, world: int) -> dict[str, Any]:
         out["no key"] = f"{tuple(a.shape)} {tuple(b.shape)} {bool(b.isfinite().all())}"
     except CommpressError as exc:
         out["no key"] = str(exc)
-    # Verified calls made in a different order on the two ranks are refused on both ranks
-    # (same shapes, so without the per-call check they would silently mix tensors).
+    # With check="every", verified calls made in a different order on the two ranks are
+    # refused on both ranks (same shapes, so without the per-call check they would silently
+    # mix tensors).
     for k in ("p", "q"):
-        all_reduce(torch.ones(4), "identity", key=k)
+        all_reduce(torch.ones(4), "identity", key=k, check="every")
     out["order"] = []
     for k in ("p", "q") if rank == 0 else ("q", "p"):
         try:
-            all_reduce(torch.full((4,), float(rank)), "identity", key=k)
+            all_reduce(torch.full((4,), float(rank)), "identity", key=k, check="every")
             out["order"].append("no error")
         except CommpressError as exc:
             out["order"].append(str(exc))
+    # Ranks with different check modes are refused at the first call.
+    try:
+        all_reduce(x, "identity", key="modes", check="every" if rank else "first")
+        out["modes"] = "no error"
+    except CommpressError as exc:
+        out["modes"] = str(exc)
+    # The default ("first") costs verified calls no collective beyond the data exchange;
+    # "every" adds exactly one (the order check).
+    counted = {"n": 0}
+    real = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counted["n"] += 1
+        return real(*args, **kwargs)
+
+    out["collectives"] = []
+    for mode in ("first", "every", "off"):
+        all_reduce(torch.ones(6), "identity", key=f"count-{mode}", check=mode)  # verified once
+        counted["n"] = 0
+        dist.all_reduce = counting
+        try:
+            for _ in range(3):
+                all_reduce(torch.ones(6), "identity", key=f"count-{mode}", check=mode)
+        finally:
+            dist.all_reduce = real
+        out["collectives"].append(counted["n"])
     # Refusals are collective: the group is still in step, and a matching call works.
     out["after"] = str(all_reduce(torch.ones(3), "identity", op="sum", key="ok").tolist())
     return out
@@ -181,6 +210,8 @@ def test_mismatched_calls_are_refused_on_every_rank_at_the_first_call() -> None:
         for message in out["order"]:
             assert "ranks are at different calls" in message, (rank, message)
         assert out["after"] == "[2.0, 2.0, 2.0]"
+        assert "ranks disagree on check mode" in out["modes"], out["modes"]
+        assert out["collectives"] == [3, 6, 3], out["collectives"]
 
 
 # ---------------------------------------------------------------------------- bad arguments
@@ -200,6 +231,7 @@ def _bad_args_worker(rank: int, world: int) -> dict[str, str]:
         "unknown codec": lambda: reduce(x, "zip9"),
         "bad param": lambda: reduce(x, {"id": "topk", "ratio": 2.0}),
         "local size": lambda: reduce(x, "identity", strategy="hierarchical", local_size=0),
+        "check": lambda: reduce(x, "identity", check="sometimes"),  # type: ignore[arg-type]
     }
     out = {}
     for name, call in cases.items():
@@ -208,6 +240,25 @@ def _bad_args_worker(rank: int, world: int) -> dict[str, str]:
             out[name] = "no error"
         except CommpressError as exc:
             out[name] = str(exc)
+    os.environ["COMMPRESS_CHECK"] = "never"
+    try:
+        reduce(x, "identity")
+        out["check env"] = "no error"
+    except CommpressError as exc:
+        out["check env"] = str(exc)
+    os.environ["COMMPRESS_CHECK"] = "every"
+    reduce(x, "identity", key="env-every")  # a valid mode from the environment is accepted
+    del os.environ["COMMPRESS_CHECK"]
+    # Calls from a second thread on the same group warn once that the order must agree.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        all_reduce(x, "identity", key="main thread")
+        for _ in range(2):
+            worker = threading.Thread(target=all_reduce, args=(x, "identity"))
+            worker.start()
+            worker.join()
+        all_reduce(x, "identity", key="every thread", check="every")
+    out["thread warnings"] = [str(w.message) for w in caught]
     # The group's queue thread stops by itself once the group is destroyed.
     queue = queue_for()
     all_reduce(x, "identity", key="last")
@@ -235,10 +286,14 @@ def test_bad_arguments_are_clear_errors() -> None:
         "unknown codec": "unknown codec id 'zip9'",
         "bad param": "topk: ratio must be in (0, 1]",
         "local size": "local size that divides the world size",
+        "check": "check must be one of 'first', 'every', 'off', got 'sometimes'",
+        "check env": "$COMMPRESS_CHECK must be one of 'first', 'every', 'off', got 'never'",
     }
     for name, fragment in expected.items():
         assert fragment in out[name], f"{name}: {out[name]}"
     assert out["queue stopped"] == "True"
+    assert len(out["thread warnings"]) == 1, out["thread warnings"]
+    assert "several threads" in out["thread warnings"][0]
 
 
 def _two_parents_worker(rank: int, world: int) -> list[bool]:

@@ -5,11 +5,13 @@ run and interleaved call by call (so that machine noise hits every method alike)
 
 * ``plain fp32`` / ``plain fp16``: ``torch.distributed.all_reduce`` in place on a buffer of that
   many elements (the baseline a user would otherwise write), and ``plain fp32 out-of-place``
-  (``clone()`` then all-reduce: what returning a new tensor costs);
+  (``clone()`` then all-reduce: what returning a new tensor costs), and ``plain fp32
+  (control)``, the same in-place call on another buffer: its "overhead" against ``plain fp32``
+  shows how far two identical calls differ in this run (the measurement's noise);
 * ``CODEC/STRATEGY``: :func:`commpress.all_reduce` with ``op="sum"`` for each requested codec
-  and each strategy it supports, plus ``identity/auto inplace`` (``inplace=True``) and the same
-  with ``check=False`` (without the per-call order check, one tiny all-reduce whose latency
-  is a fixed cost per call: it separates the framework's own overhead from that safety net).
+  and each strategy it supports, plus ``identity/auto inplace`` (``inplace=True``, the default
+  ``check="first"``) and the same with ``check="every"`` (the per-call order check, one tiny
+  all-reduce whose latency is a fixed cost per call: the price of that safety net).
 
 Reported per row: the median and the fastest time per call over the repeats (each call timed
 as the slowest rank's); this rank's wire bytes (the codec's logical payload bytes over all
@@ -18,7 +20,9 @@ rounds and hops; plain rows count the tensor once); the speed relative to plain 
 plain call (the median over repeats of the paired time ratio; goal: within 5 %): the in-place
 identity rows against in-place ``all_reduce``, the out-of-place identity rows against
 ``clone()`` plus ``all_reduce``.
-Sizes up to 4 MB get 4x the repeats (short calls, noisy timings).
+Short calls are timed in batches: each repeat of a method runs ``max(1, 8 MB / size)`` calls
+back to back (as a training loop would) and records their mean, and sizes up to 4 MB get 4x the
+repeats (timings of single millisecond calls on a shared machine spread by several times).
 
 Loopback gloo on one machine measures the *software* cost (encoding, decoding, scheduling) far
 more than the network: bandwidth savings pay off on real links, not here.
@@ -33,6 +37,7 @@ import json
 import multiprocessing as mp
 import os
 import queue as _queue
+import random
 import shutil
 import statistics
 import tempfile
@@ -45,9 +50,18 @@ from commpress.errors import CommpressError
 DEFAULT_CODECS = "identity,fp16,bf16,qsgd,topk,powersgd,thc"
 DEFAULT_STRATEGIES = "auto,allgather,ring,hierarchical"
 INPLACE = "identity/auto inplace"
-INPLACE_NOCHECK = "identity/auto inplace check=False"
+INPLACE_EVERY = "identity/auto inplace check=every"
+#: The plain fp32 call again, on another buffer: its "overhead" is the measurement's noise.
+CONTROL = "plain fp32 (control)"
 #: Sizes up to this many MB get this many times the repeats (their calls are short and noisy).
 SMALL_MB, SMALL_REPEAT_FACTOR = 4.0, 4
+#: Each timed sample of a method runs calls back to back until about this many MB went through.
+BATCH_MB = 8.0
+
+
+def calls_per_sample(size_mb: float) -> int:
+    """How many back-to-back calls one timed sample of a ``size_mb`` call averages."""
+    return max(1, round(BATCH_MB / size_mb))
 
 
 def _parse_list(text: str, kind: type, what: str) -> list[Any]:
@@ -169,26 +183,29 @@ def _measure_size(
     shape = (n // 1024, 1024) if n % 1024 == 0 else (n,)
     x = torch.randn(shape, generator=g)
     buf32 = torch.zeros(n)
+    buf32_control = torch.zeros(n)
     buf16 = torch.zeros(n, dtype=torch.float16)
     buf_id = torch.zeros(n)
     calls: dict[str, Callable[[], Any]] = {
         "plain fp32": functools.partial(dist.all_reduce, buf32),
+        CONTROL: functools.partial(dist.all_reduce, buf32_control),
         "plain fp32 out-of-place": lambda: dist.all_reduce(x.clone()),
         "plain fp16": functools.partial(dist.all_reduce, buf16),
         INPLACE: functools.partial(
             all_reduce, buf_id, "identity", op="sum", key=INPLACE, inplace=True
         ),
-        INPLACE_NOCHECK: functools.partial(
-            all_reduce, buf_id, "identity", op="sum", key=INPLACE_NOCHECK, inplace=True,
-            check=False,
+        INPLACE_EVERY: functools.partial(
+            all_reduce, buf_id, "identity", op="sum", key=INPLACE_EVERY, inplace=True,
+            check="every",
         ),
     }
     wire: dict[str, int] = {
         "plain fp32": 4 * n,
+        CONTROL: 4 * n,
         "plain fp32 out-of-place": 4 * n,
         "plain fp16": 2 * n,
         INPLACE: 4 * n,
-        INPLACE_NOCHECK: 4 * n,
+        INPLACE_EVERY: 4 * n,
     }
     for spec, strategy in methods:
         name = f"{spec}/{strategy}"
@@ -204,13 +221,19 @@ def _measure_size(
             fn()
     if size_mb <= SMALL_MB:
         repeats *= SMALL_REPEAT_FACTOR
-    # Round-robin: every repeat times every method once, so drift hits all alike.
-    for _ in range(repeats):
-        for name, fn in calls.items():
+    batch = calls_per_sample(size_mb)
+    # Round-robin: every repeat times every method once, so drift hits all alike, in an order
+    # shuffled per repeat (the same on every rank) so that no method always follows the same one.
+    for i in range(repeats):
+        order = list(calls)
+        random.Random(i).shuffle(order)
+        for name in order:
+            fn = calls[name]
             dist.barrier()
             t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(batch):
+                fn()
+            times[name].append((time.perf_counter() - t0) / batch)
     for name in calls:
         slowest = torch.tensor(times[name], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -222,6 +245,7 @@ def _measure_size(
                 "ms": 1e3 * statistics.median(slowest.tolist()),
                 "ms_min": 1e3 * min(slowest.tolist()),
                 "times_ms": [1e3 * t for t in slowest.tolist()],
+                "calls_per_sample": batch,
                 "wire_bytes": wire[name],
             }
         )
@@ -300,7 +324,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ref = inplace.get(key)
         r["vs_fp32"] = ref["ms"] / r["ms"] if ref and r["ms"] else float("nan")
         base = None
-        if r["method"] in (INPLACE, INPLACE_NOCHECK):
+        if r["method"] in (INPLACE, INPLACE_EVERY, CONTROL):
             base = inplace.get(key)
         elif r["method"].startswith("identity/"):
             base = out_of_place.get(key)

@@ -11,6 +11,8 @@ from commpress.codecs.base import Codec
 from commpress.errors import CommpressError
 
 _REGISTRY: dict[str, type[Codec]] = {}
+#: Codecs built from spec strings (codecs are frozen, so equal specs can share one).
+_FROM_SPEC: dict[str, Codec] = {}
 
 C = TypeVar("C", bound=type[Codec])
 
@@ -29,6 +31,7 @@ def register_codec(cls: C) -> C:
             f"{existing.__qualname__}"
         )
     _REGISTRY[codec_id] = cls
+    _FROM_SPEC.clear()
     return cls
 
 
@@ -85,6 +88,15 @@ def get_codec(spec: str | Mapping[str, Any] | Codec, **params: Any) -> Codec:
             return get_codec(config)
         return spec
     if isinstance(spec, str):
+        if not params:
+            cached = _FROM_SPEC.get(spec)
+            if cached is not None:
+                return cached
+            codec = get_codec(parse_codec_spec(spec))
+            if len(_FROM_SPEC) >= 1024:
+                _FROM_SPEC.clear()
+            _FROM_SPEC[spec] = codec
+            return codec
         config = parse_codec_spec(spec)
     elif isinstance(spec, Mapping):
         config = dict(spec)

@@ -21,7 +21,9 @@ import dataclasses
 import functools
 import hashlib
 import math
+import os
 import threading
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeAlias, get_args
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.codecs.base import Codec, CodecContext
+from commpress.codecs.cast import Identity
 from commpress.codecs.protocol import Reduced
 from commpress.codecs.registry import get_codec
 from commpress.collectives.driver import (
@@ -39,6 +42,7 @@ from commpress.collectives.driver import (
     name_hash,
     protocol_task,
     run_tasks,
+    uncompressed_all_reduce,
 )
 from commpress.collectives.queue import queue_for
 from commpress.collectives.strategies import (
@@ -54,7 +58,11 @@ Strategy: TypeAlias = Literal[
     "auto", "allreduce", "allgather", "ring", "hierarchical", "hierarchical-compress-first"
 ]
 Op: TypeAlias = Literal["mean", "sum"]
+CheckMode: TypeAlias = Literal["first", "every", "off"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
+CHECK_MODES: tuple[str, ...] = get_args(CheckMode)
+#: Environment variable giving the default ``check`` mode (``first`` when unset).
+CHECK_ENV = "COMMPRESS_CHECK"
 CodecSpec: TypeAlias = "Codec | str | Mapping[str, Any]"
 
 # ---------------------------------------------------------------------------- per-group memory
@@ -63,7 +71,12 @@ _LOCK = threading.Lock()
 _STATES: dict[tuple[int, str, str], dict[str, Any]] = {}
 #: Call signatures already checked to agree across ranks: (group id, signature hash).
 _VERIFIED: set[tuple[int, int]] = set()
+#: Signatures by their fields (hashing the fields' text costs more than the dict lookup).
+_SIGNATURES: dict[tuple[Any, ...], int] = {}
 _OFFLOAD: ThreadPoolExecutor | None = None
+#: Threads that submitted calls, per group id; and groups already warned about several.
+_SUBMITTERS: dict[int, set[int]] = {}
+_WARNED: set[int] = set()
 
 
 def _group_id(group: Any) -> int:
@@ -79,12 +92,16 @@ def reset_state(group: Any = None) -> None:
         if group is None:
             _STATES.clear()
             _VERIFIED.clear()
+            _SUBMITTERS.clear()
+            _WARNED.clear()
             return
         gid = _group_id(group)
         for k in [k for k in _STATES if k[0] == gid]:
             del _STATES[k]
         for v in [v for v in _VERIFIED if v[0] == gid]:
             _VERIFIED.discard(v)
+        _SUBMITTERS.pop(gid, None)
+        _WARNED.discard(gid)
 
 
 def _offload_pool() -> ThreadPoolExecutor:
@@ -99,6 +116,53 @@ def _offload_pool() -> ThreadPoolExecutor:
 def _as_codec(codec: CodecSpec) -> Codec:
     with error_context("all_reduce codec"):
         return get_codec(codec)
+
+
+def check_mode(check: Any) -> str:
+    """The ``check`` mode to use: ``check`` itself, or ``$COMMPRESS_CHECK`` (default
+    ``"first"``) when it is ``None``; ``False`` means ``"off"``."""
+    if check is None:
+        check = os.environ.get(CHECK_ENV, "first").strip().lower() or "first"
+        source = f"${CHECK_ENV}"
+    else:
+        source = "check"
+    if check is False:
+        return "off"
+    if check not in CHECK_MODES:
+        raise CommpressError(
+            f"{source} must be one of {', '.join(repr(m) for m in CHECK_MODES)}, got {check!r}"
+        )
+    return str(check)
+
+
+def _note_submitter(group: Any, mode: str) -> None:
+    """Warn once per group when calls come from several threads without per-call checks.
+
+    The order in which threads' calls reach the group's queue may then differ between ranks,
+    and only ``check="every"`` catches that before mismatched collectives are paired (calls of
+    equal sizes would silently mix tensors; unequal ones make gloo abort).
+    """
+    if not dist.is_initialized():
+        return  # the call itself reports that
+    gid = _group_id(group)
+    me = threading.get_ident()
+    with _LOCK:
+        seen = _SUBMITTERS.setdefault(gid, set())
+        if me in seen or len(seen) >= 8:
+            return
+        seen.add(me)
+        warn = len(seen) > 1 and mode != "every" and gid not in _WARNED
+        if warn:
+            _WARNED.add(gid)
+    if warn:
+        warnings.warn(
+            "commpress: all_reduce calls on this process group come from several threads; "
+            "every rank must submit them in the same order. If the order can differ between "
+            "ranks, pass check='every' (or set COMMPRESS_CHECK=every), which verifies it at "
+            "every call for one tiny all-reduce",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _resolve_strategy(codec: Codec, strategy: str) -> str:
@@ -164,23 +228,37 @@ def check_agreement(
     local_size: int,
     depth: int,
     offload: bool = False,
+    every: bool = False,
+    gid: int | None = None,
 ) -> int:
     """On the first call with this signature, make sure every rank made the same call.
 
     Each rank contributes its codec fingerprint, tensor key, shape and dtype, strategy, op,
-    bucketing, node size, pipeline depth and offload (everything that shapes the exchanges). Every
-    rank sees every contribution, so either all proceed or all raise the same
-    :class:`CommpressError` (never a hang on mismatched collectives). Later calls with a
-    verified signature only compare the signature itself (a stable 63-bit hash of those
-    fields) in one tiny all-reduce (:func:`check_call_order`), which catches calls made in a
-    different order on different ranks. Returns the signature.
+    bucketing, node size, pipeline depth, offload and check mode (everything that shapes the
+    exchanges). Every rank sees every contribution, so either all proceed or all raise the same
+    :class:`CommpressError` (never a hang on mismatched collectives). With ``every``, later
+    calls with a verified signature compare the signature itself (a stable 63-bit hash of
+    those fields) in one tiny all-reduce (:func:`check_call_order`), which catches calls made
+    in a different order on different ranks. Returns the signature.
     """
     fp = codec.fingerprint()
+    shape = tuple(x.shape)
+    ident = (fp, key, shape, x.dtype, strategy, op, bucket_elems, local_size, depth, offload, every)
+    if gid is None:
+        gid = _group_id(ex.group)
+    with _LOCK:
+        signature = _SIGNATURES.get(ident)
+        verified = signature is not None and (gid, signature) in _VERIFIED
+    if verified:
+        assert signature is not None
+        if every:
+            check_call_order(ex, signature, key=key, device=ex.comm_device(x.device))
+        return signature
     fields = {
         "codec fingerprint": int(fp[:15], 16),
         "tensor key": name_hash(key),
         "numel": x.numel(),
-        "shape": name_hash(repr(tuple(x.shape))),
+        "shape": name_hash(repr(shape)),
         "dtype": dtype_code(x.dtype),
         "strategy": name_hash(strategy),
         "op": name_hash(op),
@@ -188,15 +266,10 @@ def check_agreement(
         "local size": local_size,
         "pipeline depth": depth,
         "offload": int(offload),
+        "check mode": int(every),
     }
     digest = hashlib.blake2b(repr(tuple(fields.values())).encode(), digest_size=8).digest()
     signature = int.from_bytes(digest, "little") >> 1
-    gid = _group_id(ex.group)
-    with _LOCK:
-        verified = (gid, signature) in _VERIFIED
-    if verified:
-        check_call_order(ex, signature, key=key, device=ex.comm_device(x.device))
-        return signature
     agree(
         ex,
         fields,
@@ -210,6 +283,9 @@ def check_agreement(
     )
     with _LOCK:
         _VERIFIED.add((gid, signature))
+        if len(_SIGNATURES) >= 65536:
+            _SIGNATURES.clear()
+        _SIGNATURES[ident] = signature
     return signature
 
 
@@ -236,7 +312,7 @@ def check_call_order(ex: Exchange, signature: int, *, key: str, device: torch.de
             f"{ex.label}: ranks are at different calls (this rank {ex.rank} reduces key {key!r} "
             "here, another rank a tensor with another key, shape, codec or options). Calls on a "
             "group must be made in the same order on every rank: submit them from one thread, "
-            "or in a fixed order; pass check=False to skip this check"
+            "or in a fixed order; check='first' skips this per-call check"
         )
 
 
@@ -268,7 +344,7 @@ def reduce(
     local_size: int | None = None,
     offload: bool = False,
     pipeline_depth: int = 2,
-    check: bool = True,
+    check: CheckMode | None = None,
     stats: dict[str, int] | None = None,
     inplace: bool = False,
 ) -> Reduced:
@@ -292,11 +368,21 @@ def reduce(
             each hand-off costs about 0.1 ms on a CPU, so cheap codecs (identity, fp16) and
             tiny buckets cannot gain.
         pipeline_depth: buckets in flight at once (2 overlaps encoding with transfer).
-        check: on the first call with a given signature, check that all ranks agree on codec
-            configuration, key, shape, dtype and options (one small all-gather); on later
-            calls, check that every rank is at the same call (one 16-byte all-reduce), which
-            catches calls submitted in different orders. ``False`` skips both (hot loops
-            whose call order is known to be fixed).
+        check: what to verify across ranks (``None``: ``$COMMPRESS_CHECK``, else ``"first"``):
+
+            * ``"first"``: on the first call with a given signature, that all ranks agree on
+              codec configuration, key, shape, dtype and options (one small all-gather).
+              Later calls cost nothing extra: like ``torch.distributed``, they rely on every
+              rank calling in the same order.
+            * ``"every"``: also, at every later call, that every rank is at the same call (one
+              16-byte all-reduce before the data, a round trip of latency): calls submitted in
+              different orders by racing threads are refused on every rank instead of pairing
+              mismatched collectives (equal sizes would silently mix tensors, unequal ones make
+              gloo abort the process). Use it when several threads submit calls, or to debug.
+            * ``"off"`` (or ``False``): neither.
+
+            Every rank must pass the same mode. Calls from several threads on one group
+            without ``"every"`` raise a one-time ``RuntimeWarning``.
         stats: a dict that receives byte counters: ``wire_bytes`` (this rank's payload bytes
             over all rounds and hops, at the codec's logical lane widths) and, for
             hierarchical strategies, ``intra_node_bytes`` (uncompressed traffic on the node).
@@ -333,21 +419,13 @@ def reduce(
         local_size = local_size_from_env(ex.world_size) if local_size is None else local_size
     else:
         local_size = 0
-    if ctx is None:
-        gid = _group_id(group)
-        # Without a key, tensors of different shapes or dtypes must not share codec state
-        # (PowerSGD's Q of a 64x32 matrix cannot serve a 64x48 one).
-        state_key = key or f"<no key: {tuple(x.shape)} {x.dtype}>"
-        with _LOCK:
-            state = _STATES.setdefault((gid, codec.fingerprint(), state_key), {})
-        ctx = CodecContext(rank=ex.rank, world_size=ex.world_size, step=step, key=key, state=state)
-    elif (ctx.rank, ctx.world_size) != (ex.rank, ex.world_size):
+    if ctx is not None and (ctx.rank, ctx.world_size) != (ex.rank, ex.world_size):
         raise CommpressError(
             f"ctx says rank {ctx.rank} of {ctx.world_size}, but this process is rank {ex.rank} "
             f"of {ex.world_size} in the group"
         )
-    ctx = dataclasses.replace(ctx, average=op == "mean", need_local=need_local or ctx.need_local)
-    if inplace and not ctx.need_local:
+    need_local = need_local or (ctx is not None and ctx.need_local)
+    if inplace and not need_local:
         # The codec's payload may alias the input (identity): the reduction may then run in
         # the input's memory. Not with need_local, whose decoded contribution would alias it.
         ex.writable = tensor.detach().reshape(-1)
@@ -359,22 +437,42 @@ def reduce(
     # Codec work on the offload pool adds wait points to the tasks, which are points of the
     # scheduler's rotation: every rank must make the same choice, so it is part of the signature.
     pool = _offload_pool() if offload else None
-    if check:
+    gid = _group_id(group)
+    mode = check_mode(check)
+    if mode != "off":
         check_agreement(
             ex,
             codec,
             x,
-            key=ctx.key,
+            key=key if ctx is None else ctx.key,
             strategy=strategy,
             offload=offload,
             op=op,
             bucket_elems=bucket_elems,
             local_size=local_size,
             depth=depth,
+            every=mode == "every",
+            gid=gid,
         )
-
     slices, unit = _bucket_slices(tuple(x.shape), bucket_elems)
     many = len(slices) > 1
+    if plan == "protocol" and type(codec) is Identity and not many and not need_local and not pool:
+        # No codec work to schedule: one plain all-reduce (same result as the protocol).
+        direct = uncompressed_all_reduce(x, ex, average=op == "mean")
+        if direct is not None:
+            return _finish(tensor, direct, inplace)
+    if ctx is None:
+        # Without a key, tensors of different shapes or dtypes must not share codec state
+        # (PowerSGD's Q of a 64x32 matrix cannot serve a 64x48 one).
+        state_key = key or f"<no key: {tuple(x.shape)} {x.dtype}>"
+        with _LOCK:
+            state = _STATES.setdefault((gid, codec.fingerprint(), state_key), {})
+        ctx = CodecContext(
+            rank=ex.rank, world_size=ex.world_size, step=step, key=key, state=state,
+            average=op == "mean", need_local=need_local,
+        )
+    else:
+        ctx = dataclasses.replace(ctx, average=op == "mean", need_local=need_local)
     rows = x.reshape(-1, *x.shape[1:]) if unit > 1 else x.reshape(-1)
 
     def bucket_ctx(i: int) -> CodecContext:
@@ -423,12 +521,17 @@ def reduce(
             local = torch.cat([r.local.reshape(-1) for r in results if r.local is not None])
             local = local.reshape(x.shape)
         reduced = Reduced(total=total, local=local)
-    if inplace:
-        out = tensor.detach()
-        if reduced.total.data_ptr() != out.data_ptr() or reduced.total.dtype != out.dtype:
-            out.copy_(reduced.total)
-        reduced = Reduced(total=tensor, local=reduced.local)
-    return reduced
+    return _finish(tensor, reduced, inplace)
+
+
+def _finish(tensor: torch.Tensor, reduced: Reduced, inplace: bool) -> Reduced:
+    """``reduced``, with the total written into ``tensor`` when ``inplace``."""
+    if not inplace:
+        return reduced
+    out = tensor.detach()
+    if reduced.total.data_ptr() != out.data_ptr() or reduced.total.dtype != out.dtype:
+        out.copy_(reduced.total)
+    return Reduced(total=tensor, local=reduced.local)
 
 
 def all_reduce_async(
@@ -469,7 +572,9 @@ def _queued_total(
     if "need_local" in options:
         name = "all_reduce" if blocking else "all_reduce_async"
         raise CommpressError(f"{name} returns the total only; use reduce or reduce_async")
-    kwargs = dict(options, group=group, bucket_bytes=bucket_bytes)
+    mode = check_mode(options.get("check"))
+    kwargs = dict(options, group=group, bucket_bytes=bucket_bytes, check=mode)
+    _note_submitter(group, mode)
     q = queue_for(group)
     if blocking:
         return q.run(_total_of_reduce, tensor, codec, kwargs)
@@ -485,6 +590,7 @@ def reduce_async(tensor: torch.Tensor, codec: CodecSpec, **kwargs: Any) -> torch
 
     This is what a DDP communication hook with error feedback uses (``need_local=True``).
     """
+    _note_submitter(kwargs.get("group"), check_mode(kwargs.get("check")))
     return queue_for(kwargs.get("group")).submit(reduce, tensor, codec, **kwargs)
 
 
@@ -513,8 +619,8 @@ def all_reduce(
     1. On the first call with a given signature (key, codec configuration, shape, dtype,
        options), all ranks exchange a fingerprint of it; a mismatch raises
        :class:`CommpressError` on every rank instead of pairing up mismatched collectives.
-       Later calls compare the signature in one tiny all-reduce, so calls made in different
-       orders on different ranks are refused too (``check=False`` skips both).
+       With ``check="every"`` later calls compare the signature in one tiny all-reduce, so
+       calls made in different orders on different ranks are refused too.
     2. The tensor is split into buckets of at most ``bucket_bytes`` (whole rows for tensors of
        two or more dimensions, so buckets stay matrices); each bucket gets its own codec key
        and state (``key[i]``).
@@ -559,9 +665,9 @@ def all_reduce(
             per-call latency.
         **options: ``local_size`` (hierarchical node size), ``offload=True`` (run the
             codec work of every strategy on a separate worker thread), ``pipeline_depth`` (2),
-            ``check`` (True), ``stats`` (a dict receiving byte counters), ``inplace`` (write
-            the result into ``tensor``, avoiding copies where the codec allows); see
-            :func:`reduce`.
+            ``check`` (``"first"``, ``"every"`` or ``"off"``), ``stats`` (a dict receiving
+            byte counters), ``inplace`` (write the result into ``tensor``, avoiding copies
+            where the codec allows); see :func:`reduce`.
     """
     # In queue order with the group's asynchronous calls; on this thread when none is pending.
     options.update(op=op, strategy=strategy, ctx=ctx, key=key, step=step, timeout=timeout)
@@ -574,7 +680,9 @@ def wire_bytes_estimate(tensor: torch.Tensor, codec: CodecSpec) -> int:
 
 
 __all__ = [
+    "CHECK_MODES",
     "STRATEGIES",
+    "CheckMode",
     "Op",
     "Strategy",
     "agree",
@@ -582,6 +690,7 @@ __all__ = [
     "all_reduce_async",
     "check_agreement",
     "check_call_order",
+    "check_mode",
     "reduce",
     "reduce_async",
     "reset_state",

@@ -481,6 +481,32 @@ def _transport_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
     return torch.int64  # int16/uint16/uint32: wider lanes, wrapped back by the cast afterwards
 
 
+def uncompressed_all_reduce(x: torch.Tensor, ex: Exchange, *, average: bool) -> Reduced | None:
+    """The identity codec's reduction as one plain all-reduce; ``None`` where it cannot be.
+
+    It computes exactly what the identity codec's one-round protocol computes through
+    :func:`protocol_task` (the same buffer rule: the caller's memory when it is
+    :attr:`Exchange.writable`, else a copy; the same sum; the same division for a mean), without
+    the codec and scheduling layers. Those cost about 60 us of Python per call on a warm cache
+    and, measured between a rank's calls in a training-like loop, 0.3-0.4 ms: as much as a 1 MB
+    all-reduce over loopback. ``None`` (use the general path) for tensors that must first move
+    to the group's device or travel as another dtype.
+    """
+    flat = x.reshape(-1)
+    if flat.dtype not in _NATIVE_REDUCE_DTYPES or flat.device != ex.comm_device(flat.device):
+        return None
+    buf = flat if ex.may_overwrite(flat) else flat.clone()
+    if ex.world_size > 1:
+        ex.count(buf.numel() * buf.element_size())
+        if buf.numel():
+            work = dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group, async_op=True)
+            ex.wait(Pending([work], "round 0 (all-reduce)"))
+    total = buf.view(x.shape)
+    if average and ex.world_size > 1:
+        total = total / ex.world_size
+    return Reduced(total=total)
+
+
 def all_reduce_task(
     request: AllReduce, ex: Exchange, *, what: str = "all-reduce"
 ) -> Generator[Pending, None, dict[str, torch.Tensor]]:
@@ -488,7 +514,13 @@ def all_reduce_task(
     names = sorted(request.tensors)
     tensors = [request.tensors[n] for n in names]
     if ex.world_size == 1:
-        return {n: reduce_tensors([t], request, [0]) for n, t in zip(names, tensors, strict=True)}
+        # The reduction of one rank's tensor is that tensor: the caller's own buffer when it
+        # allowed an in-place result, otherwise a copy (requests are never written to).
+        return {
+            n: t if ex.may_overwrite(t) and not request.saturate and request.int_bits is None
+            else reduce_tensors([t], request, [0])
+            for n, t in zip(names, tensors, strict=True)
+        }
     ex.count(request.wire_bytes)
     if sum(t.numel() for t in tensors) == 0:
         return {n: t.clone() for n, t in zip(names, tensors, strict=True)}

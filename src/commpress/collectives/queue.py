@@ -111,15 +111,20 @@ class OrderedQueue:
                     self._running.acquire()
                     self._inline_thread = threading.current_thread()
             if inline:
-                fut: torch.futures.Future = torch.futures.Future()
+                job_id = next(self._counter)
                 try:
-                    self._run_job(next(self._counter), fut, fn, args, kwargs)
+                    return fn(*args, **kwargs)
+                except CommpressError:
+                    raise
+                except Exception as exc:  # named like a queued job's failure
+                    raise self._job_error(job_id, fn, exc) from exc
                 finally:
+                    # A KeyboardInterrupt here reaches the caller as it is; the queue, whose
+                    # thread never ran this job, stays usable.
                     self._inline_thread = None
                     self._running.release()
                     with self._lock:
                         self._unfinished -= 1
-                return fut.wait()
         return self.submit(fn, *args, **kwargs).wait()
 
     def on_worker_thread(self) -> bool:
@@ -172,19 +177,21 @@ class OrderedQueue:
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:  # every failure goes into the future, never lost
-            if isinstance(exc, CommpressError):
-                err = exc  # already says what failed
-            else:
-                name = getattr(fn, "__qualname__", repr(fn))
-                tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-                err = CommpressError(f"{self.name}: job {job_id} ({name}) failed: {tb}")
-                err.__cause__ = exc
+            err = exc if isinstance(exc, CommpressError) else self._job_error(job_id, fn, exc)
             fut.set_exception(err)
             if not isinstance(exc, Exception):  # KeyboardInterrupt/SystemExit: stop the thread
                 self._close_from_worker(f"job {job_id} raised {type(exc).__name__}")
                 raise
             return
         fut.set_result(result)
+
+    def _job_error(self, job_id: int, fn: Callable[..., Any], exc: BaseException) -> CommpressError:
+        """A :class:`CommpressError` naming the queue, the job and the failure ``exc``."""
+        name = getattr(fn, "__qualname__", repr(fn))
+        tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        err = CommpressError(f"{self.name}: job {job_id} ({name}) failed: {tb}")
+        err.__cause__ = exc
+        return err
 
     def _close_from_worker(self, why: str) -> None:
         with self._lock:
