@@ -253,9 +253,20 @@ def test_every_strategy_is_exact_and_identical(world: int, local_size: int, dtyp
 
 def _direct_identity_worker(rank: int, world: int) -> list[str]:
     """The identity codec's direct all-reduce against its general protocol path."""
+    import commpress.collectives.api as api
+
+    taken = {"direct": 0}
+    real_direct = api.uncompressed_all_reduce
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        out = real_direct(*args, **kwargs)
+        taken["direct"] += out is not None
+        return out
+
+    api.uncompressed_all_reduce = spy  # type: ignore[assignment]
     problems = []
     g = torch.Generator().manual_seed(rank)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         for shape in [(), (0,), (5,), (33, 7)]:
             x = torch.randn(shape, generator=g).to(dtype)
             for op in ("sum", "mean"):
@@ -275,6 +286,10 @@ def _direct_identity_worker(rank: int, world: int) -> list[str]:
                     problems.append(f"{name}: stats {fast_stats} != {general_stats}")
                 if fast.data_ptr() == x.data_ptr() and x.numel():
                     problems.append(f"{name}: the out-of-place result aliases the input")
+    # 4 dtypes x 4 shapes x 2 ops, two direct calls each (out-of-place and in place); the
+    # need_local calls took the general path.
+    if taken["direct"] != 4 * 4 * 2 * 2:
+        problems.append(f"the direct path ran {taken['direct']} times, expected 64")
     return problems
 
 

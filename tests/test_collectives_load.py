@@ -10,6 +10,7 @@ import math
 import threading
 from typing import Any
 
+import pytest
 import torch
 
 import commpress
@@ -182,4 +183,14 @@ def test_allreduce_benchmark_runs_and_counts_bytes() -> None:
     assert by["identity/auto"]["wire_bytes"] == 4 * n
     assert 0 < by["topk/ring"]["wire_bytes"] < 4 * n
     assert math.isfinite(by["identity/auto inplace"]["overhead_pct"])
+    assert math.isfinite(by["plain fp32 (control)"]["overhead_pct"])
     assert all(r["ms"] > 0 for r in rows)
+    # Short calls are timed in batches, capped for tiny sizes.
+    assert by["plain fp32"]["calls_per_sample"] == 64
+
+
+def test_allreduce_benchmark_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    from commpress.cli import main
+
+    assert main(["bench", "allreduce", "--sizes", "0,1", "--worlds", "2"]) != 0
+    assert "--sizes must be positive" in capsys.readouterr().err

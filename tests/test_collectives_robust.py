@@ -240,6 +240,7 @@ def _bad_args_worker(rank: int, world: int) -> dict[str, str]:
             out[name] = "no error"
         except CommpressError as exc:
             out[name] = str(exc)
+    out["check=True"] = str(all_reduce(torch.ones(2), "identity", key="bool", check=True))
     os.environ["COMMPRESS_CHECK"] = "never"
     try:
         reduce(x, "identity")
@@ -259,6 +260,16 @@ def _bad_args_worker(rank: int, world: int) -> dict[str, str]:
             worker.join()
         all_reduce(x, "identity", key="every thread", check="every")
     out["thread warnings"] = [str(w.message) for w in caught]
+    # A call nested in a queue job (on the queue's thread) is not another submitter.
+    from commpress.collectives import reset_state
+
+    reset_state()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        all_reduce(x, "identity", key="outer")
+        fut = queue_for().submit(lambda: all_reduce(x, "identity", key="nested"))
+        fut.wait()
+    out["nested warnings"] = [str(w.message) for w in caught]
     # The group's queue thread stops by itself once the group is destroyed.
     queue = queue_for()
     all_reduce(x, "identity", key="last")
@@ -292,7 +303,9 @@ def test_bad_arguments_are_clear_errors() -> None:
     for name, fragment in expected.items():
         assert fragment in out[name], f"{name}: {out[name]}"
     assert out["queue stopped"] == "True"
+    assert out["check=True"] == "tensor([1., 1.])", out["check=True"]
     assert len(out["thread warnings"]) == 1, out["thread warnings"]
+    assert out["nested warnings"] == [], out["nested warnings"]
     assert "several threads" in out["thread warnings"][0]
 
 

@@ -91,10 +91,13 @@ def _collectives_worker(rank: int, world: int, backend: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     xs = [_int_valued(r, 1001) for r in range(world)]
     exact = torch.stack(xs).sum(0)
-    for strategy in STRATEGIES:
+    # Hierarchical layouts: one rank per node (the compressed inter-node exchange) and all
+    # ranks on one node (the intra-node reduce-scatter and all-gather).
+    layouts = {(s, 1) for s in STRATEGIES} | {(s, world) for s in STRATEGIES if "hier" in s}
+    for strategy, local_size in sorted(layouts):
         for codec in ("identity", "fp16", "netzip"):
             for bucket in (None, 1024):
-                name = f"{codec}/{strategy}/{bucket}"
+                name = f"{codec}/{strategy}/{local_size}/{bucket}"
                 got = commpress.all_reduce(
                     xs[rank].to(device),
                     codec,
@@ -102,7 +105,7 @@ def _collectives_worker(rank: int, world: int, backend: str) -> dict[str, Any]:
                     strategy=strategy,  # type: ignore[arg-type]
                     key=name,
                     bucket_bytes=bucket,
-                    local_size=1,
+                    local_size=local_size,
                 )
                 assert got.device == device, f"{name}: result on {got.device}"
                 assert torch.equal(got.cpu(), exact), f"{name}: not the exact sum"

@@ -59,9 +59,13 @@ SMALL_MB, SMALL_REPEAT_FACTOR = 4.0, 4
 BATCH_MB = 8.0
 
 
+#: ... but never more calls than this (tiny sizes would otherwise take thousands).
+MAX_CALLS_PER_SAMPLE = 64
+
+
 def calls_per_sample(size_mb: float) -> int:
     """How many back-to-back calls one timed sample of a ``size_mb`` call averages."""
-    return max(1, round(BATCH_MB / size_mb))
+    return max(1, min(MAX_CALLS_PER_SAMPLE, round(BATCH_MB / size_mb)))
 
 
 def _parse_list(text: str, kind: type, what: str) -> list[Any]:
@@ -343,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
     from commpress.cli.table import render_table
 
     sizes = _parse_list(args.sizes, float, "sizes")
+    if any(not s > 0 for s in sizes):
+        raise CommpressError(f"--sizes must be positive numbers of MB, got {sizes}")
     if args.max_mb is not None:
         sizes = [s for s in sizes if s <= args.max_mb]
         if not sizes:

@@ -120,7 +120,8 @@ def _as_codec(codec: CodecSpec) -> Codec:
 
 def check_mode(check: Any) -> str:
     """The ``check`` mode to use: ``check`` itself, or ``$COMMPRESS_CHECK`` (default
-    ``"first"``) when it is ``None``; ``False`` means ``"off"``."""
+    ``"first"``) when it is ``None``. ``False`` means ``"off"`` and ``True`` ``"every"`` (what
+    the boolean options meant before the modes existed)."""
     if check is None:
         check = os.environ.get(CHECK_ENV, "first").strip().lower() or "first"
         source = f"${CHECK_ENV}"
@@ -128,6 +129,8 @@ def check_mode(check: Any) -> str:
         source = "check"
     if check is False:
         return "off"
+    if check is True:
+        return "every"
     if check not in CHECK_MODES:
         raise CommpressError(
             f"{source} must be one of {', '.join(repr(m) for m in CHECK_MODES)}, got {check!r}"
@@ -135,7 +138,7 @@ def check_mode(check: Any) -> str:
     return str(check)
 
 
-def _note_submitter(group: Any, mode: str) -> None:
+def _note_submitter(group: Any, mode: str, *, stacklevel: int) -> None:
     """Warn once per group when calls come from several threads without per-call checks.
 
     The order in which threads' calls reach the group's queue may then differ between ranks,
@@ -161,7 +164,7 @@ def _note_submitter(group: Any, mode: str) -> None:
             "ranks, pass check='every' (or set COMMPRESS_CHECK=every), which verifies it at "
             "every call for one tiny all-reduce",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=stacklevel + 1,
         )
 
 
@@ -228,7 +231,7 @@ def check_agreement(
     local_size: int,
     depth: int,
     offload: bool = False,
-    every: bool = False,
+    every: bool,
     gid: int | None = None,
 ) -> int:
     """On the first call with this signature, make sure every rank made the same call.
@@ -379,10 +382,13 @@ def reduce(
               different orders by racing threads are refused on every rank instead of pairing
               mismatched collectives (equal sizes would silently mix tensors, unequal ones make
               gloo abort the process). Use it when several threads submit calls, or to debug.
-            * ``"off"`` (or ``False``): neither.
+            * ``"off"`` (or ``False``): neither. ``True`` means ``"every"``.
 
-            Every rank must pass the same mode. Calls from several threads on one group
-            without ``"every"`` raise a one-time ``RuntimeWarning``.
+            Every rank must pass the same mode: ``"first"`` and ``"every"`` against each other
+            are refused at the first call, but a rank with ``"off"`` skips the agreement
+            exchange that the others make (set ``$COMMPRESS_CHECK`` alike on every rank;
+            ``torchrun`` passes one environment to all). Calls from several threads on one
+            group without ``"every"`` raise a one-time ``RuntimeWarning``.
         stats: a dict that receives byte counters: ``wire_bytes`` (this rank's payload bytes
             over all rounds and hops, at the codec's logical lane widths) and, for
             hierarchical strategies, ``intra_node_bytes`` (uncompressed traffic on the node).
@@ -574,8 +580,9 @@ def _queued_total(
         raise CommpressError(f"{name} returns the total only; use reduce or reduce_async")
     mode = check_mode(options.get("check"))
     kwargs = dict(options, group=group, bucket_bytes=bucket_bytes, check=mode)
-    _note_submitter(group, mode)
     q = queue_for(group)
+    if not q.on_worker_thread():  # a call nested in a queue job is not another submitter
+        _note_submitter(group, mode, stacklevel=3)
     if blocking:
         return q.run(_total_of_reduce, tensor, codec, kwargs)
     return q.submit(_total_of_reduce, tensor, codec, kwargs)
@@ -590,8 +597,10 @@ def reduce_async(tensor: torch.Tensor, codec: CodecSpec, **kwargs: Any) -> torch
 
     This is what a DDP communication hook with error feedback uses (``need_local=True``).
     """
-    _note_submitter(kwargs.get("group"), check_mode(kwargs.get("check")))
-    return queue_for(kwargs.get("group")).submit(reduce, tensor, codec, **kwargs)
+    q = queue_for(kwargs.get("group"))
+    if not q.on_worker_thread():
+        _note_submitter(kwargs.get("group"), check_mode(kwargs.get("check")), stacklevel=2)
+    return q.submit(reduce, tensor, codec, **kwargs)
 
 
 def all_reduce(

@@ -503,7 +503,7 @@ def uncompressed_all_reduce(x: torch.Tensor, ex: Exchange, *, average: bool) -> 
             ex.wait(Pending([work], "round 0 (all-reduce)"))
     total = buf.view(x.shape)
     if average and ex.world_size > 1:
-        total = total / ex.world_size
+        total.div_(ex.world_size)  # our copy or the caller's writable buffer: both ours to change
     return Reduced(total=total)
 
 
