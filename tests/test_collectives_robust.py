@@ -34,7 +34,7 @@ def _three_rounds(rank: int, on_round: Any) -> Protocol:
     return Reduced(total=x)
 
 
-def _dead_peer_worker(rank: int, world: int) -> tuple[str, float, str]:
+def _dead_peer_worker(rank: int, world: int) -> tuple[str, float, str, str]:
     # Warm up the connections, then the last rank dies *inside* a multi-round exchange: after
     # round 0 completed and before it takes part in round 1.
     all_reduce(torch.ones(4), "identity", key="warm")
@@ -56,14 +56,22 @@ def _dead_peer_worker(rank: int, world: int) -> tuple[str, float, str]:
         p2p = "no error"
     except CommpressError as exc:
         p2p = str(exc)
-    return message, elapsed, p2p
+    # The identity codec's direct all-reduce (blocking, no timeout of ours) fails clearly too.
+    try:
+        all_reduce(torch.ones(4), "identity", key="warm")
+        direct = "no error"
+    except CommpressError as exc:
+        direct = str(exc)
+    return message, elapsed, p2p, direct
 
 
 def test_a_dead_peer_mid_collective_is_a_clear_error_on_survivors() -> None:
     results = run_workers(_dead_peer_worker, 3, timeout=90, pg_timeout=PG_TIMEOUT, may_exit=[2])
     assert results[2] is None
     for rank in (0, 1):
-        message, elapsed, p2p = results[rank]
+        message, elapsed, p2p, direct = results[rank]
+        assert "all_reduce of 'warm' with identity: round 0 (all-reduce) failed" in direct, direct
+        assert f"rank {rank} of 3" in direct, direct
         assert "recv of 'dead' from rank 2" in p2p, p2p
         assert "peer rank 2" in p2p or "header from rank 2" in p2p, p2p
         assert "dying exchange" in message and "round 1" in message, message

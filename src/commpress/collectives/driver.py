@@ -360,14 +360,19 @@ class Exchange:
                 else:
                     work.wait(timeout=datetime.timedelta(seconds=self.timeout))
             except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError
-                elapsed = time.monotonic() - start
-                limit = "" if self.timeout is None else f" (timeout {self.timeout:g}s)"
-                raise CommpressError(
-                    f"{self.label}: {what} failed on rank {self.rank} of {self.world_size} after "
-                    f"{elapsed:.1f}s{limit}: {type(exc).__name__}: {exc}. A peer probably died, "
-                    "stalled or issued a different operation; this process group can no longer "
-                    "be used safely"
-                ) from exc
+                raise self.failure(what, exc, start) from exc
+
+    def failure(self, what: str, exc: Exception, start: float) -> CommpressError:
+        """The error for exchange step ``what`` failing with ``exc`` (begun at ``start``,
+        a :func:`time.monotonic` reading)."""
+        elapsed = time.monotonic() - start
+        limit = "" if self.timeout is None else f" (timeout {self.timeout:g}s)"
+        return CommpressError(
+            f"{self.label}: {what} failed on rank {self.rank} of {self.world_size} after "
+            f"{elapsed:.1f}s{limit}: {type(exc).__name__}: {exc}. A peer probably died, "
+            "stalled or issued a different operation; this process group can no longer "
+            "be used safely"
+        )
 
 
 def require_initialized() -> None:
@@ -498,7 +503,15 @@ def uncompressed_all_reduce(x: torch.Tensor, ex: Exchange, *, average: bool) -> 
     buf = flat if ex.may_overwrite(flat) else flat.clone()
     if ex.world_size > 1:
         ex.count(buf.numel() * buf.element_size())
-        if buf.numel():
+        if buf.numel() and ex.timeout is None:
+            # Without a timeout of our own, the blocking form waits exactly as work.wait()
+            # would, minus a round trip through a Python work object.
+            start = time.monotonic()
+            try:
+                dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group)
+            except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError
+                raise ex.failure("round 0 (all-reduce)", exc, start) from exc
+        elif buf.numel():
             work = dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group, async_op=True)
             ex.wait(Pending([work], "round 0 (all-reduce)"))
     total = buf.view(x.shape)
