@@ -630,3 +630,26 @@ def test_fp64_mask_and_bitplane_extremes() -> None:
         codec = get_codec("netzip", **config)
         assert_bit_exact(codec.decode(codec.encode(x)), x)
     assert np.isnan(get_codec("netzip").decode(get_codec("netzip").encode(x))[4].item())
+
+
+def test_growing_a_scratch_buffer_drops_the_cached_views_of_the_old_one() -> None:
+    """Per-thread scratch buffers grow with the tensors; kernel bundles cached for smaller
+    sizes view the old buffer and must not keep it alive (memory would pile up per thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from commpress.codecs import bytegroup as bg
+
+    def run() -> None:
+        bg._buffers(1000, 2, 0)
+        assert len(bg._scratch.bundles) == 1
+        old = bg._scratch.pool["t"]
+        bg.scratch("t", 10 * old.size, np.uint8)  # outgrows it
+        assert bg._scratch.pool["t"] is not old
+        assert bg._scratch.bundles == {}
+        again = bg._buffers(1000, 2, 0)  # rebuilt on the new buffer
+        assert np.shares_memory(again[0], bg._scratch.pool["t"])
+        assert not np.shares_memory(again[0], old)
+
+    # A fresh thread: its own, empty scratch state; result() re-raises a failed assertion.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(run).result()

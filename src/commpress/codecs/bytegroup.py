@@ -1010,6 +1010,10 @@ def scratch(name: str, count: int, dtype: Any, shape: tuple[int, ...] | None = N
             # grow geometrically, so that a sequence of growing tensors reallocates rarely
             size = max(nbytes, 4096, 0 if base is None else min(SCRATCH_LIMIT, base.size * 3 // 2))
             base = pool[name] = np.empty(size, dtype=np.uint8)
+            # Cached kernel bundles hold views of the replaced buffer, which would keep it alive.
+            bundles = getattr(_scratch, "bundles", None)
+            if bundles:
+                bundles.clear()
         arr = base[:nbytes].view(dtype)
     return arr.reshape(shape) if shape is not None else arr
 
