@@ -44,7 +44,7 @@ from commpress.collectives.driver import (
     run_tasks,
     uncompressed_all_reduce,
 )
-from commpress.collectives.queue import queue_for
+from commpress.collectives.queue import OrderedQueue, queue_for
 from commpress.collectives.strategies import (
     RING_TAG_BASE,
     gather_protocol,
@@ -138,15 +138,15 @@ def check_mode(check: Any) -> str:
     return str(check)
 
 
-def _note_submitter(group: Any, mode: str, *, stacklevel: int) -> None:
+def _note_submitter(q: OrderedQueue, group: Any, mode: str, *, stacklevel: int) -> None:
     """Warn once per group when calls come from several threads without per-call checks.
 
     The order in which threads' calls reach the group's queue may then differ between ranks,
     and only ``check="every"`` catches that before mismatched collectives are paired (calls of
     equal sizes would silently mix tensors; unequal ones make gloo abort).
     """
-    if not dist.is_initialized():
-        return  # the call itself reports that
+    if q.on_worker_thread():
+        return  # a call nested in a queue job is not another submitter
     gid = _group_id(group)
     me = threading.get_ident()
     with _LOCK:
@@ -581,8 +581,7 @@ def _queued_total(
     mode = check_mode(options.get("check"))
     kwargs = dict(options, group=group, bucket_bytes=bucket_bytes, check=mode)
     q = queue_for(group)
-    if not q.on_worker_thread():  # a call nested in a queue job is not another submitter
-        _note_submitter(group, mode, stacklevel=3)
+    _note_submitter(q, group, mode, stacklevel=3)
     if blocking:
         return q.run(_total_of_reduce, tensor, codec, kwargs)
     return q.submit(_total_of_reduce, tensor, codec, kwargs)
@@ -598,8 +597,7 @@ def reduce_async(tensor: torch.Tensor, codec: CodecSpec, **kwargs: Any) -> torch
     This is what a DDP communication hook with error feedback uses (``need_local=True``).
     """
     q = queue_for(kwargs.get("group"))
-    if not q.on_worker_thread():
-        _note_submitter(kwargs.get("group"), check_mode(kwargs.get("check")), stacklevel=2)
+    _note_submitter(q, kwargs.get("group"), check_mode(kwargs.get("check")), stacklevel=2)
     return q.submit(reduce, tensor, codec, **kwargs)
 
 

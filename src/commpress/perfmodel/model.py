@@ -552,22 +552,23 @@ def predict(
         segs, nbytes = cache[key]
         jobs.append(segs)
         wire += nbytes
-    timeline = _simulate(workload, platform, cl, jobs)
-    return Prediction(
-        codecs=tuple(spec_key(c) for c in codecs),
-        strategy=strategy,
-        timeline=timeline,
-        wire_bytes=wire,
-        bits_per_coordinate=8.0 * wire / max(1, workload.params),
-    )
+    return _simulate(workload, platform, cl, jobs, codecs, strategy, wire)
 
 
 def _simulate(
-    workload: Workload, platform: Platform, cl: Cluster, jobs: list[Any], **options: Any
-) -> Any:
-    """The step's timeline: the workload's compute (scaled by the platform) around ``jobs``."""
+    workload: Workload,
+    platform: Platform,
+    cl: Cluster,
+    jobs: list[Any],
+    codecs: Sequence[Any],
+    strategy: str,
+    wire: float,
+    **options: Any,
+) -> Prediction:
+    """The prediction: the step's timeline (the workload's compute, scaled by the platform,
+    around ``jobs``) and the ``wire`` bytes one rank sends for ``codecs``."""
     scale = platform.compute_time_scale
-    return simulate_step(
+    timeline = simulate_step(
         forward_s=workload.forward_s * scale,
         backward_s=[b * scale for b in workload.backward_segments()],
         jobs=jobs,
@@ -575,6 +576,13 @@ def _simulate(
         overlap_efficiency=platform.overlap_efficiency,
         token_bucket=_token_bucket(cl),
         **options,
+    )
+    return Prediction(
+        codecs=tuple(spec_key(c) for c in codecs),
+        strategy=strategy,
+        timeline=timeline,
+        wire_bytes=wire,
+        bits_per_coordinate=8.0 * wire / max(1, workload.params),
     )
 
 
@@ -628,15 +636,9 @@ def _predict_hooked(
             jobs.append(segs)
             owners.append(b)
             wire += nbytes
-    timeline = _simulate(
-        workload, platform, cl, jobs, bucket_of=owners, queue_depth=hook.depth_for(strategy)
-    )
-    return Prediction(
-        codecs=tuple(spec_key(c) for c in codecs),
-        strategy=strategy,
-        timeline=timeline,
-        wire_bytes=wire,
-        bits_per_coordinate=8.0 * wire / max(1, workload.params),
+    return _simulate(
+        workload, platform, cl, jobs, codecs, strategy, wire,
+        bucket_of=owners, queue_depth=hook.depth_for(strategy),
     )
 
 
