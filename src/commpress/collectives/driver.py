@@ -497,27 +497,48 @@ def uncompressed_all_reduce(x: torch.Tensor, ex: Exchange, *, average: bool) -> 
     all-reduce over loopback. ``None`` (use the general path) for tensors that must first move
     to the group's device or travel as another dtype.
     """
-    flat = x.reshape(-1)
-    if flat.dtype not in _NATIVE_REDUCE_DTYPES or flat.device != ex.comm_device(flat.device):
+    if not direct_path_applies(x, ex):
         return None
+    flat = x.reshape(-1)
     buf = flat if ex.may_overwrite(flat) else flat.clone()
     if ex.world_size > 1:
         ex.count(buf.numel() * buf.element_size())
-        if buf.numel() and ex.timeout is None:
-            # Without a timeout of our own, the blocking form waits exactly as work.wait()
-            # would, minus a round trip through a Python work object.
-            start = time.monotonic()
-            try:
-                dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group)
-            except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError
-                raise ex.failure("round 0 (all-reduce)", exc, start) from exc
-        elif buf.numel():
+    if ex.timeout is None:
+        sum_in_place(buf, ex, average=average)
+    else:
+        if ex.world_size > 1 and buf.numel():
             work = dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group, async_op=True)
             ex.wait(Pending([work], "round 0 (all-reduce)"))
-    total = buf.view(x.shape)
-    if average and ex.world_size > 1:
-        total.div_(ex.world_size)  # our copy or the caller's writable buffer: both ours to change
-    return Reduced(total=total)
+        if average and ex.world_size > 1:
+            buf.div_(ex.world_size)
+    return Reduced(total=buf.view(x.shape))
+
+
+def direct_path_applies(x: torch.Tensor, ex: Exchange) -> bool:
+    """Whether ``x`` can be all-reduced as it is over ``ex``'s group: a dtype the backends sum
+    natively, already on the group's device."""
+    return x.dtype in _NATIVE_REDUCE_DTYPES and x.device == ex.comm_device(x.device)
+
+
+def sum_in_place(buf: torch.Tensor, ex: Exchange, *, average: bool) -> None:
+    """All-reduce ``buf`` (contiguous, on the group's device) in place over ``ex``'s group with
+    the blocking call, then divide it by the world size for a mean.
+
+    The blocking form waits exactly as ``work.wait()`` would, minus a round trip through a
+    Python work object, so it is used when no timeout of ours applies (``ex.timeout`` is
+    ``None``: the process group's own timeout bounds the wait). ``buf`` is the caller's
+    writable buffer or a copy of ours: both ours to change.
+    """
+    if ex.world_size == 1:
+        return
+    if buf.numel():
+        start = time.monotonic()
+        try:
+            dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group)
+        except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError
+            raise ex.failure("round 0 (all-reduce)", exc, start) from exc
+    if average:
+        buf.div_(ex.world_size)
 
 
 def all_reduce_task(

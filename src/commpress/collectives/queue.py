@@ -152,7 +152,7 @@ class OrderedQueue:
             try:
                 item = self._jobs.get(timeout=self._idle_check)
             except _queue.Empty:
-                if self.group is not None and not _group_alive(self.group):
+                if self.group is not None and not group_alive(self.group):
                     self._close_from_worker("its process group was destroyed")
                     return
                 continue
@@ -223,8 +223,9 @@ _QUEUES: dict[tuple[int, Hashable], tuple[Any, OrderedQueue]] = {}
 _QUEUES_LOCK = threading.Lock()
 
 
-def _group_alive(group: Any) -> bool:
-    """Whether ``group`` is still a live process group of this process."""
+def group_alive(group: Any) -> bool:
+    """Whether ``group`` (a resolved process group) is still a live process group of this
+    process."""
     if not dist.is_available() or not dist.is_initialized():
         return False
     world = getattr(dist.distributed_c10d, "_world", None)
@@ -234,7 +235,8 @@ def _group_alive(group: Any) -> bool:
     return group in pg_map
 
 
-def _resolve(group: Any) -> Any:
+def resolve_group(group: Any) -> Any:
+    """The process group object that ``group`` names (``None`` and ``WORLD``: the default)."""
     if not dist.is_available() or not dist.is_initialized():
         raise CommpressError(
             "torch.distributed is not initialized; call torch.distributed.init_process_group "
@@ -256,7 +258,7 @@ def queue_for(group: Any = None, lane: Hashable = "collective") -> OrderedQueue:
     thread, and the next call for a new group with the same identity gets a fresh queue. All
     queues are shut down at interpreter exit.
     """
-    pg = _resolve(group)
+    pg = resolve_group(group)
     key = (id(pg), lane)
     with _QUEUES_LOCK:
         entry = _QUEUES.get(key)
