@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.codecs.cast import Identity
-from commpress.collectives import all_reduce, direct, reduce, reset_state
+from commpress.collectives import all_reduce, direct, queue_for, reduce, reset_state
 from commpress.errors import CommpressError
 from dist_utils import run_workers
 
@@ -158,6 +158,23 @@ def _invalidation_worker(rank: int, world: int) -> dict[str, Any]:
         worker.start()
         worker.join()
     out["thread warnings"] = [str(w.message) for w in caught]
+    # A lane whose queue was shut down (its group alive) gives way to the group's new queue.
+    queue_for().shutdown()
+    out["after queue shutdown"] = all_reduce(a.clone(), "identity", key="a", op="sum").tolist()
+    # Values the general path refuses stay refused after a lane exists for an equal key.
+    for _ in range(2):
+        all_reduce(a.clone(), "identity", key="off", check=False)
+    for bad in (0, 0.0):
+        try:
+            all_reduce(a.clone(), "identity", key="off", check=bad)
+            out[f"check={bad!r}"] = "no error"
+        except CommpressError as exc:
+            out[f"check={bad!r}"] = str(exc)
+    try:
+        all_reduce(torch.ones(2, 2).to_sparse_csr(), "identity", key="csr")
+        out["sparse"] = "no error"
+    except CommpressError as exc:
+        out["sparse"] = str(exc)
     # A destroyed group's lane is dropped: the call fails clearly instead of running on it.
     sub = dist.new_group(list(range(world)))
     x = torch.ones(3)
@@ -181,6 +198,10 @@ def test_lanes_follow_resets_check_mode_changes_and_destroyed_groups() -> None:
         assert "order" in out["misordered"] or "mismatch" in out["misordered"].lower(), (
             rank, out["misordered"]
         )
+        assert out["after queue shutdown"] == [1.0] * 4, out  # 0 + 1
+        assert "check must be one of" in out["check=0"], out
+        assert "check must be one of" in out["check=0.0"], out
+        assert "sparse" in out["sparse"].lower() or "layout" in out["sparse"].lower(), out
         assert len(out["thread warnings"]) == 1, out
         assert "several threads" in out["thread warnings"][0], out
         assert out["sub value"] == [4.0, 4.0, 4.0], out  # two in-place sums over two ranks

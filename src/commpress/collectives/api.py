@@ -66,10 +66,17 @@ CHECK_MODES: tuple[str, ...] = get_args(CheckMode)
 #: Environment variable giving the default ``check`` mode (``first`` when unset).
 CHECK_ENV = "COMMPRESS_CHECK"
 CodecSpec: TypeAlias = "Codec | str | Mapping[str, Any]"
-# $COMMPRESS_CHECK as os.environ stores it, for lane keys: os.environ.get decodes it each time,
-# which costs as much as the rest of a lane's key.
-_ENV_DATA: Mapping[Any, Any] | None = getattr(os.environ, "_data", None)
 _CHECK_ENV_KEY: Any = getattr(os.environ, "encodekey", str)(CHECK_ENV)
+_READ_ENV: Any = object()  # check_mode's "read the environment now"
+
+
+def _check_env_raw() -> Any:
+    """``$COMMPRESS_CHECK`` as ``os.environ`` stores it (``bytes`` on POSIX, ``None`` when
+    unset), for lane keys: ``os.environ.get`` decodes it at each call, which costs as much as
+    the rest of a lane's key."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    return data.get(_CHECK_ENV_KEY) if data is not None else env.get(CHECK_ENV)
 
 # ---------------------------------------------------------------------------- per-group memory
 _LOCK = threading.Lock()
@@ -126,12 +133,17 @@ def _as_codec(codec: CodecSpec) -> Codec:
         return get_codec(codec)
 
 
-def check_mode(check: Any) -> str:
+def check_mode(check: Any, env: Any = _READ_ENV) -> str:
     """The ``check`` mode to use: ``check`` itself, or ``$COMMPRESS_CHECK`` (default
     ``"first"``) when it is ``None``. ``False`` means ``"off"`` and ``True`` ``"every"`` (what
-    the boolean options meant before the modes existed)."""
+    the boolean options meant before the modes existed). ``env``: the variable's value as
+    already read (``str``, ``bytes`` as ``os.environ`` stores it, or ``None`` when unset)."""
     if check is None:
-        check = os.environ.get(CHECK_ENV, "first").strip().lower() or "first"
+        if env is _READ_ENV:
+            env = os.environ.get(CHECK_ENV)
+        if isinstance(env, bytes):
+            env = os.fsdecode(env)
+        check = (env or "first").strip().lower() or "first"
         source = f"${CHECK_ENV}"
     else:
         source = "check"
@@ -694,20 +706,21 @@ def all_reduce(
     # A call repeating a verified identity signature takes its direct lane (see direct.py).
     lane_key = None
     if ctx is None and timeout is None and bucket_bytes is None:
-        if _ENV_DATA is not None:
-            check_env = _ENV_DATA.get(_CHECK_ENV_KEY)
-        else:
-            check_env = os.environ.get(CHECK_ENV)
+        check_env = _check_env_raw()
         lane_key = direct.lane_key(tensor, codec, group, op, strategy, key, options, check_env)
-        lane = None if lane_key is None else direct.find(lane_key)
-        if lane is not None:
-            return lane.queue.run(lane.reduce, tensor)
+        if lane_key is not None:
+            lane = direct.find(lane_key)
+            if lane is not None:
+                return lane.queue.run(lane.reduce, tensor)
+            # The call's mode comes from the same reading of the environment as its key.
+            options["check"] = check_mode(options.get("check"), check_env)
     # In queue order with the group's asynchronous calls; on this thread when none is pending.
-    lane_options, generation = dict(options), direct.generation()
+    inplace, generation = bool(options.get("inplace")), direct.generation()
+    mode = options.get("check")
     options.update(op=op, strategy=strategy, ctx=ctx, key=key, step=step, timeout=timeout)
     total = _queued_total(tensor, codec, group, bucket_bytes, options, blocking=True)
-    if lane_key is not None:
-        _open_lane(lane_key, generation, tensor, codec, group, op, strategy, key, lane_options)
+    if lane_key is not None and mode != "every":
+        _open_lane(lane_key, generation, tensor, codec, group, op, strategy, key, inplace)
     return total
 
 
@@ -720,16 +733,14 @@ def _open_lane(
     op: str,
     strategy: str,
     key: str,
-    options: dict[str, Any],
+    inplace: bool,
 ) -> None:
-    """File a direct lane for a blocking all-reduce that just succeeded, if it took the
-    identity codec's direct path: the same decisions as :func:`reduce` makes for it.
-    ``generation`` is :func:`direct.generation` from before the call (a reset since then
-    means its agreement record may be gone, so no lane)."""
+    """File a direct lane for a blocking all-reduce that just succeeded (in a check mode
+    other than ``"every"``), if it took the identity codec's direct path: the same decisions
+    as :func:`reduce` makes for it. ``generation`` is :func:`direct.generation` from before the
+    call (a reset since then means its agreement record may be gone, so no lane)."""
     c = _as_codec(codec)
     if type(c) is not Identity or _resolve_strategy(c, strategy) != "protocol":
-        return
-    if check_mode(options.get("check")) == "every":
         return
     ex = Exchange.of(group, label=_call_label(key, c))
     if not direct_path_applies(tensor, ex):
@@ -739,7 +750,7 @@ def _open_lane(
         generation,
         direct.DirectLane(
             ex, _group_id(group),
-            queue_for(group), average=op == "mean", inplace=bool(options.get("inplace")),
+            queue_for(group), average=op == "mean", inplace=inplace,
         ),
     )
 

@@ -23,8 +23,9 @@ Lanes serve only calls that the key describes completely:
 * a check mode other than ``"every"`` (which exchanges a call-order word at every call);
 * a codec given as a spec string or an :class:`Identity` instance.
 
-A lane whose process group was destroyed is dropped, and :func:`forget` (called by
-``reset_state``) drops a group's lanes along with its agreement records.
+A lane whose process group was destroyed or whose queue was shut down is dropped when its key
+next comes up, and :func:`forget` (called by ``reset_state``) drops a group's lanes along with
+its agreement records.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ LANE_OPTIONS = frozenset({"inplace", "check", "local_size"})
 #: Lanes kept at most; the table is emptied when full (lanes are rebuilt on the next call).
 MAX_LANES = 1024
 
+_CHECK_TYPES = (type(None), str, bool)
 _LANES: dict[tuple[Any, ...], DirectLane] = {}
 _LOCK = threading.Lock()
 #: Bumped by every :func:`forget`: a lane built from a call that began before a reset is not
@@ -82,8 +84,9 @@ class DirectLane:
         self.inplace = inplace
 
     def usable(self) -> bool:
-        """Whether the lane's process group (its queue's) is still alive."""
-        return group_alive(self.queue.group)
+        """Whether the lane's queue still runs and its process group is still alive (a queue
+        shut down while its group lives is replaced by ``queue_for``; so is then the lane)."""
+        return self.queue.alive and group_alive(self.queue.group)
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The total of ``tensor`` (contiguous) over the group, as the general path computes
@@ -98,14 +101,22 @@ class DirectLane:
 
 def lane_key(
     tensor: Any, codec: Any, group: Any, op: Any, strategy: Any, key: Any,
-    options: Mapping[str, Any], check_env: str | None,
+    options: Mapping[str, Any], check_env: Any,
 ) -> tuple[Any, ...] | None:
     """The key of a blocking ``all_reduce`` call whose outcome a lane can repeat, or ``None``
     when the call is not one a lane can serve (the caller has already excluded ``ctx``,
-    ``timeout`` and ``bucket_bytes``). ``check_env`` is ``$COMMPRESS_CHECK``'s value."""
+    ``timeout`` and ``bucket_bytes``). ``check_env`` is ``$COMMPRESS_CHECK``'s value as read
+    for this call (the call must take its mode from the same reading)."""
     if not isinstance(tensor, torch.Tensor) or not LANE_OPTIONS.issuperset(options):
         return None
-    if not tensor.is_contiguous():
+    # check=0 equals check=False as a key, but check_mode refuses it: exact types only.
+    if type(options.get("check")) not in _CHECK_TYPES:
+        return None
+    try:
+        if not tensor.is_contiguous():
+            return None
+        shape = tensor.shape
+    except RuntimeError:  # sparse or nested: the general path refuses them clearly
         return None
     if type(codec) is str:
         spec: Any = codec
@@ -116,7 +127,7 @@ def lane_key(
     return (
         spec, group, op, strategy, key,
         options.get("inplace", False), options.get("check"), options.get("local_size"), check_env,
-        threading.get_ident(), tensor.shape, tensor.dtype, tensor.device,
+        threading.get_ident(), shape, tensor.dtype, tensor.device,
     )
 
 
