@@ -185,6 +185,10 @@ def test_allreduce_benchmark_runs_and_counts_bytes() -> None:
     assert math.isfinite(by["identity/auto inplace"]["overhead_pct"])
     assert math.isfinite(by["plain fp32 (control)"]["overhead_pct"])
     assert all(r["ms"] > 0 for r in rows)
+    # The calling thread's CPU time: some for every call, a paired difference for identity.
+    assert all(r["cpu_us"] > 0 for r in rows)
+    assert math.isfinite(by["identity/auto inplace"]["cpu_overhead_us"])
+    assert math.isnan(by["topk/ring"]["cpu_overhead_us"])
     # Short calls are timed in batches, capped for tiny sizes.
     assert by["plain fp32"]["calls_per_sample"] == 64
 

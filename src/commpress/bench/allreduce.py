@@ -19,7 +19,12 @@ rounds and hops; plain rows count the tensor once); the speed relative to plain 
 (medians); and for the identity codec the framework's overhead relative to the equivalent
 plain call (the median over repeats of the paired time ratio; goal: within 5 %): the in-place
 identity rows against in-place ``all_reduce``, the out-of-place identity rows against
-``clone()`` plus ``all_reduce``.
+``clone()`` plus ``all_reduce``. Beside the times, each row gives the calling thread's CPU time
+per call (``time.thread_time``, the busiest rank's median) and, for the identity rows, its
+paired difference to the plain call in microseconds: the Python a call adds in front of the
+collective, measured without the scheduling noise that blurs wall-clock ratios of short calls
+on a shared machine (work on other threads, such as the offload worker or gloo's own, is not
+in it).
 Short calls are timed in batches: each repeat of a method runs ``max(1, 8 MB / size)`` calls
 back to back (as a training loop would) and records their mean, and sizes up to 4 MB get 4x the
 repeats (timings of single millisecond calls on a shared machine spread by several times).
@@ -220,6 +225,7 @@ def _measure_size(
         calls[name] = functools.partial(all_reduce, x, spec, **options)
     rows = []
     times: dict[str, list[float]] = {k: [] for k in calls}
+    cpu: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(warmup):
         for fn in calls.values():
             fn()
@@ -234,13 +240,17 @@ def _measure_size(
         for name in order:
             fn = calls[name]
             dist.barrier()
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             for _ in range(batch):
                 fn()
             times[name].append((time.perf_counter() - t0) / batch)
+            cpu[name].append((time.thread_time() - c0) / batch)
     for name in calls:
         slowest = torch.tensor(times[name], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        busiest = torch.tensor(cpu[name], dtype=torch.float64)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
         rows.append(
             {
                 "world": world,
@@ -249,6 +259,8 @@ def _measure_size(
                 "ms": 1e3 * statistics.median(slowest.tolist()),
                 "ms_min": 1e3 * min(slowest.tolist()),
                 "times_ms": [1e3 * t for t in slowest.tolist()],
+                "cpu_us": 1e6 * statistics.median(busiest.tolist()),
+                "cpu_times_us": [1e6 * t for t in busiest.tolist()],
                 "calls_per_sample": batch,
                 "wire_bytes": wire[name],
             }
@@ -338,6 +350,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else []
         )
         r["overhead_pct"] = 100.0 * (statistics.median(ratios) - 1.0) if ratios else float("nan")
+        extra = (
+            [t - b for t, b in zip(r["cpu_times_us"], base["cpu_times_us"], strict=True)]
+            if base
+            else []
+        )
+        r["cpu_overhead_us"] = statistics.median(extra) if extra else float("nan")
     return rows
 
 
@@ -390,6 +408,8 @@ def run(args: argparse.Namespace) -> int:
         "wire MB/rank",
         "vs plain fp32",
         "overhead %",
+        "caller CPU us",
+        "CPU overhead us",
     ]
     table = [
         [
@@ -401,6 +421,8 @@ def run(args: argparse.Namespace) -> int:
             r["wire_bytes"] / 2**20,
             r["vs_fp32"],
             r["overhead_pct"],
+            r["cpu_us"],
+            r["cpu_overhead_us"],
         ]
         for r in rows
     ]

@@ -65,9 +65,12 @@ class OrderedQueue:
         # zero, so inline jobs never overtake queued ones.
         self._unfinished = 0
         self._running = threading.Lock()
-        self._inline_thread: threading.Thread | None = None
+        # Thread identities (cheaper to compare than threading.current_thread()): the worker's,
+        # and that of a caller running a job inline.
+        self._inline_ident: int | None = None
         self._thread = threading.Thread(target=self._run, name=f"{name}-queue", daemon=True)
         self._thread.start()
+        self._worker_ident = self._thread.ident
 
     # ------------------------------------------------------------------ public API
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> torch.futures.Future:
@@ -98,7 +101,8 @@ class OrderedQueue:
         meanwhile wait for it, exactly as if it had been queued first. Otherwise it is queued
         behind the earlier jobs and this call waits for it.
         """
-        if not self.on_worker_thread():
+        me = threading.get_ident()
+        if me != self._worker_ident and me != self._inline_ident:
             with self._lock:
                 if self._closed:
                     raise CommpressError(
@@ -109,19 +113,18 @@ class OrderedQueue:
                 if inline:
                     self._unfinished += 1
                     self._running.acquire()
-                    self._inline_thread = threading.current_thread()
+                    self._inline_ident = me
             if inline:
-                job_id = next(self._counter)
                 try:
                     return fn(*args, **kwargs)
                 except CommpressError:
                     raise
                 except Exception as exc:  # named like a queued job's failure
-                    raise self._job_error(job_id, fn, exc) from exc
+                    raise self._job_error(next(self._counter), fn, exc) from exc
                 finally:
                     # A KeyboardInterrupt here reaches the caller as it is; the queue, whose
                     # thread never ran this job, stays usable.
-                    self._inline_thread = None
+                    self._inline_ident = None
                     self._running.release()
                     with self._lock:
                         self._unfinished -= 1
@@ -130,12 +133,13 @@ class OrderedQueue:
     def on_worker_thread(self) -> bool:
         """Whether the caller is running a job of this queue (on the worker thread, or inline
         in :meth:`run`); jobs it submits then run immediately, so nesting never deadlocks."""
-        current = threading.current_thread()
-        return current is self._thread or current is self._inline_thread
+        me = threading.get_ident()
+        return me == self._worker_ident or me == self._inline_ident
 
     @property
     def alive(self) -> bool:
-        return not self._closed and self._thread.is_alive()
+        """Whether the queue accepts jobs (its worker closes it whenever it stops)."""
+        return not self._closed
 
     def shutdown(self, *, wait: bool = True, timeout: float | None = 10.0) -> None:
         """Stop accepting jobs; the jobs already queued still run, then the thread exits."""
@@ -148,6 +152,16 @@ class OrderedQueue:
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # However the worker ends, the queue is closed, and its thread identity (which the
+            # system may give to a new thread) no longer marks callers as the worker.
+            with self._lock:
+                self._closed = True
+            self._worker_ident = None
+
+    def _serve(self) -> None:
         while True:
             try:
                 item = self._jobs.get(timeout=self._idle_check)
@@ -226,12 +240,11 @@ _QUEUES_LOCK = threading.Lock()
 def group_alive(group: Any) -> bool:
     """Whether ``group`` (a resolved process group) is still a live process group of this
     process."""
-    if not dist.is_available() or not dist.is_initialized():
-        return False
-    world = getattr(dist.distributed_c10d, "_world", None)
+    # destroy_process_group removes a group from this map (all of them for the default one).
+    world = getattr(getattr(dist, "distributed_c10d", None), "_world", None)
     pg_map = getattr(world, "pg_map", None)
     if pg_map is None:  # private layout changed: assume alive while initialized
-        return True
+        return dist.is_available() and dist.is_initialized()
     return group in pg_map
 
 
