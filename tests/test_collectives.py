@@ -425,6 +425,65 @@ def test_ordered_queue_run_is_inline_when_idle_and_never_overtakes() -> None:
         q.run(lambda: 1)
 
 
+def test_ordered_queue_worker_identity_never_outlives_the_worker() -> None:
+    # A queue whose group is not alive stops at once; no later thread (which the system may
+    # give the dead worker's identity) may count as its worker, and it refuses jobs.
+    q = OrderedQueue("gone", group=object(), idle_check=0.0)
+    q._thread.join(10)
+    assert not q.alive
+    seen: list[bool] = []
+    for _ in range(20):
+        th = threading.Thread(target=lambda: seen.append(q.on_worker_thread()))
+        th.start()
+        th.join()
+    assert seen == [False] * 20
+    with pytest.raises(CommpressError, match="shut down"):
+        q.run(lambda: "ran")
+
+
+def test_ordered_queue_interrupt_in_a_nested_job_keeps_the_queue() -> None:
+    q = OrderedQueue("test")
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        q.run(lambda: q.submit(interrupt).wait())  # nested in an inline job
+    assert q.alive and q.run(lambda: 7) == 7
+    q.shutdown()
+    assert not q._thread.is_alive()
+
+
+def _queue_state_in_forked_child(q: OrderedQueue, out: Any) -> None:
+    seen: list[bool] = []
+    th = threading.Thread(target=lambda: seen.append(q.on_worker_thread()))
+    th.start()
+    th.join()
+    try:
+        q.run(lambda: "ran")
+        refused = "no error"
+    except CommpressError as exc:
+        refused = str(exc)
+    out.put((q.alive, seen, refused))
+
+
+def test_ordered_queue_is_closed_in_a_forked_child() -> None:
+    import multiprocessing
+
+    q = OrderedQueue("forked")
+    assert q.run(lambda: 1) == 1
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_queue_state_in_forked_child, args=(q, out))
+    child.start()
+    alive, seen, refused = out.get(timeout=30)
+    child.join(30)
+    assert alive is False and seen == [False], (alive, seen)
+    assert "shut down" in refused, refused
+    assert q.alive and q.run(lambda: 2) == 2  # the parent's queue is untouched
+    q.shutdown()
+
+
 def test_api_needs_an_initialized_process_group() -> None:
     with pytest.raises(CommpressError, match="not initialized"):
         all_reduce(torch.ones(3), "identity")

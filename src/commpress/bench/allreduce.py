@@ -20,7 +20,8 @@ rounds and hops; plain rows count the tensor once); the speed relative to plain 
 plain call (the median over repeats of the paired time ratio; goal: within 5 %): the in-place
 identity rows against in-place ``all_reduce``, the out-of-place identity rows against
 ``clone()`` plus ``all_reduce``. Beside the times, each row gives the calling thread's CPU time
-per call (``time.thread_time``, the busiest rank's median) and, for the identity rows, its
+per call (``time.thread_time``; each repeat counts the busiest rank, as times count the
+slowest; the median over repeats) and, for the identity rows, its
 paired difference to the plain call in microseconds: the Python a call adds in front of the
 collective, measured without the scheduling noise that blurs wall-clock ratios of short calls
 on a shared machine (work on other threads, such as the offload worker or gloo's own, is not
@@ -327,7 +328,10 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     plain all-reduce, and the identity codec's out-of-place call (which returns a new tensor)
     against ``clone()`` plus a plain all-reduce. It is *paired*: every repeat times every
     method once, in turn, so the ratio of the two times of one repeat sees the same machine
-    load; the overhead is the median of those ratios, minus one. ``vs_fp32`` uses medians.
+    load; the overhead is the median of those ratios, minus one. ``cpu_overhead_us`` is the
+    median of the same repeats' differences in the calling thread's CPU time per call (each
+    repeat's busiest rank, which need not be the same rank for both calls). ``vs_fp32`` uses
+    medians.
     """
 
     def times(method: str) -> dict[tuple[int, float], dict[str, Any]]:

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import queue as _queue
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
@@ -46,8 +48,8 @@ class OrderedQueue:
 
     A job that raises completes its future with a :class:`CommpressError` (other exceptions are
     wrapped, naming the job and the queue); the queue keeps running the following jobs. A job
-    submitted *from* the worker thread itself (a job calling an API that would submit again)
-    runs immediately, inline, so nesting never deadlocks.
+    submitted from inside a running job (on the worker thread, or in a job that :meth:`run`
+    runs on its caller's thread) runs immediately, so nesting never deadlocks.
     """
 
     def __init__(
@@ -66,11 +68,13 @@ class OrderedQueue:
         self._unfinished = 0
         self._running = threading.Lock()
         # Thread identities (cheaper to compare than threading.current_thread()): the worker's,
-        # and that of a caller running a job inline.
+        # set by the worker itself and cleared when it stops, and that of a caller running a
+        # job inline.
+        self._worker_ident: int | None = None
         self._inline_ident: int | None = None
         self._thread = threading.Thread(target=self._run, name=f"{name}-queue", daemon=True)
+        _ALL_QUEUES.add(self)
         self._thread.start()
-        self._worker_ident = self._thread.ident
 
     # ------------------------------------------------------------------ public API
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> torch.futures.Future:
@@ -138,8 +142,8 @@ class OrderedQueue:
 
     @property
     def alive(self) -> bool:
-        """Whether the queue accepts jobs (its worker closes it whenever it stops)."""
-        return not self._closed
+        """Whether the queue accepts jobs and its worker thread runs."""
+        return not self._closed and self._thread.is_alive()
 
     def shutdown(self, *, wait: bool = True, timeout: float | None = 10.0) -> None:
         """Stop accepting jobs; the jobs already queued still run, then the thread exits."""
@@ -152,14 +156,16 @@ class OrderedQueue:
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
+        self._worker_ident = threading.get_ident()
         try:
             self._serve()
         finally:
-            # However the worker ends, the queue is closed, and its thread identity (which the
-            # system may give to a new thread) no longer marks callers as the worker.
+            # However the worker ends, the queue is closed and emptied, and its thread identity
+            # (which the system may give to a new thread) no longer marks callers as the worker.
+            self._worker_ident = None
             with self._lock:
                 self._closed = True
-            self._worker_ident = None
+            self._drain("the queue's worker stopped")
 
     def _serve(self) -> None:
         while True:
@@ -193,8 +199,11 @@ class OrderedQueue:
         except BaseException as exc:  # every failure goes into the future, never lost
             err = exc if isinstance(exc, CommpressError) else self._job_error(job_id, fn, exc)
             fut.set_exception(err)
-            if not isinstance(exc, Exception):  # KeyboardInterrupt/SystemExit: stop the thread
-                self._close_from_worker(f"job {job_id} raised {type(exc).__name__}")
+            if not isinstance(exc, Exception):  # KeyboardInterrupt/SystemExit
+                if threading.get_ident() == self._worker_ident:  # stop the worker
+                    self._close_from_worker(f"job {job_id} raised {type(exc).__name__}")
+                # (in a job nested in an inline one it reaches run()'s caller, as inline
+                # jobs' own interrupts do, and the queue stays usable)
                 raise
             return
         fut.set_result(result)
@@ -235,6 +244,25 @@ class OrderedQueue:
 # ---------------------------------------------------------------------------- per group
 _QUEUES: dict[tuple[int, Hashable], tuple[Any, OrderedQueue]] = {}
 _QUEUES_LOCK = threading.Lock()
+#: Every queue of this process, for the fork handler below.
+_ALL_QUEUES: weakref.WeakSet[OrderedQueue] = weakref.WeakSet()
+
+
+def _close_queues_in_child() -> None:
+    """After ``fork()`` (DataLoader workers, for example) the child has none of the workers:
+    its queues are closed (``queue_for`` replaces them), their state lock is fresh (a thread of
+    the parent may have held it), and no thread counts as a worker (a new thread may be given
+    a parent worker's identity)."""
+    global _QUEUES_LOCK
+    _QUEUES_LOCK = threading.Lock()
+    for q in list(_ALL_QUEUES):
+        q._lock = threading.Lock()
+        q._closed = True
+        q._worker_ident = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_queues_in_child)
 
 
 def group_alive(group: Any) -> bool:
