@@ -50,6 +50,9 @@ def _worker(
     args: tuple[Any, ...],
     backend: str = "gloo",
 ) -> None:
+    from commpress.procs import exit_when_orphaned
+
+    exit_when_orphaned()  # never outlive a killed test run
     os.environ.update(env)
     status, value = "ok", b""
     try:

@@ -52,6 +52,7 @@ from collections.abc import Callable
 from typing import Any
 
 from commpress.errors import CommpressError
+from commpress.procs import exit_when_orphaned
 
 DEFAULT_CODECS = "identity,fp16,bf16,qsgd,topk,powersgd,thc"
 DEFAULT_STRATEGIES = "auto,allgather,ring,hierarchical"
@@ -147,6 +148,7 @@ def _worker(
     threads: int,
     results: Any,
 ) -> None:
+    exit_when_orphaned()
     try:
         import torch
         import torch.distributed as dist
