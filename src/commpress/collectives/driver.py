@@ -503,14 +503,7 @@ def uncompressed_all_reduce(x: torch.Tensor, ex: Exchange, *, average: bool) -> 
     buf = flat if ex.may_overwrite(flat) else flat.clone()
     if ex.world_size > 1:
         ex.count(buf.numel() * buf.element_size())
-    if ex.timeout is None:
-        sum_in_place(buf, ex, average=average)
-    else:
-        if ex.world_size > 1 and buf.numel():
-            work = dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group, async_op=True)
-            ex.wait(Pending([work], "round 0 (all-reduce)"))
-        if average and ex.world_size > 1:
-            buf.div_(ex.world_size)
+    sum_in_place(buf, ex, average=average)
     return Reduced(total=buf.view(x.shape))
 
 
@@ -521,17 +514,20 @@ def direct_path_applies(x: torch.Tensor, ex: Exchange) -> bool:
 
 
 def sum_in_place(buf: torch.Tensor, ex: Exchange, *, average: bool) -> None:
-    """All-reduce ``buf`` (contiguous, on the group's device) in place over ``ex``'s group with
-    the blocking call, then divide it by the world size for a mean.
+    """All-reduce ``buf`` (contiguous, on the group's device) in place over ``ex``'s group, then
+    divide it by the world size for a mean.
 
-    The blocking form waits exactly as ``work.wait()`` would, minus a round trip through a
-    Python work object, so it is used when no timeout of ours applies (``ex.timeout`` is
-    ``None``: the process group's own timeout bounds the wait). ``buf`` is the caller's
-    writable buffer or a copy of ours: both ours to change.
+    Without a timeout of ours (``ex.timeout`` is ``None``: the process group's own timeout
+    bounds the wait) it uses the blocking call, which waits exactly as ``work.wait()`` would,
+    minus a round trip through a Python work object; with one, it waits on the work under
+    that timeout. ``buf`` is the caller's writable buffer or a copy of ours: both ours to change.
     """
     if ex.world_size == 1:
         return
-    if buf.numel():
+    if buf.numel() and ex.timeout is not None:
+        work = dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group, async_op=True)
+        ex.wait(Pending([work], "round 0 (all-reduce)"))
+    elif buf.numel():
         start = time.monotonic()
         try:
             dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group)
