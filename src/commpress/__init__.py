@@ -20,6 +20,7 @@ from commpress.codecs import (
     simulate,
 )
 from commpress.collectives import all_reduce, all_reduce_async, recv, send
+from commpress.collectives.policy import CompressionState, Guard, StepStats
 from commpress.errors import CommpressError
 
 __version__ = "0.1.0"
@@ -31,8 +32,11 @@ __all__ = [
     "Codec",
     "CodecContext",
     "CommpressError",
+    "CompressionState",
+    "Guard",
     "Payload",
     "Reduced",
+    "StepStats",
     "__version__",
     "all_reduce",
     "all_reduce_async",

@@ -42,8 +42,8 @@ from commpress.collectives.driver import (
     require_initialized,
     run_tasks,
 )
-from commpress.collectives.feedback import FALLBACK_CODECS, Schedule
-from commpress.collectives.policy import CodecPolicy, CompressionState, Plan
+from commpress.collectives.feedback import Schedule
+from commpress.collectives.policy import CodecPolicy, CompressionState, Guard, Plan
 from commpress.collectives.queue import queue_for
 from commpress.collectives.strategies import (
     RING_TAG_BASE,
@@ -211,6 +211,7 @@ class DDPCompressionState(CompressionState):
                 "error_feedback": self.error_feedback,
                 "feedback": repr(self.memory.config),
                 "granularity": self.granularity,
+                "guard": repr(self.guard),
                 "strategy": self.strategy,
                 "local_size": self.local_size,
             }
@@ -301,7 +302,7 @@ def _dense_task(
     collective. Error feedback, when it applies, is kept per tensor.
     """
     codec, feedback = plans[0].codec, plans[0].feedback
-    xs = [state.memory.compensate(k, t) if feedback else t for k, t in items]
+    xs = [state.compensate(plan, t) for (_, t), plan in zip(items, plans, strict=True)]
     flat = xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
     ctx = CodecContext(
         rank=ex.rank, world_size=ex.world_size, step=step, key=key, need_local=feedback,
@@ -311,10 +312,11 @@ def _dense_task(
     offset = 0
     for (k, t), x, plan in zip(items, xs, plans, strict=True):
         n = t.numel()
-        t.copy_(reduced.total[offset : offset + n].view(t.shape))
+        local = None
         if feedback:
             local = reduced.local[offset : offset + n].view(t.shape)  # type: ignore[index]
-            state.memory.update(k, x, local, mask_momentum=not plan.fallback)
+        total = reduced.total[offset : offset + n].view(t.shape)
+        t.copy_(state.finish(k, t, x, plan, Reduced(total=total, local=local)).total)
         offset += n
 
 
@@ -344,8 +346,10 @@ def _reduce_bucket(
     step: int,
     bucket_index: int,
     stream: Any,
+    last: bool = False,
 ) -> torch.Tensor:
-    """The queued job: reduce every tensor of one bucket and write the means into the buffer.
+    """The queued job: reduce every tensor of one bucket and write the means into the buffer
+    (after the step's ``last`` bucket, end the step: :meth:`CompressionState.end_step`).
 
     Tensors whose codec is an element-wise cast (identity, fp16, bf16) are grouped into one
     flat reduction per (codec, feedback, dtype); every other tensor gets its own protocol.
@@ -360,7 +364,7 @@ def _reduce_bucket(
             f"earlier bucket failed: {state._failed}"
         )
     try:
-        return _reduce_bucket_now(state, items, buffer, step, bucket_index, stream)
+        return _reduce_bucket_now(state, items, buffer, step, bucket_index, stream, last)
     except BaseException as exc:
         state._failed = str(exc) or type(exc).__name__
         raise
@@ -418,6 +422,7 @@ def _reduce_bucket_now(
     step: int,
     bucket_index: int,
     stream: Any,
+    last: bool,
 ) -> torch.Tensor:
     ctx_mgr = torch.cuda.stream(stream) if stream is not None else nullcontext()
     with ctx_mgr, error_context(f"DDP comm hook, bucket {bucket_index} at step {step}"):
@@ -432,7 +437,7 @@ def _reduce_bucket_now(
         groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
         tasks: list[Callable[..., Generator[Pending, None, None]]] = []
         for i, plan in enumerate(plans):
-            if plan.codec.codec_id in FALLBACK_CODECS:
+            if plan.codec.elementwise:
                 group_key = (plan.codec.fingerprint(), plan.feedback, items[i][1].dtype)
                 groups.setdefault(group_key, []).append(i)
             else:
@@ -452,6 +457,10 @@ def _reduce_bucket_now(
         # differently across ranks, so they run one at a time.
         depth = 1 if state.strategy.startswith("hierarchical") else 2
         run_tasks(tasks, ex, depth=depth)
+        state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
+        if last:
+            # undo a non-finite step's changes to the codec states, run the guard, record stats
+            state.end_step(step, rank=ex.rank)
         if stream is not None:
             stream.synchronize()
     return buffer
@@ -482,7 +491,13 @@ def comm_hook(
           momentum) when it applies;
        c. runs those reductions pipelined, two in flight (one for the hierarchical
           strategies), in the same order on every rank;
-       d. writes the means (identical on every rank) into the buffer and returns it.
+       d. writes the means (identical on every rank) into the buffer and returns it;
+       e. after the step's last bucket, ends the step (:meth:`CompressionState.end_step`):
+          if the reduced gradients were non-finite (a NaN/Inf on any rank), every change
+          the step made to the error-feedback memory and codec states is undone, so AMP's
+          ``GradScaler`` skips the step and training goes on from the state before it; the
+          guard (if set) runs, and the step's :class:`~commpress.collectives.policy.StepStats`
+          is appended to ``state.stats``.
 
        Before reducing, whenever a bucket's plan differs from the one last checked (first
        step, rebuilt buckets, end of warm-up), every rank's settings and plan fingerprints
@@ -494,7 +509,8 @@ def comm_hook(
     """
     buffer = bucket.buffer()
     step = state.step
-    if bucket.is_last():
+    last = bucket.is_last()
+    if last:
         state.advance()
     params = bucket.parameters()
     names = state.names_of(bucket.index(), params)
@@ -504,7 +520,7 @@ def comm_hook(
         items = list(zip(names, bucket.gradients(), strict=True))
     stream = torch.cuda.current_stream(buffer.device) if buffer.is_cuda else None
     fut = queue_for(state.process_group).submit(
-        _reduce_bucket, state, items, buffer, step, bucket.index(), stream
+        _reduce_bucket, state, items, buffer, step, bucket.index(), stream, last
     )
     # A failed job's future holds the exception as its *value* (Python's set_exception); DDP
     # reads the value in C++ and would report "Unable to cast ... to Tensor". Chaining turns
@@ -545,6 +561,7 @@ def register(
     local_size: int | None = None,
     timeout: float | None = None,
     own_group: bool = True,
+    guard: Guard | bool | None = None,
     **codec_params: Any,
 ) -> DDPCompressionState:
     """Make ``model`` average its gradients through commpress codecs.
@@ -561,8 +578,11 @@ def register(
             ``codec`` is the default for names it leaves open.
         by_size: element-count thresholds to codec specs (see ``CodecPolicy``).
         group: process group (default: the DDP model's process group, else the default one).
-        error_feedback: ``True``/``False``, or ``None`` for automatic: on for lossy codecs
-            except the plain fp16/bf16 casts. Biased codecs (top-k, sign, PowerSGD) need it.
+        error_feedback: ``True``/``False``, or ``None`` for automatic: on exactly for the
+            codecs that need it (``codec.feedback_fit == "needed"``: biased and contractive,
+            such as top-k, DGC, TopKC, sign, PowerSGD, THC), off for the others. ``True`` is
+            refused for codecs whose error is not contractive (``"incompatible"``: Random-K
+            scaled by d/k, TernGrad, QSGD), whose residual would grow without bound.
         momentum: DGC momentum correction (0 = off). If used, build the optimizer without
             momentum: the momentum is applied before compression.
         momentum_masking: DGC momentum factor masking (for sparsifiers).
@@ -613,6 +633,10 @@ def register(
             differently on different ranks and gloo fails ("Received data size doesn't
             match"). Keep the default; ``False`` shares the model's group (only safe when DDP
             issues nothing else during backward).
+        guard: divergence guard: ``True`` (defaults) or a
+            :class:`~commpress.collectives.policy.Guard`: after a non-finite step or a
+            gradient-norm spike, send lossy tensors with ``fallback_codec`` for a few steps
+            (one warning on rank 0). Off by default; non-finite steps are undone either way.
 
     Returns:
         The :class:`DDPCompressionState`; save ``state.state_dict()`` with your checkpoint and
@@ -658,7 +682,7 @@ def register(
         raise CommpressError(
             f"unknown strategy {strategy!r}; accepted: {', '.join(repr(s) for s in STRATEGIES)}"
         )
-    for what, c in _policy_codecs(built):
+    for what, c in built.codecs():
         why = strategy_refusal(c, strategy)
         if why is not None:
             raise CommpressError(f"commpress.ddp.register: strategy {strategy!r} cannot send "
@@ -692,6 +716,7 @@ def register(
         momentum=momentum,
         momentum_masking=momentum_masking,
         timeout=timeout,
+        guard=guard,
     )
     if strategy.startswith("hierarchical") and local_size is not None:
         # The node subgroups are made here, on every rank's main thread in the same order (made
@@ -706,14 +731,6 @@ def register(
     with error_context("registering the commpress DDP comm hook"):
         model.register_comm_hook(state, comm_hook)
     return state
-
-
-def _policy_codecs(policy: CodecPolicy) -> list[tuple[str, Codec]]:
-    """The codecs a policy names up front (a policy function's are checked at each plan)."""
-    found = [(f"the default codec {policy.default}", policy.default)]
-    found += [(f"{c} (rule {pattern!r})", c) for pattern, c in policy.rules]
-    found += [(f"{c} (by_size >= {t})", c) for t, c in policy.by_size]
-    return found
 
 
 def _own_group(group: ProcessGroup | None) -> ProcessGroup:

@@ -145,9 +145,6 @@ def simulate(
     dtypes = {str(t.dtype) for t in inputs}
     if len(dtypes) != 1:
         raise CommpressError(f"all workers must hold tensors of one dtype, got {sorted(dtypes)}")
-    order = list(range(n)) if order is None else list(order)
-    if sorted(order) != list(range(n)):
-        raise CommpressError(f"order must be a permutation of range({n}), got {order}")
     states = [dict() for _ in range(n)] if states is None else list(states)
     if len(states) != n:
         raise CommpressError(f"got {len(states)} state dicts for {n} workers")
@@ -164,7 +161,31 @@ def simulate(
         )
         for r in range(n)
     ]
-    protocols: list[Protocol] = [codec.reduce(inputs[r], contexts[r]) for r in range(n)]
+    sim = drive(
+        [codec.reduce(inputs[r], contexts[r]) for r in range(n)],
+        order=order,
+        max_rounds=max_rounds,
+        what=codec.codec_id,
+    )
+    sim.states = states
+    return sim
+
+
+def drive(
+    protocols: Sequence[Protocol],
+    *,
+    order: Sequence[int] | None = None,
+    max_rounds: int = 64,
+    what: str = "the protocol",
+) -> Simulation:
+    """Run one protocol generator per simulated worker in lockstep (worker ``i`` is
+    ``protocols[i]``), exchanging in memory as :func:`simulate` does; any protocol works, for
+    example :meth:`commpress.collectives.policy.CompressionState.reduce`'s. The returned
+    :class:`Simulation` has no ``states`` (the protocols own theirs)."""
+    n = len(protocols)
+    order = list(range(n)) if order is None else list(order)
+    if sorted(order) != list(range(n)):
+        raise CommpressError(f"order must be a permutation of range({n}), got {order}")
     results: list[Reduced | None] = [None] * n
     pending: list[Request | None] = [None] * n
     for r, gen in enumerate(protocols):
@@ -173,7 +194,7 @@ def simulate(
         except StopIteration as stop:
             results[r] = stop.value
 
-    sim = Simulation(totals=[], locals=[], wire_bytes=[0] * n, states=states)
+    sim = Simulation(totals=[], locals=[], wire_bytes=[0] * n)
     for round_index in range(max_rounds + 1):
         finished = [req is None for req in pending]
         if all(finished):
@@ -184,7 +205,7 @@ def simulate(
                 "while others still ask for exchanges; the protocol is not symmetric"
             )
         if round_index == max_rounds:
-            raise CommpressError(f"protocol of {codec.codec_id} exceeded {max_rounds} rounds")
+            raise CommpressError(f"protocol of {what} exceeded {max_rounds} rounds")
         requests: list[Request] = [req for req in pending if req is not None]
         _check_same_request(requests, round_index)
         for r, req in enumerate(requests):
@@ -217,7 +238,7 @@ def simulate(
         res = results[r]
         if not isinstance(res, Reduced):
             raise CommpressError(
-                f"protocol of {codec.codec_id} returned {type(res).__name__}, not Reduced"
+                f"protocol of {what} returned {type(res).__name__}, not Reduced"
             )
         sim.totals.append(res.total)
         sim.locals.append(res.local)
@@ -230,4 +251,4 @@ def single_worker(codec: Codec, x: torch.Tensor, **kwargs: Any) -> Reduced:
     return Reduced(total=sim.totals[0], local=sim.locals[0])
 
 
-__all__ = ["Simulation", "reduce_tensors", "simulate", "single_worker"]
+__all__ = ["Simulation", "drive", "reduce_tensors", "simulate", "single_worker"]

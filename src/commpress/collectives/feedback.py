@@ -87,6 +87,32 @@ class FeedbackConfig:
         )
 
 
+def feedback_applies(codec: Codec, error_feedback: bool | None) -> bool:
+    """Whether error feedback applies to tensors sent with ``codec`` under the setting
+    ``error_feedback`` (``True``, ``False`` or ``None`` for automatic).
+
+    It never applies to lossless codecs. Automatic turns it on exactly for the codecs that
+    need it (``codec.feedback_fit == "needed"``: biased and contractive, such as top-k,
+    sign, PowerSGD). ``True`` turns it on for every lossy codec, except that a codec whose
+    error is not contractive (``"incompatible"``: Random-K scaled by d/k, TernGrad, QSGD) is
+    refused: its residual would grow without bound.
+    """
+    if codec.lossless or error_feedback is False:
+        return False
+    fit = codec.feedback_fit
+    if error_feedback is None:
+        return fit == "needed"
+    if fit == "incompatible":
+        raise CommpressError(
+            f"error_feedback=True cannot be used with {codec}: its compression error is not "
+            "contractive (|C(x) - x| can exceed |x|), so the error-feedback residual would "
+            "grow without bound and training diverges. Use error_feedback=None (automatic: "
+            "off for this codec) or False, or a contractive codec (see docs/ddp.md, 'Error "
+            "feedback and DGC')"
+        )
+    return True
+
+
 def _memory_dtype(dtype: torch.dtype) -> torch.dtype:
     """Residuals of 16-bit gradients are kept in float32: they are sums of many small parts."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -141,10 +167,9 @@ class FeedbackMemory:
             return x
         if self.config.momentum > 0.0:
             u = self._fetch(self._velocity, key, grad, dtype)
-            if u is None:
-                u = x.clone()
-            else:
-                u.mul_(self.config.momentum).add_(x)
+            # a new tensor, not an in-place update: the caller may still hold the old velocity
+            # to restore it if the step turns out non-finite (CompressionState's rollback)
+            u = x.clone() if u is None else u.mul(self.config.momentum).add_(x)
             self._velocity[key] = u
             x = u.clone()
         e = self._fetch(self._residual, key, grad, dtype)
@@ -186,8 +211,25 @@ class FeedbackMemory:
         self._residual[key] = compensated - local
         if self.config.momentum > 0.0 and self.config.momentum_masking and mask_momentum:
             u = self._velocity.get(key)
-            if u is not None:
+            if u is not None:  # this step's velocity, made by compensate: safe to change
                 u.masked_fill_(local != 0, 0.0)
+
+    # ------------------------------------------------------------------ rollback
+    def snapshot(self, key: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The memory of ``key`` as it is now (references, no copies): :meth:`compensate` and
+        :meth:`update` replace these tensors instead of changing them, so a snapshot taken
+        before a step can undo it (:meth:`restore`)."""
+        return self._residual.get(key), self._velocity.get(key)
+
+    def restore(
+        self, key: str, snapshot: tuple[torch.Tensor | None, torch.Tensor | None]
+    ) -> None:
+        """Put back the memory of ``key`` that :meth:`snapshot` returned."""
+        for store, value in zip((self._residual, self._velocity), snapshot, strict=True):
+            if value is None:
+                store.pop(key, None)
+            else:
+                store[key] = value
 
     # ------------------------------------------------------------------ inspection
     def residual(self, key: str) -> torch.Tensor | None:
@@ -311,7 +353,10 @@ def _dense_codec(codec_id: str) -> Codec:
     return get_codec(codec_id)
 
 
-ChoiceReason = Literal["codec", "lossless", "warmup", "min_numel", "min_rate"]
+ChoiceReason = Literal["codec", "lossless", "warmup", "min_numel", "min_rate", "guard"]
+
+#: Reasons for which a dense codec replaced the policy's codec.
+FALLBACK_REASONS: tuple[ChoiceReason, ...] = ("warmup", "min_numel", "min_rate", "guard")
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,8 +366,9 @@ class Choice:
     Attributes:
         codec: the codec to send the tensor with.
         reason: ``"codec"`` (the policy's codec), ``"lossless"`` (a lossless codec, which the
-            schedule never replaces), ``"warmup"``, ``"min_numel"`` or ``"min_rate"`` (a dense
-            fallback).
+            schedule never replaces), ``"warmup"``, ``"min_numel"``, ``"min_rate"`` or
+            ``"guard"`` (a dense fallback; ``"guard"`` is set by the divergence guard of
+            :class:`~commpress.collectives.policy.CompressionState`).
     """
 
     codec: Codec
@@ -331,7 +377,7 @@ class Choice:
     @property
     def fallback(self) -> bool:
         """Whether the schedule replaced the policy's codec by a dense one."""
-        return self.reason in ("warmup", "min_numel", "min_rate")
+        return self.reason in FALLBACK_REASONS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -396,6 +442,10 @@ class Schedule:
                 value,
             )
 
+    def fallback(self, reason: ChoiceReason) -> Choice:
+        """The dense ``fallback_codec`` choice, for ``reason``."""
+        return Choice(_dense_codec(self.fallback_codec), reason)
+
     def choose(
         self,
         codec: Codec,
@@ -420,6 +470,8 @@ class Schedule:
 
 __all__ = [
     "FALLBACK_CODECS",
+    "FALLBACK_REASONS",
+    "feedback_applies",
     "Choice",
     "FeedbackConfig",
     "FeedbackMemory",

@@ -14,22 +14,26 @@
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
-from commpress.codecs.base import Codec, CodecContext
+from commpress.codecs.base import Codec, CodecContext, require
 from commpress.codecs.protocol import Protocol, Reduced
 from commpress.codecs.registry import get_codec
 from commpress.collectives.feedback import (
+    FALLBACK_REASONS,
     ChoiceReason,
     FeedbackConfig,
     FeedbackMemory,
     Schedule,
+    feedback_applies,
 )
 from commpress.errors import CommpressError, error_context
 
@@ -43,6 +47,8 @@ PolicyFunction: TypeAlias = "Callable[[str, tuple[int, ...]], CodecSpec | None]"
 
 #: Version of the :meth:`CompressionState.state_dict` layout.
 STATE_VERSION = 1
+
+_log = logging.getLogger("commpress")
 
 
 def _as_codec(spec: Any, what: str) -> Codec:
@@ -186,6 +192,14 @@ class CodecPolicy:
                 chosen = codec
         return chosen if chosen is not None else self.default
 
+    def codecs(self) -> list[tuple[str, Codec]]:
+        """The codecs the policy names up front, each with where it comes from (a policy
+        function's codecs are only known when it is called)."""
+        found = [(f"the default codec {self.default}", self.default)]
+        found += [(f"{c} (rule {pattern!r})", c) for pattern, c in self.rules]
+        found += [(f"{c} (by_size >= {t})", c) for t, c in self.by_size]
+        return found
+
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly description (configs of the default, rules and size thresholds)."""
         return {
@@ -229,17 +243,169 @@ class Plan:
         codec: the codec that encodes it.
         reason: why (see :class:`~commpress.collectives.feedback.Choice`).
         feedback: whether error feedback (and momentum correction) applies.
+        step: the step it was planned for.
     """
 
     key: str
     codec: Codec
     reason: ChoiceReason
     feedback: bool
+    step: int = 0
 
     @property
     def fallback(self) -> bool:
-        """The schedule replaced the policy's codec by a dense one (warm-up, small tensor)."""
-        return self.reason in ("warmup", "min_numel", "min_rate")
+        """The schedule replaced the policy's codec by a dense one (warm-up, small tensor,
+        divergence guard)."""
+        return self.reason in FALLBACK_REASONS
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Guard:
+    """When the divergence guard sends lossy tensors with the dense fallback codec instead.
+
+    At the end of every step the state measures the norm of the reduced gradients (the
+    totals, identical on every rank, so every rank takes the same decision without another
+    collective; a rank that decided otherwise would send another plan, which the DDP hook's
+    plan check refuses with a clear error). The guard *trips* when
+
+    * ``on_nonfinite`` and the step was non-finite (a NaN/Inf on any rank reaches every
+      rank's totals), or
+    * ``spike_factor`` is set and the norm exceeds ``spike_factor`` times the median norm of
+      the last ``window`` steps that did not trip (checked once ``window`` such steps were
+      seen).
+
+    A tripped guard sends every lossy tensor of the next ``fallback_steps`` steps with the
+    schedule's ``fallback_codec`` (plan reason ``"guard"``), logs one warning (on rank 0 of
+    the group) and, for a spike with ``reset_feedback``, forgets the error-feedback memory:
+    residuals that grew are the usual cause of a spike with compressed gradients. A
+    non-finite step is always undone, guard or not (see :meth:`CompressionState.end_step`).
+
+    Attributes:
+        spike_factor: norm ratio (> 1) that counts as a spike; ``None`` turns spike detection
+            off.
+        window: number of recent healthy steps whose median norm is the reference (>= 1).
+        fallback_steps: steps sent with the fallback codec after the guard trips (>= 1).
+        on_nonfinite: also trip on non-finite steps (AMP overflows).
+        reset_feedback: forget the error-feedback memory when a spike trips the guard.
+    """
+
+    spike_factor: float | None = 10.0
+    window: int = 20
+    fallback_steps: int = 10
+    on_nonfinite: bool = True
+    reset_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        factor = self.spike_factor
+        require(
+            factor is None or (
+                isinstance(factor, (int, float)) and not isinstance(factor, bool)
+                and math.isfinite(factor) and factor > 1
+            ),
+            "guard spike_factor must be a finite number > 1 or None",
+            factor,
+        )
+        for name in ("window", "fallback_steps"):
+            value = getattr(self, name)
+            require(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"guard {name} must be an int >= 1",
+                value,
+            )
+        for name in ("on_nonfinite", "reset_feedback"):
+            require(isinstance(getattr(self, name), bool), f"guard {name} must be a bool",
+                    getattr(self, name))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepStats:
+    """What one step sent, as recorded by :class:`CompressionState` (``state.stats``).
+
+    Attributes:
+        step: the step.
+        tensors: tensors reduced.
+        codecs: codec spec -> number of tensors sent with it.
+        reasons: plan reason (``"codec"``, ``"lossless"``, ``"warmup"``, ``"min_numel"``,
+            ``"min_rate"``, ``"guard"``) -> number of tensors.
+        wire_bytes: bytes this rank's payloads put on the wire, when the driver counted them
+            (the DDP hook does).
+        grad_norm: L2 norm of the reduced gradients that were measured (every tensor with
+            error feedback or codec state, every tensor when a guard is set); ``None`` if none
+            was; ``nan``/``inf`` for a non-finite step.
+        residual_norm: L2 norm of this rank's error-feedback residuals after the step
+            (``None`` without error feedback).
+        nonfinite: the reduced gradients were non-finite (only measured when ``grad_norm``
+            is: a step with no state to protect and no guard is not checked).
+        rolled_back: the step's changes to the error-feedback memory and codec states were
+            undone (a non-finite step).
+        guard: ``"nonfinite"`` or ``"spike"`` when this step tripped the guard, else ``None``.
+        guarded: this step was sent with the fallback codec because of an earlier trip.
+    """
+
+    step: int
+    tensors: int
+    codecs: dict[str, int]
+    reasons: dict[str, int]
+    wire_bytes: int
+    grad_norm: float | None
+    residual_norm: float | None
+    nonfinite: bool
+    rolled_back: bool
+    guard: str | None
+    guarded: bool
+
+
+@dataclass(slots=True)
+class _OpenStep:
+    """The step being reduced: what to undo if it turns out non-finite, and its counters."""
+
+    step: int
+    journal: dict[str, tuple[Any, dict[str, Any] | None, dict[str, Any] | None]] = field(
+        default_factory=dict
+    )
+    norms: list[torch.Tensor] = field(default_factory=list)
+    residuals: list[torch.Tensor] = field(default_factory=list)
+    codecs: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, int] = field(default_factory=dict)
+    tensors: int = 0
+    wire_bytes: int = 0
+
+
+def _shallow(value: Any) -> Any:
+    """A copy of nested dicts/lists/tuples that shares their tensors (codecs replace state
+    tensors instead of changing them, so references are enough to restore a state)."""
+    if isinstance(value, dict):
+        return {k: _shallow(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shallow(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_shallow(v) for v in value)
+    return value
+
+
+def _to_cpu_floats(values: list[torch.Tensor]) -> list[float]:
+    """0-d tensors (possibly on several devices) as floats, with one sync per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        by_device.setdefault(v.device, []).append(i)
+    out = [0.0] * len(values)
+    for idx in by_device.values():
+        for i, f in zip(idx, torch.stack([values[i] for i in idx]).tolist(), strict=True):
+            out[i] = float(f)
+    return out
+
+
+_SPECS: dict[Codec, str] = {}
+
+
+def _spec(codec: Codec) -> str:
+    """``codec.spec()``, cached (codecs are frozen)."""
+    spec = _SPECS.get(codec)
+    if spec is None:
+        if len(_SPECS) >= 1024:
+            _SPECS.clear()
+        spec = _SPECS[codec] = codec.spec()
+    return spec
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -282,10 +448,25 @@ class CompressionState:
        :meth:`prepare` and step 4 with :meth:`finish` around their own exchange.
     4. **Remember** (with feedback): error = compensated input - local contribution.
 
-    Error feedback applies when ``error_feedback`` is ``True`` and ``C`` is lossy, or, with
-    ``error_feedback=None`` (automatic), when ``C`` is lossy and not a plain 16-bit cast
-    (``fp16``/``bf16``, whose rounding error is far below gradient noise; this keeps the fp16
-    path identical to PyTorch's ``fp16_compress_hook``).
+    Error feedback applies as :func:`~commpress.collectives.feedback.feedback_applies` says:
+    with ``error_feedback=None`` (automatic) exactly for codecs that need it
+    (``C.feedback_fit == "needed"``: biased and contractive, such as top-k, sign, PowerSGD;
+    not the plain 16-bit casts, whose rounding error is far below gradient noise, which keeps
+    the fp16 path identical to PyTorch's ``fp16_compress_hook``); with ``True`` for every
+    lossy codec, refusing those whose error is not contractive (Random-K scaled by d/k,
+    TernGrad, QSGD), whose residual would grow without bound.
+
+    **Non-finite steps are undone.** Every change a step makes to the error-feedback memory
+    and to codec states (PowerSGD's ``Q``, netzip's references) is journaled by reference
+    (no copies: the memory and the codecs replace tensors instead of changing them). When the
+    step ends (:meth:`end_step`; the DDP hook calls it after a step's last bucket, and a
+    reduction at a later step ends any step left open) and its reduced gradients were
+    non-finite, which a NaN/Inf on any rank makes them on every rank, every change is undone:
+    the state is as before that step, while the non-finite totals still reach the caller so
+    that AMP's ``GradScaler`` skips the step. The journal holds the previous residuals until
+    the step ends (at most one more residual per tensor). An optional :class:`Guard` also
+    reacts to non-finite steps and gradient-norm spikes, and :attr:`stats` records every step
+    (:class:`StepStats`).
 
     The step counter is advanced by the caller (:meth:`advance`; the DDP hook does it after
     each step's last bucket). Keys must be stable across steps and ranks: parameter names.
@@ -306,6 +487,7 @@ class CompressionState:
         momentum_masking: DGC momentum factor masking.
         timeout: seconds a single collective may take before a peer is declared lost
             (``None``: the process group's own timeout).
+        guard: a :class:`Guard` (``True``: ``Guard()``; ``None``/``False``: no guard).
     """
 
     __slots__ = (
@@ -317,10 +499,19 @@ class CompressionState:
         "codec_states",
         "step",
         "timeout",
+        "guard",
+        "stats",
+        "_guard_until",
+        "_norms",
+        "_open",
+        "_rank",
         "_lock",
     )
-    #: Slots left out of pickles: the process group cannot be pickled, the lock is rebuilt.
-    _TRANSIENT: tuple[str, ...] = ("process_group", "_lock")
+    #: Slots left out of pickles: the process group cannot be pickled, the lock is rebuilt,
+    #: an open step's journal is dropped.
+    _TRANSIENT: tuple[str, ...] = ("process_group", "_lock", "_open")
+    #: Per-step records kept in :attr:`stats`.
+    STATS_LIMIT = 1000
 
     def __init__(
         self,
@@ -332,6 +523,7 @@ class CompressionState:
         momentum: float = 0.0,
         momentum_masking: bool = True,
         timeout: float | None = None,
+        guard: Guard | bool | None = None,
     ) -> None:
         if error_feedback not in (True, False, None):
             raise CommpressError(
@@ -345,6 +537,12 @@ class CompressionState:
             )
         if schedule is not None and not isinstance(schedule, Schedule):
             raise CommpressError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+        if guard is True:
+            guard = Guard()
+        if guard is not None and guard is not False and not isinstance(guard, Guard):
+            raise CommpressError(
+                f"guard must be a Guard, True, False or None, got {type(guard).__name__}"
+            )
         self.process_group = process_group
         self.policy = CodecPolicy.build(policy)
         self.schedule = schedule if schedule is not None else Schedule()
@@ -359,16 +557,29 @@ class CompressionState:
         self.codec_states: dict[str, dict[str, Any]] = {}
         self.step = 0
         self.timeout = timeout
-        self._lock = threading.Lock()
+        #: The divergence guard (``None``: off).
+        self.guard: Guard | None = guard or None
+        #: One :class:`StepStats` per ended step, the most recent :attr:`STATS_LIMIT`.
+        self.stats: deque[StepStats] = deque(maxlen=self.STATS_LIMIT)
+        self._guard_until = 0
+        self._norms: deque[float] = deque(maxlen=self.guard.window if self.guard else 1)
+        self._open: _OpenStep | None = None
+        self._rank = 0
+        self._lock = threading.RLock()
+        for what, codec in self.policy.codecs():
+            with error_context(f"{what}"):
+                self.uses_feedback(codec)  # refuses error_feedback=True with a misfit codec
 
     # ------------------------------------------------------------------ planning
     def uses_feedback(self, codec: Codec) -> bool:
-        """Whether error feedback applies to tensors whose policy codec is ``codec``."""
-        if codec.lossless or self.error_feedback is False:
-            return False
-        if self.error_feedback is None:
-            return codec.codec_id not in ("fp16", "bf16")
-        return True
+        """Whether error feedback applies to tensors whose policy codec is ``codec`` (see
+        :func:`~commpress.collectives.feedback.feedback_applies`; raises for
+        ``error_feedback=True`` with a codec whose error is not contractive)."""
+        return feedback_applies(codec, self.error_feedback)
+
+    def guarded(self, step: int) -> bool:
+        """Whether ``step`` is sent with the fallback codec because the guard tripped."""
+        return step < self._guard_until
 
     def plan(
         self,
@@ -381,8 +592,11 @@ class CompressionState:
         """Decide how tensor ``key`` is sent at ``step`` (default: the current step)."""
         step = self.step if step is None else step
         policy_codec = self.policy.codec_for(key, shape)
-        choice = self.schedule.choose(policy_codec, shape, dtype, step=step)
-        return Plan(key, choice.codec, choice.reason, self.uses_feedback(policy_codec))
+        if step < self._guard_until and not policy_codec.lossless:
+            choice = self.schedule.fallback("guard")
+        else:
+            choice = self.schedule.choose(policy_codec, shape, dtype, step=step)
+        return Plan(key, choice.codec, choice.reason, self.uses_feedback(policy_codec), step)
 
     def codec_state(self, plan: Plan, device: torch.device) -> dict[str, Any]:
         """The persistent codec state dict for ``plan`` (fresh for dense fallbacks).
@@ -429,17 +643,171 @@ class CompressionState:
         step = self.step if step is None else step
         if plan is None:
             plan = self.plan(key, tensor.shape, tensor.dtype, step=step)
-        x = self.memory.compensate(key, tensor) if plan.feedback else tensor
+        self._rank = rank
+        codec_state = self.codec_state(plan, tensor.device)
+        x = self.compensate(plan, tensor, codec_state=codec_state)
         ctx = CodecContext(
             rank=rank,
             world_size=world_size,
             step=step,
             key=key,
-            state=self.codec_state(plan, tensor.device),
+            state=codec_state,
             need_local=plan.feedback,
             average=average,
         )
         return plan, x, ctx
+
+    def compensate(
+        self,
+        plan: Plan,
+        tensor: torch.Tensor,
+        *,
+        codec_state: dict[str, Any] | None = None,
+    ) -> torch.Tensor:
+        """Step 2 for one tensor: journal what the step may change (so :meth:`end_step` can
+        undo it) and return ``tensor`` plus the remembered error when feedback applies (else
+        ``tensor`` itself). ``codec_state`` is the dict :meth:`codec_state` gave for
+        ``plan`` (the codec will change it)."""
+        self._journal(plan, codec_state)
+        return self.memory.compensate(plan.key, tensor) if plan.feedback else tensor
+
+    # ------------------------------------------------------------------ steps and rollback
+    def _step_record(self, step: int) -> _OpenStep:
+        """The open step's record, ending an open earlier (or other) step first."""
+        with self._lock:
+            current = self._open
+            if current is not None and current.step == step:
+                return current
+            self._open = _OpenStep(step)
+            opened = self._open
+        if current is not None:
+            self._settle(current)
+        return opened
+
+    def _journal(self, plan: Plan, codec_state: dict[str, Any] | None) -> None:
+        """Remember, by reference, the memory and codec state ``plan`` is about to change."""
+        stateful = not plan.fallback and plan.codec.stateful and codec_state is not None
+        if not (plan.feedback or stateful or self.guard is not None):
+            return
+        record = self._step_record(plan.step)
+        with self._lock:
+            if plan.key in record.journal:
+                return
+            record.journal[plan.key] = (
+                self.memory.snapshot(plan.key) if plan.feedback else None,
+                codec_state if stateful else None,
+                _shallow(codec_state) if stateful else None,
+            )
+
+    def note_wire_bytes(self, step: int, nbytes: int) -> None:
+        """Add ``nbytes`` sent at ``step`` to that step's :class:`StepStats`."""
+        record = self._step_record(step)
+        with self._lock:
+            record.wire_bytes += int(nbytes)
+
+    def _record(self, plan: Plan, total: torch.Tensor) -> None:
+        """Count ``plan``'s tensor in its step's record and queue the norms to measure."""
+        record = self._step_record(plan.step)
+        spec = _spec(plan.codec)
+        with self._lock:
+            record.tensors += 1
+            record.codecs[spec] = record.codecs.get(spec, 0) + 1
+            record.reasons[plan.reason] = record.reasons.get(plan.reason, 0) + 1
+            if plan.key in record.journal or self.guard is not None:
+                # one reduction, no sync here: read at the end of the step
+                record.norms.append(torch.linalg.vector_norm(total, dtype=torch.float64))
+            if plan.feedback:
+                residual = self.memory.residual(plan.key)
+                if residual is not None:
+                    record.residuals.append(
+                        torch.linalg.vector_norm(residual, dtype=torch.float64)
+                    )
+
+    def end_step(self, step: int | None = None, *, rank: int | None = None) -> StepStats | None:
+        """End ``step`` (default: whichever step is open): undo its changes to the
+        error-feedback memory and codec states if its reduced gradients were non-finite, run
+        the guard, and record its :class:`StepStats` (also returned; ``None`` when that step
+        is not open). The DDP hook calls it after each step's last bucket; drive it yourself
+        after a step's last :meth:`reduce` (a reduction at a later step ends it otherwise).
+        ``rank`` is this process's rank, for the guard's log line (rank 0 logs)."""
+        if rank is not None:
+            self._rank = rank
+        with self._lock:
+            record = self._open
+            if record is None or (step is not None and record.step != step):
+                return None
+            self._open = None
+        return self._settle(record)
+
+    def _settle(self, record: _OpenStep) -> StepStats:
+        norms = _to_cpu_floats(record.norms)
+        grad_norm = math.sqrt(math.fsum(n * n for n in norms)) if norms else None
+        nonfinite = grad_norm is not None and not math.isfinite(grad_norm)
+        if nonfinite:
+            for key, (memory, codec_state, snapshot) in record.journal.items():
+                if memory is not None:
+                    self.memory.restore(key, memory)
+                if codec_state is not None and snapshot is not None:
+                    codec_state.clear()
+                    codec_state.update(snapshot)
+        residual_norm = None
+        if record.residuals and not nonfinite:
+            residual_norm = math.sqrt(math.fsum(r * r for r in _to_cpu_floats(record.residuals)))
+        tripped = self._check_guard(record.step, grad_norm, nonfinite)
+        stats = StepStats(
+            step=record.step,
+            tensors=record.tensors,
+            codecs=dict(record.codecs),
+            reasons=dict(record.reasons),
+            wire_bytes=record.wire_bytes,
+            grad_norm=grad_norm,
+            residual_norm=residual_norm,
+            nonfinite=nonfinite,
+            rolled_back=nonfinite and bool(record.journal),
+            guard=tripped,
+            guarded="guard" in record.reasons,
+        )
+        with self._lock:
+            self.stats.append(stats)
+        if nonfinite and tripped is None:
+            _log.debug("commpress: step %d was non-finite; its codec state changes were undone",
+                       record.step)
+        return stats
+
+    def _check_guard(self, step: int, grad_norm: float | None, nonfinite: bool) -> str | None:
+        """Trip the guard for ``step`` when it applies; returns why (or ``None``)."""
+        guard = self.guard
+        if guard is None or grad_norm is None:
+            return None
+        tripped: str | None = None
+        detail = ""
+        if nonfinite:
+            if guard.on_nonfinite:
+                tripped, detail = "nonfinite", "its reduced gradients were non-finite"
+        elif guard.spike_factor is not None and len(self._norms) >= guard.window:
+            reference = sorted(self._norms)[len(self._norms) // 2]
+            if reference > 0 and grad_norm > guard.spike_factor * reference:
+                tripped = "spike"
+                detail = (
+                    f"its gradient norm {grad_norm:.4g} is {grad_norm / reference:.1f}x the "
+                    f"median of the last {guard.window} steps"
+                )
+        if tripped is None:
+            if not nonfinite:
+                self._norms.append(grad_norm)
+            return None
+        self._guard_until = max(self._guard_until, step + 1 + guard.fallback_steps)
+        reset = tripped == "spike" and guard.reset_feedback
+        if reset:
+            self.memory.reset()
+        if self._rank == 0:
+            _log.warning(
+                "commpress guard: step %d tripped (%s); lossy tensors go with %s for steps "
+                "%d-%d%s",
+                step, detail, self.schedule.fallback_codec, step + 1, self._guard_until - 1,
+                "; error-feedback memory reset" if reset else "",
+            )
+        return tripped
 
     def finish(
         self, key: str, tensor: torch.Tensor, x: torch.Tensor, plan: Plan, result: Reduced
@@ -456,6 +824,7 @@ class CompressionState:
         total = result.total
         if total.dtype != tensor.dtype:
             total = total.to(tensor.dtype)
+        self._record(plan, total)
         return Reduced(total=total, local=result.local)
 
     def reduce(
@@ -552,7 +921,14 @@ class CompressionState:
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         self.process_group = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._open = None
+        # states pickled before the guard and stats existed
+        self.guard = None
+        self.stats = deque(maxlen=self.STATS_LIMIT)
+        self._guard_until = 0
+        self._norms = deque(maxlen=1)
+        self._rank = 0
         for slot, value in state.items():
             setattr(self, slot, value)
 
@@ -564,4 +940,12 @@ class CompressionState:
         )
 
 
-__all__ = ["STATE_VERSION", "CodecPolicy", "CodecSpec", "CompressionState", "Plan"]
+__all__ = [
+    "STATE_VERSION",
+    "CodecPolicy",
+    "CodecSpec",
+    "CompressionState",
+    "Guard",
+    "Plan",
+    "StepStats",
+]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from commpress.codecs.registry import get_codec
+from commpress.collectives.feedback import compression_rate, feedback_applies
 from commpress.errors import CommpressError, error_context
 from commpress.perfmodel.codec_costs import (
     ELEMENTWISE_CODECS,
@@ -376,10 +377,9 @@ class HookPlan:
 
     def feedback(self, codec: Any) -> bool:
         """Whether error feedback applies to the tensors of a bucket whose codec (before any
-        fallback) is ``codec``: the rule of :meth:`CompressionState.uses_feedback`."""
-        if codec.lossless or self.error_feedback is False:
-            return False
-        return self.error_feedback is True or codec.codec_id not in ("fp16", "bf16")
+        fallback) is ``codec``: the hook's rule (:func:`~commpress.collectives.feedback.
+        feedback_applies`)."""
+        return feedback_applies(codec, self.error_feedback)
 
     def depth_for(self, strategy: str) -> int:
         """Exchanges in flight inside a bucket with ``strategy``."""
@@ -387,8 +387,6 @@ class HookPlan:
 
     def choose(self, codec: Any, shape: Shape) -> Any:
         """The codec the hook sends a tensor of ``shape`` with (after any warm-up)."""
-        from commpress.collectives.feedback import compression_rate
-
         if codec.lossless or codec.codec_id in ELEMENTWISE_CODECS:
             return codec
         if _numel(shape) < self.min_numel:
