@@ -34,11 +34,15 @@ from typing import Any, Literal
 import torch
 
 from commpress.codecs.base import Codec, CodecContext, require
-from commpress.codecs.registry import get_codec
+from commpress.codecs.registry import codec_class, codec_ids, get_codec
 from commpress.errors import CommpressError, error_context
 
-#: Dense codecs the schedule may fall back to (element-wise casts, no state, no sampling).
-FALLBACK_CODECS: tuple[str, ...] = ("identity", "fp16", "bf16")
+
+def dense_codec_ids() -> list[str]:
+    """Ids of the codecs the schedule may fall back to: the element-wise casts
+    (``codec.elementwise``: no state, no sampling, same values whether tensors are sent one by
+    one or concatenated), ``identity``, ``fp16`` and ``bf16`` today."""
+    return [i for i in codec_ids() if codec_class(i).elementwise]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -434,11 +438,12 @@ class Schedule:
             "min_compression_rate must be a finite number >= 0",
             rate,
         )
+        dense = dense_codec_ids()
         for name in ("warmup_codec", "fallback_codec"):
             value = getattr(self, name)
             require(
-                value in FALLBACK_CODECS,
-                f"{name} must be one of {', '.join(map(repr, FALLBACK_CODECS))}",
+                value in dense,
+                f"{name} must be one of {', '.join(map(repr, dense))}",
                 value,
             )
 
@@ -469,7 +474,6 @@ class Schedule:
 
 
 __all__ = [
-    "FALLBACK_CODECS",
     "FALLBACK_REASONS",
     "feedback_applies",
     "Choice",
@@ -477,4 +481,5 @@ __all__ = [
     "FeedbackMemory",
     "Schedule",
     "compression_rate",
+    "dense_codec_ids",
 ]

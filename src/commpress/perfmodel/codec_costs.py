@@ -44,9 +44,6 @@ from commpress.perfmodel.timeline import Segment
 
 #: Largest sample (elements) encoded to measure wire bytes; larger tensors are extrapolated.
 SAMPLE_MAX = 1 << 16
-#: Codecs that are element-wise casts: a DDP bucket's tensors are sent as one flat tensor.
-ELEMENTWISE_CODECS: tuple[str, ...] = ("identity", "fp16", "bf16")
-
 STRATEGIES: tuple[str, ...] = (
     "auto", "allreduce", "allgather", "ring", "hierarchical", "hierarchical-compress-first"
 )
@@ -358,7 +355,7 @@ def calibrate_protocol_speeds(
 
     for spec in specs:
         codec = get_codec(spec)
-        casts = codec.codec_id in ELEMENTWISE_CODECS
+        casts = codec.elementwise
         sizes: list[tuple[int, ...]] = (
             [(flat_sizes[0],), (flat_sizes[1],)] if casts else [tuple(s) for s in matrix_shapes]
         )
@@ -840,7 +837,7 @@ def exchange_segments(
 ) -> list[Segment]:
     """Segments of one DDP bucket holding tensors of ``shapes``, reduced with ``codec``.
 
-    With ``granularity="bucket"``, or for element-wise casts (:data:`ELEMENTWISE_CODECS`),
+    With ``granularity="bucket"``, or for element-wise casts (``codec.elementwise``),
     the bucket is one flat tensor (one collective per round); with ``"parameter"`` every
     tensor is reduced on its own, one after the other (as commpress's DDP hook does), so
     shape-aware codecs see matrices and every tensor pays its own latencies.
@@ -850,7 +847,7 @@ def exchange_segments(
         raise CommpressError(f"granularity must be 'parameter' or 'bucket', got {granularity!r}")
     planner = _Planner(c, cfg)
     norm = [tuple(int(d) for d in s) for s in shapes]
-    if granularity == "bucket" or c.codec_id in ELEMENTWISE_CODECS:
+    if granularity == "bucket" or c.elementwise:
         total = sum(math.prod(s) for s in norm)
         return planner.tensor((total,)) if total else []
     segs: list[Segment] = []
@@ -934,7 +931,6 @@ def measure_nmse(
 
 __all__ = [
     "BUILTIN_SPEEDS",
-    "ELEMENTWISE_CODECS",
     "SAMPLE_MAX",
     "STRATEGIES",
     "CodecSpeed",

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from commpress.codecs.registry import get_codec
-from commpress.collectives.feedback import compression_rate, feedback_applies
+from commpress.collectives.feedback import compression_rate, dense_codec_ids, feedback_applies
 from commpress.errors import CommpressError, error_context
 from commpress.perfmodel.codec_costs import (
-    ELEMENTWISE_CODECS,
     ExchangeConfig,
     Offload,
     SpeedTable,
@@ -362,9 +361,9 @@ class HookPlan:
         rate = self.min_compression_rate
         if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0):
             raise CommpressError(f"min_compression_rate must be a number >= 0, got {rate!r}")
-        if self.fallback_codec not in ELEMENTWISE_CODECS:
+        if self.fallback_codec not in dense_codec_ids():
             raise CommpressError(
-                f"fallback_codec must be one of {', '.join(ELEMENTWISE_CODECS)}, got "
+                f"fallback_codec must be one of {', '.join(dense_codec_ids())}, got "
                 f"{self.fallback_codec!r}"
             )
         if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
@@ -387,7 +386,7 @@ class HookPlan:
 
     def choose(self, codec: Any, shape: Shape) -> Any:
         """The codec the hook sends a tensor of ``shape`` with (after any warm-up)."""
-        if codec.lossless or codec.codec_id in ELEMENTWISE_CODECS:
+        if codec.lossless or codec.elementwise:
             return codec
         if _numel(shape) < self.min_numel:
             return get_codec(self.fallback_codec)
@@ -413,7 +412,7 @@ class HookPlan:
         singles: list[tuple[Any, list[Shape]]] = []
         for shape in bucket:
             c = self.choose(codec, shape)
-            if c.codec_id in ELEMENTWISE_CODECS:
+            if c.elementwise:
                 groups.setdefault(c.fingerprint() + c.codec_id, (c, []))[1].append(shape)
             else:
                 singles.append((c, [shape]))
@@ -617,7 +616,7 @@ def _predict_hooked(
         for c, shapes in hook.bucket_jobs(codec, bucket):
             key = (str(id(c)), feedback, tuple(shapes))
             if key not in cache:
-                flat = c.codec_id in ELEMENTWISE_CODECS
+                flat = c.elementwise
                 with error_context(f"planning {spec_key(c)} for {len(shapes)} tensor(s) with "
                                    f"strategy {strategy!r}"):
                     segs = exchange_segments(c, shapes, cfg,
