@@ -58,11 +58,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     :data:`BROKEN_PIPE_STATUS`, instead of a ``BrokenPipeError`` traceback.
     """
     try:
-        code = _run(argv)
-        # Flush here, inside the try: a pipe closed while the last buffered block is pending
-        # would otherwise fail in the interpreter's own flush at exit, outside our reach.
-        sys.stdout.flush()
-        return code
+        try:
+            return _run(argv)
+        finally:
+            # Flush here, inside the try (also when argparse exits after --help/--version): a
+            # pipe closed while the last buffered block is pending would otherwise fail in the
+            # interpreter's own flush at exit, outside our reach.
+            sys.stdout.flush()
     except BrokenPipeError:
         if not _stdout_reader_gone():
             raise  # a broken pipe elsewhere (a worker's socket, say) is a real error
