@@ -77,6 +77,10 @@ def test_output_into_a_pipe_closed_early_exits_quietly() -> None:
     # The smallest pipe (one page) holds less than `codecs -v` prints (~11 kB), so the child is
     # still writing when we close: the write fails on every run, never only by timing.
     size = fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    if size > 4096:  # pages larger than 4 KiB: the whole output might fit, no failing write
+        os.close(read_end)
+        os.close(write_end)
+        pytest.skip(f"the smallest pipe here holds {size} bytes")
     child = subprocess.Popen(
         [sys.executable, "-m", "commpress", "codecs", "-v"],
         stdout=write_end, stderr=subprocess.PIPE, env=env,
@@ -86,7 +90,6 @@ def test_output_into_a_pipe_closed_early_exits_quietly() -> None:
         first = reader.read(16)
     _, err = child.communicate(timeout=120)
     assert first.startswith(b"| id"), first
-    assert size < 8192
     text = err.decode()
     assert "Traceback" not in text and "BrokenPipeError" not in text, text
     assert child.returncode == 141  # 128 + SIGPIPE, as a shell reports for `... | head`
