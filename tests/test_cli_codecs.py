@@ -59,3 +59,37 @@ def test_bad_arguments_give_an_error_not_a_traceback(capsys: pytest.CaptureFixtu
     assert main(["bench", "codecs", "--repeat", "0"]) == 2
     assert "error" in capsys.readouterr().err
     assert main(["bench", "codecs", "--codecs", "nope", "--size-mb", "0.01"]) == 2
+
+
+def test_output_into_a_pipe_closed_early_exits_quietly() -> None:
+    """`commpress codecs -v | head`: the reader leaves early; no BrokenPipeError traceback."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not hasattr(fcntl, "F_SETPIPE_SZ"):
+        pytest.skip("needs Linux pipes with a settable size")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    read_end, write_end = os.pipe()
+    # The smallest pipe (one page) holds less than `codecs -v` prints (~11 kB), so the child is
+    # still writing when we close: the write fails on every run, never only by timing.
+    size = fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    if size > 4096:  # pages larger than 4 KiB: the whole output might fit, no failing write
+        os.close(read_end)
+        os.close(write_end)
+        pytest.skip(f"the smallest pipe here holds {size} bytes")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "commpress", "codecs", "-v"],
+        stdout=write_end, stderr=subprocess.PIPE, env=env,
+    )
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        first = reader.read(16)
+    _, err = child.communicate(timeout=120)
+    assert first.startswith(b"| id"), first
+    text = err.decode()
+    assert "Traceback" not in text and "BrokenPipeError" not in text, text
+    assert child.returncode == 141  # 128 + SIGPIPE, as a shell reports for `... | head`

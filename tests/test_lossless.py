@@ -12,6 +12,7 @@ import torch
 from commpress.analysis import order0_bits
 from commpress.codecs import CodecContext, get_codec, simulate
 from commpress.codecs import bytegroup as bg
+from commpress.codecs.lossless import _STATE_KEY as _NZ_REFS
 from commpress.codecs.lossless import GROUPING_IDS, NetZip
 from commpress.codecs.lossless_kernels import checksum, checksum_reference
 from commpress.errors import CommpressError
@@ -406,6 +407,48 @@ def test_payload_of_another_grouping_is_refused() -> None:
         get_codec("netzip").decode(forged)
 
 
+def _column_scaled(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Columns of very different scales: the row/column context carries real information."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(-6, 2, shape[1]) * torch.logspace(-1, 1, shape[0])[:, None]
+    return (torch.randn(shape, generator=g) * scales).to(dtype)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("config", [{}, {"context": "row"}, {"context": "rowcol"},
+                                    {"context": "none"}, {"zeros": False}])
+def test_payload_relabelled_with_another_shape_is_refused(
+    kernels: str, dtype: torch.dtype, config: dict[str, Any]
+) -> None:
+    """The exponent context depends on the shape's matrix view (row length, matrix or flat);
+    the stream records that layout, and a payload relabelled with a shape of the same size
+    but another layout is refused instead of decoding to other values."""
+    codec = get_codec("netzip", **config)
+    x = _column_scaled((64, 128), dtype, seed=11)
+    x[5] = 0  # a zero row: the zero bitmap is used too (unless zeros=False)
+    with bg.use_backend(kernels):  # type: ignore[arg-type]
+        payload = codec.encode(x)
+        assert_bit_exact(codec.decode(payload), x)
+        for shape in [(128, 64), (8192,), (32, 256), (8192, 1), (16, 512)]:
+            with pytest.raises(CommpressError, match="layout.*another shape"):
+                codec.decode(payload.replace(shape=shape))
+        # shapes with the same matrix view (rows of 128) decode to the same values
+        for shape in [(2, 32, 128), (64, 1, 128)]:
+            assert_bit_exact(codec.decode(payload.replace(shape=shape)), x.reshape(shape))
+
+
+def test_old_format_version_is_refused_clearly() -> None:
+    codec = get_codec("netzip")
+    x = gaussian(1000, seed=12).reshape(10, 100)
+    payload = codec.encode(x)
+    raw = bytearray(bytes(_stream(payload).tolist()))
+    assert raw[:2] == b"NZ" and raw[2] == 3
+    raw[2] = 2  # a stream written by an older commpress
+    with pytest.raises(CommpressError, match="format version 2.*older"):
+        codec.decode(_with_stream(payload, _recrc(bytes(raw))))
+
+
 # ---------------------------------------------------------------------- previous-step delta
 def _drift(steps: int, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -482,6 +525,36 @@ def test_a_different_key_or_shape_never_decodes_garbage() -> None:
     # the sender switches shape under the same key: a keyframe, decodable anywhere
     y = torch.randn(5, 7).to(torch.bfloat16)
     assert_bit_exact(codec.decode(codec.encode(y, sender), CodecContext(key="a")), y)
+
+
+def test_previous_delta_state_is_replaced_so_a_shallow_snapshot_rolls_a_step_back() -> None:
+    """A caller that skips a step (non-finite gradients) restores a shallow copy of
+    ``ctx.state`` taken before it; that copy must not have changed under it."""
+    codec = get_codec("netzip", delta="previous")
+    xs = _drift(4, seed=9)
+    sender, receiver = CodecContext(key="w"), CodecContext(key="w")
+    assert_bit_exact(codec.decode(codec.encode(xs[0], sender), receiver), xs[0])
+    snaps = [dict(sender.state), dict(receiver.state)]
+    held = [
+        {name: (e["seq"], e["words"].clone()) for name, e in snap[_NZ_REFS].items()}
+        for snap in snaps
+    ]
+    # the step to be skipped: both sides move on to xs[1]...
+    assert_bit_exact(codec.decode(codec.encode(xs[1], sender), receiver), xs[1])
+    # ...but what the snapshots hold is what was there before it
+    for snap, before in zip(snaps, held, strict=True):
+        assert snap[_NZ_REFS].keys() == before.keys()
+        for name, (seq, words) in before.items():
+            assert snap[_NZ_REFS][name]["seq"] == seq
+            assert torch.equal(snap[_NZ_REFS][name]["words"], words)
+    # roll both sides back: the next delta refers to xs[0] on both and decodes
+    for ctx, snap in zip((sender, receiver), snaps, strict=True):
+        ctx.state.clear()
+        ctx.state.update(snap)
+    for x in xs[2:]:
+        payload = codec.encode(x, sender)
+        assert_bit_exact(codec.decode(payload, receiver), x)
+        assert payload.nbytes < codec.encode(x).nbytes  # a delta, not a keyframe
 
 
 def test_previous_delta_reduction_over_steps_in_simulation() -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -43,7 +45,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit status after the reader of our standard output went away (``commpress codecs | head``):
+#: 128 + SIGPIPE, what a shell reports for a process that a closed pipe ended.
+BROKEN_PIPE_STATUS = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit status (the console script passes it to ``sys.exit``).
+
+    Every command shares the same handling of a closed output pipe: when the reader leaves
+    early, the rest of the output is dropped and the exit is quiet, with status
+    :data:`BROKEN_PIPE_STATUS`, instead of a ``BrokenPipeError`` traceback.
+    """
+    try:
+        try:
+            return _run(argv)
+        finally:
+            # Flush here, inside the try (also when argparse exits after --help/--version): a
+            # pipe closed while the last buffered block is pending would otherwise fail in the
+            # interpreter's own flush at exit, outside our reach.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # a broken pipe elsewhere (a worker's socket, say) is a real error
+        _silence_stdout()
+        return BROKEN_PIPE_STATUS
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe or socket whose reading end has been closed."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    if not hasattr(select, "poll"):  # pragma: no cover - not on Linux/macOS
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    events = poller.poll(0)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _fd, ev in events)
+
+
+def _silence_stdout() -> None:
+    """Point file descriptor 1 at the null device, so the flush at exit finds nowhere to fail
+    (Python's documented handling of ``SIGPIPE``/``EPIPE``)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (captured by a test harness): nothing is flushed to fd 1
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -22,10 +22,12 @@ Algorithm (one tensor, all on the integer bit patterns, so every step is exact):
    (:mod:`commpress.codecs.backends`), whichever the configuration (or ``auto``, from a
    sample of the plane) picks; a plane that would not shrink is stored raw.
 5. **Framing**: one ``uint8`` stream: a header (format version, dtype, element count, the
-   stages chosen, section lengths), the sections, and a 32-bit checksum of everything before
-   it (:mod:`commpress.codecs.lossless_kernels`).
+   stages chosen, the exponent grouping's context layout, section lengths), the sections,
+   and a 32-bit checksum of everything before it (:mod:`commpress.codecs.lossless_kernels`).
    Decoding verifies the checksum and every length before touching the data: a corrupted or
-   truncated payload raises :class:`CommpressError` instead of returning wrong values.
+   truncated payload raises :class:`CommpressError` instead of returning wrong values, and
+   so does a payload relabelled with a shape whose matrix view (the context layout) differs
+   from the one it was encoded with.
 
 The payload has one part, ``stream``, on the input's device (the backends run on the CPU;
 CUDA tensors are regrouped on the GPU, moved to the CPU as planes, and rebuilt on the GPU).
@@ -38,6 +40,8 @@ raises instead of decoding garbage. Clearing the state on either side is safe: a
 without a reference sends a self-contained keyframe, which every receiver accepts (and
 ``keyframe_every`` sends one periodically so late joiners resynchronise). Decoding the same
 payload twice is harmless. Memory: one copy of the tensor per sending rank on every worker.
+The state is replaced, never changed in place (a shallow copy of ``ctx.state`` taken before
+a step restores it exactly).
 
 Tuning:
 
@@ -77,8 +81,10 @@ from commpress.codecs.registry import register_codec
 from commpress.errors import CommpressError
 
 MAGIC = b"NZ"
-#: Format version 2: the trailing checksum is :func:`lossless_kernels.checksum` (1: CRC-32).
-VERSION = 2
+#: Format version 3: exponent-grouped streams record their context layout (the matrix view
+#: they were encoded with). 2: the trailing checksum is :func:`lossless_kernels.checksum`
+#: (1: CRC-32). Only the current version is read.
+VERSION = 3
 
 GROUPING_IDS: dict[str, int] = {name: i for i, name in enumerate(bg.GROUPINGS)}
 DELTAS = ("none", "min", "mean", "median", "previous")
@@ -166,6 +172,7 @@ class _Header:
     keyframe: bool
     flags: int
     numel: int
+    layout: int  # exponent grouping: _layout_code of the shape it was encoded for
     kept: int
     g4: int
     nesc: int
@@ -195,7 +202,7 @@ class _Plan:
     use_col: bool
     stride: int
     head: bytes  # magic, version, dtype, grouping, delta
-    numel: bytes  # varint of n
+    numel: bytes  # varints of n and of the context layout
     exp_backend: str
     man_backend: str
     int_dtype: torch.dtype
@@ -291,10 +298,21 @@ class NetZip(Codec):
 
     @staticmethod
     def _refs(ctx: CodecContext) -> dict[str, dict[str, Any]]:
-        refs = ctx.state.setdefault(_STATE_KEY, {})
+        """The previous-step references held in ``ctx.state`` (read only: see _keep_ref)."""
+        refs = ctx.state.get(_STATE_KEY)
+        if refs is None:
+            return {}
         if not isinstance(refs, dict):
             raise CommpressError(f"ctx.state[{_STATE_KEY!r}] is not a dict; state corrupted?")
         return refs
+
+    @staticmethod
+    def _keep_ref(ctx: CodecContext, name: str, entry: dict[str, Any]) -> None:
+        """Store a new reference by replacing ``ctx.state[_STATE_KEY]`` with a new dict, never
+        by changing the old dict, its entries or their tensors: a shallow copy of
+        ``ctx.state`` taken before a step is a complete snapshot of it, so restoring that copy
+        rolls the step back (as for a skipped non-finite step)."""
+        ctx.state[_STATE_KEY] = {**NetZip._refs(ctx), name: entry}
 
     # ------------------------------------------------------------------ choices
     def _choose(self, x: torch.Tensor) -> tuple[str, str]:
@@ -445,8 +463,8 @@ class NetZip(Codec):
         kept, g4, nesc = n, 0, 0
         sections: list[_Section] = []
         use_mask = False
+        rows, cols, is_matrix = bg.matrix_view(tuple(x.shape), n)
         if n and grouping == "exponent":
-            rows, cols, is_matrix = bg.matrix_view(tuple(x.shape), n)
             use_row, use_col = self._context_flags(rows, cols, is_matrix)
             planes, cx = bg.encode_exponent(
                 work, lay, tuple(x.shape), use_row=use_row, use_col=use_col,
@@ -490,7 +508,8 @@ class NetZip(Codec):
         stream, crc = self._frame(
             sections,
             header=_header_prefix(
-                lay, grouping, delta, xor, keyframe, flags, n, kept, g4, nesc, base_key,
+                lay, grouping, delta, xor, keyframe, flags, n, _layout_code(cols, is_matrix),
+                kept, g4, nesc, base_key,
                 (source, seq, ref_seq, ref_crc, ctx.step) if delta == "previous" else None,
             ),
         )
@@ -501,18 +520,18 @@ class NetZip(Codec):
             stream, crc = self._frame(
                 [_Section(T_PLANE, bg.to_numpy_u8(words), "raw")],
                 header=_header_prefix(
-                    lay, "none", delta, xor, delta == "previous", 0, n, n, 0, 0, 0,
+                    lay, "none", delta, xor, delta == "previous", 0, n, 0, n, 0, 0, 0,
                     (source, seq, 0, 0, ctx.step) if delta == "previous" else None,
                 ),
             )
         if refs is not None:
-            refs[_ref_name(ctx.key, source)] = {
-                "words": words.clone(),
+            self._keep_ref(ctx, _ref_name(ctx.key, source), {
+                "words": words.clone(),  # words views the caller's tensor
                 "seq": seq,
                 "crc": crc,
                 "shape": list(x.shape),
                 "dtype": str(x.dtype),
-            }
+            })
         part = torch.from_numpy(stream)
         if x.device.type != "cpu":
             part = part.to(x.device)
@@ -538,7 +557,8 @@ class NetZip(Codec):
                 offsets=bg.bf16_layout(n, rows, cols),
                 lay=lay, n=n, rows=rows, cols=cols, use_row=use_row, use_col=use_col,
                 stride=max(1, rows // bg.COL_SAMPLE_ROWS), head=bytes(head),
-                numel=_varint(n), exp_backend=low, man_backend=self.mantissa_backend,
+                numel=_varint(n) + _varint(_layout_code(cols, is_matrix)), exp_backend=low,
+                man_backend=self.mantissa_backend,
                 int_dtype=lay.int_dtype, word_bytes=n * lay.nbytes,
             )
             if len(_PLANS) >= 4096:
@@ -760,6 +780,8 @@ class NetZip(Codec):
         head = _parse(buf)
         n = payload.numel
         self._check_header(head, lay, n)
+        if head.grouping == "exponent" and n:
+            _check_layout(head.layout, tuple(payload.shape), n)
         if (
             head.grouping == "exponent" and head.delta == "none" and device.type == "cpu"
             and lay.code == bg.BF16_CODE and not head.flags & _F_BYTE_MODE
@@ -813,13 +835,13 @@ class NetZip(Codec):
                 )
         words = words.to(lay.int_dtype)
         if refs is not None:
-            refs[_ref_name(ctx.key, head.source)] = {
-                "words": words.clone(),
+            self._keep_ref(ctx, _ref_name(ctx.key, head.source), {
+                "words": words.clone(),  # the caller may change the tensor returned
                 "seq": head.seq,
                 "crc": head.crc,
                 "shape": list(payload.shape),
                 "dtype": str(payload.dtype),
-            }
+            })
         return words.view(payload.dtype).reshape(payload.shape)
 
     def _decode_bf16(self, buf: np.ndarray, head: _Header, payload: Payload) -> torch.Tensor:
@@ -1008,9 +1030,32 @@ def _expect_tags(planes: dict[int, np.ndarray], expected: list[int]) -> None:
         )
 
 
+def _layout_code(cols: int, is_matrix: bool) -> int:
+    """The exponent context's layout as one number: the row length of the matrix view and
+    whether it is the tensor's last dimension (else fixed blocks of a flat tensor)."""
+    return (cols << 1) | int(is_matrix)
+
+
+def _describe_layout(code: int) -> str:
+    cols, is_matrix = code >> 1, code & 1
+    return f"rows of {cols} ({'last dimension' if is_matrix else 'flat blocks'})"
+
+
+def _check_layout(code: int, shape: tuple[int, ...], n: int) -> None:
+    """Refuse a payload whose exponent context was laid out for another shape (the payload's
+    shape is what the receiver says it is; a relabelled one must not decode to other values)."""
+    _, cols, is_matrix = bg.matrix_view(shape, n)
+    if code != _layout_code(cols, is_matrix):
+        raise CommpressError(
+            f"payload's exponent context layout is {_describe_layout(code)}, but shape "
+            f"{shape} has {_describe_layout(_layout_code(cols, is_matrix))}: the payload was "
+            "encoded for another shape of the same size"
+        )
+
+
 def _header_prefix(
     lay: bg.Layout, grouping: str, delta: str, xor: bool, keyframe: bool, flags: int, n: int,
-    kept: int, g4: int, nesc: int, base_key: int,
+    layout: int, kept: int, g4: int, nesc: int, base_key: int,
     prev: tuple[int, int, int, int, int] | None,
 ) -> bytearray:
     out = bytearray(MAGIC)
@@ -1020,6 +1065,8 @@ def _header_prefix(
     out.append(DELTA_IDS[delta] | (_XOR_BIT if xor else 0) | (_KEYFRAME_BIT if keyframe else 0))
     out.append(flags)
     _put_varint(out, n)
+    if grouping == "exponent":
+        _put_varint(out, layout)
     if flags & _F_MASK:
         _put_varint(out, kept)
     if grouping == "exponent":
@@ -1057,9 +1104,9 @@ def _parse(buf: np.ndarray) -> _Header:
         raise CommpressError("payload header is truncated") from None
 
 
-#: Longest possible header: 7 fixed bytes, at most 9 varints of 10 bytes and a u32, the
+#: Longest possible header: 7 fixed bytes, at most 10 varints of 10 bytes and a u32, the
 #: section count and 127 sections of 2 bytes and two varints.
-_HEADER_MAX = 7 + 9 * 10 + 4 + 1 + 127 * 22
+_HEADER_MAX = 7 + 10 * 10 + 4 + 1 + 127 * 22
 
 
 def _read_varint(b: bytes, pos: int) -> tuple[int, int]:
@@ -1084,7 +1131,11 @@ def _parse_header(b: bytes, size: int, stored_crc: int) -> _Header:
         raise CommpressError(f"payload does not start with {MAGIC!r} (got {b[0:2]!r})")
     version = b[2]
     if version != VERSION:
-        raise CommpressError(f"payload format version {version}; this reader knows {VERSION}")
+        raise CommpressError(
+            f"payload format version {version} was written by "
+            f"{'an older' if version < VERSION else 'a newer'} commpress; this one reads "
+            f"version {VERSION} only (encode and decode with the same commpress version)"
+        )
     dtype_code, gid, dbyte, flags = b[3], b[4], b[5], b[6]
     if gid >= len(bg.GROUPINGS):
         raise CommpressError(f"payload names unknown grouping id {gid}")
@@ -1095,6 +1146,9 @@ def _parse_header(b: bytes, size: int, stored_crc: int) -> _Header:
         raise CommpressError(f"payload has unknown flags {flags:#x}")
     grouping, delta = bg.GROUPINGS[gid], DELTAS[did]
     numel, pos = _read_varint(b, 7)
+    layout = 0
+    if grouping == "exponent":
+        layout, pos = _read_varint(b, pos)
     kept = numel
     if flags & _F_MASK:
         kept, pos = _read_varint(b, pos)
@@ -1138,9 +1192,10 @@ def _parse_header(b: bytes, size: int, stored_crc: int) -> _Header:
         )
     return _Header(
         dtype_code=dtype_code, grouping=grouping, delta=delta, xor=bool(dbyte & _XOR_BIT),
-        keyframe=bool(dbyte & _KEYFRAME_BIT), flags=flags, numel=numel, kept=kept, g4=g4,
-        nesc=nesc, base_key=base_key, source=source, seq=seq, ref_seq=ref_seq, ref_crc=ref_crc,
-        step=step, sections=sections, body_start=pos, crc=stored_crc,
+        keyframe=bool(dbyte & _KEYFRAME_BIT), flags=flags, numel=numel, layout=layout,
+        kept=kept, g4=g4, nesc=nesc, base_key=base_key, source=source, seq=seq,
+        ref_seq=ref_seq, ref_crc=ref_crc, step=step, sections=sections, body_start=pos,
+        crc=stored_crc,
     )
 
 
