@@ -272,8 +272,8 @@ class Codec(ABC):
         stateful: the codec keeps per-tensor state in ``ctx.state`` across steps (PowerSGD's
             warm start ``Q``, netzip's previous-step references); the caller must keep that
             dict per tensor and may need to roll it back after a skipped step.
-        unbiased: ``E[decode(encode(x))] = x`` over the codec's randomness (exactly true of
-            lossless codecs).
+        unbiased: ``E[decode(encode(x))] = x`` over the codec's randomness (set automatically,
+            with ``contractive``, on classes that declare ``lossless = True``).
         contractive: ``E||C(x) - x||^2 <= (1 - delta) ||x||^2`` for some ``delta > 0`` and
             every ``x`` (inside the dtype's range), with ``C = decode . encode``: the
             condition under which error feedback converges. Top-K (``delta = K/d``), sign,
@@ -302,6 +302,13 @@ class Codec(ABC):
     stateful: ClassVar[bool] = False
     unbiased: ClassVar[bool] = False
     contractive: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A lossless codec is exact, hence unbiased and contractive, whatever it declares.
+        if cls.__dict__.get("lossless", False):
+            cls.unbiased = True
+            cls.contractive = True
 
     @property
     def feedback_fit(self) -> FeedbackFit:
