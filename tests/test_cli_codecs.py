@@ -16,10 +16,29 @@ def test_codecs_table_lists_every_codec(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["codecs"]) == 0
     out = capsys.readouterr().out
     header = out.splitlines()[0]
-    for column in ("id", "summable", "lossless", "parameters"):
+    for column in ("id", "summable", "lossless", "error feedback", "parameters"):
         assert column in header
     ids_in_table = {line.split("|")[1].strip() for line in out.splitlines()[2:] if "|" in line}
     assert ids_in_table == set(codec_ids())
+
+
+def test_codecs_table_and_verbose_show_traits(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["codecs"]) == 0
+    rows = {
+        cells[1].strip(): cells[5].strip()
+        for line in capsys.readouterr().out.splitlines()[2:]
+        if len(cells := line.split("|")) > 6
+    }
+    assert rows["topk"] == "needed" and rows["terngrad"] == "incompatible"
+    assert rows["fp16"] == "optional" and rows["randomk"] == "needed"
+    assert main(["codecs", "-v"]) == 0
+    out = capsys.readouterr().out
+    assert "\nterngrad: " in out
+    terngrad = out.split("\nterngrad: ")[1]
+    assert "traits (defaults): unbiased, not contractive" in terngrad
+    assert "error feedback: incompatible" in terngrad
+    assert "traits (defaults): elementwise, unbiased, contractive" in out.split("\nidentity: ")[1]
+    assert "stateful, biased, contractive" in out.split("\npowersgd: ")[1]
 
 
 def test_codecs_json_round_trips(capsys: pytest.CaptureFixture[str]) -> None:

@@ -269,9 +269,10 @@ class Codec(ABC):
             codec keeps no state and draws no random numbers (identity and the 16-bit casts):
             encoding a concatenation equals concatenating the encodings, so such codecs can
             be applied to any grouping of tensors.
-        stateful: the codec keeps per-tensor state in ``ctx.state`` across steps (PowerSGD's
-            warm start ``Q``, netzip's previous-step references); the caller must keep that
-            dict per tensor and may need to roll it back after a skipped step.
+        stateful: the codec may keep per-tensor state in ``ctx.state`` across steps
+            (PowerSGD's warm start ``Q``; netzip's previous-step references with
+            ``delta="previous"``); the caller must keep that dict per tensor and may need to
+            roll it back after a skipped step. A codec that is not stateful never writes it.
         unbiased: ``E[decode(encode(x))] = x`` over the codec's randomness (set automatically,
             with ``contractive``, on classes that declare ``lossless = True``).
         contractive: ``E||C(x) - x||^2 <= (1 - delta) ||x||^2`` for some ``delta > 0`` and

@@ -107,5 +107,6 @@ class Bf16(_FloatCast):
     summary: ClassVar[str] = "cast to bfloat16"
     nonfinite: ClassVar[str] = (
         "NaN/Inf kept; decoding saturates finite values at the output dtype's largest (fp16's "
-        "65504 stays finite); float32 values beyond ~3.39e38 become +-Inf on encoding"
+        "65504 stays finite); float32/float64 values beyond bfloat16's largest (~3.39e38, "
+        "float32's range) become +-Inf on encoding"
     )

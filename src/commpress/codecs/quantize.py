@@ -304,7 +304,8 @@ class MinMax(Codec):
         return self.bits >= 2
     nonfinite: ClassVar[str] = (
         "a NaN or Inf makes its whole chunk decode to NaN (the chunk's min/scale are "
-        "non-finite); finite chunks always decode to finite values"
+        "non-finite); finite chunks always decode to finite values, except float64 inputs "
+        "beyond float32's range (computed in float32)"
     )
 
     bits: int = param(8, "bits per code, 1..8")
@@ -400,7 +401,8 @@ class QSGD(Codec):
     summary: ClassVar[str] = "QSGD: unbiased stochastic quantization to s levels of |x|/||x||"
     nonfinite: ClassVar[str] = (
         "a NaN or Inf makes its whole chunk decode to NaN (the chunk's norm is non-finite); "
-        "finite inputs decode to finite values (norms beyond float32 are clamped)"
+        "finite inputs decode to finite values (norms beyond float32 are clamped), except "
+        "float64 inputs beyond float32's range (computed in float32)"
     )
     unbiased: ClassVar[bool] = True
 
@@ -523,7 +525,8 @@ class TernGrad(Codec):
         ``(0.8 sqrt(2 ln n) - 1) ||v||^2``: 2x for ``n = 1000``. Not contractive by default."""
         return 1 <= self.chunk_size <= 3
     nonfinite: ClassVar[str] = (
-        "a NaN or Inf makes its whole chunk decode to NaN (the chunk's max |x| is non-finite)"
+        "a NaN or Inf makes its whole chunk decode to NaN (the chunk's max |x| is non-finite); "
+        "float64 inputs beyond float32's range give non-finite output (computed in float32)"
     )
 
     chunk_size: int = param(0, "elements per max-magnitude scale (0: whole tensor)")
@@ -613,7 +616,8 @@ class Sign(Codec):
     unbiased: ClassVar[bool] = False
     contractive: ClassVar[bool] = True  # error ||x||^2 - ||x||_1^2 / d < ||x||^2
     nonfinite: ClassVar[str] = (
-        "any NaN or Inf makes the whole tensor decode to NaN/Inf (the mean |x| is non-finite)"
+        "any NaN or Inf makes the whole tensor decode to NaN/Inf (the mean |x| is non-finite); "
+        "float64 inputs beyond float32's range give non-finite output (computed in float32)"
     )
 
     def wire_bits(self, n: int) -> int:

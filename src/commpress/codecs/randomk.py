@@ -103,7 +103,8 @@ class RandomK(Codec):
     )
     nonfinite: ClassVar[str] = (
         "any NaN/Inf in the input makes every sent value NaN (it could otherwise go unsent); "
-        "finite values saturate at the output (and 16-bit value) dtype's largest"
+        "finite values saturate at the value and output dtypes' largest (finite on one "
+        "worker); sums over workers of saturated values overflow the value dtype to +-Inf"
     )
 
     ratio: float = param(0.01, "fraction of coordinates sent: k = max(1, round(ratio * d))")
@@ -164,7 +165,14 @@ class RandomK(Codec):
         work = torch.float64 if payload.dtype == torch.float64 else torch.float32
         out = torch.zeros(d, dtype=work, device=values.device)
         if d:
-            out[idx] = values.to(work) * (d / idx.numel()) if self.scale else values.to(work)
+            v = values.to(work)
+            if self.scale:
+                scaled = v * (d / idx.numel())
+                # a finite value times d/k beyond the work dtype saturates instead of going Inf
+                top = torch.full_like(scaled, torch.finfo(work).max)
+                overflowed = torch.isinf(scaled) & torch.isfinite(v)
+                v = torch.where(overflowed, torch.copysign(top, v), scaled)
+            out[idx] = v
         return saturating_cast(out, payload.dtype).reshape(payload.shape)
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
