@@ -456,3 +456,48 @@ def test_topk_and_dgc_are_registered_classes() -> None:
     assert isinstance(get_codec("dgc"), DGC)
     assert not TopK.summable and not DGC.summable
     assert TopK.fixed_size and not DGC.fixed_size
+
+
+# ---------------------------------------------------------------------- overflow-safe values
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.5", "dgc:ratio=0.5,value_dtype=float16"])
+def test_values_beyond_float16_decode_finite(spec: str, dtype: torch.dtype) -> None:
+    """float16 values of a wider input used to decode to +-Inf beyond 65504; the payload now
+    carries a power-of-two exponent, so they decode finite within float16's relative precision
+    (2^-11; the smaller values of the tensor lose bits to the shared scale)."""
+    codec = get_codec(spec)
+    top = float(torch.finfo(dtype).max)
+    for magnitude in (1e5, 1e30, top):
+        x = torch.tensor([magnitude, -magnitude, magnitude / 3, 1.0], dtype=torch.float64)
+        x = x.clamp(-top, top).to(dtype)
+        payload = codec.encode(x)
+        assert "exponent" in payload.parts
+        out = codec.decode(payload)
+        assert bool(torch.isfinite(out).all()), (magnitude, out)
+        kept = out[:2].double()
+        rel = ((kept - x[:2].double()).abs() / x[:2].double().abs()).max()
+        assert float(rel) <= 2.0**-11 + 2.0**-8 * (dtype == torch.bfloat16), (magnitude, rel)
+
+
+def test_exponent_zero_keeps_values_bit_identical() -> None:
+    """Ordinary gradients (largest |x| <= 65504) get exponent 0, and the values are exactly
+    the float16 cast they were before the exponent existed."""
+    codec = get_codec("topk", ratio=0.1)
+    x = gaussian(5000, seed=4) * 1000
+    payload = codec.encode(x)
+    assert int(payload.parts["exponent"]) == 0
+    idx = payload.parts["indices"].long()
+    assert torch.equal(payload.parts["values"], x[idx].half())
+    expected = torch.zeros(5000)
+    expected[idx] = x[idx].half().float()
+    assert torch.equal(codec.decode(payload), expected)
+
+
+def test_gathered_sum_of_scaled_values_is_finite() -> None:
+    """Two workers whose float32 gradients reach 1e30: each payload has its own exponent and
+    the all-gathered sum is finite and close to the exact sum on the kept coordinates."""
+    codec = get_codec("topk", ratio=1.0)
+    xs = [gaussian(100, seed=s) * 1e30 for s in range(2)]
+    total = simulate(codec, xs).total
+    assert bool(torch.isfinite(total).all())
+    assert nmse(total, xs[0] + xs[1]) < 1e-6

@@ -300,3 +300,43 @@ def test_decode_refuses_wrong_parts() -> None:
         codec.decode(p.replace(parts={**p.parts, "norms": p.parts["norms"].half()}))
     with pytest.raises(CommpressError, match="'values' has 127 elements, expected 128"):
         codec.decode(p.replace(parts={**p.parts, "values": p.parts["values"][:-1]}))
+
+
+# ---------------------------------------------------------------------- overflow-safe values
+def test_values_beyond_float16_decode_finite_on_one_worker() -> None:
+    """float16 values used to turn float32 coordinates beyond 65504 into +-Inf."""
+    codec = topkc(chunk_size=4, num_chunks=2)
+    x = torch.tensor([1e5, -2e5, 3.0, 4.0, 3e38, -3e38, 1e30, 0.5])
+    out = codec.decode(codec.encode(x))
+    assert bool(torch.isfinite(out).all())
+    assert float(((out[4:6].double() - x[4:6].double()) / x[4:6].double()).abs().max()) < 2e-3
+
+
+def test_sum_over_workers_cannot_overflow_and_every_rank_agrees() -> None:
+    """Three workers at 30000 each: the float16 sum (90000) used to overflow to +Inf without
+    average. The exponent comes from the all-reduced bound, so all ranks scale alike and
+    decode the same total, close to the exact sum on the chosen chunks."""
+    codec = topkc(chunk_size=8, num_chunks=8)
+    xs = [torch.full((64,), 30000.0) + gaussian(64, seed=s) for s in range(3)]
+    sim = simulate(codec, xs)
+    exact = xs[0] + xs[1] + xs[2]
+    for total in sim.totals:
+        assert torch.equal(total, sim.totals[0])
+        assert bool(torch.isfinite(total).all())
+        assert nmse(total, exact) < 1e-6
+    for rank_total in simulate(codec, [x * 1e33 for x in xs], average=True).totals:
+        assert bool(torch.isfinite(rank_total).all())
+
+
+def test_ordinary_inputs_get_exponent_zero_and_unchanged_values() -> None:
+    """With every worker's largest |x| summing to at most 32752 the exponent is 0: the
+    aggregate is exactly the float16 sum (in rank order) of the float16 values, as before."""
+    codec = topkc(chunk_size=16, num_chunks=4)
+    xs = [gaussian(256, seed=s) for s in range(3)]
+    total = simulate(codec, xs).total
+    chosen = total != 0
+    acc = xs[0].half()
+    for x in xs[1:]:
+        acc = acc + x.half()
+    assert torch.equal(total[chosen], acc.float()[chosen])
+    assert int(codec.exponent(torch.tensor([3 * 4.0 * 2.0**-128]), torch.float32)) == 0
