@@ -78,3 +78,25 @@ def test_bad_arguments_give_an_error_not_a_traceback(capsys: pytest.CaptureFixtu
     assert main(["bench", "codecs", "--repeat", "0"]) == 2
     assert "error" in capsys.readouterr().err
     assert main(["bench", "codecs", "--codecs", "nope", "--size-mb", "0.01"]) == 2
+
+
+def test_readme_codec_table_matches_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's codec table is `commpress codecs` without the parameters column."""
+    from pathlib import Path
+
+    assert main(["codecs"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.replace("\\|", "/").split("|")[1:-1]]
+
+    expected = [cells(line)[:5] + cells(line)[6:] for line in lines if line.startswith("| ")]
+    readme = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    start = readme.index(next(x for x in readme if x.startswith("| id       | summable")))
+    table = []
+    for line in readme[start:]:
+        if not line.startswith("|"):
+            break
+        if not line.startswith("|--"):
+            table.append(cells(line))
+    assert table == expected
