@@ -103,14 +103,14 @@ def test_bad_parameters_are_refused(params: dict[str, object], match: str) -> No
     ],
 )
 def test_wire_size_formula(d: int, params: dict[str, object], chunk: int, selected: int) -> None:
-    """Exactly 16 * (ceil(d/C') + J*C') + 32 bits with C' = min(C, d): one 16-bit squared norm
-    per chunk and the float32 bound in round 1, J full (zero-padded) chunks of 16-bit values
-    in round 2."""
+    """Exactly 16 * (ceil(d/C') + J*C') + 16 bits with C' = min(C, d): one 16-bit squared norm
+    per chunk and the bfloat16 bound in round 1 (one all-reduce: same dtype), J full
+    (zero-padded) chunks of 16-bit values in round 2."""
     codec = topkc(**params)
     lay = codec.layout(d)
     assert (lay.chunk, lay.selected) == (chunk, selected)
     n_chunks = math.ceil(d / chunk)
-    expected = 2 * (n_chunks + selected * chunk) + 4
+    expected = 2 * (n_chunks + selected * chunk) + 2
     x = gaussian(d)
     assert codec.encode(x).nbytes == expected
     sim = simulate(codec, [x, x, x])
@@ -124,7 +124,7 @@ def test_bits_per_coordinate_match_the_paper_when_chunks_divide_d() -> None:
     codec = topkc(chunk_size=64, num_chunks=124)
     d = 64 * 256
     p = codec.encode(gaussian(d))
-    bound_bits = 32 / d  # the float32 bound, 4 bytes per tensor
+    bound_bits = 16 / d  # the bfloat16 bound, 2 bytes per tensor
     assert p.bits_per_coordinate == pytest.approx(
         16 * (124 * 64 / d + 1 / 64) + bound_bits, abs=1e-12
     )
@@ -340,3 +340,18 @@ def test_ordinary_inputs_get_exponent_zero_and_unchanged_values() -> None:
         acc = acc + x.half()
     assert torch.equal(total[chosen], acc.float()[chosen])
     assert int(codec.exponent(torch.tensor([3 * 4.0 * 2.0**-128]), torch.float32)) == 0
+    assert int(codec.exponent(torch.tensor([16376.0 * 2.0**-128]), torch.float32)) == 0
+    assert int(codec.exponent(torch.tensor([16377.0 * 2.0**-128]), torch.float32)) == 1
+
+
+def test_bound_rides_with_bfloat16_norms_and_rounds_up() -> None:
+    """The bound shares the norms' dtype (bfloat16 by default), so round 1 stays one
+    all-reduce; it is rounded up, so it never under-states the largest magnitude."""
+    codec = topkc()
+    x = torch.tensor([1.0, -16377.0, 3.0])
+    payload = codec.encode(x)
+    bound = payload.parts["bound"]
+    assert bound.dtype == payload.parts["norms"].dtype == torch.bfloat16
+    assert float(bound.double()) * 2.0**128 >= 16377.0
+    assert topkc(norm_dtype="float16").encode(x).parts["bound"].dtype == torch.float32
+    assert codec.encode(x.double()).parts["bound"].dtype == torch.float64

@@ -38,10 +38,11 @@ _NORM_SLICE = 1 << 22
 #: workers stay finite in the bound's wire type.
 _BOUND_SHIFT = {torch.float64: 1024}
 _DEFAULT_BOUND_SHIFT = 128
-
-
-def _bound_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+#: The exponent keeps ``B * 2^-e <= max(value_dtype) / _MARGIN``: a factor 2 for the 16-bit
+#: roundings of the values' sum, a factor 2 for a bfloat16 bound's sum rounding down
+#: (each addition loses at most 2^-9: ``(1 - 2^-9)^(n-1) >= 1/2`` up to 355 workers even
+#: if every rounding went down; the bound of each worker is rounded up).
+_MARGIN = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,15 +104,17 @@ class TopKC(Codec):
        largest finite value of the 16-bit wire type and send it in that type.
     2. Round 1: ``AllReduce`` (sum) of the squared norms: ``s_p = sum_i ||c_p^(i)||^2``.
        The same all-reduce sums one more value, ``bound``: each worker's largest finite
-       ``|x|`` times ``2^-128`` (``2^-1024`` for float64 input), in float32 (float64).
+       ``|x|`` times ``2^-128``, rounded up to the norms' type when that is bfloat16 (the
+       default: no extra collective), else to float32; float64 inputs use ``2^-1024`` and a
+       float64 bound.
     3. Every worker picks the same ``J`` chunks with the largest ``s_p`` (ties go to the lower
        chunk index; a NaN norm, which only a NaN/Inf input produces, ranks above everything,
        so non-finite chunks are always sent), and the same overflow exponent: the smallest
-       ``e >= 0`` with ``B * 2^-e <= max(value_dtype) / 2``, where ``B = bound * 2^128`` is
+       ``e >= 0`` with ``B * 2^-e <= max(value_dtype) / 4``, where ``B = bound * 2^128`` is
        the sum over workers of their largest ``|x|``, hence a bound on every partial sum of
-       the all-reduce below (the factor 2 leaves room for the 16-bit roundings of the sum).
-       Ordinary gradients (``B`` below 32752 with float16 values) get ``e = 0``, and the
-       results are bit-identical to unscaled values.
+       the all-reduce below (the factor 4 leaves room for the 16-bit roundings of both sums,
+       up to 355 workers in the worst case). Ordinary gradients (``B`` up to 16376 with
+       float16 values) get ``e = 0``, and the results are bit-identical to unscaled values.
     4. Round 2: ``AllReduce`` (sum) of the ``J * C'`` values of those chunks, times ``2^-e``,
        in a 16-bit float (with ``average`` they are divided by ``n`` first, as PyTorch's fp16
        hook does). The sum cannot overflow: finite inputs give finite outputs.
@@ -120,9 +123,10 @@ class TopKC(Codec):
        beyond the output dtype's range (a true sum that overflows it) saturates at the
        dtype's largest value.
 
-    Wire size per worker, exactly, in bits: ``16 * (ceil(d/C') + J * C') + 32`` (``+ 64``
-    for float64 input), i.e. ``16 * (J*C'/d + 1/C')`` per coordinate when ``C'`` divides
-    ``d`` (the paper's ``16 (JC/d + 1/C)``) plus 4 bytes of bound per tensor; otherwise the
+    Wire size per worker, exactly, in bits: ``16 * (ceil(d/C') + J * C') + 16`` (``+ 32``
+    with float16 norms, ``+ 64`` for float64 input), i.e. ``16 * (J*C'/d + 1/C')`` per
+    coordinate when ``C'`` divides ``d`` (the paper's ``16 (JC/d + 1/C)``) plus the bound's
+    2 bytes per tensor; otherwise the
     padded last chunk costs a full ``C'`` values when it is chosen. A single-worker
     :meth:`encode` holds the same three parts: the local norms, the values of the locally
     chosen chunks and the local bound; decoding re-derives the chunks from the norms and the
@@ -153,7 +157,7 @@ class TopKC(Codec):
         value_dtype: wire type of the chosen values, ``"float16"`` as in the paper or
             ``"bfloat16"`` (fp32's range, 8 mantissa bits). Either way the overflow exponent
             keeps values and their sums in range; with float16, tensors whose summed largest
-            magnitudes exceed 32752 are scaled down and lose precision on their smallest
+            magnitudes exceed 16376 are scaled down and lose precision on their smallest
             values (bfloat16 keeps it down to ``|x| ~ 1e-38 * 2^e``).
     """
 
@@ -233,19 +237,35 @@ class TopKC(Codec):
         sq = torch.where(torch.isinf(sq), torch.full_like(sq, math.nan), sq.clamp(max=top))
         return sq.to(torch.float32).to(self._norm_dtype)
 
+    def bound_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Wire type of the ``bound`` part for an input of ``dtype``: the norms' type when it
+        is bfloat16 (the default; then the bound rides in the norms' all-reduce, one
+        collective as before), else float32 (float64 for float64 input, whose magnitudes
+        bfloat16 cannot bound): a separate all-reduce in round 1."""
+        if dtype == torch.float64:
+            return torch.float64
+        return torch.bfloat16 if self.norm_dtype == "bfloat16" else torch.float32
+
     def _bound(self, x: torch.Tensor) -> torch.Tensor:
-        """This worker's ``bound`` part: its largest finite ``|x|`` times ``2^-shift``."""
+        """This worker's ``bound`` part: its largest finite ``|x|`` times ``2^-shift``,
+        rounded up to the bound's wire type (so that it stays an upper bound)."""
         shift = _BOUND_SHIFT.get(x.dtype, _DEFAULT_BOUND_SHIFT)
-        work = _bound_dtype(x.dtype)
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
         top = finite_max_abs(x.reshape(-1)).to(work)
-        return (top * torch.exp2(torch.tensor(-float(shift), dtype=work))).reshape(1)
+        exact = (top * torch.exp2(torch.tensor(-float(shift), dtype=work))).reshape(1)
+        wire = exact.to(self.bound_dtype(x.dtype))
+        if wire.dtype != work:
+            up = torch.nextafter(wire, torch.full_like(wire, math.inf))
+            wire = torch.where(wire.to(work) < exact, up, wire)
+        return wire
 
     def exponent(self, bound: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The overflow exponent ``e`` (0-d int64) for a summed ``bound`` of a ``dtype`` input:
-        the smallest ``e >= 0`` with ``bound * 2^shift * 2^-e <= max(value_dtype) / 2``. Exact
+        the smallest ``e >= 0`` with ``bound * 2^shift * 2^-e <= max(value_dtype) / 4``. Exact
         (``frexp``), with no host sync; a zero or non-finite bound gives 0."""
         shift = _BOUND_SHIFT.get(dtype, _DEFAULT_BOUND_SHIFT)
-        ratio = bound.to(torch.float64).reshape(()) / (torch.finfo(self._value_dtype).max / 2)
+        top = torch.finfo(self._value_dtype).max / _MARGIN
+        ratio = bound.to(torch.float64).reshape(()) / top
         mantissa, exp = torch.frexp(ratio)
         ceil_log2 = exp.to(torch.int64) - (mantissa == 0.5).to(torch.int64)
         e = (ceil_log2 + shift).clamp(min=0)
@@ -279,7 +299,7 @@ class TopKC(Codec):
         values = self.part(
             payload, "values", numel=lay.selected * lay.chunk, dtype=self._value_dtype
         )
-        bound = self.part(payload, "bound", numel=1, dtype=_bound_dtype(payload.dtype))
+        bound = self.part(payload, "bound", numel=1, dtype=self.bound_dtype(payload.dtype))
         chosen = select_chunks(norms, lay.selected)
         work = torch.float64 if payload.dtype == torch.float64 else torch.float32
         e = self.exponent(bound, payload.dtype)
