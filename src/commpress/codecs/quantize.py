@@ -273,7 +273,8 @@ class MinMax(Codec):
     Args:
         bits: bits per code, 1 to 8. Each extra bit halves ``scale`` (quarters the squared
             error). 8 bits is nearly lossless for gradients (NMSE ~1e-5 on Gaussian data);
-            4 bits is the usual compromise; 1-2 bits need error feedback.
+            4 bits is the usual compromise; 2 bits need error feedback; 1 bit is not
+            contractive (error feedback is refused; use ``sign`` for 1 bit).
         chunk_size: elements sharing one ``lo``/``scale`` pair (0: the whole tensor). Smaller
             chunks follow the local range (outliers spoil only their chunk) at 64 bits per
             chunk: 1024 costs 0.0625 bits per element; try 128-256 for heavy-tailed tensors
