@@ -104,17 +104,19 @@ class TopKC(Codec):
        largest finite value of the 16-bit wire type and send it in that type.
     2. Round 1: ``AllReduce`` (sum) of the squared norms: ``s_p = sum_i ||c_p^(i)||^2``.
        The same all-reduce sums one more value, ``bound``: each worker's largest finite
-       ``|x|`` times ``2^-128``, rounded up to the norms' type when that is bfloat16 (the
-       default: no extra collective), else to float32; float64 inputs use ``2^-1024`` and a
-       float64 bound.
+       chunk norm (which bounds its ``|x|``; computed anyway) times ``2^-128``, rounded up
+       to the norms' type when that is bfloat16 (the default: no extra collective), else to
+       float32; float64 inputs send their largest finite ``|x|`` times ``2^-1024`` in
+       float64.
     3. Every worker picks the same ``J`` chunks with the largest ``s_p`` (ties go to the lower
        chunk index; a NaN norm, which only a NaN/Inf input produces, ranks above everything,
        so non-finite chunks are always sent), and the same overflow exponent: the smallest
        ``e >= 0`` with ``B * 2^-e <= max(value_dtype) / 4``, where ``B = bound * 2^128`` is
-       the sum over workers of their largest ``|x|``, hence a bound on every partial sum of
+       the sum over workers of their bounds, hence a bound on every partial sum of
        the all-reduce below (the factor 4 leaves room for the 16-bit roundings of both sums,
        up to 355 workers in the worst case). Ordinary gradients (``B`` up to 16376 with
-       float16 values) get ``e = 0``, and the results are bit-identical to unscaled values.
+       float16 values: chunk norms summed over workers) get ``e = 0``, and the results are
+       bit-identical to unscaled values.
     4. Round 2: ``AllReduce`` (sum) of the ``J * C'`` values of those chunks, times ``2^-e``,
        in a 16-bit float (with ``average`` they are divided by ``n`` first, as PyTorch's fp16
        hook does). The sum cannot overflow: finite inputs give finite outputs.
@@ -156,9 +158,9 @@ class TopKC(Codec):
             rounding of the norms).
         value_dtype: wire type of the chosen values, ``"float16"`` as in the paper or
             ``"bfloat16"`` (fp32's range, 8 mantissa bits). Either way the overflow exponent
-            keeps values and their sums in range; with float16, tensors whose summed largest
-            magnitudes exceed 16376 are scaled down and lose precision on their smallest
-            values (bfloat16 keeps it down to ``|x| ~ 1e-38 * 2^e``).
+            keeps values and their sums in range; with float16, tensors whose largest chunk
+            norms, summed over workers, exceed 16376 are scaled down and lose precision on
+            their smallest values (bfloat16 keeps it down to ``|x| ~ 1e-38 * 2^e``).
     """
 
     codec_id: ClassVar[str] = "topkc"
@@ -219,10 +221,12 @@ class TopKC(Codec):
             flat = torch.cat([flat, flat.new_zeros(pad)])
         return flat.view(lay.chunks, lay.chunk)
 
-    def _norms(self, chunks: torch.Tensor) -> torch.Tensor:
+    def _norms(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Squared chunk norms in the wire type: float64 arithmetic (|x| up to 3.4e38 squared
         and summed over a chunk stays far inside float64's range), finite values clamped to
-        the wire type's largest finite value, NaN for chunks holding a NaN or Inf.
+        the wire type's largest finite value, NaN for chunks holding a NaN or Inf. Also the
+        largest finite squared norm before clamping (float64, 0-d; 0 when there is none),
+        whose square root bounds every finite ``|x|`` (see :meth:`_bound`).
 
         ``vector_norm(dtype=float64)`` converts its input to float64 first, so rows are taken
         in slices of about ``_NORM_SLICE`` elements to bound that temporary (32 MiB)."""
@@ -233,9 +237,14 @@ class TopKC(Codec):
                 for part in chunks.split(rows)
             ]
         ) if chunks.shape[0] else chunks.new_zeros(0, dtype=torch.float64)
+        finite = torch.isfinite(sq)
+        largest = (
+            torch.where(finite, sq, torch.zeros_like(sq)).amax()
+            if sq.numel() else sq.new_zeros(())
+        )
         top = torch.finfo(self._norm_dtype).max
-        sq = torch.where(torch.isinf(sq), torch.full_like(sq, math.nan), sq.clamp(max=top))
-        return sq.to(torch.float32).to(self._norm_dtype)
+        sq = torch.where(finite, sq.clamp(max=top), torch.full_like(sq, math.nan))
+        return sq.to(torch.float32).to(self._norm_dtype), largest
 
     def bound_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Wire type of the ``bound`` part for an input of ``dtype``: the norms' type when it
@@ -246,17 +255,25 @@ class TopKC(Codec):
             return torch.float64
         return torch.bfloat16 if self.norm_dtype == "bfloat16" else torch.float32
 
-    def _bound(self, x: torch.Tensor) -> torch.Tensor:
-        """This worker's ``bound`` part: its largest finite ``|x|`` times ``2^-shift``,
-        rounded up to the bound's wire type (so that it stays an upper bound)."""
+    def _bound(self, x: torch.Tensor, largest_sq: torch.Tensor) -> torch.Tensor:
+        """This worker's ``bound`` part: an upper bound of its finite ``|x|`` times
+        ``2^-shift``, rounded up to the bound's wire type (so that it stays an upper bound).
+
+        The bound is the largest finite chunk norm (``sqrt(largest_sq)``, free: the norms are
+        computed anyway; at most ``sqrt(C)`` times ``max|x|``). For float64 inputs, whose
+        squares can overflow float64, it is ``max|x|`` itself (one more pass)."""
         shift = _BOUND_SHIFT.get(x.dtype, _DEFAULT_BOUND_SHIFT)
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        top = finite_max_abs(x.reshape(-1)).to(work)
-        exact = (top * torch.exp2(torch.tensor(-float(shift), dtype=work))).reshape(1)
+        if x.dtype == torch.float64:
+            top = finite_max_abs(x.reshape(-1)).to(torch.float64)
+        else:
+            top = largest_sq.to(torch.float64).sqrt()
+        # float64, exact power-of-two scaling: below 2^16 for any float32/16-bit input
+        # (|x| <= 3.4e38, C < 2^31) and below 1 for float64 ones
+        exact = (top * 2.0**-shift).reshape(1)
         wire = exact.to(self.bound_dtype(x.dtype))
-        if wire.dtype != work:
+        if wire.dtype != torch.float64:
             up = torch.nextafter(wire, torch.full_like(wire, math.inf))
-            wire = torch.where(wire.to(work) < exact, up, wire)
+            wire = torch.where(wire.to(torch.float64) < exact, up, wire)
         return wire
 
     def exponent(self, bound: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -286,8 +303,8 @@ class TopKC(Codec):
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         lay = self.layout(x.numel())
         chunks = self._chunked(x, lay)
-        norms = self._norms(chunks)
-        bound = self._bound(x)
+        norms, largest_sq = self._norms(chunks)
+        bound = self._bound(x, largest_sq)
         chosen = select_chunks(norms, lay.selected)
         e = self.exponent(bound, x.dtype)
         values = scale_values(chunks[chosen].reshape(-1), self._value_dtype, e)
@@ -314,8 +331,8 @@ class TopKC(Codec):
         with error_context(f"{self.codec_id}.reduce"):
             lay = self.layout(x.numel())
             chunks = self._chunked(x, lay)
-            local_norms = self._norms(chunks)
-            local_bound = self._bound(x)
+            local_norms, largest_sq = self._norms(chunks)
+            local_bound = self._bound(x, largest_sq)
         reply = yield AllReduce(tensors={"norms": local_norms, "bound": local_bound})
         norms = reply_part(reply, "norms", local_norms)
         bound = reply_part(reply, "bound", local_bound)
