@@ -77,3 +77,25 @@ def test_identity_sum_is_exact_for_integers_in_any_order() -> None:
     inputs = [torch.randint(-100, 100, (500,), generator=torch.Generator().manual_seed(s)).float()
               for s in range(5)]
     check_order_independent(get_codec("identity"), inputs)
+
+
+def test_bf16_decode_saturates_instead_of_overflowing_float16() -> None:
+    """bfloat16 rounds fp16's largest value 65504 up to 65536, which used to decode to +Inf in
+    a float16 output; decoding now saturates finite values at 65504 and keeps NaN/Inf."""
+    codec = get_codec("bf16")
+    x = torch.tensor([65504.0, -65504.0, 1.0, float("inf"), float("nan")], dtype=torch.float16)
+    out = codec.decode(codec.encode(x))
+    assert out.dtype == torch.float16
+    assert out[:3].tolist() == [65504.0, -65504.0, 1.0]
+    assert out[3] == float("inf") and bool(torch.isnan(out[4]))
+    total = simulate(codec, [x[:3], x[:3]], average=True).total
+    assert total.tolist() == [65504.0, -65504.0, 1.0]
+
+
+def test_fp16_overflow_is_documented_and_detected() -> None:
+    """The fp16 cast of a float32 value beyond 65504 is +-Inf by definition (as in PyTorch's
+    fp16 hook): the output is non-finite, so AMP-style checks see it."""
+    codec = get_codec("fp16")
+    out = codec.decode(codec.encode(torch.tensor([1e5, -1e5, 1.0])))
+    assert out.tolist() == [float("inf"), float("-inf"), 1.0]
+    assert "65504" in codec.nonfinite

@@ -16,10 +16,29 @@ def test_codecs_table_lists_every_codec(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["codecs"]) == 0
     out = capsys.readouterr().out
     header = out.splitlines()[0]
-    for column in ("id", "summable", "lossless", "parameters"):
+    for column in ("id", "summable", "lossless", "error feedback", "parameters"):
         assert column in header
     ids_in_table = {line.split("|")[1].strip() for line in out.splitlines()[2:] if "|" in line}
     assert ids_in_table == set(codec_ids())
+
+
+def test_codecs_table_and_verbose_show_traits(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["codecs"]) == 0
+    rows = {
+        cells[1].strip(): cells[5].strip()
+        for line in capsys.readouterr().out.splitlines()[2:]
+        if len(cells := line.split("|")) > 6
+    }
+    assert rows["topk"] == "needed" and rows["terngrad"] == "incompatible"
+    assert rows["fp16"] == "optional" and rows["randomk"] == "needed"
+    assert main(["codecs", "-v"]) == 0
+    out = capsys.readouterr().out
+    assert "\nterngrad: " in out
+    terngrad = out.split("\nterngrad: ")[1]
+    assert "traits (defaults): unbiased, not contractive" in terngrad
+    assert "error feedback: incompatible" in terngrad
+    assert "traits (defaults): elementwise, unbiased, contractive" in out.split("\nidentity: ")[1]
+    assert "stateful, biased, contractive" in out.split("\npowersgd: ")[1]
 
 
 def test_codecs_json_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
@@ -93,3 +112,25 @@ def test_output_into_a_pipe_closed_early_exits_quietly() -> None:
     text = err.decode()
     assert "Traceback" not in text and "BrokenPipeError" not in text, text
     assert child.returncode == 141  # 128 + SIGPIPE, as a shell reports for `... | head`
+
+
+def test_readme_codec_table_matches_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's codec table is `commpress codecs` without the parameters column."""
+    from pathlib import Path
+
+    assert main(["codecs"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.replace("\\|", "/").split("|")[1:-1]]
+
+    expected = [cells(line)[:5] + cells(line)[6:] for line in lines if line.startswith("| ")]
+    readme = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    start = readme.index(next(x for x in readme if x.startswith("| id       | summable")))
+    table = []
+    for line in readme[start:]:
+        if not line.startswith("|"):
+            break
+        if not line.startswith("|--"):
+            table.append(cells(line))
+    assert table == expected

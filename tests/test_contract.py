@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import json
+import math
+import typing
 
 import pytest
 import torch
 
 import commpress
-from commpress.codecs import CodecContext, Payload, get_codec, list_codecs, parse_codec_spec
+from commpress.codecs import (
+    Codec,
+    CodecContext,
+    Payload,
+    get_codec,
+    list_codecs,
+    parse_codec_spec,
+    simulate,
+)
+from commpress.codecs.base import FeedbackFit
+from commpress.codecs.randomk import RandomK
 from commpress.codecs.registry import codec_class
 from commpress.errors import CommpressError, error_context
-from commpress.testing import check_config_round_trip, gaussian
+from commpress.testing import check_config_round_trip, gaussian, nmse
 
 EXPECTED_IDS = {
     "identity", "fp16", "bf16",
@@ -157,3 +169,216 @@ def test_spec_string_names_changed_parameters_and_parses_back() -> None:
     sparse = get_codec("topk", value_dtype="float32")
     assert sparse.spec() == "topk:value_dtype=float32"
     assert get_codec(sparse.spec()) == sparse
+
+
+# ------------------------------------------------------------------------ codec traits
+#: Every registered codec with its defaults, plus the variants whose traits depend on a
+#: parameter (both sides of each such parameter).
+TRAIT_SPECS = [
+    *sorted(EXPECTED_IDS),
+    "randomk:scale=true",
+    "randomk:scale=true,ratio=0.75",
+    "qsgd:levels=1",
+    "terngrad:chunk_size=2",
+    "minmax:bits=1",
+    "minmax:rounding=stochastic",
+    "thc:bits=2",
+    "thc:saturate=true",
+]
+#: Shapes the measurements run on (PowerSGD compresses the 2-D ones).
+TRAIT_SHAPES = [(1000,), (48, 40), (3000,)]
+
+
+def _apply(codec: Codec, x: torch.Tensor, step: int) -> torch.Tensor:
+    """C(x) = decode(encode(x)) for one worker at ``step``, with fresh per-tensor state."""
+    ctx = CodecContext(step=step, key="t", state={})
+    payload = codec.encode(x, ctx)
+    return codec.decode(payload, CodecContext(step=step, key="t", state=ctx.state))
+
+
+def _ratios(codec: Codec, x: torch.Tensor, steps: int) -> list[float]:
+    """Measured ||C(x) - x||^2 / ||x||^2 for ``steps`` draws."""
+    return [nmse(_apply(codec, x, step), x) for step in range(steps)]
+
+
+@pytest.mark.parametrize("spec", TRAIT_SPECS)
+def test_traits_are_declared_and_consistent(spec: str) -> None:
+    codec = get_codec(spec)
+    for name in ("elementwise", "stateful", "unbiased", "contractive"):
+        assert isinstance(getattr(codec, name), bool), f"{spec}.{name} is not a bool"
+    assert codec.feedback_fit in typing.get_args(FeedbackFit)
+    if codec.lossless:
+        assert codec.unbiased and codec.contractive and codec.feedback_fit == "optional"
+    if not codec.contractive:
+        assert codec.feedback_fit == "incompatible"
+    if codec.feedback_fit == "needed":
+        assert codec.contractive and not codec.unbiased
+    if codec.elementwise:
+        assert not codec.stateful
+
+
+def test_feedback_fit_keeps_todays_automatic_choice_where_it_works() -> None:
+    """error_feedback=None turned EF on for every lossy codec but fp16/bf16. The biased
+    contractive codecs keep it; randomk's default is now unscaled (contractive, EF needed);
+    the non-contractive unbiased ones (scaled randomk, terngrad, coarse qsgd) are now
+    incompatible; unbiased contractive qsgd/thc defaults (and stochastic minmax) are optional."""
+    fits = {codec_id: get_codec(codec_id).feedback_fit for codec_id in EXPECTED_IDS}
+    assert fits == {
+        "identity": "optional", "fp16": "optional", "bf16": "optional", "netzip": "optional",
+        "topk": "needed", "dgc": "needed", "topkc": "needed", "sign": "needed",
+        "powersgd": "needed", "minmax": "needed", "randomk": "needed",
+        "qsgd": "optional", "thc": "optional",
+        "terngrad": "incompatible",
+    }
+    assert get_codec("randomk:scale=true").feedback_fit == "incompatible"
+    assert get_codec("qsgd:levels=1").feedback_fit == "incompatible"
+    assert get_codec("thc:bits=2").feedback_fit == "incompatible"
+    assert get_codec("thc:saturate=true").feedback_fit == "needed"
+    assert get_codec("minmax:rounding=stochastic").feedback_fit == "optional"
+
+
+@pytest.mark.parametrize("spec", TRAIT_SPECS)
+def test_contractive_matches_measurement(spec: str) -> None:
+    """Declared contractive: the mean over 6 draws of ||C(x) - x||^2 / ||x||^2 is below 1 for
+    Gaussian inputs of several sizes and seeds (the largest measured, thc at q = 3 aside, is
+    sign's 1 - 2/pi ~ 0.36 and unscaled randomk's 1 - k/d = 0.99). Declared not contractive:
+    the same mean is above 1 on at least one of those inputs (scaled randomk ~ 99, terngrad
+    ~ 2, qsgd with one level ~ 15, 1-bit minmax ~ 2-8, thc at q = 2 ~ 2)."""
+    codec = get_codec(spec)
+    means = []
+    for seed, shape in enumerate(TRAIT_SHAPES):
+        x = gaussian(math.prod(shape), seed=seed).reshape(shape)
+        ratios = _ratios(codec, x, steps=6)
+        means.append(sum(ratios) / len(ratios))
+    if codec.contractive:
+        assert max(means) < 1.0, f"{spec} declared contractive, measured {means}"
+    else:
+        assert max(means) > 1.0, f"{spec} declared not contractive, measured {means}"
+
+
+@pytest.mark.parametrize("spec", TRAIT_SPECS)
+def test_unbiased_matches_measurement(spec: str) -> None:
+    """The aggregate of two workers both holding x, halved, estimates x. Over T = 200 draws
+    (steps) the mean estimate of an unbiased codec has NMSE v / T for a per-draw NMSE v: we
+    require <= 2 v / T (+1e-12 for exact codecs). A biased codec's mean keeps its bias:
+    NMSE > 4 v / T (deterministic codecs: the mean is one draw, NMSE = v; unscaled randomk's
+    mean tends to (k/d) x, NMSE ~ 0.98; saturating thc clamps the agreeing workers' sums)."""
+    codec = get_codec(spec)
+    x = gaussian(1000, seed=11).reshape(40, 25)
+    trials = 200
+    acc = torch.zeros(x.shape, dtype=torch.float64)
+    per_draw = 0.0
+    for step in range(trials):
+        out = simulate(codec, [x, x], step=step, key="t").total.double() / 2
+        acc += out
+        per_draw += nmse(out, x) / trials
+    mean_err = nmse(acc / trials, x)
+    if codec.unbiased:
+        assert mean_err <= 2 * per_draw / trials + 1e-12, (spec, mean_err, per_draw)
+    else:
+        assert mean_err > 4 * per_draw / trials, (spec, mean_err, per_draw)
+
+
+@pytest.mark.parametrize("codec_id", sorted(EXPECTED_IDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_elementwise_matches_measurement(codec_id: str, dtype: torch.dtype) -> None:
+    """elementwise: decoding the encoding of a concatenation equals concatenating the
+    decodings, bit for bit; non-elementwise codecs differ on these inputs."""
+    codec = get_codec(codec_id)
+    a = gaussian(700, seed=1, dtype=dtype)
+    b = (gaussian(300, seed=2) * 100).to(dtype)
+    whole = _apply(codec, torch.cat([a, b]), 0)
+    parts = torch.cat([_apply(codec, a, 0), _apply(codec, b, 0)])
+    if codec.elementwise:
+        assert torch.equal(whole, parts)
+
+
+@pytest.mark.parametrize("spec", [*sorted(EXPECTED_IDS), "netzip:delta=previous"])
+def test_stateful_matches_measurement(spec: str) -> None:
+    """A codec that is not stateful never writes ctx.state (two-worker reductions over three
+    steps, and a single-worker encode); a stateful one may, depending on its configuration
+    (netzip only with delta='previous'), and the ones listed here do."""
+    codec = get_codec(spec)
+    xs = [gaussian(2048, seed=i).reshape(64, 32) for i in range(2)]
+    states: list[dict[str, object]] = [{}, {}]
+    for step in range(3):
+        simulate(codec, xs, states=states, key="w", step=step)
+    ctx = CodecContext(key="w", state={})
+    codec.decode(codec.encode(xs[0], ctx), ctx)
+    touched = bool(states[0]) or bool(states[1]) or bool(ctx.state)
+    if not codec.stateful:
+        assert not touched, (spec, states, ctx.state)
+    if spec in ("powersgd", "netzip:delta=previous"):
+        assert touched and codec.stateful
+
+
+# ------------------------------------------------------------------------ overflow
+#: Finite magnitudes every codec must map to finite outputs (largest |x| of the input).
+MAGNITUDES: dict[torch.dtype, list[float]] = {
+    torch.float32: [1e-30, 1e-10, 1.0, 1e10, 1e30, 3e38, float(torch.finfo(torch.float32).max)],
+    torch.float16: [6e-8, 1e-3, 1.0, 1e3, 65504.0],
+    torch.bfloat16: [1e-30, 1.0, 1e30, 3e38],
+    torch.float64: [1e-300, 1.0, 1e30, 3e38, 1e300, 1.7e308],
+}
+F32_MAX = float(torch.finfo(torch.float32).max)
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+FLOAT32_COMPUTE = {"minmax", "qsgd", "terngrad", "sign", "powersgd", "thc"}
+
+
+def documented_overflow(codec: Codec, dtype: torch.dtype, magnitude: float) -> str | None:
+    """The phrase of the codec's ``nonfinite`` text that allows a non-finite output for this
+    input (one worker, or a sum of two at magnitude / 64 each), or None when the output must
+    be finite."""
+    codec_id = codec.codec_id
+    if isinstance(codec, RandomK):
+        value_max = float(torch.finfo(getattr(torch, codec.value_dtype)).max)
+        if magnitude / 64 * 2 > value_max:
+            return "sums over workers of saturated values overflow"
+    if codec_id == "fp16" and dtype != torch.float16 and magnitude > 65504:
+        return "beyond +-65504 become +-Inf"
+    if codec_id == "bf16" and magnitude > BF16_MAX:
+        return "beyond bfloat16's largest"
+    if codec_id in FLOAT32_COMPUTE and dtype == torch.float64 and magnitude > F32_MAX:
+        return "float64 inputs beyond float32's range"
+    if codec_id == "thc" and dtype == torch.float32 and magnitude > 3e38:
+        return "within a quantization step of float32's largest"
+    return None
+
+
+def _extreme(
+    dtype: torch.dtype, magnitude: float, seed: int, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """Gaussian values scaled so that the largest |x| is ``magnitude`` (finite in dtype)."""
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    top = float(torch.finfo(dtype).max)
+    x = (g / g.abs().max() * magnitude).clamp(-top, top).to(dtype)
+    assert bool(torch.isfinite(x).all())
+    return x
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [*sorted(EXPECTED_IDS), "randomk:scale=true", "randomk:value_dtype=float16",
+     "topk:value_dtype=bfloat16", "dgc:value_dtype=float16", "topkc:value_dtype=bfloat16",
+     "qsgd:levels=1", "thc:bits=8"],
+)
+def test_finite_inputs_give_finite_outputs(spec: str) -> None:
+    """Finite inputs from 1e-30 to float32's largest (fp16: up to 65504, fp64: up to 1.7e308)
+    decode to finite outputs on one worker, and reduce to finite totals over two workers
+    whose estimates' sum is representable (magnitude / 64 each: qsgd with one level sends
+    +-||chunk||, up to sqrt(512) times the largest |x|), unless the codec's ``nonfinite``
+    text documents the overflow."""
+    codec = get_codec(spec)
+    for dtype, mags in MAGNITUDES.items():
+        for magnitude in mags:
+            x = _extreme(dtype, magnitude, 0, (48, 40))
+            allowed = documented_overflow(codec, dtype, magnitude)
+            if allowed is not None:
+                assert allowed in codec.nonfinite, (spec, allowed, codec.nonfinite)
+                continue
+            out = _apply(codec, x, 0)
+            assert bool(torch.isfinite(out).all()), (spec, dtype, magnitude)
+            xs = [_extreme(dtype, magnitude / 64, seed, (48, 40)) for seed in (1, 2)]
+            for average in (False, True):
+                for total in simulate(codec, xs, average=average).totals:
+                    assert bool(torch.isfinite(total).all()), (spec, dtype, magnitude, average)

@@ -592,3 +592,42 @@ def test_kernels_are_safe_from_several_threads() -> None:
 
     with kernels.use_backend("numba"), ThreadPoolExecutor(4) as pool:
         assert all(pool.map(work, range(4), timeout=60))
+
+
+# ---------------------------------------------------------------------- overflow
+@pytest.mark.parametrize("magnitude", [1e20, 1e30, 3e38])
+def test_qsgd_norm_of_huge_values_is_finite(magnitude: float) -> None:
+    """The float32 sum of squares overflows for |x| >= ~1e19, which used to make the chunk's
+    norm Inf and the decoding NaN. Norms are now recomputed in float64 (clamped just below
+    float32's largest); the error stays within QSGD's variance bound."""
+    codec = get_codec("qsgd")
+    x = gaussian(4096, seed=5).double()
+    x = (x / x.abs().max() * magnitude).float()
+    out = codec.decode(codec.encode(x))
+    assert bool(torch.isfinite(out).all())
+    assert nmse(out, x) < codec.variance_bound
+
+
+def test_qsgd_estimates_saturate_in_float16() -> None:
+    """One level: each kept element decodes to +-||chunk||, beyond float16's range for a
+    chunk of large values; the decode saturates at 65504 instead of giving +-Inf."""
+    codec = get_codec("qsgd", levels=1)
+    x = torch.full((512,), 60000.0, dtype=torch.float16)
+    out = codec.decode(codec.encode(x))
+    assert bool(torch.isfinite(out).all()) and float(out.abs().max()) == 65504.0
+
+
+def test_terngrad_and_coarse_qsgd_are_not_contractive_on_realistic_inputs() -> None:
+    """TernGrad and one-level QSGD: ||C(x) - x|| exceeds ||x|| on Gaussian and heavy-tailed
+    gradients, so error feedback on them grows without bound (feedback_fit incompatible);
+    default QSGD (omega = 512/127^2 ~ 0.03) is contractive and EF is optional."""
+    for make in (gaussian, heavy_tailed):
+        x = make(4096, seed=6)
+        for spec in ("terngrad", "qsgd:levels=1"):
+            codec = get_codec(spec)
+            assert codec.feedback_fit == "incompatible"
+            ctx = CodecContext(step=1)
+            assert nmse(codec.decode(codec.encode(x, ctx), ctx), x) > 1.0, spec
+        default = get_codec("qsgd")
+        assert default.contractive and default.feedback_fit == "optional"
+        assert nmse(default.decode(default.encode(x)), x) < default.variance_bound

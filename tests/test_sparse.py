@@ -90,7 +90,7 @@ def test_contract(spec: dict[str, object]) -> None:
 
 def test_package_docstring_example() -> None:
     payload = get_codec("topk", ratio=0.01).encode(torch.randn(1000))
-    assert payload.bits_per_coordinate == 0.48
+    assert payload.bits_per_coordinate == 0.488  # 10 x (16 + 32) bits + one exponent byte
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,9 @@ def test_topk_wire_size_is_48_bits_per_sent_coordinate(
     codec = get_codec("topk", ratio=ratio)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     k = target_count(ratio, x.numel())
-    check_wire_bits(codec, x, 48 * k)
+    # float16 values of a float32 tensor carry one exponent byte (overflow-safe scaling)
+    check_wire_bits(codec, x, 48 * k + 8)
+    check_wire_bits(codec, x.half(), 48 * k)  # float16 values cannot overflow: no exponent
     check_wire_bits(get_codec("topk", ratio=ratio, value_dtype="float32"), x, 64 * k)
 
 
@@ -363,14 +365,18 @@ def test_dgc_error_equals_top_k_at_the_same_count(dist: object) -> None:
         assert nmse(codec.decode(payload), x) == pytest.approx(tail_energy(x, count), rel=1e-9)
 
 
-@pytest.mark.parametrize("value_dtype,bits", [("float32", 64), ("float16", 48), ("bfloat16", 48)])
-def test_dgc_wire_size(value_dtype: str, bits: int) -> None:
+@pytest.mark.parametrize(
+    "value_dtype,bits,exponent",
+    [("float32", 64, 0), ("float16", 48, 8), ("bfloat16", 48, 8)],
+)
+def test_dgc_wire_size(value_dtype: str, bits: int, exponent: int) -> None:
     codec = get_codec("dgc", ratio=0.01, value_dtype=value_dtype)
     x = gaussian(50_000, seed=9)
     payload = codec.encode(x)
     count = sent_count(payload.parts["values"])
-    # bits per sent coordinate (value + int32 index) plus the int32 count header
-    assert payload.nbytes * 8 == bits * count + 32
+    # bits per sent coordinate (value + int32 index) plus the int32 count header, plus the
+    # exponent byte when the value dtype's range is narrower than float32's
+    assert payload.nbytes * 8 == bits * count + 32 + exponent
 
 
 def test_dgc_small_tensors_use_exact_top_k() -> None:
@@ -450,3 +456,48 @@ def test_topk_and_dgc_are_registered_classes() -> None:
     assert isinstance(get_codec("dgc"), DGC)
     assert not TopK.summable and not DGC.summable
     assert TopK.fixed_size and not DGC.fixed_size
+
+
+# ---------------------------------------------------------------------- overflow-safe values
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.5", "dgc:ratio=0.5,value_dtype=float16"])
+def test_values_beyond_float16_decode_finite(spec: str, dtype: torch.dtype) -> None:
+    """float16 values of a wider input used to decode to +-Inf beyond 65504; the payload now
+    carries a power-of-two exponent, so they decode finite within float16's relative precision
+    (2^-11; the smaller values of the tensor lose bits to the shared scale)."""
+    codec = get_codec(spec)
+    top = float(torch.finfo(dtype).max)
+    for magnitude in (1e5, 1e30, top):
+        x = torch.tensor([magnitude, -magnitude, magnitude / 3, 1.0], dtype=torch.float64)
+        x = x.clamp(-top, top).to(dtype)
+        payload = codec.encode(x)
+        assert "exponent" in payload.parts
+        out = codec.decode(payload)
+        assert bool(torch.isfinite(out).all()), (magnitude, out)
+        kept = out[:2].double()
+        rel = ((kept - x[:2].double()).abs() / x[:2].double().abs()).max()
+        assert float(rel) <= 2.0**-11 + 2.0**-8 * (dtype == torch.bfloat16), (magnitude, rel)
+
+
+def test_exponent_zero_keeps_values_bit_identical() -> None:
+    """Ordinary gradients (largest |x| <= 65504) get exponent 0, and the values are exactly
+    the float16 cast they were before the exponent existed."""
+    codec = get_codec("topk", ratio=0.1)
+    x = gaussian(5000, seed=4) * 1000
+    payload = codec.encode(x)
+    assert int(payload.parts["exponent"]) == 0
+    idx = payload.parts["indices"].long()
+    assert torch.equal(payload.parts["values"], x[idx].half())
+    expected = torch.zeros(5000)
+    expected[idx] = x[idx].half().float()
+    assert torch.equal(codec.decode(payload), expected)
+
+
+def test_gathered_sum_of_scaled_values_is_finite() -> None:
+    """Two workers whose float32 gradients reach 1e30: each payload has its own exponent and
+    the all-gathered sum is finite and close to the exact sum on the kept coordinates."""
+    codec = get_codec("topk", ratio=1.0)
+    xs = [gaussian(100, seed=s) * 1e30 for s in range(2)]
+    total = simulate(codec, xs).total
+    assert bool(torch.isfinite(total).all())
+    assert nmse(total, xs[0] + xs[1]) < 1e-6

@@ -533,3 +533,15 @@ def test_decode_refuses_wrong_parts() -> None:
         codec.decode(p.replace(parts={**p.parts, "codes": p.parts["codes"].float()}))
     with pytest.raises(CommpressError, match="'range' is torch.float16"):
         codec.decode(p.replace(parts={**p.parts, "range": p.parts["range"].half()}))
+
+
+def test_float16_output_saturates_at_65504() -> None:
+    """Quantization noise on coordinates within a step of float16's largest used to give
+    +-Inf in a float16 output; the decode now saturates at 65504."""
+    codec = get_codec("thc")
+    x = torch.full((4096,), 65504.0, dtype=torch.float16)
+    x[::2] = -65504.0
+    for step in range(4):
+        ctx = CodecContext(step=step)
+        out = codec.decode(codec.encode(x, ctx), ctx)
+        assert bool(torch.isfinite(out).all())

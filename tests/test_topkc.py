@@ -18,6 +18,7 @@ from commpress.testing import (
     nmse,
     run_all_contract_checks,
 )
+from dist_utils import run_workers
 
 
 def topkc(**params: object) -> TopKC:
@@ -103,13 +104,14 @@ def test_bad_parameters_are_refused(params: dict[str, object], match: str) -> No
     ],
 )
 def test_wire_size_formula(d: int, params: dict[str, object], chunk: int, selected: int) -> None:
-    """Exactly 16 * (ceil(d/C') + J*C') bits with C' = min(C, d): one 16-bit squared norm per
-    chunk in round 1 and J full (zero-padded) chunks of 16-bit values in round 2."""
+    """Exactly 16 * (ceil(d/C') + J*C') + 16 bits with C' = min(C, d): one 16-bit squared norm
+    per chunk and the bfloat16 bound in round 1 (one all-reduce: same dtype), J full
+    (zero-padded) chunks of 16-bit values in round 2."""
     codec = topkc(**params)
     lay = codec.layout(d)
     assert (lay.chunk, lay.selected) == (chunk, selected)
     n_chunks = math.ceil(d / chunk)
-    expected = 2 * (n_chunks + selected * chunk)
+    expected = 2 * (n_chunks + selected * chunk) + 2
     x = gaussian(d)
     assert codec.encode(x).nbytes == expected
     sim = simulate(codec, [x, x, x])
@@ -123,8 +125,11 @@ def test_bits_per_coordinate_match_the_paper_when_chunks_divide_d() -> None:
     codec = topkc(chunk_size=64, num_chunks=124)
     d = 64 * 256
     p = codec.encode(gaussian(d))
-    assert p.bits_per_coordinate == pytest.approx(16 * (124 * 64 / d + 1 / 64), abs=1e-12)
-    assert p.bits_per_coordinate == pytest.approx(8.0, abs=1e-12)
+    bound_bits = 16 / d  # the bfloat16 bound, 2 bytes per tensor
+    assert p.bits_per_coordinate == pytest.approx(
+        16 * (124 * 64 / d + 1 / 64) + bound_bits, abs=1e-12
+    )
+    assert p.bits_per_coordinate == pytest.approx(8.0 + bound_bits, abs=1e-12)
 
 
 # ---------------------------------------------------------------------------- selection
@@ -268,11 +273,13 @@ def test_locals_are_own_values_on_the_agreed_chunks() -> None:
 
 
 def test_average_divides_values_before_the_sum() -> None:
-    """With ctx.average the float16 values are divided by n before the all-reduce, so sums
-    that would overflow float16 (2 * 40000 > 65504) stay finite."""
+    """With ctx.average the float16 values are divided by n before the all-reduce; without it
+    the shared overflow exponent keeps the float16 sum (2 * 40000 > 65504) in range (it
+    overflowed to +Inf before the exponent existed)."""
     xs = [torch.full((64,), 40000.0), torch.full((64,), 40000.0)]
     codec = topkc(chunk_size=8, num_chunks=8)
-    assert not bool(torch.isfinite(simulate(codec, xs).total).all())
+    for total in simulate(codec, xs).totals:
+        assert torch.equal(total, torch.full((64,), 80000.0))
     results = simulate(codec, xs, average=True).totals
     assert len(results) == 2
     assert torch.equal(results[0], torch.full((64,), 40000.0))
@@ -294,3 +301,102 @@ def test_decode_refuses_wrong_parts() -> None:
         codec.decode(p.replace(parts={**p.parts, "norms": p.parts["norms"].half()}))
     with pytest.raises(CommpressError, match="'values' has 127 elements, expected 128"):
         codec.decode(p.replace(parts={**p.parts, "values": p.parts["values"][:-1]}))
+
+
+# ---------------------------------------------------------------------- overflow-safe values
+def test_values_beyond_float16_decode_finite_on_one_worker() -> None:
+    """float16 values used to turn float32 coordinates beyond 65504 into +-Inf."""
+    codec = topkc(chunk_size=4, num_chunks=2)
+    x = torch.tensor([1e5, -2e5, 3.0, 4.0, 3e38, -3e38, 1e30, 0.5])
+    out = codec.decode(codec.encode(x))
+    assert bool(torch.isfinite(out).all())
+    assert float(((out[4:6].double() - x[4:6].double()) / x[4:6].double()).abs().max()) < 2e-3
+
+
+def test_sum_over_workers_cannot_overflow_and_every_rank_agrees() -> None:
+    """Three workers at 30000 each: the float16 sum (90000) used to overflow to +Inf without
+    average. The exponent comes from the all-reduced bound, so all ranks scale alike and
+    decode the same total, close to the exact sum on the chosen chunks."""
+    codec = topkc(chunk_size=8, num_chunks=8)
+    xs = [torch.full((64,), 30000.0) + gaussian(64, seed=s) for s in range(3)]
+    sim = simulate(codec, xs)
+    exact = xs[0] + xs[1] + xs[2]
+    for total in sim.totals:
+        assert torch.equal(total, sim.totals[0])
+        assert bool(torch.isfinite(total).all())
+        assert nmse(total, exact) < 1e-6
+    for rank_total in simulate(codec, [x * 1e33 for x in xs], average=True).totals:
+        assert bool(torch.isfinite(rank_total).all())
+
+
+def test_ordinary_inputs_get_exponent_zero_and_unchanged_values() -> None:
+    """With every worker's largest |x| summing to at most 32752 the exponent is 0: the
+    aggregate is exactly the float16 sum (in rank order) of the float16 values, as before."""
+    codec = topkc(chunk_size=16, num_chunks=4)
+    xs = [gaussian(256, seed=s) for s in range(3)]
+    total = simulate(codec, xs).total
+    chosen = total != 0
+    acc = xs[0].half()
+    for x in xs[1:]:
+        acc = acc + x.half()
+    assert torch.equal(total[chosen], acc.float()[chosen])
+    assert int(codec.exponent(torch.tensor([3 * 4.0 * 2.0**-128]), torch.float32)) == 0
+    assert int(codec.exponent(torch.tensor([16376.0 * 2.0**-128]), torch.float32)) == 0
+    assert int(codec.exponent(torch.tensor([16377.0 * 2.0**-128]), torch.float32)) == 1
+
+
+def test_bound_rides_with_bfloat16_norms_and_rounds_up() -> None:
+    """The bound shares the norms' dtype (bfloat16 by default), so round 1 stays one
+    all-reduce; it is rounded up, so it never under-states the largest magnitude."""
+    codec = topkc()
+    x = torch.tensor([1.0, -16377.0, 3.0])
+    payload = codec.encode(x)
+    bound = payload.parts["bound"]
+    assert bound.dtype == payload.parts["norms"].dtype == torch.bfloat16
+    assert float(bound.double()) * 2.0**128 >= 16377.0
+    assert topkc(norm_dtype="float16").encode(x).parts["bound"].dtype == torch.float32
+    assert codec.encode(x.double()).parts["bound"].dtype == torch.float64
+
+
+OVERFLOW_SPECS = ("topkc:chunk_size=8,num_chunks=16", "topk:ratio=0.5")
+
+
+def _overflow_worker(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
+    """Each rank all-reduces float32 tensors beyond float16's range through the real gloo
+    collectives; returns the totals per codec."""
+    from commpress.collectives import all_reduce
+
+    out: dict[str, list[torch.Tensor]] = {}
+    for spec in OVERFLOW_SPECS:
+        totals = []
+        for scale in (30000.0, 1e30):
+            x = (torch.full((128,), 1.0) + gaussian(128, seed=rank) * 0.1) * scale
+            totals.append(all_reduce(x, spec, op="sum", key=f"w{scale:g}"))
+        out[spec] = totals
+    return out
+
+
+def test_real_gloo_sum_beyond_float16_is_finite_and_identical_on_every_rank() -> None:
+    """Three gloo ranks at 30000 (their float16 sum 90000 overflowed to +Inf before) and at
+    1e30 (float16 values of float32 gradients overflowed before): every rank gets the same
+    finite total; topkc's (shared chunks, exponent agreed through the all-reduced bound) is
+    close to the exact sum on the chunks sent. topk's ranks send different coordinates, so
+    only finiteness and agreement are checked for it."""
+    world = 3
+    results = run_workers(_overflow_worker, world, timeout=180)
+    for spec in OVERFLOW_SPECS:
+        for i, scale in enumerate((30000.0, 1e30)):
+            exact = sum(
+                (torch.full((128,), 1.0) + gaussian(128, seed=r) * 0.1) * scale
+                for r in range(world)
+            )
+            first = results[0][spec][i]
+            for out in results:
+                assert torch.equal(out[spec][i], first), (spec, scale)
+            assert bool(torch.isfinite(first).all()), (spec, scale)
+            if not spec.startswith("topkc"):
+                continue
+            sent = first != 0
+            assert int(sent.sum()) == 128
+            rel = ((first[sent].double() - exact[sent].double()) / exact[sent].double()).abs()
+            assert float(rel.max()) < 2e-3, (spec, scale)

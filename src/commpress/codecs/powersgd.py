@@ -145,10 +145,14 @@ class PowerSGD(Codec):
     codec_id: ClassVar[str] = "powersgd"
     summable: ClassVar[bool] = True
     multi_round: ClassVar[bool] = True
+    stateful: ClassVar[bool] = True  # the warm-start Q in ctx.state
+    unbiased: ClassVar[bool] = False
+    contractive: ClassVar[bool] = True  # P P^T M is a projection of M
     summary: ClassVar[str] = "rank-r power iteration P Q^T, warm-started; two all-reduce rounds"
     nonfinite: ClassVar[str] = (
         "a NaN/Inf poisons its P (and the whole approximation) with NaN; QR is never run on it. "
-        "Finite inputs never give NaN (power-of-two headroom keeps P and Q finite)"
+        "Finite inputs never give NaN (power-of-two headroom keeps P and Q finite); float64 "
+        "inputs beyond float32's range give non-finite output (computed in float32)"
     )
 
     rank: int = param(4, "rank r of the approximation P Q^T (>= 1)")

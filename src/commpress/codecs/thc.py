@@ -22,7 +22,14 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from commpress.codecs.base import Codec, CodecContext, Payload, param, require
+from commpress.codecs.base import (
+    Codec,
+    CodecContext,
+    Payload,
+    param,
+    require,
+    saturating_cast,
+)
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.quantize import require_seed
 from commpress.codecs.registry import register_codec
@@ -163,9 +170,10 @@ class Thc(Codec):
        against 0.03, 0.011 and 0.007 without saturation; it grows towards 1 with ``n``. Use
        it only for nearly independent gradients, or buy headroom with ``lane_bits``.
 
-    Range of inputs: finite inputs never decode to NaN. Estimates beyond the output dtype's
-    range (a sum whose true value overflows, or quantization noise on coordinates within a
-    step of the limit) become ``+-Inf``, as a float all-reduce would. The pre-scaling by
+    Range of inputs: finite inputs never decode to NaN. Float16 and bfloat16 outputs are cast
+    saturating at the dtype's largest finite value. Float32 estimates beyond float32's range
+    (a sum whose true value overflows, or quantization noise on coordinates within a step of
+    the limit) become ``+-Inf``, as a float all-reduce would. The pre-scaling by
     ``2^-E / sqrt(B)`` (``~1/B``) makes coordinates below ``~2^-126 B`` (``~5e-35`` for
     ``B = 4096``) lose relative precision to float32 underflow; ``float64`` inputs beyond
     float32's range are treated as non-finite, because ranges travel as float32.
@@ -205,12 +213,27 @@ class Thc(Codec):
     codec_id: ClassVar[str] = "thc"
     summable: ClassVar[bool] = True
     multi_round: ClassVar[bool] = True
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """Stochastic rounding with exact integer sums is unbiased; saturating sums are not."""
+        return not self.saturate
+
+    @property
+    def contractive(self) -> bool:  # type: ignore[override]
+        """Error variance per block is at most ``B (M_b / L)^2 / 4``; after the random
+        rotation ``M_b^2 ~ 2 ln(B) ||y||^2 / B``, so ``E||C(x) - x||^2 / ||x||^2 ~ ln(B) /
+        (2 L^2)``: below 1 for ``q >= 3`` (``L >= 3``) and any block up to ``2^25``; with
+        ``q = 2`` (``L = 1``, ternary) it is about 2-4, like TernGrad."""
+        return self.bits >= 3
     summary: ClassVar[str] = (
         "THC: Hadamard rotation, shared ranges, exact integer all-reduce (saturation optional)"
     )
     nonfinite: ClassVar[str] = (
         "a NaN/Inf makes its rotation block's range +Inf, so the whole block decodes to NaN; "
-        "finite inputs never give NaN (estimates beyond the dtype's range give +-Inf)"
+        "finite inputs never give NaN; float16/bfloat16 outputs saturate at the dtype's "
+        "largest; float32 estimates within a quantization step of float32's largest (~3.4e38) "
+        "and float64 inputs beyond float32's range give +-Inf (computed in float32)"
     )
 
     bits: int = param(4, "q: bits per quantized coordinate, codes in [-(2^(q-1)-1), 2^(q-1)-1]")
@@ -447,7 +470,7 @@ class Thc(Codec):
         flat = self._reconstruct(
             codes, ranges, lay, ctx, summed=payload.summed, divide=1, work=work
         )
-        return flat.reshape(payload.shape).to(payload.dtype)
+        return saturating_cast(flat, payload.dtype).reshape(payload.shape)
 
     def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
         """Two rounds: ``max`` of per-block ranges, then an exact (or saturating) integer sum."""
@@ -472,7 +495,7 @@ class Thc(Codec):
                 summed, ranges, lay, ctx, summed=ctx.world_size, divide=divide,
                 work=_work_dtype(x.dtype),
             )
-            total = flat.reshape(x.shape).to(x.dtype)
+            total = saturating_cast(flat, x.dtype).reshape(x.shape)
         local = self.decode(self._payload(x, ranges, codes, width), ctx) if ctx.need_local else None
         return Reduced(total=total, local=local)
 
