@@ -14,15 +14,7 @@ from pathlib import Path
 import pytest
 
 from commpress.errors import CommpressError
-from commpress.perfmodel.calibration import (
-    Measurement,
-    ValidationReport,
-    ValidationRow,
-    fit_platform,
-)
-from commpress.perfmodel.codec_costs import CodecSpeed, SpeedTable
-from commpress.perfmodel.model import HookPlan, Platform
-from commpress.perfmodel.validation import (
+from commpress.experiments.validation import (
     VALIDATION_FIT,
     Group,
     PlatformProfile,
@@ -43,6 +35,14 @@ from commpress.perfmodel.validation import (
     wait_for_quiet,
     with_strategies,
 )
+from commpress.perfmodel.calibration import (
+    Measurement,
+    ValidationReport,
+    ValidationRow,
+    fit_platform,
+)
+from commpress.perfmodel.codec_costs import CodecSpeed, SpeedTable
+from commpress.perfmodel.model import HookPlan, Platform
 
 CODECS = ("fp16", "powersgd:rank=4", "sign")
 SPEEDS = SpeedTable(

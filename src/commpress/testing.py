@@ -17,6 +17,12 @@ from commpress.codecs.registry import get_codec
 from commpress.codecs.simulate import simulate
 from commpress.errors import CommpressError
 
+# Sample inputs and the error metric live in commpress.metrics (the performance model and the
+# benchmarks use them too); re-exported here for the tests and for codec authors.
+from commpress.metrics import gaussian as gaussian
+from commpress.metrics import heavy_tailed as heavy_tailed
+from commpress.metrics import nmse as nmse
+
 #: Shapes every codec must handle, including 0-d and empty tensors.
 EDGE_SHAPES: tuple[tuple[int, ...], ...] = (
     (),
@@ -30,31 +36,6 @@ EDGE_SHAPES: tuple[tuple[int, ...], ...] = (
     (33, 65),
 )
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def nmse(estimate: torch.Tensor, reference: torch.Tensor) -> float:
-    """Normalized mean squared error ``||estimate - reference||^2 / ||reference||^2`` (fp64)."""
-    ref = reference.detach().double().reshape(-1)
-    err = estimate.detach().double().reshape(-1) - ref
-    denom = float(ref.pow(2).sum())
-    if denom == 0.0:
-        return 0.0 if float(err.pow(2).sum()) == 0.0 else float("inf")
-    return float(err.pow(2).sum()) / denom
-
-
-def gaussian(n: int, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``n`` standard normal values from a fixed seed."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g).to(dtype)
-
-
-def heavy_tailed(n: int, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``n`` Student-t values with 2 degrees of freedom (infinite variance): gradient-like
-    outliers. A fixed seed makes the sample, and so its norm, reproducible."""
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(n, generator=g)
-    chi2 = torch.randn(n, 2, generator=g).pow(2).sum(dim=1)
-    return (z / torch.sqrt(chi2 / 2)).to(dtype)
 
 
 def check_config_round_trip(codec: Codec) -> None:

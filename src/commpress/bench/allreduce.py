@@ -51,8 +51,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from commpress.codecs.registry import codec_ids, get_codec
+from commpress.collectives.api import STRATEGIES, all_reduce, reduce
 from commpress.errors import CommpressError
 from commpress.procs import exit_when_orphaned
+from commpress.report import render_table
 
 DEFAULT_CODECS = "identity,fp16,bf16,qsgd,topk,powersgd,thc"
 DEFAULT_STRATEGIES = "auto,allgather,ring,hierarchical"
@@ -116,9 +119,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _methods(codecs: list[str], strategies: list[str]) -> list[tuple[str, str]]:
-    from commpress.codecs.registry import get_codec
-    from commpress.collectives.api import STRATEGIES
-
     out = []
     for spec in codecs:
         codec = get_codec(spec)
@@ -186,8 +186,6 @@ def _measure_size(
 ) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
-
-    from commpress.collectives.api import all_reduce, reduce
 
     n = max(1, int(size_mb * 2**20) // 4)
     g = torch.Generator().manual_seed(rank)
@@ -368,7 +366,6 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from commpress.cli.table import render_table
 
     sizes = _parse_list(args.sizes, float, "sizes")
     if any(not s > 0 for s in sizes):
@@ -383,11 +380,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.warmup < 0:
         raise CommpressError("--repeats must be >= 1 and --warmup >= 0")
     codec_text = args.codecs
-    if codec_text == DEFAULT_CODECS:
-        from commpress.codecs.registry import codec_ids
-
-        if "netzip" in codec_ids():
-            codec_text += ",netzip"  # the lossless codec, where the ring strategy matters
+    if codec_text == DEFAULT_CODECS and "netzip" in codec_ids():
+        codec_text += ",netzip"  # the lossless codec, where the ring strategy matters
     sep = ";" if ";" in codec_text else ","
     codecs = [c.strip() for c in codec_text.split(sep) if c.strip()]
     if not codecs:

@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from commpress.cli.table import render_table
 from commpress.codecs import Codec, CodecContext, codec_ids, get_codec
 from commpress.errors import CommpressError
-from commpress.testing import gaussian, heavy_tailed, nmse
+from commpress.metrics import gaussian, heavy_tailed, nmse
+from commpress.report import render_table
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

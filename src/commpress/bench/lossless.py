@@ -44,9 +44,9 @@ import torch
 from tqdm import tqdm
 
 from commpress.analysis import GroupStats, analyze
-from commpress.cli.table import render_table
 from commpress.codecs import CodecContext, get_codec
 from commpress.errors import CommpressError, error_context
+from commpress.report import render_table
 
 FILE_RE = re.compile(
     r"^(?P<kind>[a-z_]+)_step(?P<step>\d+)_(?P<dtype>bf16|fp16|fp32)\.safetensors$"

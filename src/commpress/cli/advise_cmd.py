@@ -20,7 +20,7 @@ from typing import Any
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from commpress.perfmodel.cliargs import add_cluster_args, add_model_args, add_workload_args
+    from commpress.cli.model_args import add_cluster_args, add_model_args, add_workload_args
 
     p = sub.add_parser(
         "advise",
@@ -50,9 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from commpress.cli.model_args import cluster_from_args, model_kwargs, workload_from_args
     from commpress.errors import CommpressError
     from commpress.perfmodel.advisor import advise
-    from commpress.perfmodel.cliargs import cluster_from_args, model_kwargs, workload_from_args
 
     workload = workload_from_args(args)
     cluster = cluster_from_args(args)

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from commpress.analysis import GroupStats, achieved_ratio, analyze, load_tensors, plot
-from commpress.cli.table import render_table
 from commpress.codecs import get_codec
 from commpress.errors import CommpressError, error_context
+from commpress.report import render_table
 
 #: Configurations whose achieved ratio is reported by default.
 DEFAULT_CONFIGS = (

@@ -9,8 +9,8 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
-from commpress.cli.table import render_table
 from commpress.errors import CommpressError
+from commpress.report import render_table
 
 if TYPE_CHECKING:
     from commpress.cluster import EmulatedCluster

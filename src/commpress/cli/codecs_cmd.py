@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from commpress.cli.table import render_table
 from commpress.codecs import Codec, list_codecs
+from commpress.report import render_table
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

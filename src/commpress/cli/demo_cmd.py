@@ -25,9 +25,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from commpress.cli.table import render_table
 from commpress.demo.e2e import DEFAULT_WARMUP_STEPS
 from commpress.errors import CommpressError
+from commpress.report import render_table
 
 #: Codecs run after the fp16 baseline by default: one of each family (low rank, chunked
 #: sparsification, rotation + integer quantization, 1-bit with error feedback).

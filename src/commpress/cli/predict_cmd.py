@@ -15,12 +15,12 @@ import argparse
 import json
 from typing import Any
 
-from commpress.cli.table import render_table
 from commpress.codecs.registry import codec_ids
+from commpress.report import render_table
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from commpress.perfmodel.cliargs import add_cluster_args, add_model_args, add_workload_args
+    from commpress.cli.model_args import add_cluster_args, add_model_args, add_workload_args
 
     p = sub.add_parser(
         "predict",
@@ -83,7 +83,7 @@ def result_row(name: str, pred: Any, base_total: float) -> list[Any]:
 def run(args: argparse.Namespace) -> int:
     if args.calibrate_codecs:
         return _calibrate(args)
-    from commpress.perfmodel.cliargs import cluster_from_args, model_kwargs, workload_from_args
+    from commpress.cli.model_args import cluster_from_args, model_kwargs, workload_from_args
     from commpress.perfmodel.model import predict, predict_baseline
     from commpress.perfmodel.units import format_count, format_seconds
 

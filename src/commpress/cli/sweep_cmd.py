@@ -16,8 +16,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from commpress.cli.table import render_table
 from commpress.codecs.registry import codec_ids
+from commpress.report import render_table
 
 DEFAULT_PARAMS = "125M,350M,1.3B,7B"
 DEFAULT_NODES = "2,4,8,16,32"
@@ -31,7 +31,7 @@ CSV_FIELDS = [
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from commpress.perfmodel.cliargs import add_cluster_args, add_model_args, add_workload_args
+    from commpress.cli.model_args import add_cluster_args, add_model_args, add_workload_args
 
     p = sub.add_parser(
         "sweep",
@@ -107,13 +107,13 @@ def _plot(rows: list[dict[str, Any]], codecs: list[str], models: list[str], node
 
 
 def run(args: argparse.Namespace) -> int:
-    from commpress.errors import CommpressError
-    from commpress.perfmodel.cliargs import (
+    from commpress.cli.model_args import (
         cluster_from_args,
         compute_seconds,
         model_kwargs,
         workload_common,
     )
+    from commpress.errors import CommpressError
     from commpress.perfmodel.model import Workload, predict, predict_baseline
     from commpress.perfmodel.units import (
         format_bandwidth,

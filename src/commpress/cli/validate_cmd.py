@@ -13,7 +13,7 @@ Trains the built-in GPT with DDP on the emulated cluster for a grid of node coun
 bandwidths, codecs and exchange strategies (``codec@strategy``), calibrates the platform
 constants on one half of the runs and reports predicted against measured iteration time on
 the other half (see
-:mod:`commpress.perfmodel.validation`). Writes ``validation.json`` (summary, every row, fitted
+:mod:`commpress.experiments.validation`). Writes ``validation.json`` (summary, every row, fitted
 platform, raw measurements), ``validation.png`` (scatter) and ``platform.json`` (for
 ``commpress predict --platform``) to ``--out``.
 """
@@ -106,7 +106,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from commpress.errors import CommpressError
-    from commpress.perfmodel.validation import (
+    from commpress.experiments.validation import (
         DEFAULT_CODECS,
         analyse,
         default_grid,

@@ -10,7 +10,7 @@ See ``docs/cluster.md`` for the design (what is shaped, what intra-node traffic 
 """
 
 from commpress.cluster.emulated import EmulatedCluster, Node, cluster_ids, down_all
-from commpress.cluster.launcher import launch
+from commpress.cluster.job import launch
 from commpress.cluster.linkcheck import LinkReport, LinkResult, check_links
 from commpress.cluster.netns import namespaces_available, netem_available
 from commpress.cluster.shaping import (

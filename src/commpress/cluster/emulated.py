@@ -50,13 +50,13 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from commpress.cluster import netns
+from commpress.cluster.launcher import launch_on
+from commpress.cluster.linkcheck import LinkReport, check_links
 from commpress.cluster.shaping import LinkShape
 from commpress.errors import CommpressError
 
 if TYPE_CHECKING:
     import socket
-
-    from commpress.cluster.linkcheck import LinkReport
 
 #: Prefix of every namespace, state file and interface name a cluster owns.
 PREFIX = "commpress"
@@ -579,15 +579,11 @@ class EmulatedCluster:
         """Run ``cmd`` as a torchrun job across the nodes; see
         :func:`commpress.cluster.launcher.launch_on`. Returns 0 or the first failed worker's
         exit code."""
-        from commpress.cluster.launcher import launch_on
-
         return launch_on(self, cmd, **kwargs)
 
     def check_links(self, **kwargs: Any) -> LinkReport:
         """Measure every link against the request; see
         :func:`commpress.cluster.linkcheck.check_links`."""
-        from commpress.cluster.linkcheck import check_links
-
         return check_links(self, **kwargs)
 
     def __repr__(self) -> str:

@@ -21,12 +21,15 @@ Algorithm of :func:`launch_on`:
    in a store wait), SIGKILL whatever is left after ``stop_grace_s``, including every
    descendant seen while the job ran (workers live in sessions of their own).
 
-:func:`launch` wraps it: it brings a fresh :class:`EmulatedCluster` up, turns SIGINT, SIGTERM
-and SIGHUP into an orderly teardown (exit code 128 + signal), and tears the cluster down. The
-handlers are installed explicitly, so Ctrl-C works even in a process that inherited SIGINT
-ignored (a background job of a non-interactive shell, as in CI). Without root or namespace
-support it runs the same torchrun commands as local processes on loopback and says that the
-links are not shaped.
+:func:`commpress.cluster.job.launch` (``commpress.cluster.launch``) wraps it: it brings a fresh
+``EmulatedCluster`` up, turns SIGINT, SIGTERM and SIGHUP into an orderly teardown (exit code
+128 + signal), and tears the cluster down. The handlers are installed explicitly, so Ctrl-C
+works even in a process that inherited SIGINT ignored (a background job of a non-interactive
+shell, as in CI). Without root or namespace support it runs the same torchrun commands as
+local processes on loopback and says that the links are not shaped.
+
+This module imports no cluster: it knows one only through :class:`NodeHost`, so
+:mod:`commpress.cluster.emulated` can import it without a cycle.
 """
 
 from __future__ import annotations
@@ -42,13 +45,10 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import IO, Any, Protocol
 
 from commpress.cluster import netns
-from commpress.cluster.emulated import EmulatedCluster
-from commpress.cluster.shaping import LinkShape
 from commpress.errors import CommpressError
 
 #: Master port inside an emulated cluster (each cluster has its own namespaces, so the
@@ -353,7 +353,7 @@ def launch_on(
     out = stdout or sys.stdout
     err = stderr or sys.stderr
     if master_port is None:
-        master_port = DEFAULT_MASTER_PORT if isinstance(cluster, EmulatedCluster) else free_port()
+        master_port = free_port() if isinstance(cluster, LocalHost) else DEFAULT_MASTER_PORT
     if not 1 <= master_port <= 65535:
         raise CommpressError(f"master_port must be in [1, 65535], got {master_port}")
     full_env = dict(os.environ)
@@ -476,120 +476,3 @@ def _stop(procs: list[subprocess.Popen], tracker: ProcessTracker, stop_grace_s: 
                 p.wait(5.0)
     # Workers sit in sessions of their own; anything torchrun did not stop dies here.
     netns.kill_pids(tracker.alive(), grace_s=2.0)
-
-
-def launch(
-    cmd: Sequence[str],
-    *,
-    nodes: int | None = None,
-    procs_per_node: int | None = None,
-    bandwidth: str | float | None = None,
-    latency: str | float | None = None,
-    loss: str | float | None = None,
-    burst: str | int | None = None,
-    use_netns: bool | None = None,
-    cluster_id: int | None = None,
-    check: bool = False,
-    master_port: int | None = None,
-    timeout_s: float | None = None,
-    grace_s: float = 5.0,
-    env: dict[str, str] | None = None,
-    stdout: IO[str] | None = None,
-    stderr: IO[str] | None = None,
-) -> int:
-    """Bring a cluster up, run ``cmd`` on it with torchrun, tear it down; returns an exit code.
-
-    Args:
-        cmd: the training command, e.g. ``["python", "train.py"]``.
-        nodes, procs_per_node: the layout (default 2 nodes x 1 process; with ``cluster_id``,
-            the cluster's own, and a different value is refused).
-        bandwidth, latency, loss, burst: the links (see :class:`EmulatedCluster`).
-        use_netns: ``None`` (default) emulates when root and namespaces are available and
-            otherwise falls back to local unshaped processes with a notice; ``True`` refuses
-            to fall back; ``False`` always runs locally.
-        cluster_id: run on the existing cluster with this id (``commpress cluster up``), which
-            is left up afterwards; the link arguments must then be left unset, and ``nodes``
-            / ``procs_per_node`` unset or equal to the cluster's.
-        check: print the link check before starting the job.
-        master_port, timeout_s, grace_s, env, stdout, stderr: see :func:`launch_on`.
-
-    A SIGINT, SIGTERM or SIGHUP tears everything down and returns 128 + signal number.
-    """
-    err = stderr or sys.stderr
-    shape = LinkShape.parse(bandwidth, latency, loss, burst)  # warns once about > 7 Gbit/s
-    code: int
-    with _signals_raise():
-        try:
-            if cluster_id is not None:
-                if shape.shaped:
-                    raise CommpressError(
-                        "--cluster runs on an existing cluster, whose links are already "
-                        "shaped; drop --bandwidth/--latency/--loss/--burst"
-                    )
-                attached = EmulatedCluster.attach(cluster_id)
-                _check_layout(attached, nodes, procs_per_node)
-                if check:
-                    print(attached.check_links().table(), file=stdout or sys.stdout)
-                return launch_on(attached, cmd, master_port=master_port, timeout_s=timeout_s,
-                                 grace_s=grace_s, env=env, stdout=stdout, stderr=stderr)
-            nodes = 2 if nodes is None else nodes
-            procs_per_node = 1 if procs_per_node is None else procs_per_node
-            available, reason = netns.namespaces_available()
-            if use_netns is True and not available:
-                raise CommpressError(f"cannot emulate a cluster: {reason}")
-            if use_netns is False or not available:
-                layout = (f"running {nodes} node(s) x {procs_per_node} process(es) as plain "
-                          "local processes on loopback")
-                ignored = (f" (the requested {shape.describe()} is ignored)"
-                           if shape.shaped else "")
-                if use_netns is False:
-                    notice = f"{layout}, as asked (--local). Links are NOT shaped{ignored}."
-                else:
-                    notice = (f"no emulated cluster ({reason}); {layout} instead. Links are "
-                              f"NOT shaped{ignored}.")
-                err.write(f"commpress launch: {notice}\n")
-                host = LocalHost(nodes, procs_per_node)
-                return launch_on(host, cmd, master_port=master_port, timeout_s=timeout_s,
-                                 grace_s=grace_s, env=env, stdout=stdout, stderr=stderr)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # already warned above
-                cluster = EmulatedCluster(
-                    nodes=nodes, procs_per_node=procs_per_node, bandwidth=bandwidth,
-                    latency=latency, loss=loss, burst=burst, owner="launch",
-                )
-            try:
-                cluster.up()
-                err.write(
-                    f"commpress launch: {cluster.name}: {nodes} node(s) x {procs_per_node} "
-                    f"process(es), links {shape.describe()}, master {cluster.master_addr}\n"
-                )
-                if check:
-                    print(cluster.check_links().table(), file=stdout or sys.stdout)
-                code = launch_on(cluster, cmd, master_port=master_port, timeout_s=timeout_s,
-                                 grace_s=grace_s, env=env, stdout=stdout, stderr=stderr)
-            finally:
-                with _shielded():
-                    cluster.down()
-            return code
-        except LaunchInterrupted as exc:
-            err.write(f"commpress launch: {exc}; everything was torn down\n")
-            return 128 + exc.signum
-        except KeyboardInterrupt:
-            err.write("commpress launch: interrupted; everything was torn down\n")
-            return 128 + signal.SIGINT
-
-
-def _check_layout(cluster: EmulatedCluster, nodes: int | None, procs_per_node: int | None) -> None:
-    """Refuse a layout that differs from the existing cluster's (``launch --cluster``)."""
-    wrong = []
-    if nodes is not None and nodes != cluster.num_nodes:
-        wrong.append(f"--nodes {nodes}")
-    if procs_per_node is not None and procs_per_node != cluster.procs_per_node:
-        wrong.append(f"--procs-per-node {procs_per_node}")
-    if wrong:
-        raise CommpressError(
-            f"cluster {cluster.cluster_id} ({cluster.name}) has {cluster.num_nodes} node(s) x "
-            f"{cluster.procs_per_node} process(es), not {' and '.join(wrong)}; leave "
-            "--nodes/--procs-per-node out to use its layout, or bring up a cluster with the "
-            "layout you want (`commpress cluster up --nodes N --procs-per-node P`)"
-        )

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from commpress.cluster.shaping import WIRE_BYTES_PER_PAYLOAD_BYTE, format_duration, format_rate
 from commpress.errors import CommpressError
+from commpress.report import render_table
 
 if TYPE_CHECKING:
     from commpress.cluster.emulated import EmulatedCluster
@@ -114,7 +115,6 @@ class LinkReport:
         return {**asdict(self), "ok": self.ok}
 
     def table(self) -> str:
-        from commpress.cli.table import render_table
 
         def verdict(flag: bool | None) -> str:
             return "-" if flag is None else ("ok" if flag else "OUT")

@@ -49,6 +49,8 @@ from commpress.perfmodel.model import (
     predict,
     predict_baseline,
 )
+from commpress.perfmodel.units import format_count, format_seconds
+from commpress.report import render_table
 
 #: Candidates tried by default (those whose codec is registered).
 DEFAULT_CANDIDATES: tuple[str, ...] = (
@@ -127,8 +129,6 @@ class Advice:
         return "mixed: " + ", ".join(parts)
 
     def report(self) -> str:
-        from commpress.cli.table import render_table
-        from commpress.perfmodel.units import format_count, format_seconds
 
         base = self.baseline.total
         lines = [

@@ -31,6 +31,8 @@ from typing import Any
 from commpress.errors import CommpressError
 from commpress.perfmodel.codec_costs import SpeedTable
 from commpress.perfmodel.model import Platform, Setup
+from commpress.perfmodel.units import format_seconds
+from commpress.report import render_table
 
 #: Constants :func:`fit_platform` fits by default.
 FITTABLE: tuple[str, ...] = (
@@ -90,8 +92,6 @@ class ValidationReport:
         return self.median_abs_error <= median and self.worst_abs_error <= worst
 
     def table(self) -> str:
-        from commpress.cli.table import render_table
-        from commpress.perfmodel.units import format_seconds
 
         rows = [
             [r.label, format_seconds(r.predicted_s), format_seconds(r.measured_s),

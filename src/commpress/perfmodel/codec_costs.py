@@ -37,7 +37,10 @@ import torch
 from commpress.codecs.base import Codec, CodecContext
 from commpress.codecs.protocol import AllGather, AllReduce
 from commpress.codecs.registry import get_codec
+from commpress.codecs.simulate import single_worker
+from commpress.collectives.policy import CompressionState
 from commpress.errors import CommpressError, error_context
+from commpress.metrics import gaussian, heavy_tailed, nmse
 from commpress.perfmodel import collectives as coll
 from commpress.perfmodel.collectives import Cluster
 from commpress.perfmodel.timeline import Segment
@@ -351,8 +354,6 @@ def calibrate_protocol_speeds(
     timer = _median_time if statistic == "median" else _min_time
     dev = torch.device(device)
     speeds: dict[str, CodecSpeed] = {}
-    from commpress.collectives.policy import CompressionState
-
     for spec in specs:
         codec = get_codec(spec)
         casts = codec.elementwise
@@ -912,8 +913,6 @@ def measure_nmse(
     so PowerSGD looks worse here than on a real model. Pass a table to the advisor when you
     have measured errors (for example on tensors saved by ``commpress capture``).
     """
-    from commpress.codecs.simulate import single_worker
-    from commpress.testing import gaussian, heavy_tailed, nmse
 
     c = get_codec(codec)
     key = f"{spec_key(c)}|{shape}|{seed}"

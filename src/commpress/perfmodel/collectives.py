@@ -34,7 +34,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeAlias
 
 from commpress.errors import CommpressError
-from commpress.perfmodel.units import parse_bandwidth, parse_duration
+from commpress.perfmodel.units import (
+    format_bandwidth,
+    format_seconds,
+    parse_bandwidth,
+    parse_duration,
+)
 
 #: TCP payload bytes per byte on the wire at MTU 1500 (1448 of every 1514 bytes, with TCP
 #: timestamps): what a shaped Ethernet link leaves for data, about 95.6%.
@@ -339,7 +344,6 @@ class Cluster:
         return replace(self, inter=replace(self.inter, **changes))
 
     def describe(self) -> str:
-        from commpress.perfmodel.units import format_bandwidth, format_seconds
 
         return (
             f"{self.nodes} node(s) x {self.gpus_per_node} GPU(s); inter "

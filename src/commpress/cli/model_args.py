@@ -1,4 +1,7 @@
-"""Command-line arguments shared by ``commpress predict``, ``sweep`` and ``advise``."""
+"""Command-line arguments shared by ``commpress predict``, ``sweep`` and ``advise``.
+
+They live in the CLI, not in :mod:`commpress.perfmodel`: ``--demo-model`` builds a model of
+:mod:`commpress.demo`, which sits above the performance model."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from commpress.demo.model import build_model, preset
 from commpress.errors import CommpressError
 from commpress.perfmodel.codec_costs import STRATEGIES, Offload, SpeedTable
 from commpress.perfmodel.collectives import ALLREDUCE_ALGORITHMS, TCP_EFFICIENCY, Cluster
@@ -117,8 +121,6 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
             grad_bytes=common["grad_bytes"], name=f"{len(sizes)} buckets",
         )
     if args.demo_model:
-        from commpress.demo.model import build_model, preset
-
         model = build_model(preset(args.demo_model))
         shapes = [tuple(p.shape) for p in model.parameters()]
         numel = sum(p.numel() for p in model.parameters())

@@ -72,6 +72,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from commpress.cluster.shaping import choose_burst
+from commpress.demo.data import batches, stdlib_corpus
+from commpress.demo.e2e import Setup as RunSetup
+from commpress.demo.e2e import as_setup, parse_setup_spec, run_setups, setup_spec
+from commpress.demo.model import build_model, preset
+from commpress.demo.train import make_optimizer
 from commpress.errors import CommpressError, error_context
 from commpress.perfmodel.calibration import (
     CalibrationResult,
@@ -81,9 +87,11 @@ from commpress.perfmodel.calibration import (
     fit_platform,
     validate,
 )
-from commpress.perfmodel.codec_costs import SpeedTable
+from commpress.perfmodel.codec_costs import SpeedTable, calibrate_protocol_speeds
 from commpress.perfmodel.collectives import TCP_EFFICIENCY, Cluster
 from commpress.perfmodel.model import HookPlan, Platform, Setup, Workload, ddp_buckets
+from commpress.perfmodel.units import format_seconds, parse_bandwidth
+from commpress.report import render_table
 
 #: Format tag of the JSON written by :func:`save_run` / read by :func:`load_run`.
 RUN_FORMAT = "commpress-validation/1"
@@ -134,8 +142,6 @@ class Group:
     procs_per_node: int = 1
 
     def __post_init__(self) -> None:
-        from commpress.perfmodel.units import parse_bandwidth
-
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 2:
             raise CommpressError(f"a validation group needs an int >= 2 nodes, got "
                                  f"{self.nodes!r}")
@@ -147,7 +153,6 @@ class Group:
             parse_bandwidth(self.bandwidth)
         if not self.codecs:
             raise CommpressError("a validation group needs at least one codec")
-        from commpress.demo.e2e import as_setup
 
         for spec in self.codecs:
             with error_context(f"validation setup {spec!r}"):
@@ -192,7 +197,6 @@ def with_strategies(codecs: Sequence[str], strategies: Sequence[str]) -> tuple[l
     """Every codec of ``codecs`` with every strategy (``codec@strategy``; a codec already
     written with ``@`` is kept as is). Returns the specs and the skipped pairs, which the
     hook refuses (multi-round codecs in a ring, non-summable ones in ``allreduce``...)."""
-    from commpress.demo.e2e import as_setup, parse_setup_spec, setup_spec
 
     specs: list[str] = []
     skipped: list[str] = []
@@ -313,9 +317,6 @@ def _benchmark_worker(config_path: str, rank: int) -> int:
 
     threads = int(cfg["threads"])
     torch.set_num_threads(threads)
-    from commpress.demo.data import batches, stdlib_corpus
-    from commpress.demo.model import build_model, preset
-    from commpress.demo.train import make_optimizer
 
     processes = int(cfg["processes"])
     config = preset(cfg["model"])
@@ -395,7 +396,7 @@ class ComputePool:
         try:
             for r in range(self.processes):
                 self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "commpress.perfmodel.validation",
+                    [sys.executable, "-m", "commpress.experiments.validation",
                      "--benchmark-worker", str(config_path), str(r)],
                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL, text=True, bufsize=1,
@@ -492,7 +493,6 @@ def calibrate_codecs(codecs: Sequence[str], *, world_size: int, threads: int = 1
     (:attr:`commpress.perfmodel.model.Setup.contention`)."""
     import torch
 
-    from commpress.perfmodel.codec_costs import calibrate_protocol_speeds
 
     saved = torch.get_num_threads()
     numba_saved = None
@@ -752,8 +752,6 @@ def run_validation(
         work_dir: keep each launch's files (``group<i>/``) there (default: temporary).
         log: called with one line per finished group (default: nothing).
     """
-    from commpress.demo.e2e import Setup as RunSetup
-    from commpress.demo.e2e import parse_setup_spec, run_setups
 
     if not groups:
         raise CommpressError("the validation grid is empty")
@@ -897,8 +895,6 @@ def model_setup(run: ValidationRun, r: Run) -> Setup:
         buckets=tuple(tuple(b) for b in buckets), forward_s=fwd, backward_s=bwd,
         optimizer_s=upd, name=f"{run.model} GPT",
     )
-    from commpress.cluster.shaping import choose_burst
-    from commpress.perfmodel.units import parse_bandwidth
 
     rate = parse_bandwidth(group.bandwidth)
     cluster = Cluster.build(
@@ -907,7 +903,6 @@ def model_setup(run: ValidationRun, r: Run) -> Setup:
         intra_bw="10gbit", intra_latency=BASE_LATENCY_S,
         inter_burst=choose_burst(rate * 8),  # the emulated links' tbf bucket
     )
-    from commpress.demo.e2e import parse_setup_spec
 
     codec, strategy = parse_setup_spec(r.codec)
     return Setup(
@@ -924,15 +919,12 @@ _SHAPES: dict[str, list[tuple[int, ...]]] = {}
 
 def _model_shapes(model: str) -> list[tuple[int, ...]]:
     if model not in _SHAPES:
-        from commpress.demo.model import build_model, preset
-
         net = build_model(preset(model), seed=0)
         _SHAPES[model] = [tuple(p.shape) for p in net.parameters() if p.requires_grad]
     return _SHAPES[model]
 
 
 def _split_key(m: Measurement) -> tuple[Any, ...]:
-    from commpress.perfmodel.units import parse_bandwidth
 
     e = m.setup.extra
     return (str(e.get("codec", m.setup.codec)), int(e.get("nodes", m.setup.cluster.nodes)),
@@ -1020,8 +1012,6 @@ def report_rows(analysis: Analysis) -> list[dict[str, Any]]:
 def table(analysis: Analysis, run: ValidationRun | None = None) -> str:
     """The predicted-vs-measured table and the summary lines (with ``run``, also the
     machine's load during the measurements)."""
-    from commpress.cli.table import render_table
-    from commpress.perfmodel.units import format_seconds
 
     rows = report_rows(analysis)
     body = render_table(
@@ -1056,7 +1046,6 @@ def table(analysis: Analysis, run: ValidationRun | None = None) -> str:
 
 
 def platform_summary(p: Platform) -> str:
-    from commpress.perfmodel.units import format_seconds
 
     return (f"overlap efficiency {p.overlap_efficiency:.2f}, collective overhead "
             f"{format_seconds(p.collective_overhead_s)}, bandwidth x"
@@ -1176,8 +1165,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(
-        prog="python -m commpress.perfmodel.validation",
-        description="Worker of commpress.perfmodel.validation.measure_platform (started by it; "
+        prog="python -m commpress.experiments.validation",
+        description="Worker of commpress.experiments.validation.measure_platform (started by it; "
         "not meant to be run by hand). Use `commpress validate`.",
     )
     p.add_argument("--benchmark-worker", nargs=2, metavar=("CONFIG", "RANK"), required=True)
