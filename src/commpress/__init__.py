@@ -20,7 +20,15 @@ from commpress.codecs import (
     simulate,
 )
 from commpress.collectives import all_reduce, all_reduce_async, recv, send
-from commpress.errors import CommpressError
+from commpress.errors import (
+    CommpressError,
+    ConfigError,
+    ExchangeError,
+    ExchangeTimeoutError,
+    MismatchError,
+    PayloadError,
+    PeerLostError,
+)
 
 __version__ = "0.1.0"
 
@@ -31,6 +39,12 @@ __all__ = [
     "Codec",
     "CodecContext",
     "CommpressError",
+    "ConfigError",
+    "ExchangeError",
+    "ExchangeTimeoutError",
+    "MismatchError",
+    "PayloadError",
+    "PeerLostError",
     "Payload",
     "Reduced",
     "__version__",
