@@ -246,3 +246,38 @@ def test_register_fails_clearly_on_every_calling_rank_when_a_peer_never_calls_it
         assert f"rank 2 did not call commpress.ddp.register within {limit:g}s" in message, message
         assert f"this is rank {rank} of 3" in message, message
         assert elapsed < limit + 20.0, f"rank {rank}: {elapsed:.1f}s"
+
+
+def _late_register_worker(rank: int, world: int, flag: str) -> tuple[str, str, float]:
+    model = _model(rank)
+    if rank == 1:
+        _stay_stuck(flag)  # calls register only after rank 0 has given up on it
+    start = time.monotonic()
+    try:
+        commpress.ddp.register(model, "fp16")
+        kind, message = "none", "no error"
+    except CommpressError as exc:
+        kind, message = type(exc).__name__, str(exc)
+    finally:
+        if rank == 0:
+            _release(flag)
+    return kind, message, time.monotonic() - start
+
+
+def test_a_rank_that_calls_register_too_late_fails_within_the_timeout_too(
+    tmp_path: Path,
+) -> None:
+    # The late rank finds every check-in done and goes on to create the hook's group, which
+    # the others never join: that creation is bounded by the group's timeout as well. (Old
+    # code: rank 0 blocked in new_group until rank 1 came, after STUCK_S, and both succeeded.)
+    results = run_workers(
+        _late_register_worker, 2, str(tmp_path / "done"), timeout=RUN_S, pg_timeout=USER_TIMEOUT
+    )
+    kind, message, elapsed = results[0]
+    assert kind == "ExchangeTimeoutError", (kind, message)
+    assert "rank 1 did not call commpress.ddp.register" in message, message
+    assert elapsed < BOUND_S, elapsed
+    kind, message, elapsed = results[1]
+    assert kind == "ExchangeTimeoutError", (kind, message)
+    assert "process group" in message, message
+    assert elapsed < BOUND_S, elapsed

@@ -439,11 +439,12 @@ def new_group_of(
             list(ranks), backend=backend, use_local_synchronization=True, **kwargs
         )
     except RuntimeError as exc:  # gloo's "Wait timeout", DistStoreError, DistBackendError
-        kind, why = classify_failure(exc, time.monotonic() - start, seconds)
-        limit = "" if seconds is None else f" within {seconds:g}s"
+        elapsed = time.monotonic() - start
+        kind, why = classify_failure(exc, elapsed, seconds)
+        limit = "" if seconds is None else f" (timeout {seconds:g}s)"
         raise kind(
-            f"creating a process group of ranks {list(ranks)} failed{limit}: "
-            f"{type(exc).__name__}: {exc}. {why}"
+            f"creating a process group of ranks {list(ranks)} failed after {elapsed:.1f}s"
+            f"{limit}: {type(exc).__name__}: {exc}. {why}"
         ) from exc
 
 
