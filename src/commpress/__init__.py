@@ -21,7 +21,15 @@ from commpress.codecs import (
 )
 from commpress.collectives import all_reduce, all_reduce_async, recv, send
 from commpress.collectives.policy import CompressionState, Guard, StepStats
-from commpress.errors import CommpressError
+from commpress.errors import (
+    CommpressError,
+    ConfigError,
+    ExchangeError,
+    ExchangeTimeoutError,
+    MismatchError,
+    PayloadError,
+    PeerLostError,
+)
 
 __version__ = "0.1.0"
 
@@ -34,6 +42,12 @@ __all__ = [
     "CommpressError",
     "CompressionState",
     "Guard",
+    "ConfigError",
+    "ExchangeError",
+    "ExchangeTimeoutError",
+    "MismatchError",
+    "PayloadError",
+    "PeerLostError",
     "Payload",
     "Reduced",
     "StepStats",

@@ -42,14 +42,16 @@ from commpress.collectives.driver import (
     require_initialized,
     run_tasks,
 )
-from commpress.collectives.feedback import Schedule
+from commpress.collectives.feedback import Schedule, feedback_applies
 from commpress.collectives.policy import CodecPolicy, CompressionState, Guard, Plan
 from commpress.collectives.queue import queue_for
 from commpress.collectives.strategies import (
     RING_TAG_BASE,
+    check_in,
     gather_protocol,
     hierarchical_task,
     local_size_from_env,
+    new_group_of,
     prepare_node_groups,
     ring_task,
 )
@@ -687,6 +689,8 @@ def register(
         if why is not None:
             raise CommpressError(f"commpress.ddp.register: strategy {strategy!r} cannot send "
                                  f"{what}: {why}")
+        with error_context(f"commpress.ddp.register: {what}"):
+            feedback_applies(c, error_feedback)  # refused before any group is made
     if group is None:
         group = getattr(model, "process_group", None)
     if strategy.startswith("hierarchical"):
@@ -701,8 +705,12 @@ def register(
                 f"strategy {strategy!r} needs local_size (ranks per node) dividing the group "
                 f"size {world}, got {local_size!r}; pass local_size= or set LOCAL_WORLD_SIZE"
             )
+    if own_group or strategy.startswith("hierarchical"):
+        # Every rank must have called register before any process group is made: creating
+        # one waits for all its members, so a rank that never calls would block the others.
+        check_in(group, timeout=timeout, what="commpress.ddp.register")
     if own_group:
-        group = _own_group(group)
+        group = _own_group(group, timeout)
     names = {p: n for n, p in model.module.named_parameters()}
     state = DDPCompressionState(
         built,
@@ -727,23 +735,22 @@ def register(
         with error_context("registering the commpress DDP comm hook"):
             agree(ex, {_SETTINGS_FIELD: state.settings_fingerprint()},
                   device=ex.comm_device(None), hint=_settings_hint(state))
-            prepare_node_groups(group, local_size)
+            prepare_node_groups(group, local_size, timeout=timeout)
     with error_context("registering the commpress DDP comm hook"):
         model.register_comm_hook(state, comm_hook)
     return state
 
 
-def _own_group(group: ProcessGroup | None) -> ProcessGroup:
+def _own_group(group: ProcessGroup | None, timeout: float | None) -> ProcessGroup:
     """A new process group over the ranks of ``group`` (default: the default group), with the
-    same backend, created collectively by those ranks only."""
+    same backend, created collectively by those ranks only; its collectives wait ``timeout``
+    seconds for peers (default: ``group``'s own timeout, not torch's 30-minute default)."""
     require_initialized()
     pg = group if group is not None else torch.distributed.distributed_c10d._get_default_group()
     with error_context("creating the DDP comm hook's own process group"):
         ranks = torch.distributed.get_process_group_ranks(pg)
         backend = torch.distributed.get_backend(pg)
-        return torch.distributed.new_group(
-            ranks, backend=backend, use_local_synchronization=True
-        )
+        return new_group_of(pg, ranks, timeout=timeout, backend=backend)
 
 
 def _with_params(codec: Any, params: Mapping[str, Any]) -> Any:

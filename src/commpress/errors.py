@@ -1,9 +1,23 @@
-"""The library's single exception type.
+"""The library's exception types.
 
 Every error that commpress raises on purpose is a :class:`CommpressError`. It subclasses
 :class:`ValueError`, so code that already guards against bad values keeps working. Errors from
 deeper layers are re-raised as ``CommpressError`` with a note on what commpress was doing, so a
 user sees *which* codec, tensor or rank failed and not only the low-level message.
+
+Subclasses say what happened, for code that reacts differently to each::
+
+    CommpressError (ValueError)
+    ├── ConfigError                 bad arguments or configuration
+    ├── PayloadError                a corrupted, truncated or foreign payload
+    └── ExchangeError (+ RuntimeError)   an exchange between ranks failed
+        ├── PeerLostError           a peer died or closed its connection
+        ├── ExchangeTimeoutError (+ TimeoutError)  a peer did not answer within the timeout
+        │                           (stuck, or never made the call)
+        └── MismatchError           ranks made different calls or disagree on settings
+
+After an :class:`ExchangeError` the process group can no longer be used safely; restart the
+ranks (for example through torchrun's elastic restarts).
 """
 
 from __future__ import annotations
@@ -16,16 +30,51 @@ class CommpressError(ValueError):
     """Raised for bad input, bad configuration, corrupted payloads and failed exchanges."""
 
 
+class ConfigError(CommpressError):
+    """Bad arguments or configuration (an unknown codec, an invalid option)."""
+
+
+class PayloadError(CommpressError):
+    """A payload that cannot be decoded: corrupted, truncated, or made for something else."""
+
+
+class ExchangeError(CommpressError, RuntimeError):
+    """An exchange between ranks failed; the process group can no longer be used safely."""
+
+
+class PeerLostError(ExchangeError):
+    """A peer died or closed its connection during an exchange."""
+
+
+class ExchangeTimeoutError(ExchangeError, TimeoutError):
+    """A peer did not answer within the timeout: it is stuck, or never made the call."""
+
+
+class MismatchError(ExchangeError):
+    """Ranks made different calls or disagree on settings that must match."""
+
+
 @contextmanager
 def error_context(what: str) -> Iterator[None]:
     """Re-raise any exception from the block as :class:`CommpressError` prefixed with ``what``.
 
-    A ``CommpressError`` raised inside keeps its type and gains the prefix, so nested contexts
-    read outermost first: ``"all_reduce of 'fc1.weight': topk: ratio must be in (0, 1]"``.
+    A ``CommpressError`` raised inside keeps its type (a :class:`PeerLostError` stays one) and
+    gains the prefix, so nested contexts read outermost first:
+    ``"all_reduce of 'fc1.weight': topk: ratio must be in (0, 1]"``.
     """
     try:
         yield
     except CommpressError as exc:
-        raise CommpressError(f"{what}: {exc}") from exc.__cause__
+        raise _retyped(exc, f"{what}: {exc}") from exc.__cause__
     except (RuntimeError, TypeError, ValueError, IndexError, KeyError, OverflowError) as exc:
         raise CommpressError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _retyped(exc: CommpressError, message: str) -> CommpressError:
+    """A new error of ``exc``'s type with ``message`` (plain ``CommpressError`` where that type
+    cannot be built from one message)."""
+    try:
+        new = type(exc)(message)
+    except Exception:  # a subclass with another constructor signature
+        return CommpressError(message)
+    return new if isinstance(new, CommpressError) else CommpressError(message)

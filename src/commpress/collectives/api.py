@@ -54,7 +54,7 @@ from commpress.collectives.strategies import (
     local_size_from_env,
     ring_task,
 )
-from commpress.errors import CommpressError, error_context
+from commpress.errors import CommpressError, MismatchError, error_context
 
 Strategy: TypeAlias = Literal[
     "auto", "allreduce", "allgather", "ring", "hierarchical", "hierarchical-compress-first"
@@ -214,8 +214,9 @@ def agree(ex: Exchange, fields: Mapping[str, int], *, hint: str, device: torch.d
     """All-gather ``fields`` (name -> int64 value) from every rank and compare them.
 
     Every rank sees every rank's row, so either all ranks return or all raise the same
-    :class:`CommpressError`, naming the fields that differ and the ranks that differ from
-    rank 0, followed by ``hint`` (what this rank has and what the caller must fix).
+    :class:`~commpress.errors.MismatchError` (a :class:`CommpressError`), naming the fields
+    that differ and the ranks that differ from rank 0, followed by ``hint`` (what this rank
+    has and what the caller must fix).
     """
     if ex.world_size == 1:
         return
@@ -233,7 +234,7 @@ def agree(ex: Exchange, fields: Mapping[str, int], *, hint: str, device: torch.d
     ]
     if mismatched:
         differing = [r for r, row in enumerate(table) if row != table[0]]
-        raise CommpressError(
+        raise MismatchError(
             f"{ex.label}: ranks disagree on {', '.join(mismatched)} (ranks {differing} differ "
             f"from rank 0; this is rank {ex.rank}). {hint}"
         )

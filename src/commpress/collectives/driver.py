@@ -25,7 +25,10 @@ an :class:`OffloadedWork` that the scheduler waits for like any other work. Only
 thread ever issues ``torch.distributed`` operations; the pool computes on tensors only.
 
 Every wait is bounded by ``timeout`` (or the process group's own timeout): a peer that dies or
-stalls makes the survivors raise :class:`~commpress.errors.CommpressError`, never hang.
+stalls makes the survivors raise :class:`~commpress.errors.ExchangeError` (a
+:class:`~commpress.errors.CommpressError`; :class:`~commpress.errors.PeerLostError` or
+:class:`~commpress.errors.ExchangeTimeoutError` where the backend's error says which), never
+hang.
 """
 
 from __future__ import annotations
@@ -50,7 +53,14 @@ import torch.distributed as dist
 from commpress.codecs.base import Payload
 from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced, Request
 from commpress.codecs.simulate import reduce_tensors
-from commpress.errors import CommpressError, error_context
+from commpress.errors import (
+    CommpressError,
+    ExchangeError,
+    ExchangeTimeoutError,
+    MismatchError,
+    PeerLostError,
+    error_context,
+)
 
 ProcessGroup: TypeAlias = dist.ProcessGroup
 T = TypeVar("T")
@@ -362,17 +372,51 @@ class Exchange:
             except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError
                 raise self.failure(what, exc, start) from exc
 
-    def failure(self, what: str, exc: Exception, start: float) -> CommpressError:
+    def failure(self, what: str, exc: Exception, start: float) -> ExchangeError:
         """The error for exchange step ``what`` failing with ``exc`` (begun at ``start``,
-        a :func:`time.monotonic` reading)."""
+        a :func:`time.monotonic` reading).
+
+        Its type says what happened, as far as the backend's error tells:
+        :class:`PeerLostError` (a closed connection), :class:`ExchangeTimeoutError` (no answer
+        within the timeout), :class:`MismatchError` (ranks issued different operations), else
+        :class:`ExchangeError`.
+        """
         elapsed = time.monotonic() - start
         limit = "" if self.timeout is None else f" (timeout {self.timeout:g}s)"
-        return CommpressError(
+        kind, why = classify_failure(exc, elapsed, self.timeout)
+        return kind(
             f"{self.label}: {what} failed on rank {self.rank} of {self.world_size} after "
-            f"{elapsed:.1f}s{limit}: {type(exc).__name__}: {exc}. A peer probably died, "
-            "stalled or issued a different operation; this process group can no longer "
-            "be used safely"
+            f"{elapsed:.1f}s{limit}: {type(exc).__name__}: {exc}. {why}; this process group "
+            "can no longer be used safely"
         )
+
+
+#: Backend messages (lower case) of a peer that is gone: gloo's "Connection closed by peer",
+#: socket errors, NCCL's remote errors.
+_PEER_LOST = ("closed by peer", "reset by peer", "broken pipe", "connection refused",
+              "remote worker crash", "remote process exited", "socket closed", "end of file")
+#: Messages of a wait that ran out of time (gloo: "Timed out waiting 3000ms for recv operation",
+#: "Wait timeout", and "Application timeout caused pair closure" on a pair an earlier timeout
+#: closed; NCCL: "Watchdog caught collective operation timeout").
+_TIMED_OUT = ("timed out", "timeout")
+#: Messages of ranks that issued different operations (gloo: "Received data size doesn't match").
+_MISMATCH = ("doesn't match", "does not match", "mismatch")
+
+
+def classify_failure(
+    exc: Exception, elapsed: float, timeout: float | None
+) -> tuple[type[ExchangeError], str]:
+    """The error type for a backend failure ``exc`` after ``elapsed`` seconds, and a reason."""
+    text = str(exc).lower()
+    if any(s in text for s in _PEER_LOST):
+        return PeerLostError, "A peer died or closed its connection"
+    if any(s in text for s in _TIMED_OUT) or (timeout is not None and elapsed >= timeout):
+        return ExchangeTimeoutError, (
+            "A peer did not answer in time: it is stuck, slow, or never made this call"
+        )
+    if any(s in text for s in _MISMATCH):
+        return MismatchError, "Ranks issued different operations"
+    return ExchangeError, "A peer probably died, stalled or issued a different operation"
 
 
 def require_initialized() -> None:
@@ -663,14 +707,14 @@ def all_gather_task(
         rows = [m.cpu().tolist() for m in metas]
         for r, row in enumerate(rows):
             if row[:2] != rows[0][:2]:
-                raise CommpressError(
+                raise MismatchError(
                     f"{ex.label}: ranks disagree on the payload's parts (rank {r} differs from "
                     "rank 0); were they configured with the same codec?"
                 )
         specs_by_rank = [parse_payload_meta(row) for row in rows]
         for r, specs in enumerate(specs_by_rank):
             if [dt for _, dt in specs] != [dt for _, dt in local_specs]:
-                raise CommpressError(
+                raise MismatchError(
                     f"{ex.label}: rank {r} sends payload parts of dtypes "
                     f"{[str(dt) for _, dt in specs]}, this rank "
                     f"{[str(dt) for _, dt in local_specs]}"

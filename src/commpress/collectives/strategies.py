@@ -26,11 +26,13 @@ arithmetic, are the same with and without a pool, so results are bit-identical.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import math
 import os
 import threading
-from collections.abc import Callable, Generator
+import time
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
@@ -45,6 +47,7 @@ from commpress.collectives.driver import (
     Exchange,
     OffloadedWork,
     Pending,
+    classify_failure,
     name_hash,
     offloaded,
     pack_bytes,
@@ -53,9 +56,10 @@ from commpress.collectives.driver import (
     payload_meta,
     protocol_task,
     submit_offload,
+    sum_in_place,
     unpack_bytes,
 )
-from commpress.errors import CommpressError
+from commpress.errors import CommpressError, ExchangeTimeoutError
 
 #: Tags of ring messages (user point-to-point traffic should use tags below this).
 RING_TAG_BASE = 0x5C0000
@@ -389,6 +393,134 @@ def reference_ring_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(pieces).reshape(inputs[0].shape)
 
 
+# ---------------------------------------------------------------------------- process groups
+#: Check-ins made so far on each process group (by group name), for unique store keys.
+_CHECK_INS: dict[str, int] = {}
+_CHECK_INS_LOCK = threading.Lock()
+
+
+def group_timeout(group: Any) -> float | None:
+    """The seconds a collective on ``group`` (``None``: the default group) waits for peers
+    before failing, as given to ``init_process_group``/``new_group``; ``None`` if the group's
+    backend does not say.
+
+    torch keeps it in each backend's options (``ProcessGroupGloo.options._timeout``, the same
+    for NCCL); the process group itself does not expose it.
+    """
+    pg = group if group is not None else _c10d._get_default_group()
+    for device in getattr(pg, "_device_types", ()):
+        try:
+            value = pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(value, datetime.timedelta) and value.total_seconds() > 0:
+            return value.total_seconds()
+    return None
+
+
+def new_group_of(
+    parent: Any, ranks: Sequence[int], *, timeout: float | None, backend: Any = None
+) -> Any:
+    """A new process group of the global ``ranks`` (only they take part in creating it) whose
+    collectives wait ``timeout`` seconds for peers, default: ``parent``'s own timeout.
+
+    Without a timeout, torch gives a new group its backend's default (30 minutes for gloo), not
+    the parent's: a stuck peer would then block the new group's collectives, and its creation,
+    for that long. Creation waits for every member under the same timeout; a member that never
+    comes makes it raise :class:`~commpress.errors.ExchangeTimeoutError`.
+    """
+    seconds = timeout if timeout is not None else group_timeout(parent)
+    kwargs: dict[str, Any] = {} if seconds is None else {
+        "timeout": datetime.timedelta(seconds=seconds)
+    }
+    start = time.monotonic()
+    try:
+        return dist.new_group(
+            list(ranks), backend=backend, use_local_synchronization=True, **kwargs
+        )
+    except RuntimeError as exc:  # gloo's "Wait timeout", DistStoreError, DistBackendError
+        elapsed = time.monotonic() - start
+        kind, why = classify_failure(exc, elapsed, seconds)
+        limit = "" if seconds is None else f" (timeout {seconds:g}s)"
+        raise kind(
+            f"creating a process group of ranks {list(ranks)} failed after {elapsed:.1f}s"
+            f"{limit}: {type(exc).__name__}: {exc}. {why}"
+        ) from exc
+
+
+def _group_store(pg: Any) -> Any:
+    """The key-value store torch made ``pg`` with (``None`` if torch does not know it)."""
+    try:
+        entry = _c10d._world.pg_map.get(pg)
+    except (AttributeError, TypeError):
+        return None
+    return None if entry is None else entry[1]
+
+
+def check_in(group: Any, *, timeout: float | None, what: str) -> None:
+    """Return once every rank of ``group`` has called this (its same n-th call on the group).
+
+    A rank waits ``timeout`` seconds (default: the group's own timeout) for the others; after
+    that it raises :class:`~commpress.errors.ExchangeTimeoutError` naming the ranks that did
+    not call ``what`` (they are stuck, died, or skipped the call), so every rank that did call
+    fails within the timeout instead of blocking in the creation of a process group.
+
+    It uses the group's key-value store, not a collective: it can name the missing ranks and
+    leaves no half-finished collective on the group. Where torch does not know the group's
+    store, a one-element all-reduce under the timeout stands in (it cannot name the ranks).
+    """
+    pg = group if group is not None else _c10d._get_default_group()
+    n = dist.get_world_size(pg)
+    if n == 1:
+        return
+    me = dist.get_rank(pg)
+    seconds = timeout if timeout is not None else group_timeout(pg)
+    if seconds is None:
+        seconds = _c10d.default_pg_timeout.total_seconds()
+    store = _group_store(pg)
+    if store is None:
+        ex = Exchange.of(pg, timeout=seconds, label=what)
+        sum_in_place(torch.zeros(1, device=ex.comm_device(None)), ex, average=False)
+        return
+    name = str(getattr(pg, "group_name", "") or "")
+    with _CHECK_INS_LOCK:
+        seq = _CHECK_INS.get(name, 0)
+        _CHECK_INS[name] = seq + 1
+    keys = [f"commpress/check_in/{name}/{seq}/{r}" for r in range(n)]
+    store.set(keys[me], "1")
+    try:
+        store.wait(keys, datetime.timedelta(seconds=seconds))
+        return
+    except RuntimeError:  # DistStoreError: not every rank came within the timeout
+        pass
+    try:
+        missing = [r for r in range(n) if not store.check([keys[r]])]
+    except RuntimeError:
+        missing = []
+    named = [_rank_name(pg, r) for r in missing]
+    who = (
+        f"rank {named[0]} did" if len(named) == 1
+        else f"ranks {', '.join(named)} did" if named
+        else "some rank did"
+    )
+    raise ExchangeTimeoutError(
+        f"{who} not call {what} within {seconds:g}s (this is rank {_rank_name(pg, me)} of {n}, "
+        f"which did). Every rank of the process group must call {what}; the missing ranks are "
+        "stuck, died, or skipped the call"
+    )
+
+
+def _rank_name(pg: Any, group_rank: int) -> str:
+    """``"1"``, or ``"1 (global rank 3)"`` where the group rank is not the global one."""
+    try:
+        global_rank = dist.get_global_rank(pg, group_rank)
+    except (RuntimeError, ValueError):
+        return str(group_rank)
+    return str(group_rank) if global_rank == group_rank else (
+        f"{group_rank} (global rank {global_rank})"
+    )
+
+
 # ---------------------------------------------------------------------------- hierarchical
 _SUBGROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 _SUBGROUPS_LOCK = threading.Lock()
@@ -405,9 +537,9 @@ def local_size_from_env(world_size: int) -> int:
         raise CommpressError(f"LOCAL_WORLD_SIZE must be an integer, got {raw!r}") from None
 
 
-def _subgroup(parent: Any, global_ranks: tuple[int, ...]) -> Any:
+def _subgroup(parent: Any, global_ranks: tuple[int, ...], timeout: float | None) -> Any:
     """A process group of ``global_ranks`` serving ``parent`` only, created on first use (only
-    its members take part in creating it).
+    its members take part in creating it) with ``timeout`` (default: ``parent``'s timeout).
 
     Every parent group gets subgroups of its own: each parent has its own ordered queue, and
     two queues issuing collectives on one shared subgroup would interleave them differently on
@@ -418,12 +550,12 @@ def _subgroup(parent: Any, global_ranks: tuple[int, ...]) -> Any:
     with _SUBGROUPS_LOCK:
         entry = _SUBGROUPS.get(key)
         if entry is None or entry[0] is not parent_pg:
-            entry = (parent_pg, dist.new_group(list(global_ranks), use_local_synchronization=True))
+            entry = (parent_pg, new_group_of(parent_pg, global_ranks, timeout=timeout))
             _SUBGROUPS[key] = entry
         return entry[1]
 
 
-def prepare_node_groups(group: Any, local_size: int) -> None:
+def prepare_node_groups(group: Any, local_size: int, *, timeout: float | None = None) -> None:
     """Create the intra- and inter-node subgroups the hierarchical strategies use on ``group``.
 
     They are otherwise created at the first hierarchical reduction, on the group's queue
@@ -431,8 +563,9 @@ def prepare_node_groups(group: Any, local_size: int) -> None:
     their first hierarchical reductions together) may pair them up differently on different
     ranks; call this once per parent group, on every rank of it, from the main thread, before
     reducing concurrently (``commpress.ddp.register`` does it for the hook's group).
+    The subgroups' collectives wait ``timeout`` seconds (default: ``group``'s own timeout).
     """
-    node_groups(Exchange.of(group, label="preparing node groups"), local_size)
+    node_groups(Exchange.of(group, timeout=timeout, label="preparing node groups"), local_size)
 
 
 def node_groups(ex: Exchange, local_size: int) -> tuple[Exchange, Exchange]:
@@ -451,7 +584,7 @@ def node_groups(ex: Exchange, local_size: int) -> tuple[Exchange, Exchange]:
     inter = tuple(ex.global_rank(k * local_size + local_rank) for k in range(n // local_size))
     # A group of one never communicates, so it needs no process group of its own.
     intra_ex = Exchange(
-        _subgroup(ex.group, intra) if len(intra) > 1 else None,
+        _subgroup(ex.group, intra, ex.timeout) if len(intra) > 1 else None,
         local_rank,
         len(intra),
         ex.timeout,
@@ -459,7 +592,7 @@ def node_groups(ex: Exchange, local_size: int) -> tuple[Exchange, Exchange]:
         stats=ex.stats,
     )
     inter_ex = Exchange(
-        _subgroup(ex.group, inter) if len(inter) > 1 else None,
+        _subgroup(ex.group, inter, ex.timeout) if len(inter) > 1 else None,
         node,
         len(inter),
         ex.timeout,
