@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
@@ -43,7 +44,13 @@ from commpress.collectives.driver import (
     run_tasks,
 )
 from commpress.collectives.feedback import Schedule, feedback_applies
-from commpress.collectives.policy import CodecPolicy, CompressionState, Guard, Plan
+from commpress.collectives.policy import (
+    CodecPolicy,
+    CompressionState,
+    Guard,
+    Plan,
+    load_policy_file,
+)
 from commpress.collectives.queue import queue_for
 from commpress.collectives.strategies import (
     RING_TAG_BASE,
@@ -61,6 +68,8 @@ if TYPE_CHECKING:
     from torch.distributed import GradBucket, ProcessGroup
 
 Granularity = Literal["parameter", "bucket"]
+#: What ``register(policy=...)`` takes: a policy file path, name globs, a function, a policy.
+PolicySpec = CodecPolicy | Mapping[str, Any] | Callable[..., Any] | str | os.PathLike[str]
 
 #: Strategies that run a codec's payloads through one exchange (single-round codecs only).
 _SINGLE_ROUND_ONLY = ("allgather", "ring", "hierarchical-compress-first")
@@ -547,7 +556,7 @@ def register(
     model: torch.nn.parallel.DistributedDataParallel,
     codec: Any = "powersgd",
     *,
-    policy: CodecPolicy | Mapping[str, Any] | Callable[..., Any] | None = None,
+    policy: PolicySpec | None = None,
     by_size: Mapping[int, Any] | None = None,
     group: ProcessGroup | None = None,
     error_feedback: bool | None = None,
@@ -573,7 +582,8 @@ def register(
         codec: the codec for every parameter: an id (``"powersgd"``), a spec string
             (``"topk:ratio=0.01"``), a config mapping or a codec; ``codec_params`` are added
             to it (``register(model, "powersgd", rank=2)``).
-        policy: per-layer choice instead of (or on top of) ``codec``: a mapping of name globs
+        policy: per-layer choice instead of (or on top of) ``codec``: a policy file (a path,
+            as written by ``commpress advise --emit-policy``), a mapping of name globs
             to codec specs (``{"*.bias": "identity", "*": "powersgd:rank=4"}``), a function
             ``(name, shape) -> spec or None`` or a
             :class:`~commpress.collectives.policy.CodecPolicy`. With a mapping or function,
@@ -653,6 +663,8 @@ def register(
             f"got {type(model).__name__}"
         )
     base = _with_params(codec, codec_params)
+    if isinstance(policy, (str, os.PathLike)):
+        policy = load_policy_file(policy)  # e.g. written by `commpress advise --emit-policy`
     if policy is None:
         built = CodecPolicy(base, by_size=by_size)
     elif isinstance(policy, CodecPolicy):

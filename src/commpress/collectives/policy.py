@@ -14,12 +14,15 @@
 from __future__ import annotations
 
 import fnmatch
+import json
 import logging
 import math
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
@@ -59,6 +62,38 @@ def _as_codec(spec: Any, what: str) -> Codec:
             f"expected a codec id/spec string, a config mapping or a Codec, got "
             f"{type(spec).__name__}"
         )
+
+
+#: Version written into policy files (``commpress advise --emit-policy``).
+POLICY_FILE_VERSION = 1
+
+
+def load_policy_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Read a policy file: JSON ``{"commpress_policy": 1, "rules": {glob: codec spec}}`` (what
+    ``commpress advise --emit-policy`` writes) or a plain ``{glob: codec spec}`` object.
+    Returns the rules, ``"*"`` being the default, for :meth:`CodecPolicy.build` or
+    ``commpress.ddp.register(model, policy=...)``, which also accepts the path itself."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CommpressError(f"cannot read the policy file {str(path)!r}: {exc}") from exc
+    if isinstance(data, dict) and "commpress_policy" in data:
+        if data["commpress_policy"] != POLICY_FILE_VERSION:
+            raise CommpressError(
+                f"policy file {str(path)!r} has version {data['commpress_policy']!r}; this "
+                f"commpress reads version {POLICY_FILE_VERSION}"
+            )
+        data = data.get("rules")
+    if not isinstance(data, dict) or not all(
+        isinstance(k, str) and isinstance(v, (str, dict)) for k, v in data.items()
+    ):
+        raise CommpressError(
+            f"policy file {str(path)!r} must hold a JSON object of name globs to codec specs "
+            '(e.g. {"*": "powersgd:rank=4", "*.bias": "fp16"})'
+        )
+    for pattern, spec in data.items():
+        _as_codec(spec, f"policy file {str(path)!r}, rule {pattern!r}")
+    return dict(data)
 
 
 class CodecPolicy:
@@ -946,6 +981,8 @@ __all__ = [
     "CodecSpec",
     "CompressionState",
     "Guard",
+    "POLICY_FILE_VERSION",
     "Plan",
     "StepStats",
+    "load_policy_file",
 ]

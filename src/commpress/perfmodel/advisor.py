@@ -32,6 +32,7 @@ Tuning:
 
 from __future__ import annotations
 
+import glob
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -94,6 +95,8 @@ class Advice:
         options: every candidate, with its error and uniform prediction.
         workload, cluster: what was advised on.
         max_nmse, min_speedup: the constraints used.
+        bucket_names: the parameter names of each bucket, when the model was given (then
+            :meth:`policy` can key a mixed choice by name).
     """
 
     choices: tuple[str, ...]
@@ -104,6 +107,7 @@ class Advice:
     cluster: Cluster
     max_nmse: float | None
     min_speedup: float
+    bucket_names: tuple[tuple[str, ...], ...] | None = None
 
     @property
     def speedup(self) -> float:
@@ -128,14 +132,66 @@ class Advice:
                  for c, k in sorted(counts.items(), key=lambda kv: -kv[1])]
         return "mixed: " + ", ".join(parts)
 
-    def report(self) -> str:
+    def policy(self) -> dict[str, str]:
+        """The advice as a policy: ``{name glob: codec spec}`` with ``"*"`` the default, which
+        ``commpress.ddp.register(model, policy=...)`` accepts (directly, or as a file written
+        by ``commpress advise --emit-policy``). A mixed choice is keyed by parameter names and
+        needs :attr:`bucket_names`."""
+        counts: dict[str, int] = {}
+        for c in self.choices:
+            counts[c] = counts.get(c, 0) + 1
+        default = max(counts, key=lambda c: counts[c])
+        rules = {"*": default}
+        if len(counts) == 1:
+            return rules
+        if self.bucket_names is None or len(self.bucket_names) != len(self.choices):
+            raise CommpressError(
+                f"the advice mixes codecs ({self.recommendation}); a policy for it names "
+                "parameters, so give the model (a module, or --demo-model) rather than a "
+                "parameter count or bucket sizes"
+            )
+        for names, choice in zip(self.bucket_names, self.choices, strict=True):
+            if choice != default:
+                rules.update({glob.escape(n): choice for n in names})
+        return rules
 
+    def summary(self) -> str:
+        """One paragraph: what to do and why."""
+        base = self.baseline.total
+        feasible = [o for o in self.options if o.feasible]
+        over = [o.spec for o in self.options if not o.feasible]
+        budget = "none" if self.max_nmse is None else f"NMSE <= {self.max_nmse:g}"
+        if self.compress:
+            head = (
+                f"Use {self.recommendation}: the model predicts a step of "
+                f"{format_seconds(self.prediction.total)} against {format_seconds(base)} with "
+                f"the {BASELINE_CODEC} baseline ({self.speedup:.2f}x)."
+            )
+        else:
+            head = (
+                f"Do not compress: keep {BASELINE_CODEC} ({format_seconds(base)} per step). No "
+                f"codec within the error budget is predicted at least {self.min_speedup:g}x "
+                "faster."
+            )
+        tail = (
+            f" {len(feasible)} of {len(self.options)} candidates were within the error budget "
+            f"({budget} per step)"
+            + (f"; over it: {', '.join(over)}" if over else "")
+            + ". Error budget and predictions come from a model: check the gain with "
+            "`commpress demo` or a short run of your own."
+        )
+        return head + tail
+
+    def report(self, *, verbose: bool = False) -> str:
+        """The summary, the candidates table, and (``verbose``) the per-bucket table."""
         base = self.baseline.total
         lines = [
             f"model: {format_count(self.workload.params)} parameters in "
             f"{len(self.workload.buckets)} buckets; compute "
             f"{format_seconds(self.workload.compute_s)} per step",
             f"cluster: {self.cluster.describe()}",
+            "",
+            self.summary(),
             "",
         ]
         rows = [[BASELINE_CODEC + " (baseline)", "-", "yes", format_seconds(base), 1.0]]
@@ -151,7 +207,7 @@ class Advice:
         lines.append(f"candidates on every bucket (error budget: NMSE <= {budget}):")
         lines.append(render_table(["codec", "nmse", "within budget", "step", "speedup"], rows))
         lines.append("")
-        if self.compress and len(set(self.choices)) > 1:
+        if verbose:
             per = [[i, n, c] for i, (n, c) in
                    enumerate(zip(self.workload.bucket_numels, self.choices, strict=True))]
             lines.append("per bucket (ready order):")
@@ -180,6 +236,7 @@ class Advice:
             "breakdown": self.prediction.breakdown(),
             "max_nmse": self.max_nmse,
             "min_speedup": self.min_speedup,
+            "summary": self.summary(),
             "options": [
                 {"codec": o.spec, "nmse": o.nmse, "feasible": o.feasible,
                  "uniform_s": o.total if o.uniform else None}
@@ -240,6 +297,7 @@ def advise(
     offload: Offload | None = None,
     max_passes: int = 2,
     progress: Callable[[int, int], None] | None = None,
+    bucket_names: Sequence[Sequence[str]] | None = None,
 ) -> Advice:
     """Recommend a codec per bucket, or no compression (see the module docstring).
 
@@ -258,6 +316,8 @@ def advise(
             :func:`~commpress.perfmodel.model.predict`.
         max_passes: coordinate-descent passes over the buckets.
         progress: called with ``(done, total)`` trial counts.
+        bucket_names: parameter names per bucket, in the workload's bucket order (see
+            :func:`~commpress.perfmodel.model.ddp_bucket_indices`), for :meth:`Advice.policy`.
     """
     workload = as_workload(model, compute_s=compute_s)
     cl = cluster if isinstance(cluster, Cluster) else Cluster.from_measured(cluster)
@@ -330,6 +390,7 @@ def advise(
         cluster=cl,
         max_nmse=max_nmse,
         min_speedup=min_speedup,
+        bucket_names=None if bucket_names is None else tuple(tuple(b) for b in bucket_names),
     )
 
 

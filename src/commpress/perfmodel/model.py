@@ -48,14 +48,14 @@ def _numel(shape: Shape) -> int:
     return math.prod(shape) if shape else 1
 
 
-def ddp_buckets(
+def ddp_bucket_indices(
     shapes: Sequence[Shape],
     *,
     grad_bytes: int = 4,
     bucket_bytes: float = DDP_BUCKET_BYTES,
     first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
-) -> list[list[Shape]]:
-    """Group parameter shapes into buckets the way DDP does.
+) -> list[list[int]]:
+    """Group parameters into buckets the way DDP does; returns indices into ``shapes``.
 
     ``shapes`` are in ``model.parameters()`` order; gradients become ready roughly in reverse
     order, so DDP walks the reversed list, adding tensors to the current bucket and closing it
@@ -64,19 +64,38 @@ def ddp_buckets(
     """
     if bucket_bytes <= 0 or first_bucket_bytes <= 0:
         raise CommpressError("bucket sizes must be > 0 bytes")
-    buckets: list[list[Shape]] = []
-    current: list[Shape] = []
+    buckets: list[list[int]] = []
+    current: list[int] = []
     size = 0.0
     limit = first_bucket_bytes
-    for s in reversed([tuple(int(d) for d in s) for s in shapes]):
-        current.append(s)
-        size += _numel(s) * grad_bytes
+    for i in reversed(range(len(shapes))):
+        current.append(i)
+        size += _numel(tuple(int(d) for d in shapes[i])) * grad_bytes
         if size >= limit:
             buckets.append(current)
             current, size, limit = [], 0.0, bucket_bytes
     if current:
         buckets.append(current)
     return buckets
+
+
+def ddp_buckets(
+    shapes: Sequence[Shape],
+    *,
+    grad_bytes: int = 4,
+    bucket_bytes: float = DDP_BUCKET_BYTES,
+    first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+) -> list[list[Shape]]:
+    """Group parameter shapes into buckets the way DDP does (:func:`ddp_bucket_indices`),
+    in the order the buckets become ready."""
+    clean = [tuple(int(d) for d in s) for s in shapes]
+    return [
+        [clean[i] for i in bucket]
+        for bucket in ddp_bucket_indices(
+            clean, grad_bytes=grad_bytes, bucket_bytes=bucket_bytes,
+            first_bucket_bytes=first_bucket_bytes,
+        )
+    ]
 
 
 def estimate_compute_s(
