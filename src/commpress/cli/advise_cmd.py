@@ -41,6 +41,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="predicted speedup over fp16 needed to recommend compression (1.05)")
     p.add_argument("--max-passes", type=int, default=2,
                    help="coordinate-descent passes over the buckets (2)")
+    p.add_argument("--emit-policy", metavar="FILE",
+                   help="write the advice as a policy file that "
+                   "commpress.ddp.register(model, policy=FILE) loads (a mixed choice needs "
+                   "the model's parameter names: --demo-model)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show the codec of every bucket")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_workload_args(p)
@@ -50,11 +56,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from commpress.cli.model_args import cluster_from_args, model_kwargs, workload_from_args
+    from commpress.cli.model_args import (
+        bucket_names_from_args,
+        cluster_from_args,
+        model_kwargs,
+        workload_from_args,
+    )
     from commpress.errors import CommpressError
     from commpress.perfmodel.advisor import advise
 
     workload = workload_from_args(args)
+    names = bucket_names_from_args(args)
     cluster = cluster_from_args(args)
     kwargs = model_kwargs(args)
     kwargs.pop("granularity")
@@ -93,13 +105,25 @@ def run(args: argparse.Namespace) -> int:
         advice = advise(
             workload, cluster, candidates=args.codec or None, max_nmse=max_nmse,
             nmse_table=table, min_speedup=args.min_speedup, max_passes=args.max_passes,
-            progress=progress, **kwargs,
+            progress=progress, bucket_names=names, **kwargs,
         )
     finally:
         if bar is not None:
             bar.close()
+    if args.emit_policy:
+        from commpress.collectives.policy import POLICY_FILE_VERSION
+
+        policy = {"commpress_policy": POLICY_FILE_VERSION, "summary": advice.summary(),
+                  "rules": advice.policy()}
+        try:
+            Path(args.emit_policy).write_text(json.dumps(policy, indent=2) + "\n")
+        except OSError as exc:
+            raise CommpressError(f"cannot write --emit-policy {args.emit_policy}: {exc}") from exc
     if args.json:
         print(json.dumps(advice.to_dict(), indent=2))
     else:
-        print(advice.report())
+        print(advice.report(verbose=args.verbose))
+        if args.emit_policy:
+            print(f"policy written to {args.emit_policy}: load it with "
+                  f"commpress.ddp.register(model, policy={str(args.emit_policy)!r})")
     return 0

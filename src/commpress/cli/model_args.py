@@ -16,7 +16,7 @@ from commpress.demo.model import build_model, preset
 from commpress.errors import CommpressError
 from commpress.perfmodel.codec_costs import STRATEGIES, Offload, SpeedTable
 from commpress.perfmodel.collectives import ALLREDUCE_ALGORITHMS, TCP_EFFICIENCY, Cluster
-from commpress.perfmodel.model import Platform, Workload, estimate_compute_s
+from commpress.perfmodel.model import Platform, Workload, ddp_bucket_indices, estimate_compute_s
 from commpress.perfmodel.units import parse_bandwidth, parse_count, parse_duration
 
 #: Environment variable naming a codec speed table (JSON) to use by default.
@@ -104,6 +104,19 @@ def workload_common(args: argparse.Namespace) -> dict[str, Any]:
         grad_bytes=_GRAD_BYTES[args.grad_dtype],
         bucket_bytes=args.bucket_mb * 1024 * 1024,
     )
+
+
+def bucket_names_from_args(args: argparse.Namespace) -> list[list[str]] | None:
+    """Parameter names per DDP bucket (ready order) when the model itself is given
+    (``--demo-model``), else ``None``."""
+    if not getattr(args, "demo_model", None):
+        return None
+    model = build_model(preset(args.demo_model))
+    named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # as workload_from_args
+    common = workload_common(args)
+    layout = ddp_bucket_indices([s for _, s in named], grad_bytes=common["grad_bytes"],
+                                bucket_bytes=common["bucket_bytes"])
+    return [[named[i][0] for i in bucket] for bucket in layout]
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
