@@ -139,3 +139,16 @@ def test_advise_picks_a_compressing_codec_on_a_slow_network(
     assert data["compress"] is True and data["speedup"] > 1.05
     assert data["recommendation"] != "no compression"
     assert all(c in (data["options"][0]["codec"], "fp16") for c in data["choices"])
+
+
+def test_sweep_marks_codecs_over_the_error_budget_and_lists_them_last(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fast codec whose error is too large is never ranked first without a word (issue 14)."""
+    assert main(["sweep", "--params", "350M", "--nodes", "8", "--inter-bw", "1gbit", "--quiet",
+                 "--codec", "terngrad", "--codec", "powersgd:rank=4", "--out",
+                 str(tmp_path)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert "nmse" in rows[0] and "within budget (<= 1)" in rows[0]
+    assert rows[1].startswith("| powersgd:rank=4") and "| yes" in rows[1]
+    assert rows[2].startswith("| terngrad") and "NO: may not train" in rows[2]

@@ -22,11 +22,14 @@ from commpress.report import render_table
 DEFAULT_PARAMS = "125M,350M,1.3B,7B"
 DEFAULT_NODES = "2,4,8,16,32"
 DEFAULT_BANDWIDTHS = "1gbit,10gbit,25gbit,100gbit,400gbit"
-DEFAULT_CODECS = ("powersgd:rank=4", "topk:ratio=0.01", "thc", "qsgd", "topkc",
-                  "randomk:ratio=0.01")
+DEFAULT_CODECS = ("powersgd:rank=4", "topk:ratio=0.01", "thc", "qsgd", "topkc")
+#: Default error budget: per-step NMSE allowed (error feedback makes sparsifiers with NMSE
+#: near 1 converge; above 1 the codec's error exceeds the gradient itself).
+DEFAULT_MAX_NMSE = 1.0
 CSV_FIELDS = [
     "model", "params", "nodes", "gpus_per_node", "inter_bw_bps", "codec", "strategy", "step_s",
     "baseline_s", "speedup", "compute_s", "exposed_comm_s", "codec_s", "bits_per_coordinate",
+    "nmse",
 ]
 
 
@@ -47,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--codec", action="append", default=[],
                    help="codec spec (repeat); default: the registered ones among "
                    + ", ".join(DEFAULT_CODECS))
+    p.add_argument("--max-nmse", type=float, default=DEFAULT_MAX_NMSE,
+                   help="error budget: codecs whose per-step NMSE (measured as `advise` does) "
+                   f"exceeds it are listed last and marked (default {DEFAULT_MAX_NMSE:g})")
     p.add_argument("--out", default="sweep", help="output directory (sweep/)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_workload_args(p, single=False)
@@ -113,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
         model_kwargs,
         workload_common,
     )
+    from commpress.codecs.registry import get_codec
     from commpress.errors import CommpressError
+    from commpress.perfmodel.codec_costs import measure_nmse
     from commpress.perfmodel.model import Workload, predict, predict_baseline
     from commpress.perfmodel.units import (
         format_bandwidth,
@@ -132,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommpressError("no codec to sweep: pass --codec")
     kwargs = model_kwargs(args)
     common = workload_common(args)
+    nmse = {spec: measure_nmse(get_codec(spec)) for spec in codecs}
     workloads = [Workload.from_params(p, compute_s=compute_seconds(args, p), **common)
                  for p in params]
     total = len(workloads) * len(nodes) * len(bws) * (len(codecs) + 1)
@@ -160,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                         "baseline_s": base.total, "speedup": base.total / pred.total,
                         "compute_s": bd["compute"], "exposed_comm_s": bd["exposed_comm"],
                         "codec_s": bd["codec"],
-                        "bits_per_coordinate": pred.bits_per_coordinate,
+                        "bits_per_coordinate": pred.bits_per_coordinate, "nmse": nmse[spec],
                     })
                     if bar is not None:
                         bar.update(1)
@@ -178,8 +187,12 @@ def run(args: argparse.Namespace) -> int:
     _plot(rows, codecs, [format_count(w.params) for w in workloads], nodes,
           [b * 8 for b in bws], png_path)
 
+    within = {spec: nmse[spec] <= args.max_nmse for spec in codecs}
+    # codecs within the error budget first, by best speedup; those over it last, marked
+    order = sorted(codecs, key=lambda c: (not within[c], -max(
+        r["speedup"] for r in rows if r["codec"] == c)))
     summary = []
-    for spec in codecs:
+    for spec in order:
         mine = [r for r in rows if r["codec"] == spec]
         wins = [r for r in mine if r["speedup"] > 1.0]
         best = max(mine, key=lambda r: r["speedup"])
@@ -189,8 +202,11 @@ def run(args: argparse.Namespace) -> int:
             return (f"{r['speedup']:.3g}x ({r['model']}, {r['nodes']} nodes, "
                     f"{format_bandwidth(r['inter_bw_bps'] / 8)})")
 
-        summary.append([spec, len(mine), len(wins), where(best), where(worst)])
-    print(render_table(["codec", "setups", "faster than fp16", "best", "worst"], summary))
+        quality = "yes" if within[spec] else "NO: may not train"
+        summary.append([spec, nmse[spec], quality, len(mine), len(wins), where(best),
+                        where(worst)])
+    print(render_table(["codec", "nmse", f"within budget (<= {args.max_nmse:g})", "setups",
+                        "faster than fp16", "best", "worst"], summary))
     won = sum(1 for r in rows if r["speedup"] > 1.0)
     print(f"\n{len(rows)} setups (each against fp16 on the same cluster): a codec is faster in "
           f"{won}. Codec speeds: {kwargs['speeds'].source}.")
