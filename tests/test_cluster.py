@@ -178,10 +178,15 @@ def _cluster_inodes(cluster: EmulatedCluster) -> set[int]:
 
 # ------------------------------------------------------------------- units, no root
 def test_parse_units() -> None:
+    from commpress.units import parse_bandwidth
+
     assert parse_rate("100mbit") == 100e6
     assert parse_rate("1Gbit") == 1e9
     assert parse_rate("1.5gbit/s") == 1.5e9
-    assert parse_rate("10mbps") == 80e6  # tc: "bps" counts bytes
+    # one meaning in every command (issue 14): "bps" counts bits, "B/s" bytes, as in predict
+    assert parse_rate("10mbps") == 10e6
+    assert parse_rate("1gbps") == 1e9 == parse_bandwidth("1gbps") * 8
+    assert parse_rate("125MB/s") == 1e9
     assert parse_rate(2_000_000) == 2e6
     assert parse_duration("200us") == pytest.approx(200e-6)
     assert parse_duration("1.5ms") == pytest.approx(1.5e-3)

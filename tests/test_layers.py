@@ -28,6 +28,7 @@ DOC = ROOT / "docs" / "architecture.md"
 #: row, never one of its own row or above: units in one row are independent of each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "procs", "report", "metrics"),
+    ("units",),
     ("codecs",),
     ("collectives",),
     ("ddp",),

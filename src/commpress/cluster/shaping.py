@@ -30,6 +30,7 @@ import warnings
 from dataclasses import dataclass
 
 from commpress.errors import CommpressError
+from commpress.units import parse_bandwidth
 
 #: Above this rate (bits/s) a shaped link is not the bottleneck on the reference machines:
 #: unshaped gloo between namespaces reaches about 7 Gbit/s.
@@ -59,19 +60,6 @@ MAX_BURST_BYTES: int = 1024 * 1024
 #: timestamps around 1448 payload bytes); ``tbf`` counts the Ethernet header.
 WIRE_BYTES_PER_PAYLOAD_BYTE: float = 1514 / 1448
 
-_RATE_UNITS = {
-    # tc's units: "bit" family counts bits, "bps" family counts *bytes* per second.
-    "bit": 1.0,
-    "kbit": 1e3,
-    "mbit": 1e6,
-    "gbit": 1e9,
-    "tbit": 1e12,
-    "bps": 8.0,
-    "kbps": 8e3,
-    "mbps": 8e6,
-    "gbps": 8e9,
-    "tbps": 8e12,
-}
 _TIME_UNITS = {
     "s": 1.0,
     "sec": 1.0,
@@ -105,24 +93,12 @@ def _split(text: str, what: str, accepted: str) -> tuple[float, str]:
 
 
 def parse_rate(value: str | float | int) -> float:
-    """A link rate in bits/s from ``"100mbit"``, ``"1gbit"``, ``"1.5Gbit"`` or a number (bits/s).
-
-    Units follow ``tc``: ``bit kbit mbit gbit tbit`` are bits per second (decimal prefixes);
-    ``bps kbps mbps gbps`` are *bytes* per second, as in ``tc``. ``"mbit/s"`` is accepted too.
-    """
-    accepted = "a positive number with a unit among " + ", ".join(_RATE_UNITS)
-    if isinstance(value, bool):
-        raise CommpressError(f"bandwidth: expected a rate, got {value!r}; accepted: {accepted}")
-    if isinstance(value, (int, float)):
-        rate = float(value)
-    else:
-        number, unit = _split(str(value), "bandwidth", accepted)
-        unit = unit.removesuffix("/s")
-        if unit == "":
-            unit = "bit"
-        if unit not in _RATE_UNITS:
-            raise CommpressError(f"bandwidth: unknown unit {unit!r} in {value!r}; {accepted}")
-        rate = number * _RATE_UNITS[unit]
+    """A link rate in bits/s, with the units of every commpress command
+    (:func:`commpress.units.parse_bandwidth`): ``"100mbit"``, ``"1gbit"``, ``"1Gb/s"`` and
+    ``"1gbps"`` are bits per second, ``"125MB/s"`` bytes per second, a bare number bits/s.
+    (``tc`` itself reads ``gbps`` as bytes; commpress does not, so that ``--bandwidth 1gbps``
+    here and ``--inter-bw 1gbps`` in ``predict`` mean the same link.)"""
+    rate = parse_bandwidth(value) * 8.0
     if not math.isfinite(rate) or rate < 8e3:
         raise CommpressError(f"bandwidth must be at least 8kbit and finite, got {value!r}")
     if rate > MAX_RATE_BPS:
