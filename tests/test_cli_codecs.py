@@ -134,3 +134,23 @@ def test_readme_codec_table_matches_the_command(capsys: pytest.CaptureFixture[st
         if not line.startswith("|--"):
             table.append(cells(line))
     assert table == expected
+
+
+def test_did_you_mean_and_defaults_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """A mistyped command, sub-command or codec id gets a suggestion; --help shows defaults."""
+    from commpress.codecs import get_codec
+    from commpress.errors import CommpressError
+
+    for argv, suggestion in ((["sweeep"], "'sweep'"), (["cluster", "stauts"], "'status'")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert f"did you mean {suggestion}?" in capsys.readouterr().err
+    with pytest.raises(CommpressError, match="did you mean 'topk'"):
+        get_codec("topkk")
+    with pytest.raises(CommpressError, match="did you mean 'ratio'"):
+        get_codec("topk", rato=0.1)
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-nmse MAX_NMSE error budget" in text and "(default 1)" in text
+    assert "(default: sweep)" in text or "(sweep/)" in text

@@ -14,11 +14,14 @@ of the CLI; the layers (docs/architecture.md) allow them anyway, as cli is the t
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
+import re
 import select
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from commpress.errors import CommpressError
 
@@ -38,8 +41,44 @@ COMMANDS: list[str] = [
 ]
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "%(default)" in text
+            or default in (None, False, argparse.SUPPRESS, [], "")
+            or action.option_strings == []
+            or isinstance(action, (argparse._StoreTrueAction, argparse._VersionAction))
+        ):
+            return text
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+        if f"({shown}" in text or f"{shown})" in text or "default" in text.lower():
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with "did you mean" for a mistyped command or choice, and defaults in --help."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if match:
+            choices = re.findall(r"'([^']*)'", match.group(2))
+            close = difflib.get_close_matches(match.group(1), choices, n=1, cutoff=0.5)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="commpress",
         description="Compression of gradients and activations for distributed PyTorch training.",
     )

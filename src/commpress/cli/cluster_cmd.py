@@ -22,8 +22,9 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--procs-per-node", type=int, help="workers per node (default 1)")
     p.add_argument(
         "--bandwidth",
-        help="rate of each node's link, each direction, in tc units: 100mbit, 1gbit "
-        "(default: unshaped, ~7 Gbit/s here; faster links cannot be emulated)",
+        help="rate of each node's link, each direction: 100mbit, 1gbit, 1gbps (bits; 125MB/s "
+        "is bytes, as in every commpress command) (default: unshaped, ~7 Gbit/s here; faster "
+        "links cannot be emulated)",
     )
     p.add_argument(
         "--latency",

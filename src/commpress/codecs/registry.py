@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from commpress.codecs.base import Codec
@@ -45,13 +46,20 @@ def list_codecs() -> list[type[Codec]]:
     return [_REGISTRY[i] for i in codec_ids()]
 
 
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """``" (did you mean 'topk'?)"`` for the closest of ``choices``, or ``""``."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def codec_class(codec_id: str) -> type[Codec]:
     """The class registered under ``codec_id``; unknown ids list the known ones."""
     try:
         return _REGISTRY[codec_id]
     except KeyError:
         raise CommpressError(
-            f"unknown codec id {codec_id!r}; known ids: {', '.join(codec_ids())}"
+            f"unknown codec id {codec_id!r}{did_you_mean(str(codec_id), codec_ids())}; known "
+            f"ids: {', '.join(codec_ids())}"
         ) from None
 
 
@@ -112,8 +120,9 @@ def get_codec(spec: str | Mapping[str, Any] | Codec, **params: Any) -> Codec:
     accepted = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     unknown = sorted(set(config) - set(accepted))
     if unknown:
+        hint = did_you_mean(unknown[0], accepted) if len(unknown) == 1 else ""
         raise CommpressError(
-            f"{codec_id}: unknown parameter(s) {', '.join(unknown)}; accepted: "
+            f"{codec_id}: unknown parameter(s) {', '.join(unknown)}{hint}; accepted: "
             f"{', '.join(accepted) if accepted else '(none)'}"
         )
     return cls(**config)
