@@ -592,9 +592,10 @@ def register(
         group: process group (default: the DDP model's process group, else the default one).
         error_feedback: ``True``/``False``, or ``None`` for automatic: on exactly for the
             codecs that need it (``codec.feedback_fit == "needed"``: biased and contractive,
-            such as top-k, DGC, TopKC, sign, PowerSGD, THC), off for the others. ``True`` is
-            refused for codecs whose error is not contractive (``"incompatible"``: Random-K
-            scaled by d/k, TernGrad, QSGD), whose residual would grow without bound.
+            such as top-k, DGC, TopKC, sign, PowerSGD), off for the others (lossless, the casts,
+            unbiased codecs such as QSGD and THC). ``True`` is refused for codecs whose error
+            is not contractive (``"incompatible"``: TernGrad, Random-K scaled by d/k, coarse
+            QSGD), whose residual would grow without bound.
         momentum: DGC momentum correction (0 = off). If used, build the optimizer without
             momentum: the momentum is applied before compression.
         momentum_masking: DGC momentum factor masking (for sparsifiers).

@@ -437,7 +437,9 @@ class Codec(ABC):
             total = self.decode(total_payload, ctx)
         else:
             gathered = yield AllGather(payload)
-            total = self.sum_decoded(gathered, ctx)
+            # divided in the float32 accumulator: a 16-bit mean that fits never overflows
+            return Reduced(total=self.sum_decoded(gathered, ctx, average=ctx.average),
+                           local=local)
         return Reduced(total=self.finish_total(total, ctx), local=local)
 
     # ------------------------------------------------------------------ hooks to implement
@@ -501,8 +503,12 @@ class Codec(ABC):
             raise CommpressError(f"payload part {name!r} is {t.dtype}, expected {dtype}")
         return t
 
-    def sum_decoded(self, payloads: list[Payload], ctx: CodecContext) -> torch.Tensor:
-        """Decode payloads and add them in list order, accumulating in float32 (or float64)."""
+    def sum_decoded(
+        self, payloads: list[Payload], ctx: CodecContext, *, average: bool = False
+    ) -> torch.Tensor:
+        """Decode payloads and add them in list order, accumulating in float32 (or float64);
+        with ``average``, divide by their number in the accumulator, before the cast back to
+        the payloads' dtype (which saturates: a finite mean stays finite)."""
         if not payloads:
             raise CommpressError("nothing to sum: empty list of payloads")
         first = payloads[0]
@@ -510,7 +516,9 @@ class Codec(ABC):
         acc = torch.zeros(first.shape, dtype=acc_dtype, device=first.device)
         for p in payloads:
             acc += self.decode(p, ctx, shape=first.shape).to(acc_dtype)
-        return acc.to(first.dtype)
+        if average and len(payloads) > 1:
+            acc /= len(payloads)
+        return saturating_cast(acc, first.dtype)
 
     def check_input(self, tensor: Any) -> torch.Tensor:
         """Refuse anything but a floating-point tensor of a supported dtype."""

@@ -50,6 +50,19 @@ class Identity(Codec):
         v = self.part(payload, "values", numel=payload.numel, dtype=payload.dtype)
         return v.reshape(payload.shape)
 
+    def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
+        """The default one-round all-reduce, except that a float16 mean divides before the
+        sum (as PyTorch's DDP does), so a mean that fits float16 never overflows; other dtypes
+        sum first and divide after."""
+        if not (ctx.average and ctx.world_size > 1 and tensor.dtype == torch.float16):
+            return (yield from Codec.reduce(self, tensor, ctx))
+        payload = self.encode(tensor, ctx)
+        local = self.decode(payload, ctx) if ctx.need_local else None
+        values = payload.parts["values"] / ctx.world_size
+        summed = yield AllReduce(tensors={"values": values})
+        total = self.decode(payload.replace(parts=dict(summed), summed=ctx.world_size), ctx)
+        return Reduced(total=total, local=local)
+
 
 class _FloatCast(Codec):
     """Shared behaviour of the 16-bit casts."""

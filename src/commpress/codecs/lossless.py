@@ -75,7 +75,7 @@ import torch
 from commpress.codecs import backends as bk
 from commpress.codecs import bytegroup as bg
 from commpress.codecs import lossless_kernels as lk
-from commpress.codecs.base import Codec, CodecContext, Payload, param, require
+from commpress.codecs.base import Codec, CodecContext, Payload, param, require, saturating_cast
 from commpress.codecs.protocol import AllGather, Protocol, Reduced
 from commpress.codecs.registry import register_codec
 from commpress.errors import CommpressError
@@ -1005,7 +1005,9 @@ class NetZip(Codec):
                 acc += x.to(acc_dtype)
             else:
                 acc += self.decode(p, ctx, shape=x.shape).to(acc_dtype)
-        return Reduced(total=self.finish_total(acc.to(x.dtype), ctx), local=local)
+        if ctx.average and ctx.world_size > 1:
+            acc /= ctx.world_size  # in the accumulator: a 16-bit mean that fits stays finite
+        return Reduced(total=saturating_cast(acc, x.dtype), local=local)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from commpress.codecs.base import Codec, CodecContext, Payload, param, require
+from commpress.codecs.base import Codec, CodecContext, Payload, param, require, saturating_cast
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.quantize import require_seed
 from commpress.codecs.registry import register_codec
@@ -247,7 +247,7 @@ class PowerSGD(Codec):
         # q is Q 2^-kQ (see encode): restore the scale after the product, where an
         # out-of-range value can only become +-Inf
         out = (p @ q.T).mul_(2.0 ** headroom_log2(1, n))
-        return out.to(payload.dtype).reshape(payload.shape)
+        return saturating_cast(out, payload.dtype).reshape(payload.shape)
 
     def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
         """Aggregate with the other workers: one round when sent exactly, otherwise two
@@ -281,10 +281,12 @@ class PowerSGD(Codec):
             factor = 2.0**k_q
             if ctx.average and ctx.world_size > 1:
                 factor /= ctx.world_size
-            total = (p_hat @ q.T).mul_(factor).to(x.dtype).reshape(x.shape)
+            # a rank-r approximation may overshoot the input's range: saturate the cast
+            total = saturating_cast((p_hat @ q.T).mul_(factor), x.dtype).reshape(x.shape)
             local = None
             if ctx.need_local:
-                local = (p_hat @ q_local.T).mul_(2.0**k_q).to(x.dtype).reshape(x.shape)
+                local = saturating_cast((p_hat @ q_local.T).mul_(2.0**k_q), x.dtype)
+                local = local.reshape(x.shape)
         return Reduced(total=total, local=local)
 
 

@@ -568,6 +568,11 @@ def sum_in_place(buf: torch.Tensor, ex: Exchange, *, average: bool) -> None:
     """
     if ex.world_size == 1:
         return
+    # float16: divide first (as the identity codec's protocol and PyTorch's DDP do), so a mean
+    # that fits float16 never overflows in the sum
+    early = average and buf.dtype == torch.float16
+    if early:
+        buf.div_(ex.world_size)
     if buf.numel() and ex.timeout is not None:
         work = dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group, async_op=True)
         ex.wait(Pending([work], "round 0 (all-reduce)"))
@@ -577,7 +582,7 @@ def sum_in_place(buf: torch.Tensor, ex: Exchange, *, average: bool) -> None:
             dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group)
         except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError
             raise ex.failure("round 0 (all-reduce)", exc, start) from exc
-    if average:
+    if average and not early:
         buf.div_(ex.world_size)
 
 

@@ -98,8 +98,9 @@ def feedback_applies(codec: Codec, error_feedback: bool | None) -> bool:
     It never applies to lossless codecs. Automatic turns it on exactly for the codecs that
     need it (``codec.feedback_fit == "needed"``: biased and contractive, such as top-k,
     sign, PowerSGD). ``True`` turns it on for every lossy codec, except that a codec whose
-    error is not contractive (``"incompatible"``: Random-K scaled by d/k, TernGrad, QSGD) is
-    refused: its residual would grow without bound.
+    error is not contractive (``"incompatible"``: TernGrad, Random-K scaled by d/k, coarse
+    QSGD) is refused: its residual would grow without bound. Which codecs fit how is a property of
+    each codec and of its parameters (``commpress codecs`` lists it).
     """
     if codec.lossless or error_feedback is False:
         return False

@@ -369,8 +369,8 @@ class StepStats:
             was; ``nan``/``inf`` for a non-finite step.
         residual_norm: L2 norm of this rank's error-feedback residuals after the step
             (``None`` without error feedback).
-        nonfinite: the reduced gradients were non-finite (only measured when ``grad_norm``
-            is: a step with no state to protect and no guard is not checked).
+        nonfinite: the reduced gradients were non-finite; ``None`` when not measured (a state
+            with nothing to protect and no guard makes no pass over the totals).
         rolled_back: the step's changes to the error-feedback memory and codec states were
             undone (a non-finite step).
         guard: ``"nonfinite"`` or ``"spike"`` when this step tripped the guard, else ``None``.
@@ -384,7 +384,7 @@ class StepStats:
     wire_bytes: int
     grad_norm: float | None
     residual_norm: float | None
-    nonfinite: bool
+    nonfinite: bool | None
     rolled_back: bool
     guard: str | None
     guarded: bool
@@ -488,8 +488,8 @@ class CompressionState:
     (``C.feedback_fit == "needed"``: biased and contractive, such as top-k, sign, PowerSGD;
     not the plain 16-bit casts, whose rounding error is far below gradient noise, which keeps
     the fp16 path identical to PyTorch's ``fp16_compress_hook``); with ``True`` for every
-    lossy codec, refusing those whose error is not contractive (Random-K scaled by d/k,
-    TernGrad, QSGD), whose residual would grow without bound.
+    lossy codec, refusing those whose error is not contractive (TernGrad, Random-K scaled by
+    d/k, coarse QSGD), whose residual would grow without bound.
 
     **Non-finite steps are undone.** Every change a step makes to the error-feedback memory
     and to codec states (PowerSGD's ``Q``, netzip's references) is journaled by reference
@@ -540,11 +540,12 @@ class CompressionState:
         "_norms",
         "_open",
         "_rank",
+        "_protects",
         "_lock",
     )
     #: Slots left out of pickles: the process group cannot be pickled, the lock is rebuilt,
     #: an open step's journal is dropped.
-    _TRANSIENT: tuple[str, ...] = ("process_group", "_lock", "_open")
+    _TRANSIENT: tuple[str, ...] = ("process_group", "_lock", "_open", "_protects")
     #: Per-step records kept in :attr:`stats`.
     STATS_LIMIT = 1000
 
@@ -600,6 +601,7 @@ class CompressionState:
         self._norms: deque[float] = deque(maxlen=self.guard.window if self.guard else 1)
         self._open: _OpenStep | None = None
         self._rank = 0
+        self._protects: bool | None = None
         self._lock = threading.RLock()
         for what, codec in self.policy.codecs():
             with error_context(f"{what}"):
@@ -678,6 +680,11 @@ class CompressionState:
         step = self.step if step is None else step
         if plan is None:
             plan = self.plan(key, tensor.shape, tensor.dtype, step=step)
+        elif plan.step != step:
+            raise CommpressError(
+                f"the plan of {key!r} was made for step {plan.step}, but step={step} was given; "
+                "plan and reduce the same step"
+            )
         self._rank = rank
         codec_state = self.codec_state(plan, tensor.device)
         x = self.compensate(plan, tensor, codec_state=codec_state)
@@ -734,6 +741,17 @@ class CompressionState:
                 _shallow(codec_state) if stateful else None,
             )
 
+    def protects_state(self) -> bool:
+        """Whether a step may change state worth undoing (error feedback or a stateful codec
+        somewhere in the policy, or a policy function, which may name one) or a guard is set:
+        then every reduced tensor of a step is checked, so that a NaN in a tensor without
+        state of its own (a bias sent uncompressed) still undoes the step."""
+        if self._protects is None:
+            self._protects = self.guard is not None or self.policy.function is not None or any(
+                codec.stateful or self.uses_feedback(codec) for _, codec in self.policy.codecs()
+            )
+        return self._protects
+
     def note_wire_bytes(self, step: int, nbytes: int) -> None:
         """Add ``nbytes`` sent at ``step`` to that step's :class:`StepStats`."""
         record = self._step_record(step)
@@ -748,7 +766,7 @@ class CompressionState:
             record.tensors += 1
             record.codecs[spec] = record.codecs.get(spec, 0) + 1
             record.reasons[plan.reason] = record.reasons.get(plan.reason, 0) + 1
-            if plan.key in record.journal or self.guard is not None:
+            if plan.key in record.journal or self.protects_state():
                 # one reduction, no sync here: read at the end of the step
                 record.norms.append(torch.linalg.vector_norm(total, dtype=torch.float64))
             if plan.feedback:
@@ -788,7 +806,8 @@ class CompressionState:
         residual_norm = None
         if record.residuals and not nonfinite:
             residual_norm = math.sqrt(math.fsum(r * r for r in _to_cpu_floats(record.residuals)))
-        tripped = self._check_guard(record.step, grad_norm, nonfinite)
+        guarded = "guard" in record.reasons
+        tripped = self._check_guard(record.step, grad_norm, nonfinite, guarded=guarded)
         stats = StepStats(
             step=record.step,
             tensors=record.tensors,
@@ -797,10 +816,10 @@ class CompressionState:
             wire_bytes=record.wire_bytes,
             grad_norm=grad_norm,
             residual_norm=residual_norm,
-            nonfinite=nonfinite,
+            nonfinite=nonfinite if norms else None,
             rolled_back=nonfinite and bool(record.journal),
             guard=tripped,
-            guarded="guard" in record.reasons,
+            guarded=guarded,
         )
         with self._lock:
             self.stats.append(stats)
@@ -809,10 +828,17 @@ class CompressionState:
                        record.step)
         return stats
 
-    def _check_guard(self, step: int, grad_norm: float | None, nonfinite: bool) -> str | None:
-        """Trip the guard for ``step`` when it applies; returns why (or ``None``)."""
+    def _check_guard(
+        self, step: int, grad_norm: float | None, nonfinite: bool, *, guarded: bool
+    ) -> str | None:
+        """Trip the guard for ``step`` when it applies; returns why (or ``None``). Steps sent
+        with the fallback because of the guard are neither checked for spikes nor counted in
+        the reference: their dense sends flush the accumulated error-feedback residual, so
+        their norm is not comparable with compressed steps'."""
         guard = self.guard
         if guard is None or grad_norm is None:
+            return None
+        if guarded and not nonfinite:
             return None
         tripped: str | None = None
         detail = ""
@@ -958,6 +984,7 @@ class CompressionState:
         self.process_group = None
         self._lock = threading.RLock()
         self._open = None
+        self._protects = None
         # states pickled before the guard and stats existed
         self.guard = None
         self.stats = deque(maxlen=self.STATS_LIMIT)
