@@ -20,7 +20,10 @@ Where the processes run:
   links are not shaped and :attr:`RunResult.network` says so in its ``note``.
 
 All setups of one call share one launch (one cluster, one set of worker processes): every
-worker runs the setups one after the other, each with a fresh model, optimizer and hook. Rank 0
+worker runs the setups one after the other, each with a fresh model, optimizer and hook. A
+setup may carry its own ``seed`` and ``steps``; with a ``stop_rule`` each seed's baseline run
+sets time-to-accuracy targets (:mod:`commpress.demo.tta`) and that seed's later runs stop
+once they have reached them all (``commpress demo``'s step budget). Rank 0
 writes results as JSON (``results.json`` in ``work_dir``) after every setup; nothing is pickled
 across processes.
 
