@@ -77,7 +77,7 @@ DEFAULT_EVAL_BATCHES = 4
 BASELINE = "fp16"
 #: Wall-clock time of the default run, measured from a fresh clone (README and docs/demo.md
 #: quote this string; a test checks that they do).
-TIME_ESTIMATE = "about 9 minutes on a busy 2-core machine"
+TIME_ESTIMATE = "about 10 minutes on a 2-core machine shared with other jobs (load average 7-10)"
 #: ``--quick``: enough to exercise every part (warm-up, compression, eval, table, plot).
 QUICK_STEPS = 8
 QUICK_EVAL_EVERY = 2
@@ -104,7 +104,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "model's choice, over several seeds; report the time to reach fp16's loss (targets "
         "from fp16's smoothed curve, a step budget, the median speedup and its range over "
         f"seeds) and a one-line verdict. The defaults take {TIME_ESTIMATE} (measured from a "
-        "fresh clone); --quick takes well under a minute.",
+        "fresh clone); --quick takes about a minute.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--codecs", nargs="+", metavar="SPEC", default=None,
@@ -537,7 +537,7 @@ def plot(results: Sequence[Any], analysis: dict[str, Any], path: Path, title: st
         colors[r.label] = line.get_color()
         ax_s.plot(r.eval_steps, r.eval_losses, color=line.get_color(), alpha=0.85,
                   linewidth=style["linewidth"])
-    first = next(iter(analysis["targets"].values()), [])
+    first: list[float] = next(iter(analysis["targets"].values()), [])
     for ax in (ax_t, ax_s):
         for t in first:
             ax.axhline(t, color="gray", linestyle="--", linewidth=0.8)
@@ -729,7 +729,8 @@ def run(args: argparse.Namespace) -> int:
             link = report.to_dict()
             rates = [lk.wire_bps for lk in report.inter]
             link_bps = statistics.median(rates) if rates else None
-            print(f"  measured link: {_format_bps(link_bps)} on the wire"
+            measured = _format_bps(link_bps) if link_bps is not None else "no inter-node link"
+            print(f"  measured link: {measured} on the wire"
                   + (f" (requested {layout.bandwidth})" if layout.bandwidth else ""), flush=True)
         grads: list[Any] = []
         compute_s = measure_compute(args.model, args.batch_size, layout.world_size,

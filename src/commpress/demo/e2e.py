@@ -1007,9 +1007,11 @@ def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpu
 
         window = int(rule.get("window", 3))
 
-        def stop(evals: list[tuple[int, float]]) -> bool:
+        def settled(evals: list[tuple[int, float]]) -> bool:
             return reached_all([0] + [s for s, _ in evals],
                                [initial_loss] + [v for _, v in evals], targets, window=window)
+
+        stop = settled
     report_every = max(1, steps // 50)
 
     iface = os.environ.get("GLOO_SOCKET_IFNAME", "")
