@@ -19,8 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from commpress.cli import demo_cmd
 from commpress.cli import main as cli_main
-from commpress.cli.demo_cmd import speedup_rows
+from commpress.cli.demo_cmd import analyse, cluster_context, table_rows
 from commpress.cluster import namespaces_available
 from commpress.demo.e2e import (
     CollectiveBytes,
@@ -32,6 +33,16 @@ from commpress.demo.e2e import (
     load_results,
     resolve_layout,
     run_setups,
+)
+from commpress.demo.tta import (
+    Crossing,
+    reached_all,
+    seed_speedup,
+    smooth,
+    summarize,
+    targets_from_baseline,
+    time_to_target,
+    verdict,
 )
 from commpress.errors import CommpressError
 
@@ -88,13 +99,158 @@ def test_run_result_statistics_and_round_trip() -> None:
         RunResult.from_dict({"label": "x"})
 
 
-def test_speedup_rows_against_the_first_run() -> None:
-    base = _result(label="fp16")
-    fast = _result(label="fast", eval_times=[0.0, 1.5, 3.5])
-    never = _result(label="never", eval_losses=[5.5, 4.0, 3.5])
-    rows = speedup_rows([base, fast, never], target=2.6)
-    assert [r["speedup"] for r in rows] == [1.0, 2.0, None]
-    assert rows[1]["time_to_target_s"] == 3.5 and rows[2]["time_to_target_s"] is None
+# ------------------------------------------------------------------------------ time to accuracy
+def test_smooth_is_a_centred_moving_average() -> None:
+    assert smooth([1.0, 2.0, 6.0, 4.0], 3) == [1.5, 3.0, 4.0, 5.0]
+    assert smooth([1.0, 2.0], 1) == [1.0, 2.0]
+    for bad in (0, 2, -1):
+        with pytest.raises(CommpressError, match="odd"):
+            smooth([1.0], bad)
+
+
+def test_targets_come_from_the_smoothed_curve_at_several_points() -> None:
+    steps = [0, 10, 20, 30, 40]
+    losses = [5.0, 4.0, 3.0, 2.0, 1.0]  # linear: smoothing leaves the inside unchanged
+    # 50% of 40 steps = step 20 -> 3.0; 100% -> the last point, averaged with its neighbour.
+    assert targets_from_baseline(steps, losses, fractions=(1.0, 0.5)) == [3.0, 1.5]
+    # One lucky last evaluation (0.5 below the trend) moves the final target by a third of
+    # it with window 3, the whole of it without smoothing.
+    lucky = [5.0, 4.0, 3.0, 2.0, 0.5]
+    assert targets_from_baseline(steps, lucky, fractions=(1.0,))[0] == pytest.approx(1.25)
+    assert targets_from_baseline(steps, lucky, fractions=(1.0,), window=1)[0] == 0.5
+    with pytest.raises(CommpressError, match="at least 2 evaluations"):
+        targets_from_baseline([0], [5.0])
+    with pytest.raises(CommpressError, match="fractions"):
+        targets_from_baseline(steps, losses, fractions=(0.0,))
+    with pytest.raises(CommpressError, match="finite"):
+        targets_from_baseline(steps, [5.0, math.nan, 3.0, 2.0, 1.0])
+
+
+def test_time_to_target_interpolates_and_settles() -> None:
+    steps = [0, 10, 20, 30]
+    times = [0.0, 1.0, 2.0, 3.0]
+    losses = [4.0, 3.0, 2.0, 1.0]  # smoothed: 3.5, 3.0, 2.0, 1.5
+    hit = time_to_target(steps, times, losses, 2.5)
+    assert hit == Crossing(1.5, 15.0)  # halfway between the evaluations at 10 and 20 steps
+    assert time_to_target(steps, times, losses, 1.0) is None
+    # The last point (smoothed 1.5) has an incomplete window: it counts for the analysis,
+    # not for stopping early.
+    assert time_to_target(steps, times, losses, 1.6) is not None
+    assert time_to_target(steps, times, losses, 1.6, settled=True) is None
+    assert reached_all(steps, losses, [3.2, 2.0]) and not reached_all(steps, losses, [1.6])
+
+
+def test_a_run_just_above_the_final_target_is_not_never_with_a_budget() -> None:
+    """Issue 14's failure: PowerSGD ended 0.009 above fp16's final loss + 0.02 after the
+    baseline's 200 steps and was reported "never", although it learns as fast per step in
+    half the time. With targets from fp16's smoothed curve and a 2x step budget it reaches
+    every target, and its speedup is the ratio of the step times."""
+    fp16_steps = list(range(0, 201, 10))
+    fp16 = [3.0 - 0.0015 * s for s in fp16_steps]
+    fp16[-1] -= 0.04  # a lucky last evaluation of the baseline
+    budget_steps = list(range(0, 401, 10))
+    psgd = [3.0 - 0.0015 * s + 0.03 for s in budget_steps]  # 0.03 worse at every step
+    targets = targets_from_baseline(fp16_steps, fp16)
+    # Old rule: one target, fp16's last evaluation + 0.02, and only the baseline's steps.
+    old_target = fp16[-1] + 0.02
+    assert min(psgd[:21]) > old_target  # "never"
+    # New rule: PowerSGD's steps take half of fp16's time.
+    fp16_times = [0.3 * s for s in fp16_steps]
+    psgd_times = [0.15 * s for s in budget_steps]
+    base = [time_to_target(fp16_steps, fp16_times, fp16, t) for t in targets]
+    run = [time_to_target(budget_steps, psgd_times, psgd, t) for t in targets]
+    assert all(c is not None for c in run)
+    speedup = seed_speedup(base, run)
+    assert speedup is not None and 1.6 < speedup < 2.0  # 2x per step, ~20 more steps
+    # Without the budget (only the baseline's 200 steps) the hardest target is missed.
+    assert time_to_target(fp16_steps, psgd_times[:21], psgd[:21], targets[-1]) is None
+
+
+def test_seed_speedup_summary_and_verdict() -> None:
+    base = [Crossing(10.0, 100), Crossing(20.0, 200)]
+    assert seed_speedup(base, [Crossing(5.0, 100), Crossing(10.0, 200)]) == pytest.approx(2.0)
+    assert seed_speedup(base, [Crossing(5.0, 100), None]) is None
+    fast = summarize("powersgd:rank=4", [2.1, 1.8, 2.4])
+    assert fast.median == 2.1 and fast.interval == (1.8, 2.4) and fast.reached == 3
+    assert fast.describe() == "2.10x [1.80-2.40x]"
+    never = summarize("sign", [None, None, None])
+    assert never.describe() == "never" and never.median is None
+    some = summarize("thc", [1.2, None, 1.4])
+    assert some.describe() == "1.30x [1.20-1.40x], in 2 of 3 seeds"
+    topkc = summarize("topkc", [None] * 3)
+    line = verdict([fast, topkc, never, some], baseline="fp16", budget=2.0)
+    assert line == ("on this network powersgd:rank=4 reaches fp16's loss 2.1x sooner "
+                    "[1.8-2.4x over 3 seeds]; thc (2 of 3 seeds) reaches it only sometimes; "
+                    "topkc and sign do not reach it within 2x fp16's steps")
+    slow = verdict([summarize("netzip", [0.5])], baseline="fp16", budget=2.0)
+    assert slow == "on this network netzip reaches fp16's loss 2.0x later (slower) (1 seed)"
+
+
+def test_analysis_and_rows_over_seeds() -> None:
+    def run(label: str, seed: int, scale: float, losses: list[float]) -> RunResult:
+        return _result(label=label, seed=seed, eval_steps=[0, 10, 20, 30, 40],
+                       eval_losses=losses, eval_times=[scale * s for s in (0, 10, 20, 30, 40)])
+
+    curve = [5.0, 4.0, 3.0, 2.0, 1.0]
+    results = [run("fp16", 0, 1.0, curve), run("fast", 0, 0.5, curve),
+               run("fp16", 1, 1.0, curve), run("fast", 1, 0.25, curve),
+               run("stuck", 1, 0.1, [5.0, 4.5, 4.5, 4.5, 4.5])]
+    analysis = analyse(results, baseline="fp16", fractions=(0.5, 1.0), window=3)
+    assert analysis["targets"] == {"0": [3.0, 1.5], "1": [3.0, 1.5]}
+    s = analysis["summaries"]
+    assert s["fp16"].speedups == (1.0, 1.0)
+    assert s["fast"].speedups == (pytest.approx(2.0), pytest.approx(4.0))
+    assert s["stuck"].speedups == (None,)
+    rows = table_rows(results, analysis, {"fast": "advisor"})
+    assert [r["label"] for r in rows] == ["fp16", "fast", "stuck"]
+    assert rows[1]["role"] == "advisor" and rows[1]["speedup"] == pytest.approx(3.0)
+    assert rows[1]["speedup_interval"] == [pytest.approx(2.0), pytest.approx(4.0)]
+    assert rows[2]["time_to_final_target_s"] is None and rows[2]["speedup_text"] == "never"
+    assert "| fast (advisor)" in demo_cmd.render(rows)
+
+
+def test_cluster_context_follows_the_link() -> None:
+    """The real cluster named for the demo's ratio: a slower demo link means less compute per
+    second of communication, which a 7B model on 4 x 8 GPUs has only with a slower network."""
+    slow = cluster_context("tiny", 0.05, demo_cmd._demo_cluster(2, 1, 50e6))
+    fast = cluster_context("tiny", 0.05, demo_cmd._demo_cluster(2, 1, 500e6))
+    # fp16's 1.73 MB over a 50 Mbit/s link (TCP leaves 1448/1514 of it, the token bucket
+    # lets a burst through): 0.25-0.3 s.
+    assert 0.24 < slow["fp16_exchange_s"] < 0.33
+    assert slow["ratio"] == pytest.approx(0.05 / slow["fp16_exchange_s"])
+    assert slow["ratio"] < fast["ratio"]
+    assert slow["reference_inter_bps"] < fast["reference_inter_bps"]
+    assert slow["reference_ratio"] == pytest.approx(slow["ratio"], rel=1e-3)
+    line = demo_cmd.context_line(slow)
+    assert "7B model on 4 nodes of 8 H100-class GPUs" in line and "Gbit/s between nodes" in line
+
+
+def test_train_stops_when_asked() -> None:
+    from commpress.demo.model import GPTConfig
+    from commpress.demo.train import train
+
+    config = GPTConfig(context=16, d_model=32, n_layers=1, n_heads=2, mlp_ratio=2)
+    seen: list[list[tuple[int, float]]] = []
+
+    def stop(evals: list[tuple[int, float]]) -> bool:
+        seen.append(evals)
+        return len(evals) == 2
+
+    res = train(config, steps=20, batch_size=4, eval_every=3, eval_batches=1, progress=False,
+                corpus=b"def f(x):\n    return x\n" * 400, device="cpu", stop=stop)
+    assert len(res.losses) == 6 and [s for s, _ in res.eval_losses] == [3, 6]
+    assert res.eval_loss == res.eval_losses[-1][1] and len(seen) == 2
+
+
+def test_time_estimate_is_quoted_by_readme_docs_and_help() -> None:
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    for doc in ("README.md", os.path.join("docs", "demo.md")):
+        with open(os.path.join(root, doc)) as fh:
+            assert demo_cmd.TIME_ESTIMATE in " ".join(fh.read().split()), doc
+    code, stdout, _ = _cli_exit("demo", "--help")
+    assert code == 0 and demo_cmd.TIME_ESTIMATE in " ".join(stdout.split())
+    with open(os.path.join(root, ".gitignore")) as fh:
+        assert "/commpress-demo/" in fh.read().split()  # the default --out
 
 
 def test_layout_and_setup_errors() -> None:
@@ -230,32 +386,83 @@ def _cli(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def _cli_exit(*argv: str) -> tuple[int, str, str]:
+    """Like :func:`_cli` for commands that end with SystemExit (``--help``)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli_main(list(argv))
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
 def test_demo_cli_errors() -> None:
-    code, _, err = _cli("demo", "--codecs", "fp16", "--no-cluster")
+    code, _, err = _cli("demo", "--codecs", "fp16", "--no-cluster", "--lossless", "none",
+                        "--no-advisor")
     assert code == 2 and "at least one codec besides the fp16 baseline" in err
     code, _, err = _cli("demo", "--codecs", "nosuchcodec", "--no-cluster")
     assert code == 2 and "unknown codec id" in err
     code, _, err = _cli("demo", "--steps", "5", "--warmup-steps", "5", "--no-cluster")
     assert code == 2 and "leaves no compressed step" in err
+    code, _, err = _cli("demo", "--budget", "0.5", "--no-cluster")
+    assert code == 2 and "--budget must be a number >= 1" in err
+    code, _, err = _cli("demo", "--seeds", "0", "--no-cluster")
+    assert code == 2 and "--seeds must be >= 1, got 0" in err
+    code, _, err = _cli("demo", "--targets", "1.5", "--no-cluster")
+    assert code == 2 and "fractions must be in (0, 1]" in err
+    code, _, err = _cli("demo", "--smooth", "2", "--no-cluster")
+    assert code == 2 and "--smooth must be an odd number" in err
+    code, _, err = _cli("demo", "--lossless", "fp16", "--no-cluster")
+    assert code == 2 and "not a lossless codec" in err
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
 def test_demo_cli_quick(tmp_path: object) -> None:
     out = os.path.join(str(tmp_path), "demo")
-    code, stdout, err = _cli("demo", "--quick", "--no-cluster", "--no-progress", "--out", out)
+    # Two seeds, so the per-seed targets, the budget and the summaries are exercised; the
+    # advisor runs on the (unshaped) loopback, where it must answer "no compression".
+    code, stdout, err = _cli("demo", "--quick", "--seeds", "2", "--no-cluster", "--out", out)
     assert code == 0, err
-    assert "| codec" in stdout and "| fp16" in stdout and "| powersgd:rank=4" in stdout
-    assert "links are not shaped" in stdout and "target eval loss" in stdout
+    assert "| codec" in stdout and "| fp16 (advisor)" in stdout and "| powersgd:rank=4" in stdout
+    assert "| netzip (lossless)" in stdout
+    assert "links are not shaped" in stdout and "targets per seed" in stdout
+    assert "\nverdict: on this network " in stdout and "context: here a step computes" in stdout
+    assert "no compression: its row is fp16's" in stdout
+    # Progress without a terminal: no bar, one line per finished run.
+    assert "\r" not in err and err.count("] fp16 seed ") == 2
+    assert "[5/5," in err and "netzip seed 0" in err
     with open(os.path.join(out, "demo.png"), "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
     with open(os.path.join(out, "demo.json")) as fh:
         report = json.load(fh)
-    assert report["format"] == "commpress-demo"
-    assert [row["label"] for row in report["table"]] == ["fp16", "powersgd:rank=4"]
-    assert report["table"][0]["speedup"] == 1.0
-    base = RunResult.from_dict(report["runs"][0])
-    assert report["target_loss"] == pytest.approx(base.final_eval_loss + 0.02)
-    assert all(RunResult.from_dict(r).replicas_identical for r in report["runs"])
+    assert report["format"] == "commpress-demo" and report["version"] == 2
+    env = report["environment"]
+    for key in ("command", "argv", "commpress", "git", "python", "torch", "cpu", "cores",
+                "load_before", "load_after"):
+        assert key in env, key
+    assert env["command"][:2] == ["commpress", "demo"] and "--quick" in env["command"]
+    assert env["command"][env["command"].index("--seeds") + 1] == "2"
+    assert env["cores"] == os.cpu_count()
+    assert report["settings"]["seeds"] == [0, 1] and report["settings"]["budget_steps"] == 16
+    assert report["link"]["measured_bps"] is None  # loopback: nothing shaped to measure
+    assert report["advisor"]["codec"] == "fp16"
+    assert [row["label"] for row in report["table"]] == ["fp16", "powersgd:rank=4", "netzip"]
+    assert report["table"][0]["speedup"] == 1.0 and report["table"][0]["seeds"] == 2
+    assert report["table"][2]["seeds"] == 1  # the lossless codec runs on the first seed only
+    assert report["verdict"] in stdout
+    runs = [RunResult.from_dict(r) for r in report["runs"]]
+    assert [(r.label, r.seed) for r in runs] == [
+        ("fp16", 0), ("powersgd:rank=4", 0), ("netzip", 0), ("fp16", 1), ("powersgd:rank=4", 1)]
+    assert all(r.replicas_identical for r in runs)
+    for r in runs:  # fp16 runs its 8 steps; the others stop at the targets or at 16
+        assert r.steps == 8 if r.label == "fp16" else 2 <= r.steps <= 16
+        assert r.eval_steps[-1] == r.steps
+        if r.label != "fp16" and r.steps < 16:
+            assert r.extra["stopped_early"] and reached_all(
+                r.eval_steps, r.eval_losses, r.extra["targets"])
+    assert report["targets"]["0"] == pytest.approx(targets_from_baseline(
+        runs[0].eval_steps, runs[0].eval_losses, fractions=(0.8, 0.9, 1.0)))
     # --quick compresses after 2 fp16 steps: PowerSGD's steady bits are far below 16.
     assert report["table"][1]["bits_per_coord"] < 4
 

@@ -20,7 +20,10 @@ Where the processes run:
   links are not shaped and :attr:`RunResult.network` says so in its ``note``.
 
 All setups of one call share one launch (one cluster, one set of worker processes): every
-worker runs the setups one after the other, each with a fresh model, optimizer and hook. Rank 0
+worker runs the setups one after the other, each with a fresh model, optimizer and hook. A
+setup may carry its own ``seed`` and ``steps``; with a ``stop_rule`` each seed's baseline run
+sets time-to-accuracy targets (:mod:`commpress.demo.tta`) and that seed's later runs stop
+once they have reached them all (``commpress demo``'s step budget). Rank 0
 writes results as JSON (``results.json`` in ``work_dir``) after every setup; nothing is pickled
 across processes.
 
@@ -107,6 +110,10 @@ class Setup:
             ``"allreduce"``, ``"allgather"``, ``"ring"``, ``"hierarchical"`` or
             ``"hierarchical-compress-first"``; the hierarchical ones take the launch's
             processes per node as the node size.
+        seed: weights and data order of this run (``None``: the launch's ``seed``). Setups
+            that differ only in seed are distinct runs of one launch.
+        steps: optimizer steps of this run at most (``None``: the launch's ``steps``); with a
+            ``stop_rule`` the run may end earlier (see :func:`run_setups`).
     """
 
     codec: str
@@ -116,6 +123,8 @@ class Setup:
     min_numel: int = DEFAULT_MIN_NUMEL
     min_compression_rate: float = DEFAULT_MIN_COMPRESSION_RATE
     strategy: str = "auto"
+    seed: int | None = None
+    steps: int | None = None
 
     @property
     def name(self) -> str:
@@ -138,6 +147,12 @@ class Setup:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CommpressError(f"{name} must be a non-negative int, got {value!r}")
+        for name, low in (("seed", 0), ("steps", 1)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < low):
+                raise CommpressError(f"a setup's {name} must be None or an int >= {low}, "
+                                     f"got {value!r}")
         rate = self.min_compression_rate
         if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0):
             raise CommpressError(f"min_compression_rate must be a number >= 0, got {rate!r}")
@@ -184,7 +199,8 @@ def as_setup(item: str | Setup | Mapping[str, Any]) -> Setup:
         except TypeError as exc:
             raise CommpressError(
                 f"bad setup {dict(item)!r}: {exc}; accepted keys: codec, label, "
-                "error_feedback, warmup_steps, min_numel, min_compression_rate, strategy"
+                "error_feedback, warmup_steps, min_numel, min_compression_rate, strategy, "
+                "seed, steps"
             ) from None
     raise CommpressError(
         f"a setup is a codec spec string, a Setup or a mapping, got {type(item).__name__}"
@@ -530,6 +546,8 @@ def run_setups(
     work_dir: str | os.PathLike[str] | None = None,
     progress: ProgressCallback | None = None,
     log: IO[str] | None = None,
+    stop_rule: Mapping[str, Any] | None = None,
+    cluster: Any = None,
 ) -> list[RunResult]:
     """Train the built-in GPT once per setup with DDP across real processes; measure each.
 
@@ -584,6 +602,15 @@ def run_setups(
             ``"start"``, ``"step"``, ``"eval"`` or ``"done"``, plus ``setup`` index, ``label``,
             ``step``, ``loss``...).
         log: where worker output goes in addition to ``workers.log`` (default: only the file).
+        stop_rule: early stopping for time-to-accuracy runs, a mapping ``{"baseline": label,
+            "fractions": [...], "window": 3}``: when the setup labelled ``baseline`` of a seed
+            has run, its targets are taken
+            (:func:`commpress.demo.tta.targets_from_baseline`), and every later setup of the
+            same seed stops at the first evaluation after its smoothed curve has settled
+            below all of them (:func:`commpress.demo.tta.reached_all`), or at its ``steps``.
+            ``None`` (default): every setup runs all its steps.
+        cluster: an :class:`~commpress.cluster.EmulatedCluster` that is already up to run on
+            (its layout must match); it is left up. Lets a caller measure the links first.
 
     Returns:
         One :class:`RunResult` per setup, in order.
@@ -596,8 +623,15 @@ def run_setups(
     parsed = [as_setup(s) for s in setups]
     configs = [s.check() for s in parsed]
     labels = [s.name for s in parsed]
-    if len(set(labels)) != len(labels):
-        raise CommpressError(f"setup labels must be distinct, got {labels}")
+    keyed = [(s.name, s.seed) for s in parsed]
+    if len(set(keyed)) != len(keyed):
+        raise CommpressError(f"setup labels must be distinct (per seed), got {labels}")
+    if stop_rule is not None:
+        from commpress.demo.tta import check_fractions
+
+        if not isinstance(stop_rule, Mapping) or "baseline" not in stop_rule:
+            raise CommpressError("stop_rule must be a mapping with a 'baseline' label")
+        check_fractions(stop_rule.get("fractions") or (1.0,))
     preset(model)  # validates the name
     for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1),
                              ("eval_every", eval_every, 1), ("eval_batches", eval_batches, 1),
@@ -617,7 +651,8 @@ def run_setups(
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // layout.world_size)
     if timeout_s is None:
-        timeout_s = 300.0 + 5.0 * steps * len(parsed) * (1 if model == "tiny" else 4)
+        total_steps = sum(s.steps or steps for s in parsed)
+        timeout_s = 300.0 + 5.0 * total_steps * (1 if model == "tiny" else 4)
 
     owned = work_dir is None
     base = Path(tempfile.mkdtemp(prefix="commpress-e2e-") if owned else work_dir)  # type: ignore[arg-type]
@@ -638,6 +673,7 @@ def run_setups(
         "procs_per_node": layout.procs_per_node, "network": layout.network(),
         "results_path": str(results_path.resolve()),
         "progress_path": str(progress_path.resolve()),
+        "stop_rule": dict(stop_rule) if stop_rule is not None else None,
     }
     config_path = base / "config.json"
     config_path.write_text(json.dumps(config, indent=1))
@@ -656,13 +692,19 @@ def run_setups(
     try:
         with open(log_path, "w") as log_fh:
             out: Any = _Tee(log_fh, log) if log is not None else log_fh
-            code = launch(
-                cmd, nodes=layout.nodes, procs_per_node=layout.procs_per_node,
-                bandwidth=layout.bandwidth if layout.emulated else None,
-                latency=layout.latency if layout.emulated else None,
-                use_netns=layout.emulated, timeout_s=timeout_s, env=env,
-                stdout=out, stderr=out,
-            )
+            if cluster is not None:
+                from commpress.cluster.launcher import launch_on
+
+                code = launch_on(cluster, cmd, timeout_s=timeout_s, env=env, stdout=out,
+                                 stderr=out)
+            else:
+                code = launch(
+                    cmd, nodes=layout.nodes, procs_per_node=layout.procs_per_node,
+                    bandwidth=layout.bandwidth if layout.emulated else None,
+                    latency=layout.latency if layout.emulated else None,
+                    use_netns=layout.emulated, timeout_s=timeout_s, env=env,
+                    stdout=out, stderr=out,
+                )
     finally:
         stop.set()
         if tail is not None:
@@ -881,13 +923,13 @@ def elapsed_clock(step_times: Sequence[float], timing_skip: int) -> tuple[list[f
     return clock, excess
 
 
-def _initial_eval(cfg: Mapping[str, Any], corpus: bytes) -> float:
-    """Validation loss of the untrained model (the same for every setup: same seed)."""
+def _initial_eval(cfg: Mapping[str, Any], corpus: bytes, seed: int | None = None) -> float:
+    """Validation loss of the untrained model (the same for every setup of one seed)."""
     from commpress.demo.data import eval_loss
     from commpress.demo.model import build_model, preset
 
     config = preset(cfg["model"])
-    model = build_model(config, seed=int(cfg["seed"]))
+    model = build_model(config, seed=int(cfg["seed"]) if seed is None else seed)
     return eval_loss(model, corpus, context=config.context, batch_size=int(cfg["batch_size"]),
                      n_batches=int(cfg["eval_batches"]), device="cpu")
 
@@ -914,8 +956,19 @@ def _label_of(setup: Mapping[str, Any]) -> str:
     return str(setup.get("label") or setup_spec(setup["codec"], setup.get("strategy", "auto")))
 
 
+def _setup_seed(setup: Mapping[str, Any], cfg: Mapping[str, Any]) -> int:
+    value = setup.get("seed")
+    return int(cfg["seed"]) if value is None else int(value)
+
+
+def _setup_steps(setup: Mapping[str, Any], cfg: Mapping[str, Any]) -> int:
+    value = setup.get("steps")
+    return int(cfg["steps"]) if value is None else int(value)
+
+
 def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpus: bytes,
-             initial_loss: float, emit: Callable[..., None]) -> dict[str, Any] | None:
+             initial_loss: float, emit: Callable[..., None],
+             targets: Sequence[float] | None = None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -945,7 +998,20 @@ def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpu
     counter = CollectiveBytes()
     per_step: list[int] = []
     last = [0]
-    steps = int(cfg["steps"])
+    steps = _setup_steps(setup, cfg)
+    seed = _setup_seed(setup, cfg)
+    rule = cfg.get("stop_rule") or {}
+    stop: Callable[[list[tuple[int, float]]], bool] | None = None
+    if targets:
+        from commpress.demo.tta import reached_all
+
+        window = int(rule.get("window", 3))
+
+        def settled(evals: list[tuple[int, float]]) -> bool:
+            return reached_all([0] + [s for s, _ in evals],
+                               [initial_loss] + [v for _, v in evals], targets, window=window)
+
+        stop = settled
     report_every = max(1, steps // 50)
 
     iface = os.environ.get("GLOO_SOCKET_IFNAME", "")
@@ -961,9 +1027,9 @@ def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpu
             link.append(tx - tx_last[0])
             tx_last[0] = tx
         if rank == 0 and ((step + 1) % report_every == 0 or step + 1 == steps):
-            emit(event="step", setup=index, label=label, step=step + 1, loss=loss)
+            emit(event="step", setup=index, label=label, step=step + 1, loss=loss, seed=seed)
 
-    emit(event="start", setup=index, label=label)
+    emit(event="start", setup=index, label=label, seed=seed, max_steps=steps)
     t_start = time.perf_counter()
     prewarm_s = _prewarm(codec, cfg, int(setup["min_numel"]))
     dist.barrier()
@@ -972,16 +1038,17 @@ def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpu
     with counter:
         res = train(
             preset(cfg["model"]), steps=steps, batch_size=int(cfg["batch_size"]),
-            lr=float(cfg["lr"]), seed=int(cfg["seed"]), ddp_hook=hook,
+            lr=float(cfg["lr"]), seed=seed, ddp_hook=hook,
             eval_every=int(cfg["eval_every"]), eval_batches=int(cfg["eval_batches"]),
-            corpus=corpus, device="cpu", progress=False, on_step=on_step,
+            corpus=corpus, device="cpu", progress=False, on_step=on_step, stop=stop,
         )
+    ran = len(res.step_times)
     by_rank = _gather_floats(res.step_times, world)
     assert res.model is not None
     digests = _gather_digests(_params_digest(res.model), world)
     step_times = [max(col) for col in zip(*by_rank, strict=True)]
     skip = int(cfg["timing_skip"])
-    steady_from = min(max(skip, warmup), max(0, steps - 1))
+    steady_from = min(max(skip, warmup), max(0, ran - 1))
     clock, excess = elapsed_clock(step_times, skip)
     plans: dict[str, dict[str, int]] = {}
     params = dict(res.model.named_parameters())
@@ -999,16 +1066,16 @@ def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpu
         "codec_config": setup["codec_config"],
         "setup": {**{k: setup[k] for k in ("codec", "label", "error_feedback", "warmup_steps",
                                            "min_numel", "min_compression_rate")},
-                  "strategy": strategy},
+                  "strategy": strategy, "seed": setup.get("seed"), "steps": setup.get("steps")},
         "world_size": world,
         "nodes": int(cfg["nodes"]),
         "procs_per_node": int(cfg["procs_per_node"]),
         "network": dict(cfg["network"]),
         "model": cfg["model"],
-        "steps": steps,
+        "steps": ran,
         "batch_size": int(cfg["batch_size"]),
         "lr": float(cfg["lr"]),
-        "seed": int(cfg["seed"]),
+        "seed": seed,
         "losses": res.losses,
         "step_times": step_times,
         "step_times_by_rank": by_rank,
@@ -1026,13 +1093,31 @@ def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpu
         "checksums": digests,
         "wall_s": time.perf_counter() - t_start,
         "extra": {"warmup_steps_applied": warmup, "prewarm_s": prewarm_s,
-                  "threads": torch.get_num_threads(), "collective_calls": counter.calls},
+                  "threads": torch.get_num_threads(), "collective_calls": counter.calls,
+                  "max_steps": steps, "stopped_early": ran < steps,
+                  "targets": list(targets) if targets else None},
     }
     if rank == 0:
         rr = RunResult.from_dict(result)
-        emit(event="done", setup=index, **rr.summary())
-        return result
-    return None
+        emit(event="done", setup=index, seed=seed, steps=ran, max_steps=steps,
+             stopped_early=ran < steps, **rr.summary())
+    return result
+
+
+def _baseline_targets(result: Mapping[str, Any], rule: Mapping[str, Any]) -> list[float]:
+    """The targets a baseline run sets (:func:`commpress.demo.tta.targets_from_baseline`),
+    computed on rank 0 and broadcast, so every rank stops the later runs at the same step."""
+    import torch
+    import torch.distributed as dist
+
+    from commpress.demo.tta import DEFAULT_FRACTIONS, targets_from_baseline
+
+    fractions = rule.get("fractions") or DEFAULT_FRACTIONS
+    mine = targets_from_baseline(result["eval_steps"], result["eval_losses"],
+                                 fractions=fractions, window=int(rule.get("window", 3)))
+    buf = torch.tensor(mine, dtype=torch.float64)
+    dist.broadcast(buf, src=0)
+    return [float(v) for v in buf.tolist()]
 
 
 def worker_main(config_path: str) -> int:
@@ -1049,13 +1134,23 @@ def worker_main(config_path: str) -> int:
     try:
         rank = dist.get_rank()
         corpus = stdlib_corpus(int(cfg["corpus_bytes"]))
-        initial_loss = _initial_eval(cfg, corpus)
+        initial: dict[int, float] = {}
+        rule = cfg.get("stop_rule") or {}
+        targets: dict[int, list[float]] = {}
         results: list[dict[str, Any]] = []
         with _progress_writer(cfg["progress_path"] if rank == 0 else None) as emit:
             for i, setup in enumerate(cfg["setups"]):
                 label = _label_of(setup)
+                seed = _setup_seed(setup, cfg)
+                if seed not in initial:
+                    initial[seed] = _initial_eval(cfg, corpus, seed)
+                is_base = bool(rule) and label == rule.get("baseline")
                 try:
-                    result = _run_one(i, setup, cfg, corpus, initial_loss, emit)
+                    result = _run_one(i, setup, cfg, corpus, initial[seed], emit,
+                                      None if is_base else targets.get(seed))
+                    if is_base:
+                        assert result is not None
+                        targets[seed] = _baseline_targets(result, rule)
                 except Exception as exc:
                     emit(event="error", setup=i, label=label, error=f"{type(exc).__name__}: {exc}")
                     raise

@@ -123,6 +123,7 @@ def train(
     device: torch.device | str | None = None,
     progress: bool | None = None,
     on_step: Callable[[int, TinyGPT, float], None] | None = None,
+    stop: Callable[[list[tuple[int, float]]], bool] | None = None,
 ) -> TrainResult:
     """Train a fresh :func:`build_model` ``(config, seed)`` for ``steps`` AdamW steps.
 
@@ -158,6 +159,10 @@ def train(
         progress: tqdm bar on rank 0; ``None`` shows one for runs of 100 steps or more.
         on_step: called as ``on_step(step, model, loss)`` after each optimizer step (for
             example to snapshot weights). ``model`` is the unwrapped model.
+        stop: called with the ``(step, eval loss)`` pairs so far after every evaluation;
+            ``True`` ends training there (early stopping; the last evaluation is then the
+            final one). Under DDP it must decide the same on every rank (eval losses are
+            computed from identical replicas on identical windows, so a rule of them does).
     """
     config = config if config is not None else GPTConfig()
     if not isinstance(steps, int) or steps < 0:
@@ -207,6 +212,7 @@ def train(
     losses: list[float] = []
     times: list[float] = []
     evals: list[tuple[int, float]] = []
+    stopped = False
     model.train()
     with bar_ctx as bar:
         for step in range(steps):
@@ -234,15 +240,22 @@ def train(
                 on_step(step, model, value)
             if eval_every and eval_batches and (step + 1) % eval_every == 0 and step + 1 < steps:
                 evals.append((step + 1, evaluate()))
+                if stop is not None and stop(list(evals)):
+                    stopped = True
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{value:.3f}")
             if log_every and rank == 0 and (step + 1) % log_every == 0:
                 print(f"step {step + 1:5d}  loss {value:.4f}  {times[-1] * 1e3:.1f} ms",
                       file=sys.stderr if show_bar else sys.stdout)
-    final = evaluate() if eval_batches else None
-    if final is not None:
-        evals.append((steps, final))
+            if stopped:
+                break
+    if stopped:
+        final: float | None = evals[-1][1]
+    else:
+        final = evaluate() if eval_batches else None
+        if final is not None:
+            evals.append((len(losses), final))
     return TrainResult(
         losses=losses, step_times=times, eval_losses=evals, eval_loss=final, config=config,
         world_size=world_size, rank=rank, model=model,
