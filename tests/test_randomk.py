@@ -1,4 +1,5 @@
-"""Random-K: shared coordinates, exact wire size, unbiasedness and its variance d/k - 1."""
+"""Random-K: shared coordinates, exact wire size; unscaled (default) it is contractive, scaled
+by d/k it is unbiased with variance d/k - 1."""
 
 from __future__ import annotations
 
@@ -28,7 +29,13 @@ def randomk(**params: object) -> RandomK:
 
 @pytest.mark.parametrize(
     "params",
-    [{}, {"value_dtype": "float16", "ratio": 0.3}, {"value_dtype": "bfloat16", "ratio": 1.0}],
+    [
+        {},
+        {"value_dtype": "float16", "ratio": 0.3},
+        {"value_dtype": "bfloat16", "ratio": 1.0},
+        {"scale": True},
+        {"scale": True, "value_dtype": "float16", "ratio": 0.3},
+    ],
 )
 def test_contract(params: dict[str, object]) -> None:
     run_all_contract_checks(randomk(**params))
@@ -50,6 +57,7 @@ def test_declares_single_round_summable() -> None:
         ({"seed": 1.5}, r"seed.*must be int"),
         ({"seed": -1}, r"seed must be in \[0, 2\*\*63\), got -1"),
         ({"seed": 2**64}, r"seed must be in \[0, 2\*\*63\)"),
+        ({"scale": 1}, r"scale.*must be bool"),
     ],
 )
 def test_bad_parameters_are_refused(params: dict[str, object], match: str) -> None:
@@ -102,7 +110,7 @@ def test_half_ratio_error_is_exactly_the_norm(make) -> None:
     """For each coordinate the error is (d/k - 1) x_i if kept and -x_i if dropped. With
     k = d/2 both have magnitude |x_i|, so ||x_hat - x||^2 = ||x||^2 for *every* draw: NMSE is 1
     up to float32 rounding (a few ulps relative, whatever the tails)."""
-    codec = randomk(ratio=0.5)
+    codec = randomk(scale=True, ratio=0.5)
     x = make(10_000, seed=2)
     for step in range(3):
         ctx = CodecContext(step=step)
@@ -118,7 +126,7 @@ def test_nmse_between_deterministic_bounds(make) -> None:
     Gaussian, so one draw has std 80 * sqrt(0.09 * 3/4000) ~ 0.66 around 9 and the mean of 200
     draws ~ 0.05 (0.5%); 5% is ten times that."""
     d, ratio = 4000, 0.1
-    codec = randomk(ratio=ratio)
+    codec = randomk(scale=True, ratio=ratio)
     x = make(d, seed=3)
     errs = []
     for step in range(200):
@@ -135,7 +143,7 @@ def test_unbiased() -> None:
     encodings has expected NMSE v/T = 0.0075. Its relative fluctuation is about
     sqrt(2 * 3 / d) ~ 8% for Gaussian d = 1000 (fourth moment 3), so 1.5 v/T is > 6 sigma;
     dropping the d/k rescale would leave NMSE (1 - k/d)^2 = 0.56."""
-    codec = randomk(ratio=0.25)
+    codec = randomk(ratio=0.25, scale=True)
     x = gaussian(1000, seed=4)
     trials = 400
     err = check_unbiased(codec, x, trials=trials, tolerance=1.5 * 3 / trials)
@@ -149,7 +157,7 @@ def test_aggregate_is_scaled_sum_on_shared_coordinates(make, workers: int) -> No
     them (float32 sums in rank order, then one multiply, as the reference computes it) and
     zero elsewhere; with ratio 0.5 its NMSE against the exact sum is 1 (see above)."""
     d = 3000
-    codec = randomk(ratio=0.5)
+    codec = randomk(scale=True, ratio=0.5)
     xs = [make(d, seed=10 + i) for i in range(workers)]
     sim = simulate(codec, xs, need_local=True, step=2, key="w")
     idx = codec.indices(d, CodecContext(step=2, key="w"), torch.device("cpu"))
@@ -169,7 +177,7 @@ def test_aggregate_is_scaled_sum_on_shared_coordinates(make, workers: int) -> No
 def test_aggregate_mean_over_steps_is_unbiased() -> None:
     """Mean of 300 four-worker aggregates vs the exact sum: per-step NMSE d/k - 1 = 1 (ratio
     0.5), so the mean's NMSE should be ~1/300 (fluctuation ~ sqrt(2*3/2000) ~ 6%)."""
-    codec = randomk(ratio=0.5)
+    codec = randomk(scale=True, ratio=0.5)
     xs = [gaussian(2000, seed=20 + i) for i in range(4)]
     exact = torch.stack(xs).double().sum(0)
     steps = 300
@@ -181,7 +189,7 @@ def test_aggregate_mean_over_steps_is_unbiased() -> None:
 
 def test_average_divides_values_before_the_sum() -> None:
     xs = [torch.full((100,), 40000.0), torch.full((100,), 40000.0)]
-    codec = randomk(ratio=0.5, value_dtype="float16")
+    codec = randomk(ratio=0.5, value_dtype="float16", scale=True)
     assert not bool(torch.isfinite(simulate(codec, xs).total).all())  # fp16 sum overflows
     results = simulate(codec, xs, average=True).totals
     total = results[0]
@@ -198,3 +206,73 @@ def test_nonfinite_anywhere_poisons_the_values() -> None:
     assert 999 not in idx.tolist()  # the Inf is not sent, yet the output is not all-finite
     out = codec.decode(codec.encode(x))
     assert bool(torch.isnan(out[idx]).all())
+
+
+# ---------------------------------------------------------------------- unscaled default
+def test_default_is_unscaled_biased_and_contractive() -> None:
+    """The default sends the k shared values as they are: decode is x on the chosen
+    coordinates and 0 elsewhere, so every draw has NMSE = 1 - (kept share of ||x||^2) < 1,
+    about 1 - k/d = 0.99 on average. (The d/k-scaled default this replaces had E[NMSE] =
+    d/k - 1 = 99 and made error feedback diverge.)"""
+    codec = randomk()
+    assert not codec.scale and not codec.unbiased and codec.contractive
+    assert codec.feedback_fit == "needed"
+    x = gaussian(10_000, seed=5)
+    errs = []
+    for step in range(20):
+        ctx = CodecContext(step=step)
+        out = codec.decode(codec.encode(x, ctx), ctx)
+        idx = codec.indices(x.numel(), ctx, torch.device("cpu"))
+        assert torch.equal(out[idx], x[idx])
+        assert int((out != 0).sum()) == idx.numel() == 100
+        errs.append(nmse(out, x))
+        assert errs[-1] < 1.0
+    assert sum(errs) / len(errs) == pytest.approx(0.99, abs=0.005)
+
+
+def test_scaled_is_unbiased_and_refuses_error_feedback() -> None:
+    scaled = randomk(scale=True)
+    assert scaled.unbiased and not scaled.contractive
+    assert scaled.feedback_fit == "incompatible"
+    # contractive for every tensor size once k > d/2, i.e. ratio >= 0.75
+    assert randomk(scale=True, ratio=0.75).feedback_fit == "optional"
+    assert randomk(scale=True, ratio=0.7).feedback_fit == "incompatible"
+
+
+def test_error_feedback_residual_stays_bounded_unscaled_and_grows_scaled() -> None:
+    """Error feedback on a constant gradient g: e <- (g + e) - C(g + e). Unscaled, coordinate
+    i's residual is g_i times the steps since it was last sent, a geometric age with mean
+    d/k = 100 and rms ~ sqrt(2) d/k ~ 141: bounded (limit 300 after 400 steps, when a
+    linear growth would be at 400). Scaled by d/k it grows exponentially (the issue's
+    1 -> 143 -> 8e3 ... divergence) and is far beyond 1e3 (or non-finite) by then."""
+    g = gaussian(1000, seed=6)
+    for scale, limit in ((False, 300.0), (True, None)):
+        codec = randomk(ratio=0.01, scale=scale)
+        e = torch.zeros_like(g)
+        for step in range(400):
+            ctx = CodecContext(step=step)
+            v = g + e
+            e = v - codec.decode(codec.encode(v, ctx), ctx)
+        growth = float(e.norm() / g.norm())
+        if limit is not None:
+            assert growth < limit
+        else:
+            assert not growth < 1e3  # exploded (or overflowed to inf/nan)
+
+
+def test_fp16_scaled_by_d_over_k_saturates_instead_of_overflowing() -> None:
+    """x * d/k beyond float16's range: 1000 * 100 = 1e5 > 65504 decoded to +-Inf before; now
+    the float32 estimate saturates at +-65504 when cast back to float16."""
+    codec = randomk(ratio=0.01, scale=True)
+    x = (gaussian(1000, seed=7) * 1000).half()
+    assert bool(torch.isfinite(x).all())
+    out = codec.decode(codec.encode(x))
+    assert bool(torch.isfinite(out).all())
+    assert float(out.abs().max()) == 65504.0
+
+
+def test_float16_values_saturate_for_large_float32_input() -> None:
+    codec = randomk(ratio=1.0, value_dtype="float16")
+    x = torch.tensor([1e6, -1e6, 1.0])
+    out = codec.decode(codec.encode(x))
+    assert out.tolist() == [65504.0, -65504.0, 1.0]

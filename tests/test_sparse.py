@@ -90,7 +90,7 @@ def test_contract(spec: dict[str, object]) -> None:
 
 def test_package_docstring_example() -> None:
     payload = get_codec("topk", ratio=0.01).encode(torch.randn(1000))
-    assert payload.bits_per_coordinate == 0.48
+    assert payload.bits_per_coordinate == 0.488  # 10 x (16 + 32) bits + one exponent byte
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,9 @@ def test_topk_wire_size_is_48_bits_per_sent_coordinate(
     codec = get_codec("topk", ratio=ratio)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     k = target_count(ratio, x.numel())
-    check_wire_bits(codec, x, 48 * k)
+    # float16 values of a float32 tensor carry one exponent byte (overflow-safe scaling)
+    check_wire_bits(codec, x, 48 * k + 8)
+    check_wire_bits(codec, x.half(), 48 * k)  # float16 values cannot overflow: no exponent
     check_wire_bits(get_codec("topk", ratio=ratio, value_dtype="float32"), x, 64 * k)
 
 
@@ -363,14 +365,18 @@ def test_dgc_error_equals_top_k_at_the_same_count(dist: object) -> None:
         assert nmse(codec.decode(payload), x) == pytest.approx(tail_energy(x, count), rel=1e-9)
 
 
-@pytest.mark.parametrize("value_dtype,bits", [("float32", 64), ("float16", 48), ("bfloat16", 48)])
-def test_dgc_wire_size(value_dtype: str, bits: int) -> None:
+@pytest.mark.parametrize(
+    "value_dtype,bits,exponent",
+    [("float32", 64, 0), ("float16", 48, 8), ("bfloat16", 48, 8)],
+)
+def test_dgc_wire_size(value_dtype: str, bits: int, exponent: int) -> None:
     codec = get_codec("dgc", ratio=0.01, value_dtype=value_dtype)
     x = gaussian(50_000, seed=9)
     payload = codec.encode(x)
     count = sent_count(payload.parts["values"])
-    # bits per sent coordinate (value + int32 index) plus the int32 count header
-    assert payload.nbytes * 8 == bits * count + 32
+    # bits per sent coordinate (value + int32 index) plus the int32 count header, plus the
+    # exponent byte when the value dtype's range is narrower than float32's
+    assert payload.nbytes * 8 == bits * count + 32 + exponent
 
 
 def test_dgc_small_tensors_use_exact_top_k() -> None:

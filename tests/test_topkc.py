@@ -103,13 +103,14 @@ def test_bad_parameters_are_refused(params: dict[str, object], match: str) -> No
     ],
 )
 def test_wire_size_formula(d: int, params: dict[str, object], chunk: int, selected: int) -> None:
-    """Exactly 16 * (ceil(d/C') + J*C') bits with C' = min(C, d): one 16-bit squared norm per
-    chunk in round 1 and J full (zero-padded) chunks of 16-bit values in round 2."""
+    """Exactly 16 * (ceil(d/C') + J*C') + 32 bits with C' = min(C, d): one 16-bit squared norm
+    per chunk and the float32 bound in round 1, J full (zero-padded) chunks of 16-bit values
+    in round 2."""
     codec = topkc(**params)
     lay = codec.layout(d)
     assert (lay.chunk, lay.selected) == (chunk, selected)
     n_chunks = math.ceil(d / chunk)
-    expected = 2 * (n_chunks + selected * chunk)
+    expected = 2 * (n_chunks + selected * chunk) + 4
     x = gaussian(d)
     assert codec.encode(x).nbytes == expected
     sim = simulate(codec, [x, x, x])
@@ -123,8 +124,11 @@ def test_bits_per_coordinate_match_the_paper_when_chunks_divide_d() -> None:
     codec = topkc(chunk_size=64, num_chunks=124)
     d = 64 * 256
     p = codec.encode(gaussian(d))
-    assert p.bits_per_coordinate == pytest.approx(16 * (124 * 64 / d + 1 / 64), abs=1e-12)
-    assert p.bits_per_coordinate == pytest.approx(8.0, abs=1e-12)
+    bound_bits = 32 / d  # the float32 bound, 4 bytes per tensor
+    assert p.bits_per_coordinate == pytest.approx(
+        16 * (124 * 64 / d + 1 / 64) + bound_bits, abs=1e-12
+    )
+    assert p.bits_per_coordinate == pytest.approx(8.0 + bound_bits, abs=1e-12)
 
 
 # ---------------------------------------------------------------------------- selection
@@ -268,11 +272,13 @@ def test_locals_are_own_values_on_the_agreed_chunks() -> None:
 
 
 def test_average_divides_values_before_the_sum() -> None:
-    """With ctx.average the float16 values are divided by n before the all-reduce, so sums
-    that would overflow float16 (2 * 40000 > 65504) stay finite."""
+    """With ctx.average the float16 values are divided by n before the all-reduce; without it
+    the shared overflow exponent keeps the float16 sum (2 * 40000 > 65504) in range (it
+    overflowed to +Inf before the exponent existed)."""
     xs = [torch.full((64,), 40000.0), torch.full((64,), 40000.0)]
     codec = topkc(chunk_size=8, num_chunks=8)
-    assert not bool(torch.isfinite(simulate(codec, xs).total).all())
+    for total in simulate(codec, xs).totals:
+        assert torch.equal(total, torch.full((64,), 80000.0))
     results = simulate(codec, xs, average=True).totals
     assert len(results) == 2
     assert torch.equal(results[0], torch.full((64,), 40000.0))

@@ -3,8 +3,8 @@
 >>> import commpress, torch
 >>> codec = commpress.get_codec("topk", ratio=0.01)
 >>> payload = codec.encode(torch.randn(1000))
->>> payload.bits_per_coordinate      # 48 * K / d
-0.48
+>>> payload.bits_per_coordinate      # (48 * K + 8) / d: values, indices, one exponent byte
+0.488
 >>> codec.decode(payload).shape
 torch.Size([1000])
 """

@@ -45,6 +45,9 @@ import torch
 from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced
 from commpress.errors import CommpressError, error_context
 
+#: How error feedback suits a codec (see :attr:`Codec.feedback_fit`).
+FeedbackFit = Literal["needed", "optional", "incompatible"]
+
 #: Input dtypes every codec accepts.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -52,6 +55,26 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.bfloat16,
     torch.float64,
 )
+
+
+def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` with finite values beyond ``dtype``'s range clamped to its largest
+    finite value (keeping their sign); NaN and +-Inf stay as they are.
+
+    Decoders use it so that a finite estimate never turns into an Inf just because of the
+    output cast (bfloat16's 65536, the rounding of fp16's 65504, is clamped back to 65504 for a
+    float16 output, for example). A no-op cast when ``dtype`` is at least as wide as ``x``'s.
+    """
+    if x.dtype == dtype:
+        return x
+    top = torch.finfo(dtype).max
+    if torch.finfo(x.dtype).max <= top:
+        return x.to(dtype)
+    # Clamp in float32/float64, where ``top`` is exact (bfloat16 cannot hold 65504).
+    work = torch.float64 if torch.float64 in (x.dtype, dtype) else torch.float32
+    wide = x.to(work)
+    clamped = wide.clamp(-top, top)  # NaN stays NaN
+    return torch.where(torch.isinf(wide), wide, clamped).to(dtype)
 
 
 def param(default: Any, doc: str) -> Any:
@@ -239,6 +262,29 @@ class Codec(ABC):
         fixed_size: payload part shapes depend only on the configuration and the input's shape
             and dtype (collectives can then skip exchanging sizes).
         multi_round: :meth:`reduce` needs more than one exchange.
+
+    Traits that decide how a codec may be used (also class attributes; a codec whose trait
+    depends on a parameter overrides it with a property, so read them from an instance):
+        elementwise: output coordinate ``i`` depends only on input coordinate ``i``, and the
+            codec keeps no state and draws no random numbers (identity and the 16-bit casts):
+            encoding a concatenation equals concatenating the encodings, so such codecs can
+            be applied to any grouping of tensors.
+        stateful: the codec keeps per-tensor state in ``ctx.state`` across steps (PowerSGD's
+            warm start ``Q``, netzip's previous-step references); the caller must keep that
+            dict per tensor and may need to roll it back after a skipped step.
+        unbiased: ``E[decode(encode(x))] = x`` over the codec's randomness (set automatically,
+            with ``contractive``, on classes that declare ``lossless = True``).
+        contractive: ``E||C(x) - x||^2 <= (1 - delta) ||x||^2`` for some ``delta > 0`` and
+            every ``x`` (inside the dtype's range), with ``C = decode . encode``: the
+            condition under which error feedback converges. Top-K (``delta = K/d``), sign,
+            unscaled Random-K (``delta = k/d``) and PowerSGD (a projection) are contractive;
+            Random-K scaled by ``d/k`` (error ``(d/k - 1) ||x||^2``), TernGrad and
+            coarse QSGD are not: their error-feedback residual grows without bound.
+
+    From these, :attr:`feedback_fit` says whether error feedback is ``"needed"``,
+    ``"optional"`` or ``"incompatible"``. A codec that declares nothing counts as biased and
+    contractive (error feedback on by default, as for every lossy codec before these traits
+    existed).
     """
 
     __slots__ = ()
@@ -252,6 +298,38 @@ class Codec(ABC):
     summary: ClassVar[str] = ""
     #: What the codec does with NaN/Inf inputs (shown in docs, checked by tests).
     nonfinite: ClassVar[str] = "non-finite inputs give non-finite outputs"
+    elementwise: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
+    unbiased: ClassVar[bool] = False
+    contractive: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A lossless codec is exact, hence unbiased and contractive, whatever it declares.
+        if cls.__dict__.get("lossless", False):
+            cls.unbiased = True
+            cls.contractive = True
+
+    @property
+    def feedback_fit(self) -> FeedbackFit:
+        """How error feedback (EF) suits this codec, as configured:
+
+        * ``"needed"``: biased and contractive (Top-K, sign, PowerSGD, ...). Its error is
+          systematic, and EF, which re-sends what was dropped, is what makes training converge
+          like uncompressed SGD; ``error_feedback=None`` turns it on.
+        * ``"optional"``: EF is harmless but not needed: lossless codecs, the near-exact 16-bit
+          casts, and unbiased contractive codecs (their error averages out);
+          ``error_feedback=None`` leaves it off.
+        * ``"incompatible"``: not contractive (Random-K scaled by ``d/k``, TernGrad, coarse
+          QSGD): the EF residual grows without bound, so ``error_feedback=True`` is refused.
+        """
+        if self.lossless:
+            return "optional"
+        if not self.contractive:
+            return "incompatible"
+        if self.unbiased:
+            return "optional"
+        return "needed"
 
     # ------------------------------------------------------------------ configuration
     def __post_init__(self) -> None:

@@ -5,7 +5,16 @@
   tiny values flush towards zero, exactly as ``tensor.half()`` does. With ``average`` the
   half-precision payload is divided by the world size *before* the all-reduce (the order of
   PyTorch's ``fp16_compress_hook``), which keeps sums of large gradients finite.
-* ``bf16``: bfloat16, 16 bits per coordinate, fp32's range with 8 mantissa bits.
+* ``bf16``: bfloat16, 16 bits per coordinate, fp32's range with 8 mantissa bits. Decoding
+  saturates: a finite value the output dtype cannot hold (bfloat16 rounds fp16's 65504 up to
+  65536) becomes that dtype's largest finite value, never Inf. Like ``tensor.bfloat16()``,
+  encoding turns float32 values beyond bfloat16's largest (about 3.39e38, the top 0.4% of
+  float32's range) into +-Inf.
+
+All three are element-wise (``elementwise = True``): no state, no randomness, coordinate ``i``
+of the output depends on coordinate ``i`` of the input only. Error feedback is never needed
+(``feedback_fit == "optional"``): identity is exact and the casts' relative error (``2^-11``,
+``2^-8``) is far below what error feedback corrects.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from commpress.codecs.base import Codec, CodecContext, Payload
+from commpress.codecs.base import Codec, CodecContext, FeedbackFit, Payload, saturating_cast
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.registry import register_codec
 
@@ -28,6 +37,9 @@ class Identity(Codec):
     codec_id: ClassVar[str] = "identity"
     summable: ClassVar[bool] = True
     lossless: ClassVar[bool] = True
+    elementwise: ClassVar[bool] = True
+    unbiased: ClassVar[bool] = True
+    contractive: ClassVar[bool] = True
     summary: ClassVar[str] = "no compression (reference)"
     nonfinite: ClassVar[str] = "passed through unchanged"
 
@@ -44,14 +56,24 @@ class _FloatCast(Codec):
 
     __slots__ = ()
     summable: ClassVar[bool] = True
+    elementwise: ClassVar[bool] = True
+    # Round to nearest: deterministic, hence (very slightly) biased; within the dtype's range
+    # the relative error is at most 2^-11 (fp16) or 2^-8 (bf16), so contractive.
+    unbiased: ClassVar[bool] = False
+    contractive: ClassVar[bool] = True
     wire_dtype: ClassVar[torch.dtype]
+
+    @property
+    def feedback_fit(self) -> FeedbackFit:
+        """``"optional"``: the cast is near-exact; error feedback would only cost memory."""
+        return "optional"
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         return self.make_payload(x, {"values": x.reshape(-1).to(self.wire_dtype)})
 
     def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         v = self.part(payload, "values", numel=payload.numel, dtype=self.wire_dtype)
-        return v.to(payload.dtype).reshape(payload.shape)
+        return saturating_cast(v, payload.dtype).reshape(payload.shape)
 
     def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
         payload = self.encode(tensor, ctx)
@@ -83,4 +105,7 @@ class Bf16(_FloatCast):
     codec_id: ClassVar[str] = "bf16"
     wire_dtype: ClassVar[torch.dtype] = torch.bfloat16
     summary: ClassVar[str] = "cast to bfloat16"
-    nonfinite: ClassVar[str] = "NaN/Inf kept"
+    nonfinite: ClassVar[str] = (
+        "NaN/Inf kept; decoding saturates finite values at the output dtype's largest (fp16's "
+        "65504 stays finite); float32 values beyond ~3.39e38 become +-Inf on encoding"
+    )

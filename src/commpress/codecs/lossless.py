@@ -244,6 +244,7 @@ class NetZip(Codec):
     summable: ClassVar[bool] = False
     lossless: ClassVar[bool] = True
     fixed_size: ClassVar[bool] = False
+    stateful: ClassVar[bool] = True  # previous-step delta references in ctx.state
     summary: ClassVar[str] = "lossless: exponent/byte grouping + delta + entropy coding"
     nonfinite: ClassVar[str] = (
         "reproduced bit for bit (NaN payloads, +-Inf, -0.0 and subnormals included)"

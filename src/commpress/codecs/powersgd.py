@@ -145,6 +145,9 @@ class PowerSGD(Codec):
     codec_id: ClassVar[str] = "powersgd"
     summable: ClassVar[bool] = True
     multi_round: ClassVar[bool] = True
+    stateful: ClassVar[bool] = True  # the warm-start Q in ctx.state
+    unbiased: ClassVar[bool] = False
+    contractive: ClassVar[bool] = True  # P P^T M is a projection of M
     summary: ClassVar[str] = "rank-r power iteration P Q^T, warm-started; two all-reduce rounds"
     nonfinite: ClassVar[str] = (
         "a NaN/Inf poisons its P (and the whole approximation) with NaN; QR is never run on it. "

@@ -2,8 +2,15 @@
 
 The coordinates come from a seed shared by all workers (derived from the codec's ``seed``, the
 tensor key and the step), so the chosen values line up and add with a plain all-reduce, and the
-receiver regenerates the indices instead of reading them from the wire. Scaling by ``d/k``
-makes the estimate unbiased.
+receiver regenerates the indices instead of reading them from the wire.
+
+By default (``scale=False``) the chosen values are sent as they are: a biased but contractive
+compressor (``E||C(x) - x||^2 = (1 - k/d) ||x||^2``) that trains with error feedback, which
+re-sends the unsent coordinates later (``feedback_fit == "needed"``). ``scale=True`` multiplies
+by ``d/k``, which makes the estimate unbiased but multiplies the error by ``d/k - 1`` (99 at
+``ratio=0.01``): not contractive, so error feedback's residual grows without bound
+(``feedback_fit == "incompatible"``), and without error feedback the noise needs many workers
+or a small learning rate.
 """
 
 from __future__ import annotations
@@ -14,7 +21,14 @@ from typing import ClassVar, Literal
 
 import torch
 
-from commpress.codecs.base import Codec, CodecContext, Payload, param, require
+from commpress.codecs.base import (
+    Codec,
+    CodecContext,
+    Payload,
+    param,
+    require,
+    saturating_cast,
+)
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.quantize import require_seed
 from commpress.codecs.registry import register_codec
@@ -32,7 +46,7 @@ _INDEX_STREAM = 0x52B
 @register_codec
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RandomK(Codec):
-    r"""Random-K sparsification with shared coordinates and unbiased ``d/k`` scaling.
+    r"""Random-K sparsification with shared coordinates, optionally scaled by ``d/k``.
 
     Aggregation of a tensor ``x`` (``d`` elements) over ``n`` workers:
 
@@ -45,9 +59,16 @@ class RandomK(Codec):
     3. One ``AllReduce`` (sum) adds the workers' values: the coordinates coincide, so no indices
        are needed (with ``average`` values are divided by ``n`` first, to keep 16-bit sums in
        range).
-    4. Decode: regenerate the same coordinates, scatter the values there, multiply by ``d/k``
-       and leave the other coordinates at zero. Every coordinate is kept with probability
-       ``k/d``, so ``E[decode] = x``; the error is ``E||x_hat - x||^2 = (d/k - 1) ||x||^2``.
+    4. Decode: regenerate the same coordinates, scatter the values there (multiplied by
+       ``d/k`` when ``scale=True``, in float32) and leave the other coordinates at zero. The
+       result is cast to the input dtype saturating at its largest finite value (the ``d/k``
+       scaling can exceed float16's range), so finite inputs give finite outputs on one
+       worker.
+
+    Every coordinate is kept with probability ``k/d``. Unscaled (default): ``E[decode] =
+    (k/d) x`` and ``E||x_hat - x||^2 = (1 - k/d) ||x||^2``: biased, contractive, meant for
+    error feedback. Scaled: ``E[decode] = x`` and ``E||x_hat - x||^2 = (d/k - 1) ||x||^2``:
+    unbiased, contractive only for ``ratio >= 0.75`` (error feedback is refused below).
 
     Wire size per worker: exactly ``k * bits(value_dtype)`` bits.
 
@@ -57,24 +78,38 @@ class RandomK(Codec):
     device (CPU and CUDA generators give different streams).
 
     Args:
-        ratio: fraction of coordinates sent, in ``(0, 1]``. The variance grows as
-            ``d/k - 1``: ``ratio = 0.01`` multiplies the squared error by 99 relative to the
-            signal, which usually needs error feedback (or many workers averaging it down) to
-            train well; Random-K is mostly a baseline for TopK-style methods.
+        ratio: fraction of coordinates sent, in ``(0, 1]``. Unscaled, each step moves only
+            ``k/d`` of the gradient and error feedback delivers the rest later; scaled, the
+            variance grows as ``d/k - 1`` (``ratio = 0.01`` multiplies the squared error by 99
+            relative to the signal), which only many workers averaging it down can tame.
+            Random-K is mostly a baseline for TopK-style methods.
+        scale: ``False`` (default): send the values unscaled (biased, contractive, error
+            feedback needed). ``True``: multiply by ``d/k`` (unbiased, not contractive for
+            ``ratio < 0.75``: error feedback is incompatible and refused).
         value_dtype: wire type of the values: ``"float32"`` (exact), ``"float16"`` or
             ``"bfloat16"`` (half the bytes, adds rounding error far below the sampling error).
+            16-bit values saturate at the type's largest finite value (float16: 65504) rather
+            than overflowing; a sum of such values over workers may still exceed it and give
+            +-Inf (detected: the output is non-finite), so use float32 for gradients that
+            large.
         seed: base seed (an integer in ``[0, 2**63)``) mixed with the key and step; change it
             to draw another sequence.
     """
 
     codec_id: ClassVar[str] = "randomk"
     summable: ClassVar[bool] = True
-    summary: ClassVar[str] = "Random-K: shared random coordinates scaled by d/k (unbiased)"
+    summary: ClassVar[str] = (
+        "Random-K: k shared random coordinates, unscaled (scale=true: times d/k, unbiased)"
+    )
     nonfinite: ClassVar[str] = (
-        "any NaN/Inf in the input makes every sent value NaN (it could otherwise go unsent)"
+        "any NaN/Inf in the input makes every sent value NaN (it could otherwise go unsent); "
+        "finite values saturate at the output (and 16-bit value) dtype's largest"
     )
 
     ratio: float = param(0.01, "fraction of coordinates sent: k = max(1, round(ratio * d))")
+    scale: bool = param(
+        False, "multiply by d/k: unbiased but not contractive (error feedback refused)"
+    )
     value_dtype: Literal["float32", "float16", "bfloat16"] = param(
         "float32", "wire type of the sent values"
     )
@@ -86,6 +121,17 @@ class RandomK(Codec):
             "ratio must be in (0, 1]", self.ratio,
         )
         require_seed(self.seed)
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """Only the ``d/k``-scaled variant is unbiased."""
+        return self.scale
+
+    @property
+    def contractive(self) -> bool:  # type: ignore[override]
+        """Unscaled: ``delta = k/d``. Scaled: the error is ``(d/k - 1) ||x||^2``, below
+        ``||x||^2`` for every tensor size only when ``ratio >= 0.75`` (then ``k > d/2``)."""
+        return not self.scale or self.ratio >= 0.75
 
     def num_selected(self, numel: int) -> int:
         """``k`` for a tensor of ``numel`` elements."""
@@ -104,7 +150,7 @@ class RandomK(Codec):
 
     def _values(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1)
-        values = flat[idx].to(_VALUE_DTYPES[self.value_dtype])
+        values = saturating_cast(flat[idx], _VALUE_DTYPES[self.value_dtype])
         if flat.numel():
             # min and max are non-finite iff some element is (NaN propagates): two cheap
             # reductions, no host sync
@@ -118,8 +164,8 @@ class RandomK(Codec):
         work = torch.float64 if payload.dtype == torch.float64 else torch.float32
         out = torch.zeros(d, dtype=work, device=values.device)
         if d:
-            out[idx] = values.to(work) * (d / idx.numel())
-        return out.reshape(payload.shape).to(payload.dtype)
+            out[idx] = values.to(work) * (d / idx.numel()) if self.scale else values.to(work)
+        return saturating_cast(out, payload.dtype).reshape(payload.shape)
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         idx = self.indices(x.numel(), ctx, x.device)

@@ -1,12 +1,25 @@
 """Magnitude sparsifiers: send only the largest coordinates, as (value, index) pairs.
 
 * ``topk``: the exact ``K = ceil(ratio * d)`` largest-magnitude coordinates, float16 values and
-  int32 indices, so ``48 K / d`` bits per coordinate (the TopK of the gradient-compression
-  literature).
+  int32 indices, so ``48 K / d`` bits per coordinate (plus 8 bits of exponent per tensor
+  for float32 input; the TopK of the gradient-compression literature).
 * ``dgc``: Deep Gradient Compression's sparsifier. The magnitude threshold of the top ``ratio``
   fraction is *estimated* from a small random sample instead of computed by a full top-k, and
   corrected when the estimate selects too many or too few coordinates. The number of coordinates
   sent therefore varies from call to call (``fixed_size = False``).
+
+Overflow: a value dtype narrower than the input's (float16 values of a float32 gradient, or
+bfloat16/float32 values of a float64 one) would turn values beyond its range into +-Inf. For
+such pairs the payload carries one more part, ``exponent`` (one int8, 1 byte; int16 for
+float64 input, whose exponents reach about 1009): the smallest
+``e >= 0`` such that the largest finite sent magnitude times ``2^-e`` fits the value dtype.
+Values are sent as ``v * 2^-e`` and decoded as ``v' * 2^e`` (exact power-of-two scalings), so
+``e = 0``, the case of every ordinary gradient (largest sent magnitude up to 65504), gives
+bit-identical results to unscaled
+values, and finite inputs always decode to finite outputs (the decode saturates at the output
+dtype's largest value should the value dtype's rounding push a value past it). A tensor with
+``e > 0`` loses precision on its smallest sent values (they move towards float16's
+subnormals), never range.
 
 Neither is summable: two workers generally pick different coordinates, so the default protocol
 all-gathers the payloads and every worker adds the decodings in rank order. Neither is unbiased
@@ -23,7 +36,14 @@ from typing import ClassVar, Literal
 
 import torch
 
-from commpress.codecs.base import Codec, CodecContext, Payload, param, require
+from commpress.codecs.base import (
+    Codec,
+    CodecContext,
+    Payload,
+    param,
+    require,
+    saturating_cast,
+)
 from commpress.codecs.quantize import require_seed
 from commpress.codecs.registry import register_codec
 from commpress.errors import CommpressError
@@ -71,18 +91,109 @@ def exact_top(importance: torch.Tensor, k: int) -> torch.Tensor:
     return idx.sort().values
 
 
-def scatter_decode(
-    payload: Payload, values: torch.Tensor, indices: torch.Tensor
+def needs_exponent(input_dtype: torch.dtype, value_dtype: torch.dtype) -> bool:
+    """Whether values of ``input_dtype`` can overflow ``value_dtype`` (so a payload carries a
+    power-of-two ``exponent`` part)."""
+    return torch.finfo(value_dtype).max < torch.finfo(input_dtype).max
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def overflow_exponent(bound: torch.Tensor, top: float) -> torch.Tensor:
+    """The smallest integer ``e >= 0`` with ``bound * 2^-e <= top`` (an int64 0-d tensor,
+    computed without a host sync). ``bound`` is a finite magnitude; a NaN/Inf or negative
+    ``bound`` gives 0. Exact: ``frexp`` splits ``bound / top`` into mantissa and exponent."""
+    ratio = bound.to(torch.float64).reshape(()) / top
+    mantissa, exp = torch.frexp(ratio)
+    exp = exp.to(torch.int64)
+    e = torch.where(mantissa == 0.5, exp - 1, exp)  # ratio = 2^(exp-1) exactly
+    fits = ~(ratio > 1.0) | torch.isinf(ratio)  # also true for NaN
+    return torch.where(fits, torch.zeros_like(e), e)
+
+
+def finite_max_abs(values: torch.Tensor) -> torch.Tensor:
+    """``max |v|`` over the finite entries of ``values`` (0 when there are none), 0-d."""
+    if values.numel() == 0:
+        return values.new_zeros((), dtype=torch.float32)
+    mag = values.abs()
+    return torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag)).amax()
+
+
+def scale_values(
+    values: torch.Tensor, value_dtype: torch.dtype, exponent: torch.Tensor
 ) -> torch.Tensor:
-    """A zero tensor of the payload's shape and dtype with ``values`` written at ``indices``.
+    """``values * 2^-exponent`` cast to ``value_dtype`` (an exact scaling; no-op for 0)."""
+    work = _work_dtype(values.dtype)
+    factor = torch.exp2(-exponent.to(work))
+    return (values.to(work) * factor).to(value_dtype)
+
+
+def unscale_values(
+    values: torch.Tensor, exponent: torch.Tensor, work: torch.dtype
+) -> torch.Tensor:
+    """``values * 2^exponent`` in ``work``; a finite value whose product overflows ``work``
+    (a value rounded up to the top of its 16-bit range, times the largest exponent) saturates
+    at ``work``'s largest finite value instead of becoming Inf."""
+    v = values.to(work)
+    scaled = v * torch.exp2(exponent.reshape(()).to(work))
+    top = torch.finfo(work).max
+    overflowed = torch.isinf(scaled) & torch.isfinite(v)
+    return torch.where(overflowed, torch.copysign(torch.full_like(scaled, top), v), scaled)
+
+
+def scatter_decode(
+    payload: Payload,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    exponent: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A zero tensor of the payload's shape and dtype with ``values`` (times ``2^exponent``)
+    written at ``indices``, saturating finite values at the dtype's largest.
 
     Out-of-range indices (a corrupted payload) make ``scatter_`` raise, which the caller's
     error context turns into a :class:`CommpressError`.
     """
-    out = torch.zeros(payload.numel, dtype=payload.dtype, device=values.device)
+    if exponent is None:
+        out = torch.zeros(payload.numel, dtype=payload.dtype, device=values.device)
+        if values.numel():
+            out.scatter_(0, indices.to(torch.int64), saturating_cast(values, payload.dtype))
+        return out.reshape(payload.shape)
+    work = _work_dtype(payload.dtype)
+    wide = torch.zeros(payload.numel, dtype=work, device=values.device)
     if values.numel():
-        out.scatter_(0, indices.to(torch.int64), values.to(payload.dtype))
-    return out.reshape(payload.shape)
+        wide.scatter_(0, indices.to(torch.int64), unscale_values(values, exponent, work))
+    return saturating_cast(wide, payload.dtype).reshape(payload.shape)
+
+
+def exponent_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """Wire type of the ``exponent`` part: int8 (float32/bfloat16 inputs need at most 113),
+    int16 for float64 inputs (up to about 1009)."""
+    return torch.int16 if input_dtype == torch.float64 else torch.int8
+
+
+def encode_values(
+    codec: Codec, x: torch.Tensor, selected: torch.Tensor, value_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The ``values`` (and, where they could overflow, ``exponent``) parts for the values
+    ``selected`` from ``x``."""
+    if not needs_exponent(x.dtype, value_dtype):
+        return {"values": selected.to(value_dtype)}
+    e = overflow_exponent(finite_max_abs(selected), torch.finfo(value_dtype).max)
+    return {
+        "values": scale_values(selected, value_dtype, e),
+        "exponent": e.to(exponent_dtype(x.dtype)).reshape(1),
+    }
+
+
+def decode_exponent(
+    codec: Codec, payload: Payload, value_dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The payload's ``exponent`` part (checked) when its dtype pair carries one."""
+    if not needs_exponent(payload.dtype, value_dtype):
+        return None
+    return codec.part(payload, "exponent", numel=1, dtype=exponent_dtype(payload.dtype))
 
 
 @register_codec
@@ -104,8 +215,10 @@ class TopK(Codec):
        coordinates in the sum).
 
     Wire size: ``K * (bits(value_dtype) + 32)`` bits, i.e. ``48 K / d`` bits per coordinate with
-    the defaults. The squared error is exactly the energy of the dropped coordinates plus the
-    rounding of the kept values to ``value_dtype``.
+    the defaults, plus the 8-bit ``exponent`` when the input dtype has a wider range than
+    ``value_dtype`` (float16 values of a float32 or bfloat16 tensor: ``(48 K + 8) / d``; see
+    the module docstring). The squared error is exactly the energy of the dropped coordinates
+    plus the rounding of the kept values to ``value_dtype``.
 
     Tuning:
         ratio: the fraction of coordinates sent. 0.01 (about 0.5 bits per coordinate) to 0.001
@@ -113,13 +226,16 @@ class TopK(Codec):
             0.1 or more. Bits per coordinate grow linearly with it, while the NMSE falls quickly
             for heavy-tailed gradients and slowly for Gaussian-like ones, so measure NMSE on
             your own gradients (``commpress bench``) before going lower.
-        value_dtype: float16 halves the value bits but overflows to ``inf`` beyond 65504 and
-            loses relative precision below about 6e-5 (subnormals). Gradients of unscaled losses
-            can be that small: choose ``"bfloat16"`` (float32's range, 8-bit mantissa) or
-            ``"float32"`` then (64 bits per sent coordinate).
+        value_dtype: float16 halves the value bits; larger magnitudes are sent scaled by a
+            power of two (the ``exponent`` part), so nothing overflows, but values below
+            about 6e-5 (times that power of two) lose relative precision (subnormals).
+            Gradients of unscaled losses can be that small: choose ``"bfloat16"`` (float32's
+            range, 8-bit mantissa) or ``"float32"`` then (64 bits per sent coordinate).
     """
 
     codec_id: ClassVar[str] = "topk"
+    unbiased: ClassVar[bool] = False
+    contractive: ClassVar[bool] = True  # keeps the K largest: delta >= K/d
     summary: ClassVar[str] = "the K = ceil(ratio*d) largest |x|: fp16 values + int32 indices"
     nonfinite: ClassVar[str] = (
         "NaN/Inf rank as the largest magnitudes, so they are always sent and decoded as such"
@@ -143,15 +259,16 @@ class TopK(Codec):
         flat = x.reshape(-1)
         d = flat.numel()
         idx = exact_top(magnitudes(flat), self.count(d))
-        values = flat[idx].to(_VALUE_DTYPES[self.value_dtype])
-        return self.make_payload(x, {"values": values, "indices": idx.to(index_dtype(d))})
+        parts = encode_values(self, x, flat[idx], _VALUE_DTYPES[self.value_dtype])
+        return self.make_payload(x, {**parts, "indices": idx.to(index_dtype(d))})
 
     def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         k = self.count(payload.numel)
         vdtype = _VALUE_DTYPES[self.value_dtype]
         values = self.part(payload, "values", numel=k, dtype=vdtype)
         indices = self.part(payload, "indices", numel=k, dtype=index_dtype(payload.numel))
-        return scatter_decode(payload, values.reshape(-1), indices.reshape(-1))
+        exponent = decode_exponent(self, payload, vdtype)
+        return scatter_decode(payload, values.reshape(-1), indices.reshape(-1), exponent)
 
 
 @register_codec
@@ -206,6 +323,8 @@ class DGC(Codec):
     """
 
     codec_id: ClassVar[str] = "dgc"
+    unbiased: ClassVar[bool] = False
+    contractive: ClassVar[bool] = True  # keeps every |x| above a threshold, at least one
     fixed_size: ClassVar[bool] = False
     summary: ClassVar[str] = "DGC sparsifier: sampled |x| threshold, fp32 values + int32 indices"
     nonfinite: ClassVar[str] = (
@@ -281,10 +400,10 @@ class DGC(Codec):
         flat = x.reshape(-1)
         d = flat.numel()
         idx = self.select(magnitudes(flat), ctx)
-        values = flat[idx].to(_VALUE_DTYPES[self.value_dtype])
+        parts = encode_values(self, x, flat[idx], _VALUE_DTYPES[self.value_dtype])
         count = torch.tensor([idx.numel()], dtype=torch.int32, device=flat.device)
         return self.make_payload(
-            x, {"values": values, "indices": idx.to(index_dtype(d)), "count": count}
+            x, {**parts, "indices": idx.to(index_dtype(d)), "count": count}
         )
 
     def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
@@ -297,7 +416,20 @@ class DGC(Codec):
         vdtype = _VALUE_DTYPES[self.value_dtype]
         values = self.part(payload, "values", numel=count, dtype=vdtype)
         indices = self.part(payload, "indices", numel=count, dtype=index_dtype(payload.numel))
-        return scatter_decode(payload, values.reshape(-1), indices.reshape(-1))
+        exponent = decode_exponent(self, payload, vdtype)
+        return scatter_decode(payload, values.reshape(-1), indices.reshape(-1), exponent)
 
 
-__all__ = ["DGC", "TopK", "exact_top", "magnitudes", "scatter_decode", "target_count"]
+__all__ = [
+    "DGC",
+    "TopK",
+    "encode_values",
+    "exact_top",
+    "finite_max_abs",
+    "magnitudes",
+    "needs_exponent",
+    "overflow_exponent",
+    "scale_values",
+    "scatter_decode",
+    "target_count",
+]

@@ -205,6 +205,19 @@ class Thc(Codec):
     codec_id: ClassVar[str] = "thc"
     summable: ClassVar[bool] = True
     multi_round: ClassVar[bool] = True
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """Stochastic rounding with exact integer sums is unbiased; saturating sums are not."""
+        return not self.saturate
+
+    @property
+    def contractive(self) -> bool:  # type: ignore[override]
+        """Error variance per block is at most ``B (M_b / L)^2 / 4``; after the random
+        rotation ``M_b^2 ~ 2 ln(B) ||y||^2 / B``, so ``E||C(x) - x||^2 / ||x||^2 ~ ln(B) /
+        (2 L^2)``: below 1 for ``q >= 3`` (``L >= 3``) and any block up to ``2^25``; with
+        ``q = 2`` (``L = 1``, ternary) it is about 2-4, like TernGrad."""
+        return self.bits >= 3
     summary: ClassVar[str] = (
         "THC: Hadamard rotation, shared ranges, exact integer all-reduce (saturation optional)"
     )

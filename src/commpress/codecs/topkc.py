@@ -16,15 +16,32 @@ from typing import ClassVar, Literal
 
 import torch
 
-from commpress.codecs.base import Codec, CodecContext, Payload, param, require
+from commpress.codecs.base import (
+    Codec,
+    CodecContext,
+    Payload,
+    param,
+    require,
+    saturating_cast,
+)
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.registry import register_codec
+from commpress.codecs.sparse import finite_max_abs, scale_values, unscale_values
 from commpress.codecs.thc import reply_part
 from commpress.errors import error_context
 
 _FLOAT16 = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 #: Elements per slice when computing float64 chunk norms (bounds the float64 temporary).
 _NORM_SLICE = 1 << 22
+#: log2 of the pre-scaling of the ``bound`` part: ``max|x| * 2^-shift`` is below 1 for any
+#: float32/bfloat16/float16 (resp. float64) input, so sums over any realistic number of
+#: workers stay finite in the bound's wire type.
+_BOUND_SHIFT = {torch.float64: 1024}
+_DEFAULT_BOUND_SHIFT = 128
+
+
+def _bound_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,20 +102,31 @@ class TopKC(Codec):
        norm in float64 (no overflow or underflow for any float32 input), clamp it to the
        largest finite value of the 16-bit wire type and send it in that type.
     2. Round 1: ``AllReduce`` (sum) of the squared norms: ``s_p = sum_i ||c_p^(i)||^2``.
+       The same all-reduce sums one more value, ``bound``: each worker's largest finite
+       ``|x|`` times ``2^-128`` (``2^-1024`` for float64 input), in float32 (float64).
     3. Every worker picks the same ``J`` chunks with the largest ``s_p`` (ties go to the lower
        chunk index; a NaN norm, which only a NaN/Inf input produces, ranks above everything,
-       so non-finite chunks are always sent).
-    4. Round 2: ``AllReduce`` (sum) of the ``J * C'`` values of those chunks in a 16-bit float
-       (with ``average`` they are divided by ``n`` first, as PyTorch's fp16 hook does, to keep
-       sums in range).
-    5. Decode: scatter the summed chunks back; all other coordinates are zero (TopKC is biased:
-       pair it with error feedback, as the paper does).
+       so non-finite chunks are always sent), and the same overflow exponent: the smallest
+       ``e >= 0`` with ``B * 2^-e <= max(value_dtype) / 2``, where ``B = bound * 2^128`` is
+       the sum over workers of their largest ``|x|``, hence a bound on every partial sum of
+       the all-reduce below (the factor 2 leaves room for the 16-bit roundings of the sum).
+       Ordinary gradients (``B`` below 32752 with float16 values) get ``e = 0``, and the
+       results are bit-identical to unscaled values.
+    4. Round 2: ``AllReduce`` (sum) of the ``J * C'`` values of those chunks, times ``2^-e``,
+       in a 16-bit float (with ``average`` they are divided by ``n`` first, as PyTorch's fp16
+       hook does). The sum cannot overflow: finite inputs give finite outputs.
+    5. Decode: scatter the summed chunks back times ``2^e``; all other coordinates are zero
+       (TopKC is biased: pair it with error feedback, as the paper does). A finite estimate
+       beyond the output dtype's range (a true sum that overflows it) saturates at the
+       dtype's largest value.
 
-    Wire size per worker, exactly, in bits: ``16 * (ceil(d/C') + J * C')``, i.e.
-    ``16 * (J*C'/d + 1/C')`` per coordinate when ``C'`` divides ``d`` (the paper's
-    ``16 (JC/d + 1/C)``); otherwise the padded last chunk costs a full ``C'`` values when it is
-    chosen. A single-worker :meth:`encode` holds the same two parts: the local norms and the
-    values of the locally chosen chunks; decoding re-derives the chunks from the norms.
+    Wire size per worker, exactly, in bits: ``16 * (ceil(d/C') + J * C') + 32`` (``+ 64``
+    for float64 input), i.e. ``16 * (J*C'/d + 1/C')`` per coordinate when ``C'`` divides
+    ``d`` (the paper's ``16 (JC/d + 1/C)``) plus 4 bytes of bound per tensor; otherwise the
+    padded last chunk costs a full ``C'`` values when it is chosen. A single-worker
+    :meth:`encode` holds the same three parts: the local norms, the values of the locally
+    chosen chunks and the local bound; decoding re-derives the chunks from the norms and the
+    exponent from the bound.
 
     Args:
         chunk_size: ``C``, coordinates per chunk. Small chunks follow the gradient's large
@@ -122,13 +150,18 @@ class TopKC(Codec):
             effect. Chunks below the range round to 0 and tie likewise. Ordering degrades
             gracefully at both ends; it is exact in between (up to the 8-bit, resp. 11-bit,
             rounding of the norms).
-        value_dtype: wire type of the chosen values, ``"float16"`` as in the paper (values
-            beyond +-65504 become +-Inf) or ``"bfloat16"`` (fp32's range, 8 mantissa bits).
+        value_dtype: wire type of the chosen values, ``"float16"`` as in the paper or
+            ``"bfloat16"`` (fp32's range, 8 mantissa bits). Either way the overflow exponent
+            keeps values and their sums in range; with float16, tensors whose summed largest
+            magnitudes exceed 32752 are scaled down and lose precision on their smallest
+            values (bfloat16 keeps it down to ``|x| ~ 1e-38 * 2^e``).
     """
 
     codec_id: ClassVar[str] = "topkc"
     summable: ClassVar[bool] = True
     multi_round: ClassVar[bool] = True
+    unbiased: ClassVar[bool] = False
+    contractive: ClassVar[bool] = True  # keeps the J chunks of largest norm
     summary: ClassVar[str] = "TopK Chunked: all-reduced chunk norms pick shared top-J chunks"
     nonfinite: ClassVar[str] = (
         "a NaN/Inf makes its chunk's norm NaN, so that chunk is always sent and decodes to "
@@ -200,19 +233,45 @@ class TopKC(Codec):
         sq = torch.where(torch.isinf(sq), torch.full_like(sq, math.nan), sq.clamp(max=top))
         return sq.to(torch.float32).to(self._norm_dtype)
 
+    def _bound(self, x: torch.Tensor) -> torch.Tensor:
+        """This worker's ``bound`` part: its largest finite ``|x|`` times ``2^-shift``."""
+        shift = _BOUND_SHIFT.get(x.dtype, _DEFAULT_BOUND_SHIFT)
+        work = _bound_dtype(x.dtype)
+        top = finite_max_abs(x.reshape(-1)).to(work)
+        return (top * torch.exp2(torch.tensor(-float(shift), dtype=work))).reshape(1)
+
+    def exponent(self, bound: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The overflow exponent ``e`` (0-d int64) for a summed ``bound`` of a ``dtype`` input:
+        the smallest ``e >= 0`` with ``bound * 2^shift * 2^-e <= max(value_dtype) / 2``. Exact
+        (``frexp``), with no host sync; a zero or non-finite bound gives 0."""
+        shift = _BOUND_SHIFT.get(dtype, _DEFAULT_BOUND_SHIFT)
+        ratio = bound.to(torch.float64).reshape(()) / (torch.finfo(self._value_dtype).max / 2)
+        mantissa, exp = torch.frexp(ratio)
+        ceil_log2 = exp.to(torch.int64) - (mantissa == 0.5).to(torch.int64)
+        e = (ceil_log2 + shift).clamp(min=0)
+        usable = (ratio > 0) & torch.isfinite(ratio)
+        return torch.where(usable, e, torch.zeros_like(e))
+
     def _payload(
-        self, x: torch.Tensor, norms: torch.Tensor, values: torch.Tensor, summed: int = 1
+        self,
+        x: torch.Tensor,
+        norms: torch.Tensor,
+        values: torch.Tensor,
+        bound: torch.Tensor,
+        summed: int = 1,
     ) -> Payload:
-        payload = self.make_payload(x, {"norms": norms, "values": values})
+        payload = self.make_payload(x, {"norms": norms, "values": values, "bound": bound})
         return payload if summed == 1 else payload.replace(summed=summed)
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         lay = self.layout(x.numel())
         chunks = self._chunked(x, lay)
         norms = self._norms(chunks)
+        bound = self._bound(x)
         chosen = select_chunks(norms, lay.selected)
-        values = chunks[chosen].reshape(-1).to(self._value_dtype)
-        return self._payload(x, norms, values)
+        e = self.exponent(bound, x.dtype)
+        values = scale_values(chunks[chosen].reshape(-1), self._value_dtype, e)
+        return self._payload(x, norms, values, bound)
 
     def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         lay = self.layout(payload.numel)
@@ -220,30 +279,38 @@ class TopKC(Codec):
         values = self.part(
             payload, "values", numel=lay.selected * lay.chunk, dtype=self._value_dtype
         )
+        bound = self.part(payload, "bound", numel=1, dtype=_bound_dtype(payload.dtype))
         chosen = select_chunks(norms, lay.selected)
         work = torch.float64 if payload.dtype == torch.float64 else torch.float32
+        e = self.exponent(bound, payload.dtype)
         out = torch.zeros(lay.chunks, lay.chunk, dtype=work, device=values.device)
-        out[chosen] = values.view(lay.selected, lay.chunk).to(work)
-        return out.reshape(-1)[: lay.numel].reshape(payload.shape).to(payload.dtype)
+        out[chosen] = unscale_values(values, e, work).view(lay.selected, lay.chunk)
+        flat = out.reshape(-1)[: lay.numel]
+        return saturating_cast(flat, payload.dtype).reshape(payload.shape)
 
     def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
-        """Two all-reduces: squared chunk norms, then the values of the agreed top-J chunks."""
+        """Two all-reduces: chunk norms and the bound, then the agreed top-J chunks' values."""
         x = self.check_input(tensor)
         with error_context(f"{self.codec_id}.reduce"):
             lay = self.layout(x.numel())
             chunks = self._chunked(x, lay)
             local_norms = self._norms(chunks)
-        reply = yield AllReduce(tensors={"norms": local_norms})
+            local_bound = self._bound(x)
+        reply = yield AllReduce(tensors={"norms": local_norms, "bound": local_bound})
         norms = reply_part(reply, "norms", local_norms)
+        bound = reply_part(reply, "bound", local_bound)
         with error_context(f"{self.codec_id}.reduce"):
             chosen = select_chunks(norms, lay.selected)
-            values = chunks[chosen].reshape(-1).to(self._value_dtype)
+            e = self.exponent(bound, x.dtype)
+            values = scale_values(chunks[chosen].reshape(-1), self._value_dtype, e)
             averaging = ctx.average and ctx.world_size > 1
             sent = values / ctx.world_size if averaging else values
         reply = yield AllReduce(tensors={"values": sent})
         summed = reply_part(reply, "values", sent)
-        total = self.decode(self._payload(x, norms, summed, ctx.world_size), ctx)
-        local = self.decode(self._payload(x, norms, values), ctx) if ctx.need_local else None
+        total = self.decode(self._payload(x, norms, summed, bound, ctx.world_size), ctx)
+        local = (
+            self.decode(self._payload(x, norms, values, bound), ctx) if ctx.need_local else None
+        )
         return Reduced(total=total, local=local)
 
 
