@@ -34,11 +34,10 @@ import torch.distributed
 
 from commpress.codecs.base import Codec, CodecContext
 from commpress.codecs.protocol import Reduced
-from commpress.collectives.api import STRATEGIES, Strategy, agree
+from commpress.collectives.api import Strategy, agree
 from commpress.collectives.driver import (
     Exchange,
     Pending,
-    protocol_task,
     require_initialized,
     run_tasks,
 )
@@ -47,11 +46,9 @@ from commpress.collectives.policy import CodecPolicy, CompressionState, Guard, P
 from commpress.collectives.queue import queue_for
 from commpress.collectives.strategies import (
     RING_TAG_BASE,
-    gather_protocol,
-    hierarchical_task,
+    get_strategy,
     local_size_from_env,
     prepare_node_groups,
-    ring_task,
 )
 from commpress.errors import CommpressError, error_context
 
@@ -60,30 +57,11 @@ if TYPE_CHECKING:
 
 Granularity = Literal["parameter", "bucket"]
 
-#: Strategies that run a codec's payloads through one exchange (single-round codecs only).
-_SINGLE_ROUND_ONLY = ("allgather", "ring", "hierarchical-compress-first")
-
-
 def strategy_refusal(codec: Codec, strategy: str) -> str | None:
-    """Why the DDP hook cannot send ``codec`` with ``strategy`` (``None``: it can).
-
-    ``auto`` and ``hierarchical`` take every codec; ``allreduce`` needs payloads an all-reduce
-    can add (summable codecs, and multi-round codecs whose rounds are all-reduces);
-    ``allgather``, ``ring`` and ``hierarchical-compress-first`` need single-round codecs.
-    """
-    if strategy == "allreduce" and not (codec.summable or codec.multi_round):
-        return (
-            f"codec {codec.codec_id!r} is not summable (its payloads cannot be added by an "
-            "all-reduce); strategies accepted for it: 'auto', 'allgather', 'ring', "
-            "'hierarchical', 'hierarchical-compress-first'"
-        )
-    if strategy in _SINGLE_ROUND_ONLY and codec.multi_round:
-        return (
-            f"codec {codec.codec_id!r} needs several exchange rounds, which strategy "
-            f"{strategy!r} cannot carry; strategies accepted for it: 'auto', 'allreduce', "
-            "'hierarchical'"
-        )
-    return None
+    """Why the DDP hook cannot send ``codec`` with ``strategy`` (``None``: it can): the
+    registered strategy's :meth:`~commpress.collectives.strategies.ExchangeStrategy.refusal`.
+    An unknown strategy is a :class:`CommpressError`."""
+    return get_strategy(strategy).refusal(codec)
 
 
 class DDPCompressionState(CompressionState):
@@ -126,11 +104,7 @@ class DDPCompressionState(CompressionState):
             raise CommpressError(
                 f"granularity must be 'parameter' or 'bucket', got {granularity!r}"
             )
-        if strategy not in STRATEGIES:
-            raise CommpressError(
-                f"unknown strategy {strategy!r}; accepted: "
-                f"{', '.join(repr(s) for s in STRATEGIES)}"
-            )
+        found = get_strategy(strategy)
         if local_size is not None and (
             isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1
         ):
@@ -140,7 +114,7 @@ class DDPCompressionState(CompressionState):
         self.granularity: Granularity = granularity
         self.strategy: Strategy = strategy
         #: Ranks per node for the hierarchical strategies (``None`` for the others).
-        self.local_size = local_size if strategy.startswith("hierarchical") else None
+        self.local_size = local_size if found.needs_local_size else None
         self.param_names: dict[int, str] = {
             id(p): n for p, n in (param_names or {}).items()
         }
@@ -262,28 +236,13 @@ def _exchange(
 ) -> Generator[Pending, None, Reduced]:
     """Exchange ``x`` with ``codec`` by the hook's strategy; returns the :class:`Reduced`
     (``local`` filled when ``ctx.need_local``; ``decode(encode(x))`` for ring/hierarchical)."""
-    strategy = state.strategy
-    if strategy in ("auto", "allreduce"):
-        return (yield from protocol_task(codec.reduce(x, ctx), ex))
-    if strategy == "allgather":
-        return (yield from protocol_task(gather_protocol(codec, x, ctx), ex))
-    if strategy == "ring":
-        return (yield from ring_task(codec, x, ctx, ex, tag=tag))
-    if state.local_size is None:
+    strategy = get_strategy(state.strategy)
+    if strategy.needs_local_size and state.local_size is None:
         # A state built directly (not by ``register``) or unpickled without one: torchrun's
         # LOCAL_WORLD_SIZE, checked against the group by node_groups.
         state.local_size = local_size_from_env(ex.world_size)
-    return (
-        yield from hierarchical_task(
-            codec,
-            x,
-            ctx,
-            ex,
-            local_size=state.local_size,
-            compress_first=strategy == "hierarchical-compress-first",
-            tag=tag,
-        )
-    )
+    local_size = (state.local_size or 0) if strategy.needs_local_size else 0
+    return (yield from strategy.task(codec, x, ctx, ex, tag=tag, pool=None, local_size=local_size))
 
 
 def _dense_task(
@@ -455,7 +414,7 @@ def _reduce_bucket_now(
         # Hierarchical exchanges use several groups whose protocols may take different numbers
         # of steps on different ranks: interleaving two could order intra-node operations
         # differently across ranks, so they run one at a time.
-        depth = 1 if state.strategy.startswith("hierarchical") else 2
+        depth = get_strategy(state.strategy).depth(2)
         run_tasks(tasks, ex, depth=depth)
         state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
         if last:
@@ -678,18 +637,15 @@ def register(
         min_compression_rate=min_compression_rate,
         fallback_codec=fallback_codec,
     )
-    if strategy not in STRATEGIES:
-        raise CommpressError(
-            f"unknown strategy {strategy!r}; accepted: {', '.join(repr(s) for s in STRATEGIES)}"
-        )
+    exchange = get_strategy(strategy)
     for what, c in built.codecs():
-        why = strategy_refusal(c, strategy)
+        why = exchange.refusal(c)
         if why is not None:
             raise CommpressError(f"commpress.ddp.register: strategy {strategy!r} cannot send "
                                  f"{what}: {why}")
     if group is None:
         group = getattr(model, "process_group", None)
-    if strategy.startswith("hierarchical"):
+    if exchange.needs_local_size:
         require_initialized()
         world = torch.distributed.get_world_size(group)
         if local_size is None:
@@ -718,7 +674,7 @@ def register(
         timeout=timeout,
         guard=guard,
     )
-    if strategy.startswith("hierarchical") and local_size is not None:
+    if exchange.needs_local_size and local_size is not None:
         # The node subgroups are made here, on every rank's main thread in the same order (made
         # later, on the hook's queue thread, they could race with other groups being created).
         # Ranks must first agree on the settings: a rank with another node size would create

@@ -42,26 +42,27 @@ from commpress.collectives.driver import (
     direct_path_applies,
     dtype_code,
     name_hash,
-    protocol_task,
     run_tasks,
     uncompressed_all_reduce,
 )
 from commpress.collectives.queue import OrderedQueue, queue_for
 from commpress.collectives.strategies import (
     RING_TAG_BASE,
-    gather_protocol,
-    hierarchical_task,
+    ExchangeStrategy,
+    get_strategy,
     local_size_from_env,
-    ring_task,
+    strategy_names,
 )
 from commpress.errors import CommpressError, error_context
 
+#: The registered strategies' names, for type checkers (the registry is the source of truth:
+#: :func:`commpress.collectives.strategies.strategy_names`).
 Strategy: TypeAlias = Literal[
     "auto", "allreduce", "allgather", "ring", "hierarchical", "hierarchical-compress-first"
 ]
 Op: TypeAlias = Literal["mean", "sum"]
 CheckMode: TypeAlias = Literal["first", "every", "off"]
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
+STRATEGIES: tuple[str, ...] = strategy_names()
 CHECK_MODES: tuple[str, ...] = get_args(CheckMode)
 #: Environment variable giving the default ``check`` mode (``first`` when unset).
 CHECK_ENV = "COMMPRESS_CHECK"
@@ -188,26 +189,14 @@ def _note_submitter(q: OrderedQueue, group: Any, mode: str, *, stacklevel: int) 
         )
 
 
-def _resolve_strategy(codec: Codec, strategy: str) -> str:
-    if strategy not in STRATEGIES:
-        raise CommpressError(
-            f"unknown strategy {strategy!r}; accepted: {', '.join(repr(s) for s in STRATEGIES)}"
-        )
-    if strategy == "auto":
-        return "protocol"
-    if strategy == "allreduce":
-        if not (codec.summable or codec.multi_round):
-            raise CommpressError(
-                f"codec {codec.codec_id!r} is not summable: its payloads cannot be added by an "
-                "all-reduce; use strategy 'auto', 'allgather' or 'ring'"
-            )
-        return "protocol"
-    if strategy in ("allgather", "ring", "hierarchical-compress-first") and codec.multi_round:
-        raise CommpressError(
-            f"codec {codec.codec_id!r} needs several exchange rounds; strategy {strategy!r} "
-            "supports single-round codecs only (use 'auto', 'allreduce' or 'hierarchical')"
-        )
-    return strategy
+def _resolve_strategy(codec: Codec, strategy: str) -> ExchangeStrategy:
+    """The registered strategy ``strategy``, refusing an unknown name or a codec it cannot
+    carry (:meth:`ExchangeStrategy.refusal`)."""
+    found = get_strategy(strategy)
+    why = found.refusal(codec)
+    if why is not None:
+        raise CommpressError(why)
+    return found
 
 
 def agree(ex: Exchange, fields: Mapping[str, int], *, hint: str, device: torch.device) -> None:
@@ -442,7 +431,7 @@ def reduce(
         or pipeline_depth < 1
     ):
         raise CommpressError(f"pipeline_depth must be an int >= 1, got {pipeline_depth!r}")
-    if plan.startswith("hierarchical"):
+    if plan.needs_local_size:
         local_size = local_size_from_env(ex.world_size) if local_size is None else local_size
     else:
         local_size = 0
@@ -460,7 +449,7 @@ def reduce(
     # groups, and a rank's intra-node peers sit in different inter-node groups whose codec
     # protocols may take different numbers of steps (shards differ), so interleaving buckets
     # could order intra-node operations differently on different ranks.
-    depth = 1 if plan.startswith("hierarchical") else pipeline_depth
+    depth = plan.depth(pipeline_depth)
     # Codec work on the offload pool adds wait points to the tasks, which are points of the
     # scheduler's rotation: every rank must make the same choice, so it is part of the signature.
     pool = _offload_pool() if offload else None
@@ -483,7 +472,8 @@ def reduce(
         )
     slices, unit = _bucket_slices(tuple(x.shape), bucket_elems)
     many = len(slices) > 1
-    if plan == "protocol" and type(codec) is Identity and not many and not need_local and not pool:
+    plain_ok = plan.runs_codec_protocol and type(codec) is Identity
+    if plain_ok and not many and not need_local and not pool:
         # No codec work to schedule: one plain all-reduce (same result as the protocol).
         plain = uncompressed_all_reduce(x, ex, average=op == "mean")
         if plain is not None:
@@ -513,29 +503,13 @@ def reduce(
         lo, hi = slices[i]
         return x if not many else rows[lo:hi]
 
-    def make_protocol(i: int) -> Any:
-        if plan == "allgather":
-            return gather_protocol(codec, piece(i), bucket_ctx(i))
-        return codec.reduce(piece(i), bucket_ctx(i))
-
     def make_task(i: int) -> Any:
         # With offload every strategy runs its codec work on the pool; the scheduler's thread
         # alone issues the collectives, in the same order as without it (see run_tasks).
         tag = RING_TAG_BASE + 4 * (i % 4096)
-        if plan == "ring":
-            return ring_task(codec, piece(i), bucket_ctx(i), ex, tag=tag, pool=pool)
-        if plan.startswith("hierarchical"):
-            return hierarchical_task(
-                codec,
-                piece(i),
-                bucket_ctx(i),
-                ex,
-                local_size=local_size,
-                compress_first=plan == "hierarchical-compress-first",
-                tag=tag,
-                pool=pool,
-            )
-        return protocol_task(make_protocol(i), ex, pool=pool)
+        return plan.task(
+            codec, piece(i), bucket_ctx(i), ex, tag=tag, pool=pool, local_size=local_size
+        )
 
     tasks = [functools.partial(make_task, i) for i in range(len(slices))]
     results: list[Reduced] = run_tasks(tasks, ex, depth=depth)
@@ -740,7 +714,7 @@ def _open_lane(
     as :func:`reduce` makes for it. ``generation`` is :func:`direct.generation` from before the
     call (a reset since then means its agreement record may be gone, so no lane)."""
     c = _as_codec(codec)
-    if type(c) is not Identity or _resolve_strategy(c, strategy) != "protocol":
+    if type(c) is not Identity or not _resolve_strategy(c, strategy).runs_codec_protocol:
         return
     ex = Exchange.of(group, label=_call_label(key, c))
     if not direct_path_applies(tensor, ex):
