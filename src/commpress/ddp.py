@@ -32,20 +32,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed
 
-from commpress.codecs.base import Codec, CodecContext
-from commpress.codecs.protocol import Reduced
-from commpress.collectives.api import Strategy, agree
-from commpress.collectives.driver import (
-    Exchange,
-    Pending,
-    require_initialized,
-    run_tasks,
-)
+from commpress.codecs.base import Codec
+from commpress.collectives import engine
+from commpress.collectives.api import Strategy
+from commpress.collectives.checks import agree
+from commpress.collectives.driver import Exchange, Pending, require_initialized
 from commpress.collectives.feedback import Schedule
 from commpress.collectives.policy import CodecPolicy, CompressionState, Guard, Plan
 from commpress.collectives.queue import queue_for
 from commpress.collectives.strategies import (
-    RING_TAG_BASE,
     get_strategy,
     local_size_from_env,
     prepare_node_groups,
@@ -226,57 +221,15 @@ def _bucket_key(names: Sequence[str]) -> str:
     return f"bucket[{names[0]}..{names[-1]}|{len(names)}]#{digest}" if names else "bucket[]"
 
 
-def _exchange(
-    state: DDPCompressionState,
-    codec: Codec,
-    x: torch.Tensor,
-    ctx: CodecContext,
-    ex: Exchange,
-    tag: int,
-) -> Generator[Pending, None, Reduced]:
-    """Exchange ``x`` with ``codec`` by the hook's strategy; returns the :class:`Reduced`
-    (``local`` filled when ``ctx.need_local``; ``decode(encode(x))`` for ring/hierarchical)."""
+def _route(state: DDPCompressionState, ex: Exchange) -> engine.Route:
+    """How the hook's exchanges run: its strategy, two in flight (one for the hierarchical
+    strategies), codec work on the queue's thread."""
     strategy = get_strategy(state.strategy)
     if strategy.needs_local_size and state.local_size is None:
         # A state built directly (not by ``register``) or unpickled without one: torchrun's
         # LOCAL_WORLD_SIZE, checked against the group by node_groups.
         state.local_size = local_size_from_env(ex.world_size)
-    local_size = (state.local_size or 0) if strategy.needs_local_size else 0
-    return (yield from strategy.task(codec, x, ctx, ex, tag=tag, pool=None, local_size=local_size))
-
-
-def _dense_task(
-    state: DDPCompressionState,
-    ex: Exchange,
-    items: list[tuple[str, torch.Tensor]],
-    plans: list[Plan],
-    step: int,
-    key: str,
-    tag: int,
-) -> Generator[Pending, None, None]:
-    """Reduce several tensors sharing an element-wise codec as one flat tensor.
-
-    Element-wise casts give the same values whether tensors are reduced one by one or
-    concatenated (and the same as PyTorch's fp16 hook on the whole bucket), at the cost of one
-    collective. Error feedback, when it applies, is kept per tensor.
-    """
-    codec, feedback = plans[0].codec, plans[0].feedback
-    xs = [state.compensate(plan, t) for (_, t), plan in zip(items, plans, strict=True)]
-    flat = xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
-    ctx = CodecContext(
-        rank=ex.rank, world_size=ex.world_size, step=step, key=key, need_local=feedback,
-        average=True,
-    )
-    reduced = yield from _exchange(state, codec, flat, ctx, ex, tag)
-    offset = 0
-    for (k, t), x, plan in zip(items, xs, plans, strict=True):
-        n = t.numel()
-        local = None
-        if feedback:
-            local = reduced.local[offset : offset + n].view(t.shape)  # type: ignore[index]
-        total = reduced.total[offset : offset + n].view(t.shape)
-        t.copy_(state.finish(k, t, x, plan, Reduced(total=total, local=local)).total)
-        offset += n
+    return engine.Route.of(strategy, ex, local_size=state.local_size, pipeline_depth=2)
 
 
 def _single_task(
@@ -286,15 +239,13 @@ def _single_task(
     t: torch.Tensor,
     plan: Plan,
     step: int,
-    tag: int,
+    exchange: engine.Exchanger,
 ) -> Generator[Pending, None, None]:
     """Reduce one tensor with its plan's codec by the hook's strategy, compensated before and
     remembered after (``state.prepare`` / ``state.finish``) when error feedback applies."""
-    plan, x, ctx = state.prepare(
-        key, t, rank=ex.rank, world_size=ex.world_size, step=step, plan=plan
+    reduced = yield from engine.with_feedback(
+        state, key, t, exchange, rank=ex.rank, world_size=ex.world_size, step=step, plan=plan
     )
-    result = yield from _exchange(state, plan.codec, x, ctx, ex, tag)
-    reduced = state.finish(key, t, x, plan, result)
     t.copy_(reduced.total)
 
 
@@ -393,29 +344,26 @@ def _reduce_bucket_now(
         for plan in plans:
             state.check_codec(plan.codec, f"{plan.key!r} ({plan.reason})")
             state.plans[plan.key] = plan
+        # Element-wise casts: one flat exchange per (codec, feedback, dtype), first; every
+        # other tensor on its own.
         groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
-        tasks: list[Callable[..., Generator[Pending, None, None]]] = []
+        jobs: list[Callable[[engine.Exchanger], Generator[Pending, None, None]]] = []
         for i, plan in enumerate(plans):
             if plan.codec.elementwise:
                 group_key = (plan.codec.fingerprint(), plan.feedback, items[i][1].dtype)
                 groups.setdefault(group_key, []).append(i)
             else:
-                tasks.append(partial(_single_task, state, ex, *items[i], plan, step))
+                jobs.append(partial(_single_task, state, ex, *items[i], plan, step))
         for n, indices in enumerate(groups.values()):
             codec_id = plans[indices[0]].codec.codec_id
-            tasks.insert(n, partial(
-                _dense_task, state, ex, [items[i] for i in indices], [plans[i] for i in indices],
-                step, f"bucket{bucket_index}/{codec_id}/{n}",
+            jobs.insert(n, partial(
+                engine.dense_with_feedback, state, [items[i] for i in indices],
+                [plans[i] for i in indices], rank=ex.rank, world_size=ex.world_size, step=step,
+                key=f"bucket{bucket_index}/{codec_id}/{n}",
             ))
-        # Exchanges in flight at once get distinct point-to-point tags (ring messages of two
-        # tensors must not pair up); buckets run one after the other on the queue.
-        tasks = [partial(task, tag=RING_TAG_BASE + 4 * (i % 4096))
-                 for i, task in enumerate(tasks)]
-        # Hierarchical exchanges use several groups whose protocols may take different numbers
-        # of steps on different ranks: interleaving two could order intra-node operations
-        # differently across ranks, so they run one at a time.
-        depth = get_strategy(state.strategy).depth(2)
-        run_tasks(tasks, ex, depth=depth)
+        # Pipelined with distinct point-to-point tags; buckets run one after the other on the
+        # queue.
+        engine.run_jobs(ex, _route(state, ex), jobs)
         state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
         if last:
             # undo a non-finite step's changes to the codec states, run the guard, record stats
