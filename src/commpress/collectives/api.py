@@ -130,12 +130,13 @@ def reduce(
             (identity) and ``op="sum"`` this avoids every copy; otherwise the total is copied
             back at the end.
     """
-    return engine.reduce(
-        tensor, codec, group=group, op=op, strategy=strategy, ctx=ctx, key=key, step=step,
-        timeout=timeout, bucket_bytes=bucket_bytes, need_local=need_local,
-        local_size=local_size, offload=offload, pipeline_depth=pipeline_depth, check=check,
-        stats=stats, inplace=inplace,
+    options = engine.ReduceOptions(
+        group=group, op=op, strategy=strategy, ctx=ctx, key=key, step=step, timeout=timeout,
+        bucket_bytes=bucket_bytes, need_local=need_local, local_size=local_size,
+        offload=offload, pipeline_depth=pipeline_depth, check=check, stats=stats,
+        inplace=inplace,
     )
+    return engine.reduce(tensor, codec, options)
 
 
 def all_reduce_async(

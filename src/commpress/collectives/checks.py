@@ -5,7 +5,7 @@
 * :func:`check_agreement` -- the first call with a signature: every rank made the same call;
 * :func:`check_call_order` -- ``check="every"``: every rank is at the same call;
 * :func:`note_submitter` -- one warning when several threads submit calls without checks;
-* :func:`reduction_arguments`, :func:`bucket_elements`, :func:`pipeline_depth`,
+* :func:`reduce_options`, :func:`reduction_arguments`, :func:`bucket_elements`,
   :func:`ctx_matches` -- the argument checks of :func:`commpress.collectives.api.reduce`.
 
 Memory kept per group (verified signatures, submitting threads) is forgotten by
@@ -86,37 +86,34 @@ def as_codec(codec: CodecSpec) -> Codec:
         return get_codec(codec)
 
 
-def reduction_arguments(tensor: Any, codec: CodecSpec, *, op: Any, key: Any) -> Codec:
-    """Check a reduction's tensor, op and key; returns its codec."""
+def reduction_arguments(tensor: Any, codec: CodecSpec) -> Codec:
+    """Check a reduction's tensor; returns its codec."""
     if not isinstance(tensor, torch.Tensor):
         raise CommpressError(f"all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
-    built = as_codec(codec)
+    return as_codec(codec)
+
+
+def reduce_options(*, op: Any, key: Any, bucket_bytes: Any, depth: Any) -> None:
+    """Check the options of a reduction that need no tensor (once, when they are built)."""
     if op not in ("mean", "sum"):
         raise CommpressError(f"op must be 'mean' or 'sum', got {op!r}")
     if not isinstance(key, str):
         raise CommpressError(f"key must be a str naming the tensor, got {key!r}")
-    return built
-
-
-def bucket_elements(
-    tensor: torch.Tensor, x: torch.Tensor, bucket_bytes: Any, *, inplace: bool
-) -> int:
-    """Elements per bucket for ``bucket_bytes`` (0: one bucket), after checking it and
-    ``inplace``."""
-    if inplace and not tensor.is_contiguous():
-        raise CommpressError("inplace=True needs a contiguous tensor")
     if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or bucket_bytes <= 0):
         raise CommpressError(
             f"bucket_bytes must be a positive integer or None, got {bucket_bytes!r}"
         )
-    return 0 if bucket_bytes is None else max(1, bucket_bytes // x.element_size())
-
-
-def pipeline_depth(depth: Any) -> int:
-    """``depth`` after checking it is an int >= 1."""
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise CommpressError(f"pipeline_depth must be an int >= 1, got {depth!r}")
-    return depth
+
+
+def bucket_elements(
+    tensor: torch.Tensor, x: torch.Tensor, bucket_bytes: int | None, *, inplace: bool
+) -> int:
+    """Elements per bucket for ``bucket_bytes`` (0: one bucket), after checking ``inplace``."""
+    if inplace and not tensor.is_contiguous():
+        raise CommpressError("inplace=True needs a contiguous tensor")
+    return 0 if bucket_bytes is None else max(1, bucket_bytes // x.element_size())
 
 
 def ctx_matches(ctx: CodecContext | None, ex: Exchange) -> None:
@@ -328,6 +325,6 @@ __all__ = [
     "forget",
     "group_id",
     "note_submitter",
-    "pipeline_depth",
+    "reduce_options",
     "reduction_arguments",
 ]

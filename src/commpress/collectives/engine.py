@@ -189,36 +189,46 @@ def finish_inplace(tensor: torch.Tensor, reduced: Reduced, inplace: bool) -> Red
     return Reduced(total=tensor, local=reduced.local)
 
 
-def reduce(
-    tensor: torch.Tensor,
-    codec: checks.CodecSpec,
-    *,
-    group: Any = None,
-    op: str = "mean",
-    strategy: str = "auto",
-    ctx: CodecContext | None = None,
-    key: str = "",
-    step: int = 0,
-    timeout: float | None = None,
-    bucket_bytes: int | None = None,
-    need_local: bool = False,
-    local_size: int | None = None,
-    offload: bool = False,
-    pipeline_depth: int = 2,
-    check: Any = None,
-    stats: dict[str, int] | None = None,
-    inplace: bool = False,
-) -> Reduced:
-    """:func:`commpress.collectives.api.reduce` (see there for the arguments), on the calling
-    thread."""
-    codec = checks.reduction_arguments(tensor, codec, op=op, key=key)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ReduceOptions:
+    """How to reduce one tensor: the keywords of :func:`commpress.collectives.api.reduce`
+    (see there), checked once when built."""
+
+    group: Any = None
+    op: str = "mean"
+    strategy: str = "auto"
+    ctx: CodecContext | None = None
+    key: str = ""
+    step: int = 0
+    timeout: float | None = None
+    bucket_bytes: int | None = None
+    need_local: bool = False
+    local_size: int | None = None
+    offload: bool = False
+    pipeline_depth: int = 2
+    check: Any = None
+    stats: dict[str, int] | None = None
+    inplace: bool = False
+
+    def __post_init__(self) -> None:
+        checks.reduce_options(
+            op=self.op, key=self.key, bucket_bytes=self.bucket_bytes, depth=self.pipeline_depth
+        )
+
+
+def reduce(tensor: torch.Tensor, codec: checks.CodecSpec, options: ReduceOptions) -> Reduced:
+    """:func:`commpress.collectives.api.reduce` on the calling thread."""
+    group, op, strategy, ctx, key = (
+        options.group, options.op, options.strategy, options.ctx, options.key
+    )
+    inplace, need_local, offload = options.inplace, options.need_local, options.offload
+    codec = checks.reduction_arguments(tensor, codec)
     plan = resolve_strategy(codec, strategy)
     x = codec.check_input(tensor)
-    ex = Exchange.of(group, timeout=timeout, label=call_label(key, codec))
-    if stats is not None:
-        ex.stats = stats
-    bucket_elems = checks.bucket_elements(tensor, x, bucket_bytes, inplace=inplace)
-    checks.pipeline_depth(pipeline_depth)
+    ex = Exchange.of(group, timeout=options.timeout, label=call_label(key, codec))
+    if options.stats is not None:
+        ex.stats = options.stats
+    bucket_elems = checks.bucket_elements(tensor, x, options.bucket_bytes, inplace=inplace)
     # Codec work on the offload pool adds wait points to the tasks, which are points of the
     # scheduler's rotation: every rank must make the same choice, so it is part of the signature.
     # Buckets of a hierarchical reduction run one after the other (the strategy's depth
@@ -227,8 +237,8 @@ def reduce(
     # differ), so interleaving buckets could order intra-node operations differently on
     # different ranks.
     route = Route.of(
-        plan, ex, local_size=local_size, pool=offload_pool() if offload else None,
-        pipeline_depth=pipeline_depth,
+        plan, ex, local_size=options.local_size, pool=offload_pool() if offload else None,
+        pipeline_depth=options.pipeline_depth,
     )
     checks.ctx_matches(ctx, ex)
     need_local = need_local or (ctx is not None and ctx.need_local)
@@ -237,7 +247,7 @@ def reduce(
         # the input's memory. Not with need_local, whose decoded contribution would alias it.
         ex.writable = tensor.detach().reshape(-1)
     gid = checks.group_id(group)
-    mode = checks.check_mode(check)
+    mode = checks.check_mode(options.check)
     if mode != "off":
         checks.check_agreement(
             ex,
@@ -268,7 +278,7 @@ def reduce(
         with _LOCK:
             state = _STATES.setdefault((gid, codec.fingerprint(), state_key), {})
         ctx = CodecContext(
-            rank=ex.rank, world_size=ex.world_size, step=step, key=key, state=state,
+            rank=ex.rank, world_size=ex.world_size, step=options.step, key=key, state=state,
             average=op == "mean", need_local=need_local,
         )
     else:
@@ -365,6 +375,7 @@ def dense_with_feedback(
 
 __all__ = [
     "Exchanger",
+    "ReduceOptions",
     "Route",
     "bucket_slices",
     "call_label",

@@ -6,15 +6,18 @@ exchange for decoding each payload once and never adding compressed lanes.
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 from commpress.codecs.base import Codec, CodecContext
 from commpress.codecs.protocol import AllGather, Protocol, Reduced
-from commpress.collectives.driver import Exchange, Pending, protocol_task
-from commpress.collectives.strategies.base import CostPlan, ExchangeStrategy, register_strategy
+from commpress.collectives.driver import Exchange, protocol_task
+from commpress.collectives.strategies.base import (
+    CostPlan,
+    ExchangeStrategy,
+    Pool,
+    Task,
+    register_strategy,
+)
 
 
 def gather_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext) -> Protocol:
@@ -40,17 +43,8 @@ class GatherPayloads(ExchangeStrategy):
     single_round_only = True
     cost = CostPlan("allgather", segments=("encode", "allgather", "decode"))
 
-    def task(
-        self,
-        codec: Codec,
-        x: torch.Tensor,
-        ctx: CodecContext,
-        ex: Exchange,
-        *,
-        tag: int,
-        pool: ThreadPoolExecutor | None,
-        local_size: int,
-    ) -> Generator[Pending, None, Reduced]:
+    def task(self, codec: Codec, x: torch.Tensor, ctx: CodecContext, ex: Exchange, *,
+             tag: int, pool: Pool, local_size: int) -> Task:
         return protocol_task(gather_protocol(codec, x, ctx), ex, pool=pool)
 
 

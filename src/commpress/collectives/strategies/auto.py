@@ -7,15 +7,17 @@ several rounds for multi-round codecs (PowerSGD, THC, TopKC): whatever
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 from commpress.codecs.base import Codec, CodecContext
-from commpress.codecs.protocol import Reduced
-from commpress.collectives.driver import Exchange, Pending, protocol_task
-from commpress.collectives.strategies.base import CostPlan, ExchangeStrategy, register_strategy
+from commpress.collectives.driver import Exchange, protocol_task
+from commpress.collectives.strategies.base import (
+    CostPlan,
+    ExchangeStrategy,
+    Pool,
+    Task,
+    register_strategy,
+)
 
 
 class CodecProtocol(ExchangeStrategy):
@@ -30,17 +32,8 @@ class CodecProtocol(ExchangeStrategy):
     runs_codec_protocol = True
     cost = CostPlan("protocol", segments=("encode", "allreduce/allgather per round", "decode"))
 
-    def task(
-        self,
-        codec: Codec,
-        x: torch.Tensor,
-        ctx: CodecContext,
-        ex: Exchange,
-        *,
-        tag: int,
-        pool: ThreadPoolExecutor | None,
-        local_size: int,
-    ) -> Generator[Pending, None, Reduced]:
+    def task(self, codec: Codec, x: torch.Tensor, ctx: CodecContext, ex: Exchange, *,
+             tag: int, pool: Pool, local_size: int) -> Task:
         return protocol_task(codec.reduce(x, ctx), ex, pool=pool)
 
 

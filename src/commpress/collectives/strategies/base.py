@@ -19,7 +19,7 @@ import threading
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, TypeAlias
 
 import torch
 
@@ -29,6 +29,10 @@ from commpress.collectives.driver import Exchange, Pending
 from commpress.errors import CommpressError
 
 CostPattern = Literal["protocol", "allgather", "ring", "hierarchical"]
+#: The offload pool a task runs its codec work on (``None``: the scheduler's thread).
+Pool: TypeAlias = ThreadPoolExecutor | None
+#: A strategy's task: yields :class:`Pending` operations, returns the :class:`Reduced`.
+Task: TypeAlias = Generator[Pending, None, Reduced]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +118,8 @@ class ExchangeStrategy:
         return pipeline_depth if self.depth_limit is None else min(pipeline_depth,
                                                                     self.depth_limit)
 
-    def task(
-        self,
-        codec: Codec,
-        x: torch.Tensor,
-        ctx: CodecContext,
-        ex: Exchange,
-        *,
-        tag: int,
-        pool: ThreadPoolExecutor | None,
-        local_size: int,
-    ) -> Generator[Pending, None, Reduced]:
+    def task(self, codec: Codec, x: torch.Tensor, ctx: CodecContext, ex: Exchange, *,
+             tag: int, pool: Pool, local_size: int) -> Task:
         """The exchange of ``x`` as a task for :func:`commpress.collectives.driver.run_tasks`
         (``tag``: point-to-point tag base, distinct for tasks in flight at once; ``pool``: the
         offload pool or ``None``; ``local_size``: ranks per node, 0 when not needed)."""
@@ -170,6 +165,8 @@ def get_strategy(name: object) -> ExchangeStrategy:
 
 __all__ = [
     "CostPlan",
+    "Pool",
+    "Task",
     "ExchangeStrategy",
     "all_strategies",
     "get_strategy",

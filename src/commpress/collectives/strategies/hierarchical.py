@@ -25,7 +25,13 @@ from commpress.collectives.driver import (
     protocol_task,
     submit_offload,
 )
-from commpress.collectives.strategies.base import CostPlan, ExchangeStrategy, register_strategy
+from commpress.collectives.strategies.base import (
+    CostPlan,
+    ExchangeStrategy,
+    Pool,
+    Task,
+    register_strategy,
+)
 from commpress.collectives.strategies.helpers import (
     RING_TAG_BASE,
     _all_gather_equal,
@@ -156,17 +162,8 @@ class Hierarchical(ExchangeStrategy):
     )
     compress_first = False
 
-    def task(
-        self,
-        codec: Codec,
-        x: torch.Tensor,
-        ctx: CodecContext,
-        ex: Exchange,
-        *,
-        tag: int,
-        pool: ThreadPoolExecutor | None,
-        local_size: int,
-    ) -> Generator[Pending, None, Reduced]:
+    def task(self, codec: Codec, x: torch.Tensor, ctx: CodecContext, ex: Exchange, *,
+             tag: int, pool: Pool, local_size: int) -> Task:
         return hierarchical_task(
             codec,
             x,

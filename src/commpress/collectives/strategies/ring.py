@@ -28,7 +28,13 @@ from commpress.collectives.driver import (
     offloaded,
     submit_offload,
 )
-from commpress.collectives.strategies.base import CostPlan, ExchangeStrategy, register_strategy
+from commpress.collectives.strategies.base import (
+    CostPlan,
+    ExchangeStrategy,
+    Pool,
+    Task,
+    register_strategy,
+)
 from commpress.collectives.strategies.helpers import (
     RING_TAG_BASE,
     _decode_piece,
@@ -133,17 +139,8 @@ class Ring(ExchangeStrategy):
     local_is_roundtrip = True
     cost = CostPlan("ring", segments=("ring", "ring codec"))
 
-    def task(
-        self,
-        codec: Codec,
-        x: torch.Tensor,
-        ctx: CodecContext,
-        ex: Exchange,
-        *,
-        tag: int,
-        pool: ThreadPoolExecutor | None,
-        local_size: int,
-    ) -> Generator[Pending, None, Reduced]:
+    def task(self, codec: Codec, x: torch.Tensor, ctx: CodecContext, ex: Exchange, *,
+             tag: int, pool: Pool, local_size: int) -> Task:
         return ring_task(codec, x, ctx, ex, tag=tag, pool=pool)
 
 
