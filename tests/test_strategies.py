@@ -4,7 +4,7 @@ read by the API, the DDP hook and the performance model."""
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import torch
@@ -34,6 +34,7 @@ def test_registry_lists_every_strategy_in_order_and_everyone_reads_it() -> None:
     assert strategy_names()[: len(NAMES)] == NAMES
     assert api.STRATEGIES == NAMES and codec_costs.STRATEGIES == NAMES
     assert commpress.collectives.STRATEGIES == NAMES
+    assert get_args(api.Strategy) == NAMES  # the type checkers' list follows the registry
     for s in all_strategies():
         assert get_strategy(s.name) is s
         assert isinstance(s.cost, CostPlan) and s.description and s.rounds

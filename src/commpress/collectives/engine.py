@@ -102,7 +102,7 @@ def ring_tag(i: int) -> int:
     return RING_TAG_BASE + 4 * (i % 4096)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Route:
     """How a reduction's exchanges run.
 
@@ -189,7 +189,8 @@ def finish_inplace(tensor: torch.Tensor, reduced: Reduced, inplace: bool) -> Red
     return Reduced(total=tensor, local=reduced.local)
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+# Not frozen: a frozen dataclass's __init__ costs about 1 us more per call, on every call.
+@dataclasses.dataclass(slots=True, kw_only=True)
 class ReduceOptions:
     """How to reduce one tensor: the keywords of :func:`commpress.collectives.api.reduce`
     (see there), checked once when built."""
