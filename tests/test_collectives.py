@@ -262,17 +262,17 @@ def test_every_strategy_is_exact_and_identical(world: int, local_size: int, dtyp
 
 def _direct_identity_worker(rank: int, world: int) -> list[str]:
     """The identity codec's direct all-reduce against its general protocol path."""
-    import commpress.collectives.api as api
+    import commpress.collectives.engine as engine
 
     taken = {"direct": 0}
-    real_direct = api.uncompressed_all_reduce
+    real_direct = engine.uncompressed_all_reduce
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         out = real_direct(*args, **kwargs)
         taken["direct"] += out is not None
         return out
 
-    api.uncompressed_all_reduce = spy  # type: ignore[assignment]
+    engine.uncompressed_all_reduce = spy  # type: ignore[assignment]
     problems = []
     g = torch.Generator().manual_seed(rank)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):

@@ -33,16 +33,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed
 
-from commpress.codecs.base import Codec, CodecContext
-from commpress.codecs.protocol import Reduced
-from commpress.collectives.api import STRATEGIES, Strategy, agree
-from commpress.collectives.driver import (
-    Exchange,
-    Pending,
-    protocol_task,
-    require_initialized,
-    run_tasks,
-)
+from commpress.codecs.base import Codec
+from commpress.collectives import engine
+from commpress.collectives.api import Strategy
+from commpress.collectives.checks import agree
+from commpress.collectives.driver import Exchange, Pending, require_initialized
 from commpress.collectives.feedback import Schedule, feedback_applies
 from commpress.collectives.policy import (
     CodecPolicy,
@@ -53,14 +48,11 @@ from commpress.collectives.policy import (
 )
 from commpress.collectives.queue import queue_for
 from commpress.collectives.strategies import (
-    RING_TAG_BASE,
     check_in,
-    gather_protocol,
-    hierarchical_task,
+    get_strategy,
     local_size_from_env,
     new_group_of,
     prepare_node_groups,
-    ring_task,
 )
 from commpress.errors import CommpressError, error_context
 
@@ -71,30 +63,12 @@ Granularity = Literal["parameter", "bucket"]
 #: What ``register(policy=...)`` takes: a policy file path, name globs, a function, a policy.
 PolicySpec = CodecPolicy | Mapping[str, Any] | Callable[..., Any] | str | os.PathLike[str]
 
-#: Strategies that run a codec's payloads through one exchange (single-round codecs only).
-_SINGLE_ROUND_ONLY = ("allgather", "ring", "hierarchical-compress-first")
-
 
 def strategy_refusal(codec: Codec, strategy: str) -> str | None:
-    """Why the DDP hook cannot send ``codec`` with ``strategy`` (``None``: it can).
-
-    ``auto`` and ``hierarchical`` take every codec; ``allreduce`` needs payloads an all-reduce
-    can add (summable codecs, and multi-round codecs whose rounds are all-reduces);
-    ``allgather``, ``ring`` and ``hierarchical-compress-first`` need single-round codecs.
-    """
-    if strategy == "allreduce" and not (codec.summable or codec.multi_round):
-        return (
-            f"codec {codec.codec_id!r} is not summable (its payloads cannot be added by an "
-            "all-reduce); strategies accepted for it: 'auto', 'allgather', 'ring', "
-            "'hierarchical', 'hierarchical-compress-first'"
-        )
-    if strategy in _SINGLE_ROUND_ONLY and codec.multi_round:
-        return (
-            f"codec {codec.codec_id!r} needs several exchange rounds, which strategy "
-            f"{strategy!r} cannot carry; strategies accepted for it: 'auto', 'allreduce', "
-            "'hierarchical'"
-        )
-    return None
+    """Why the DDP hook cannot send ``codec`` with ``strategy`` (``None``: it can): the
+    registered strategy's :meth:`~commpress.collectives.strategies.ExchangeStrategy.refusal`.
+    An unknown strategy is a :class:`CommpressError`."""
+    return get_strategy(strategy).refusal(codec)
 
 
 class DDPCompressionState(CompressionState):
@@ -137,11 +111,7 @@ class DDPCompressionState(CompressionState):
             raise CommpressError(
                 f"granularity must be 'parameter' or 'bucket', got {granularity!r}"
             )
-        if strategy not in STRATEGIES:
-            raise CommpressError(
-                f"unknown strategy {strategy!r}; accepted: "
-                f"{', '.join(repr(s) for s in STRATEGIES)}"
-            )
+        found = get_strategy(strategy)
         if local_size is not None and (
             isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1
         ):
@@ -151,7 +121,7 @@ class DDPCompressionState(CompressionState):
         self.granularity: Granularity = granularity
         self.strategy: Strategy = strategy
         #: Ranks per node for the hierarchical strategies (``None`` for the others).
-        self.local_size = local_size if strategy.startswith("hierarchical") else None
+        self.local_size = local_size if found.needs_local_size else None
         self.param_names: dict[int, str] = {
             id(p): n for p, n in (param_names or {}).items()
         }
@@ -263,72 +233,15 @@ def _bucket_key(names: Sequence[str]) -> str:
     return f"bucket[{names[0]}..{names[-1]}|{len(names)}]#{digest}" if names else "bucket[]"
 
 
-def _exchange(
-    state: DDPCompressionState,
-    codec: Codec,
-    x: torch.Tensor,
-    ctx: CodecContext,
-    ex: Exchange,
-    tag: int,
-) -> Generator[Pending, None, Reduced]:
-    """Exchange ``x`` with ``codec`` by the hook's strategy; returns the :class:`Reduced`
-    (``local`` filled when ``ctx.need_local``; ``decode(encode(x))`` for ring/hierarchical)."""
-    strategy = state.strategy
-    if strategy in ("auto", "allreduce"):
-        return (yield from protocol_task(codec.reduce(x, ctx), ex))
-    if strategy == "allgather":
-        return (yield from protocol_task(gather_protocol(codec, x, ctx), ex))
-    if strategy == "ring":
-        return (yield from ring_task(codec, x, ctx, ex, tag=tag))
-    if state.local_size is None:
+def _route(state: DDPCompressionState, ex: Exchange) -> engine.Route:
+    """How the hook's exchanges run: its strategy, two in flight (one for the hierarchical
+    strategies), codec work on the queue's thread."""
+    strategy = get_strategy(state.strategy)
+    if strategy.needs_local_size and state.local_size is None:
         # A state built directly (not by ``register``) or unpickled without one: torchrun's
         # LOCAL_WORLD_SIZE, checked against the group by node_groups.
         state.local_size = local_size_from_env(ex.world_size)
-    return (
-        yield from hierarchical_task(
-            codec,
-            x,
-            ctx,
-            ex,
-            local_size=state.local_size,
-            compress_first=strategy == "hierarchical-compress-first",
-            tag=tag,
-        )
-    )
-
-
-def _dense_task(
-    state: DDPCompressionState,
-    ex: Exchange,
-    items: list[tuple[str, torch.Tensor]],
-    plans: list[Plan],
-    step: int,
-    key: str,
-    tag: int,
-) -> Generator[Pending, None, None]:
-    """Reduce several tensors sharing an element-wise codec as one flat tensor.
-
-    Element-wise casts give the same values whether tensors are reduced one by one or
-    concatenated (and the same as PyTorch's fp16 hook on the whole bucket), at the cost of one
-    collective. Error feedback, when it applies, is kept per tensor.
-    """
-    codec, feedback = plans[0].codec, plans[0].feedback
-    xs = [state.compensate(plan, t) for (_, t), plan in zip(items, plans, strict=True)]
-    flat = xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
-    ctx = CodecContext(
-        rank=ex.rank, world_size=ex.world_size, step=step, key=key, need_local=feedback,
-        average=True,
-    )
-    reduced = yield from _exchange(state, codec, flat, ctx, ex, tag)
-    offset = 0
-    for (k, t), x, plan in zip(items, xs, plans, strict=True):
-        n = t.numel()
-        local = None
-        if feedback:
-            local = reduced.local[offset : offset + n].view(t.shape)  # type: ignore[index]
-        total = reduced.total[offset : offset + n].view(t.shape)
-        t.copy_(state.finish(k, t, x, plan, Reduced(total=total, local=local)).total)
-        offset += n
+    return engine.Route.of(strategy, ex, local_size=state.local_size, pipeline_depth=2)
 
 
 def _single_task(
@@ -338,15 +251,13 @@ def _single_task(
     t: torch.Tensor,
     plan: Plan,
     step: int,
-    tag: int,
+    exchange: engine.Exchanger,
 ) -> Generator[Pending, None, None]:
     """Reduce one tensor with its plan's codec by the hook's strategy, compensated before and
     remembered after (``state.prepare`` / ``state.finish``) when error feedback applies."""
-    plan, x, ctx = state.prepare(
-        key, t, rank=ex.rank, world_size=ex.world_size, step=step, plan=plan
+    reduced = yield from engine.with_feedback(
+        state, key, t, exchange, rank=ex.rank, world_size=ex.world_size, step=step, plan=plan
     )
-    result = yield from _exchange(state, plan.codec, x, ctx, ex, tag)
-    reduced = state.finish(key, t, x, plan, result)
     t.copy_(reduced.total)
 
 
@@ -445,29 +356,26 @@ def _reduce_bucket_now(
         for plan in plans:
             state.check_codec(plan.codec, f"{plan.key!r} ({plan.reason})")
             state.plans[plan.key] = plan
+        # Element-wise casts: one flat exchange per (codec, feedback, dtype), first; every
+        # other tensor on its own.
         groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
-        tasks: list[Callable[..., Generator[Pending, None, None]]] = []
+        jobs: list[Callable[[engine.Exchanger], Generator[Pending, None, None]]] = []
         for i, plan in enumerate(plans):
             if plan.codec.elementwise:
                 group_key = (plan.codec.fingerprint(), plan.feedback, items[i][1].dtype)
                 groups.setdefault(group_key, []).append(i)
             else:
-                tasks.append(partial(_single_task, state, ex, *items[i], plan, step))
+                jobs.append(partial(_single_task, state, ex, *items[i], plan, step))
         for n, indices in enumerate(groups.values()):
             codec_id = plans[indices[0]].codec.codec_id
-            tasks.insert(n, partial(
-                _dense_task, state, ex, [items[i] for i in indices], [plans[i] for i in indices],
-                step, f"bucket{bucket_index}/{codec_id}/{n}",
+            jobs.insert(n, partial(
+                engine.dense_with_feedback, state, [items[i] for i in indices],
+                [plans[i] for i in indices], rank=ex.rank, world_size=ex.world_size, step=step,
+                key=f"bucket{bucket_index}/{codec_id}/{n}",
             ))
-        # Exchanges in flight at once get distinct point-to-point tags (ring messages of two
-        # tensors must not pair up); buckets run one after the other on the queue.
-        tasks = [partial(task, tag=RING_TAG_BASE + 4 * (i % 4096))
-                 for i, task in enumerate(tasks)]
-        # Hierarchical exchanges use several groups whose protocols may take different numbers
-        # of steps on different ranks: interleaving two could order intra-node operations
-        # differently across ranks, so they run one at a time.
-        depth = 1 if state.strategy.startswith("hierarchical") else 2
-        run_tasks(tasks, ex, depth=depth)
+        # Pipelined with distinct point-to-point tags; buckets run one after the other on the
+        # queue.
+        engine.run_jobs(ex, _route(state, ex), jobs)
         state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
         if last:
             # undo a non-finite step's changes to the codec states, run the guard, record stats
@@ -693,12 +601,9 @@ def register(
         min_compression_rate=min_compression_rate,
         fallback_codec=fallback_codec,
     )
-    if strategy not in STRATEGIES:
-        raise CommpressError(
-            f"unknown strategy {strategy!r}; accepted: {', '.join(repr(s) for s in STRATEGIES)}"
-        )
+    exchange = get_strategy(strategy)
     for what, c in built.codecs():
-        why = strategy_refusal(c, strategy)
+        why = exchange.refusal(c)
         if why is not None:
             raise CommpressError(f"commpress.ddp.register: strategy {strategy!r} cannot send "
                                  f"{what}: {why}")
@@ -706,7 +611,7 @@ def register(
             feedback_applies(c, error_feedback)  # refused before any group is made
     if group is None:
         group = getattr(model, "process_group", None)
-    if strategy.startswith("hierarchical"):
+    if exchange.needs_local_size:
         require_initialized()
         world = torch.distributed.get_world_size(group)
         if local_size is None:
@@ -739,7 +644,7 @@ def register(
         timeout=timeout,
         guard=guard,
     )
-    if strategy.startswith("hierarchical") and local_size is not None:
+    if exchange.needs_local_size and local_size is not None:
         # The node subgroups are made here, on every rank's main thread in the same order (made
         # later, on the hook's queue thread, they could race with other groups being created).
         # Ranks must first agree on the settings: a rank with another node size would create

@@ -17,341 +17,52 @@ from many threads (DDP buckets, pipelines) are issued in submission order on eve
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import hashlib
-import math
-import os
-import threading
-import warnings
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, TypeAlias, get_args
+from typing import Any, Literal, TypeAlias
 
 import torch
-import torch.distributed as dist
 
 from commpress.codecs.base import Codec, CodecContext
 from commpress.codecs.cast import Identity
 from commpress.codecs.protocol import Reduced
-from commpress.codecs.registry import get_codec
-from commpress.collectives import direct
-from commpress.collectives.driver import (
-    Exchange,
-    Pending,
-    direct_path_applies,
-    dtype_code,
-    name_hash,
-    protocol_task,
-    run_tasks,
-    uncompressed_all_reduce,
+from commpress.collectives import checks, direct, engine
+from commpress.collectives.checks import (
+    CHECK_ENV,
+    CHECK_MODES,
+    CheckMode,
+    agree,
+    check_agreement,
+    check_call_order,
+    check_mode,
 )
-from commpress.collectives.queue import OrderedQueue, queue_for
-from commpress.collectives.strategies import (
-    RING_TAG_BASE,
-    gather_protocol,
-    hierarchical_task,
-    local_size_from_env,
-    ring_task,
-)
-from commpress.errors import CommpressError, MismatchError, error_context
+from commpress.collectives.driver import Exchange, direct_path_applies
+from commpress.collectives.queue import queue_for
+from commpress.collectives.strategies import strategy_names
+from commpress.errors import CommpressError
 
+#: The registered strategies' names, for type checkers (the registry is the source of truth:
+#: :func:`commpress.collectives.strategies.strategy_names`).
 Strategy: TypeAlias = Literal[
     "auto", "allreduce", "allgather", "ring", "hierarchical", "hierarchical-compress-first"
 ]
 Op: TypeAlias = Literal["mean", "sum"]
-CheckMode: TypeAlias = Literal["first", "every", "off"]
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
-CHECK_MODES: tuple[str, ...] = get_args(CheckMode)
-#: Environment variable giving the default ``check`` mode (``first`` when unset).
-CHECK_ENV = "COMMPRESS_CHECK"
+STRATEGIES: tuple[str, ...] = strategy_names()
 CodecSpec: TypeAlias = "Codec | str | Mapping[str, Any]"
-_CHECK_ENV_KEY: Any = getattr(os.environ, "encodekey", str)(CHECK_ENV)
-_READ_ENV: Any = object()  # check_mode's "read the environment now"
-
-
-def _check_env_raw() -> Any:
-    """``$COMMPRESS_CHECK`` as ``os.environ`` stores it (``bytes`` on POSIX, ``None`` when
-    unset), for lane keys: ``os.environ.get`` decodes it at each call, which costs as much as
-    the rest of a lane's key."""
-    env = os.environ
-    data = getattr(env, "_data", None)
-    return data.get(_CHECK_ENV_KEY) if data is not None else env.get(CHECK_ENV)
-
-# ---------------------------------------------------------------------------- per-group memory
-_LOCK = threading.Lock()
-#: Codec state kept for callers that pass no ``ctx``: (group id, fingerprint, key) -> dict.
-_STATES: dict[tuple[int, str, str], dict[str, Any]] = {}
-#: Call signatures already checked to agree across ranks: (group id, signature hash).
-_VERIFIED: set[tuple[int, int]] = set()
-#: Signatures by their fields (hashing the fields' text costs more than the dict lookup).
-_SIGNATURES: dict[tuple[Any, ...], int] = {}
-_OFFLOAD: ThreadPoolExecutor | None = None
-#: Threads that submitted calls, per group id; and groups already warned about several.
-_SUBMITTERS: dict[int, set[int]] = {}
-_WARNED: set[int] = set()
-
-
-def _group_id(group: Any) -> int:
-    if group is None or group is getattr(dist.group, "WORLD", None):
-        return id(dist.distributed_c10d._get_default_group())
-    return id(group)
+#: Kept importable here: the refusal of a (codec, strategy) pair, the codec of a spec.
+_resolve_strategy = engine.resolve_strategy
+_as_codec = checks.as_codec
 
 
 def reset_state(group: Any = None) -> None:
     """Forget the codec state and agreement checks kept for calls without ``ctx`` on
     ``group`` (all groups when ``None``)."""
-    with _LOCK:
-        if group is None:
-            _STATES.clear()
-            _VERIFIED.clear()
-            _SUBMITTERS.clear()
-            _WARNED.clear()
-            direct.forget()
-            return
-        gid = _group_id(group)
-        for k in [k for k in _STATES if k[0] == gid]:
-            del _STATES[k]
-        for v in [v for v in _VERIFIED if v[0] == gid]:
-            _VERIFIED.discard(v)
-        _SUBMITTERS.pop(gid, None)
-        _WARNED.discard(gid)
-        direct.forget(gid)
-
-
-def _offload_pool() -> ThreadPoolExecutor:
-    global _OFFLOAD
-    with _LOCK:
-        if _OFFLOAD is None:
-            _OFFLOAD = ThreadPoolExecutor(1, thread_name_prefix="commpress-offload")
-        return _OFFLOAD
-
-
-# ---------------------------------------------------------------------------- checks
-def _as_codec(codec: CodecSpec) -> Codec:
-    with error_context("all_reduce codec"):
-        return get_codec(codec)
-
-
-def check_mode(check: Any, env: Any = _READ_ENV) -> str:
-    """The ``check`` mode to use: ``check`` itself, or ``$COMMPRESS_CHECK`` (default
-    ``"first"``) when it is ``None``. ``False`` means ``"off"`` and ``True`` ``"every"`` (what
-    the boolean options meant before the modes existed). ``env``: the variable's value as
-    already read (``str``, ``bytes`` as ``os.environ`` stores it, or ``None`` when unset)."""
-    if check is None:
-        if env is _READ_ENV:
-            env = os.environ.get(CHECK_ENV)
-        if isinstance(env, bytes):
-            env = os.fsdecode(env)
-        check = (env or "first").strip().lower() or "first"
-        source = f"${CHECK_ENV}"
-    else:
-        source = "check"
-    if check is False:
-        return "off"
-    if check is True:
-        return "every"
-    if check not in CHECK_MODES:
-        raise CommpressError(
-            f"{source} must be one of {', '.join(repr(m) for m in CHECK_MODES)}, got {check!r}"
-        )
-    return str(check)
-
-
-def _note_submitter(q: OrderedQueue, group: Any, mode: str, *, stacklevel: int) -> None:
-    """Warn once per group when calls come from several threads without per-call checks.
-
-    The order in which threads' calls reach the group's queue may then differ between ranks,
-    and only ``check="every"`` catches that before mismatched collectives are paired (calls of
-    equal sizes would silently mix tensors; unequal ones make gloo abort).
-    """
-    if q.on_worker_thread():
-        return  # a call nested in a queue job is not another submitter
-    gid = _group_id(group)
-    me = threading.get_ident()
-    with _LOCK:
-        seen = _SUBMITTERS.setdefault(gid, set())
-        if me in seen or len(seen) >= 8:
-            return
-        seen.add(me)
-        warn = len(seen) > 1 and mode != "every" and gid not in _WARNED
-        if warn:
-            _WARNED.add(gid)
-    if warn:
-        warnings.warn(
-            "commpress: all_reduce calls on this process group come from several threads; "
-            "every rank must submit them in the same order. If the order can differ between "
-            "ranks, pass check='every' (or set COMMPRESS_CHECK=every), which verifies it at "
-            "every call for one tiny all-reduce",
-            RuntimeWarning,
-            stacklevel=stacklevel + 1,
-        )
-
-
-def _resolve_strategy(codec: Codec, strategy: str) -> str:
-    if strategy not in STRATEGIES:
-        raise CommpressError(
-            f"unknown strategy {strategy!r}; accepted: {', '.join(repr(s) for s in STRATEGIES)}"
-        )
-    if strategy == "auto":
-        return "protocol"
-    if strategy == "allreduce":
-        if not (codec.summable or codec.multi_round):
-            raise CommpressError(
-                f"codec {codec.codec_id!r} is not summable: its payloads cannot be added by an "
-                "all-reduce; use strategy 'auto', 'allgather' or 'ring'"
-            )
-        return "protocol"
-    if strategy in ("allgather", "ring", "hierarchical-compress-first") and codec.multi_round:
-        raise CommpressError(
-            f"codec {codec.codec_id!r} needs several exchange rounds; strategy {strategy!r} "
-            "supports single-round codecs only (use 'auto', 'allreduce' or 'hierarchical')"
-        )
-    return strategy
-
-
-def agree(ex: Exchange, fields: Mapping[str, int], *, hint: str, device: torch.device) -> None:
-    """All-gather ``fields`` (name -> int64 value) from every rank and compare them.
-
-    Every rank sees every rank's row, so either all ranks return or all raise the same
-    :class:`~commpress.errors.MismatchError` (a :class:`CommpressError`), naming the fields
-    that differ and the ranks that differ from rank 0, followed by ``hint`` (what this rank
-    has and what the caller must fix).
-    """
-    if ex.world_size == 1:
-        return
-    mine = torch.tensor([int(v) for v in fields.values()], dtype=torch.int64)
-    rows = [torch.empty_like(mine, device=device) for _ in range(ex.world_size)]
-    ex.wait(
-        Pending(
-            [dist.all_gather(rows, mine.to(device), group=ex.group, async_op=True)],
-            "agreement check",
-        )
-    )
-    table = [r.cpu().tolist() for r in rows]
-    mismatched = [
-        name for i, name in enumerate(fields) if any(row[i] != table[0][i] for row in table)
-    ]
-    if mismatched:
-        differing = [r for r, row in enumerate(table) if row != table[0]]
-        raise MismatchError(
-            f"{ex.label}: ranks disagree on {', '.join(mismatched)} (ranks {differing} differ "
-            f"from rank 0; this is rank {ex.rank}). {hint}"
-        )
-
-
-def check_agreement(
-    ex: Exchange,
-    codec: Codec,
-    x: torch.Tensor,
-    *,
-    key: str,
-    strategy: str,
-    op: str,
-    bucket_elems: int,
-    local_size: int,
-    depth: int,
-    offload: bool = False,
-    every: bool,
-    gid: int | None = None,
-) -> int:
-    """On the first call with this signature, make sure every rank made the same call.
-
-    Each rank contributes its codec fingerprint, tensor key, shape and dtype, strategy, op,
-    bucketing, node size, pipeline depth, offload and check mode (everything that shapes the
-    exchanges). Every rank sees every contribution, so either all proceed or all raise the same
-    :class:`CommpressError` (never a hang on mismatched collectives). With ``every``, later
-    calls with a verified signature compare the signature itself (a stable 63-bit hash of
-    those fields) in one tiny all-reduce (:func:`check_call_order`), which catches calls made
-    in a different order on different ranks. Returns the signature.
-    """
-    fp = codec.fingerprint()
-    shape = tuple(x.shape)
-    ident = (fp, key, shape, x.dtype, strategy, op, bucket_elems, local_size, depth, offload, every)
-    if gid is None:
-        gid = _group_id(ex.group)
-    with _LOCK:
-        signature = _SIGNATURES.get(ident)
-        verified = signature is not None and (gid, signature) in _VERIFIED
-    if verified:
-        assert signature is not None
-        if every:
-            check_call_order(ex, signature, key=key, device=ex.comm_device(x.device))
-        return signature
-    fields = {
-        "codec fingerprint": int(fp[:15], 16),
-        "tensor key": name_hash(key),
-        "numel": x.numel(),
-        "shape": name_hash(repr(shape)),
-        "dtype": dtype_code(x.dtype),
-        "strategy": name_hash(strategy),
-        "op": name_hash(op),
-        "bucket elements": bucket_elems,
-        "local size": local_size,
-        "pipeline depth": depth,
-        "offload": int(offload),
-        "check mode": int(every),
-    }
-    digest = hashlib.blake2b(repr(tuple(fields.values())).encode(), digest_size=8).digest()
-    signature = int.from_bytes(digest, "little") >> 1
-    agree(
-        ex,
-        fields,
-        device=ex.comm_device(x.device),
-        hint=(
-            f"This rank has codec {codec} (fingerprint {fp}), key {key!r}, shape "
-            f"{tuple(x.shape)} {x.dtype}, strategy {strategy!r}, op {op!r}. Every rank must "
-            "call all_reduce with the same codec configuration, tensor shape and options, in "
-            "the same order"
-        ),
-    )
-    with _LOCK:
-        _VERIFIED.add((gid, signature))
-        if len(_SIGNATURES) >= 65536:
-            _SIGNATURES.clear()
-        _SIGNATURES[ident] = signature
-    return signature
-
-
-def check_call_order(ex: Exchange, signature: int, *, key: str, device: torch.device) -> None:
-    """Make sure every rank is at the same call: one tiny all-reduce (MAX of ``[s, -s]``).
-
-    Calls whose signature was verified once (:func:`check_agreement`) can still be issued in a
-    different order on different ranks (threads racing to submit); that would silently pair
-    different tensors. The maximum and the negated minimum of the signatures are equal on
-    every rank, so a disagreement raises the same :class:`CommpressError` everywhere.
-    """
-    if ex.world_size == 1:
-        return
-    t = torch.tensor([signature, -signature], dtype=torch.int64, device=device)
-    ex.wait(
-        Pending(
-            [dist.all_reduce(t, dist.ReduceOp.MAX, group=ex.group, async_op=True)],
-            "call order check",
-        )
-    )
-    hi, neg_lo = t.cpu().tolist()
-    if hi != -neg_lo:
-        raise CommpressError(
-            f"{ex.label}: ranks are at different calls (this rank {ex.rank} reduces key {key!r} "
-            "here, another rank a tensor with another key, shape, codec or options). Calls on a "
-            "group must be made in the same order on every rank: submit them from one thread, "
-            "or in a fixed order; check='first' skips this per-call check"
-        )
+    gid = None if group is None else checks.group_id(group)
+    engine.forget(gid)
+    checks.forget(gid)
+    direct.forget(gid)
 
 
 # ---------------------------------------------------------------------------- the reduction
-def _bucket_slices(shape: tuple[int, ...], bucket_elems: int) -> tuple[list[tuple[int, int]], int]:
-    """Bucket boundaries in units of whole rows (tensors of 2+ dimensions, so that every
-    bucket is still a matrix for low-rank codecs) or of elements; returns them and the unit."""
-    numel = math.prod(shape)
-    unit = math.prod(shape[1:]) if len(shape) >= 2 else 1
-    if bucket_elems <= 0 or numel <= bucket_elems or unit == 0:
-        return [(0, numel // max(unit, 1))], max(unit, 1)
-    length, step = numel // unit, max(1, bucket_elems // unit)
-    return [(lo, min(lo + step, length)) for lo in range(0, length, step)], unit
-
-
 def reduce(
     tensor: torch.Tensor,
     codec: CodecSpec,
@@ -374,7 +85,8 @@ def reduce(
 ) -> Reduced:
     """Reduce ``tensor`` across ``group`` on the calling thread; returns a :class:`Reduced`.
 
-    This is the engine behind :func:`all_reduce`; it does not go through the ordered queue,
+    It runs the engine (:func:`commpress.collectives.engine.reduce`) behind :func:`all_reduce`;
+    it does not go through the ordered queue,
     so it must be called from the group's queue thread or from a single thread per group
     (:func:`all_reduce` and :func:`all_reduce_async` take care of that). Arguments are those
     of :func:`all_reduce`, plus:
@@ -418,154 +130,13 @@ def reduce(
             (identity) and ``op="sum"`` this avoids every copy; otherwise the total is copied
             back at the end.
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise CommpressError(f"all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
-    codec = _as_codec(codec)
-    if op not in ("mean", "sum"):
-        raise CommpressError(f"op must be 'mean' or 'sum', got {op!r}")
-    if not isinstance(key, str):
-        raise CommpressError(f"key must be a str naming the tensor, got {key!r}")
-    plan = _resolve_strategy(codec, strategy)
-    x = codec.check_input(tensor)
-    ex = Exchange.of(group, timeout=timeout, label=_call_label(key, codec))
-    if stats is not None:
-        ex.stats = stats
-    if inplace and not tensor.is_contiguous():
-        raise CommpressError("inplace=True needs a contiguous tensor")
-    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or bucket_bytes <= 0):
-        raise CommpressError(
-            f"bucket_bytes must be a positive integer or None, got {bucket_bytes!r}"
-        )
-    bucket_elems = 0 if bucket_bytes is None else max(1, bucket_bytes // x.element_size())
-    if (
-        isinstance(pipeline_depth, bool)
-        or not isinstance(pipeline_depth, int)
-        or pipeline_depth < 1
-    ):
-        raise CommpressError(f"pipeline_depth must be an int >= 1, got {pipeline_depth!r}")
-    if plan.startswith("hierarchical"):
-        local_size = local_size_from_env(ex.world_size) if local_size is None else local_size
-    else:
-        local_size = 0
-    if ctx is not None and (ctx.rank, ctx.world_size) != (ex.rank, ex.world_size):
-        raise CommpressError(
-            f"ctx says rank {ctx.rank} of {ctx.world_size}, but this process is rank {ex.rank} "
-            f"of {ex.world_size} in the group"
-        )
-    need_local = need_local or (ctx is not None and ctx.need_local)
-    if inplace and not need_local:
-        # The codec's payload may alias the input (identity): the reduction may then run in
-        # the input's memory. Not with need_local, whose decoded contribution would alias it.
-        ex.writable = tensor.detach().reshape(-1)
-    # Buckets of a hierarchical reduction run one after the other: its steps use several
-    # groups, and a rank's intra-node peers sit in different inter-node groups whose codec
-    # protocols may take different numbers of steps (shards differ), so interleaving buckets
-    # could order intra-node operations differently on different ranks.
-    depth = 1 if plan.startswith("hierarchical") else pipeline_depth
-    # Codec work on the offload pool adds wait points to the tasks, which are points of the
-    # scheduler's rotation: every rank must make the same choice, so it is part of the signature.
-    pool = _offload_pool() if offload else None
-    gid = _group_id(group)
-    mode = check_mode(check)
-    if mode != "off":
-        check_agreement(
-            ex,
-            codec,
-            x,
-            key=key if ctx is None else ctx.key,
-            strategy=strategy,
-            offload=offload,
-            op=op,
-            bucket_elems=bucket_elems,
-            local_size=local_size,
-            depth=depth,
-            every=mode == "every",
-            gid=gid,
-        )
-    slices, unit = _bucket_slices(tuple(x.shape), bucket_elems)
-    many = len(slices) > 1
-    if plan == "protocol" and type(codec) is Identity and not many and not need_local and not pool:
-        # No codec work to schedule: one plain all-reduce (same result as the protocol).
-        plain = uncompressed_all_reduce(x, ex, average=op == "mean")
-        if plain is not None:
-            return _finish(tensor, plain, inplace)
-    if ctx is None:
-        # Without a key, tensors of different shapes or dtypes must not share codec state
-        # (PowerSGD's Q of a 64x32 matrix cannot serve a 64x48 one).
-        state_key = key or f"<no key: {tuple(x.shape)} {x.dtype}>"
-        with _LOCK:
-            state = _STATES.setdefault((gid, codec.fingerprint(), state_key), {})
-        ctx = CodecContext(
-            rank=ex.rank, world_size=ex.world_size, step=step, key=key, state=state,
-            average=op == "mean", need_local=need_local,
-        )
-    else:
-        ctx = dataclasses.replace(ctx, average=op == "mean", need_local=need_local)
-    rows = x.reshape(-1, *x.shape[1:]) if unit > 1 else x.reshape(-1)
-
-    def bucket_ctx(i: int) -> CodecContext:
-        if not many:
-            return ctx
-        return dataclasses.replace(
-            ctx, key=f"{ctx.key}[{i}]", state=ctx.state.setdefault(f"bucket{i}", {})
-        )
-
-    def piece(i: int) -> torch.Tensor:
-        lo, hi = slices[i]
-        return x if not many else rows[lo:hi]
-
-    def make_protocol(i: int) -> Any:
-        if plan == "allgather":
-            return gather_protocol(codec, piece(i), bucket_ctx(i))
-        return codec.reduce(piece(i), bucket_ctx(i))
-
-    def make_task(i: int) -> Any:
-        # With offload every strategy runs its codec work on the pool; the scheduler's thread
-        # alone issues the collectives, in the same order as without it (see run_tasks).
-        tag = RING_TAG_BASE + 4 * (i % 4096)
-        if plan == "ring":
-            return ring_task(codec, piece(i), bucket_ctx(i), ex, tag=tag, pool=pool)
-        if plan.startswith("hierarchical"):
-            return hierarchical_task(
-                codec,
-                piece(i),
-                bucket_ctx(i),
-                ex,
-                local_size=local_size,
-                compress_first=plan == "hierarchical-compress-first",
-                tag=tag,
-                pool=pool,
-            )
-        return protocol_task(make_protocol(i), ex, pool=pool)
-
-    tasks = [functools.partial(make_task, i) for i in range(len(slices))]
-    results: list[Reduced] = run_tasks(tasks, ex, depth=depth)
-    if not many:
-        reduced = results[0]
-    else:
-        total = torch.cat([r.total.reshape(-1) for r in results]).reshape(x.shape)
-        local = None
-        if ctx.need_local:
-            local = torch.cat([r.local.reshape(-1) for r in results if r.local is not None])
-            local = local.reshape(x.shape)
-        reduced = Reduced(total=total, local=local)
-    return _finish(tensor, reduced, inplace)
-
-
-def _call_label(key: str, codec: Codec) -> str:
-    """How errors name an all-reduce call."""
-    call = f"all_reduce of {key!r}" if key else "all_reduce"
-    return f"{call} with {codec.codec_id}"
-
-
-def _finish(tensor: torch.Tensor, reduced: Reduced, inplace: bool) -> Reduced:
-    """``reduced``, with the total written into ``tensor`` when ``inplace``."""
-    if not inplace:
-        return reduced
-    out = tensor.detach()
-    if reduced.total.data_ptr() != out.data_ptr() or reduced.total.dtype != out.dtype:
-        out.copy_(reduced.total)
-    return Reduced(total=tensor, local=reduced.local)
+    options = engine.ReduceOptions(
+        group=group, op=op, strategy=strategy, ctx=ctx, key=key, step=step, timeout=timeout,
+        bucket_bytes=bucket_bytes, need_local=need_local, local_size=local_size,
+        offload=offload, pipeline_depth=pipeline_depth, check=check, stats=stats,
+        inplace=inplace,
+    )
+    return engine.reduce(tensor, codec, options)
 
 
 def all_reduce_async(
@@ -609,7 +180,7 @@ def _queued_total(
     mode = check_mode(options.get("check"))
     kwargs = dict(options, group=group, bucket_bytes=bucket_bytes, check=mode)
     q = queue_for(group)
-    _note_submitter(q, group, mode, stacklevel=3)
+    checks.note_submitter(q, group, mode, stacklevel=3)
     if blocking:
         return q.run(_total_of_reduce, tensor, codec, kwargs)
     return q.submit(_total_of_reduce, tensor, codec, kwargs)
@@ -625,7 +196,7 @@ def reduce_async(tensor: torch.Tensor, codec: CodecSpec, **kwargs: Any) -> torch
     This is what a DDP communication hook with error feedback uses (``need_local=True``).
     """
     q = queue_for(kwargs.get("group"))
-    _note_submitter(q, kwargs.get("group"), check_mode(kwargs.get("check")), stacklevel=2)
+    checks.note_submitter(q, kwargs.get("group"), check_mode(kwargs.get("check")), stacklevel=2)
     return q.submit(reduce, tensor, codec, **kwargs)
 
 
@@ -707,7 +278,7 @@ def all_reduce(
     # A call repeating a verified identity signature takes its direct lane (see direct.py).
     lane_key = None
     if ctx is None and timeout is None and bucket_bytes is None:
-        check_env = _check_env_raw()
+        check_env = checks.check_env_raw()
         lane_key = direct.lane_key(tensor, codec, group, op, strategy, key, options, check_env)
         if lane_key is not None:
             lane = direct.find(lane_key)
@@ -741,16 +312,16 @@ def _open_lane(
     as :func:`reduce` makes for it. ``generation`` is :func:`direct.generation` from before the
     call (a reset since then means its agreement record may be gone, so no lane)."""
     c = _as_codec(codec)
-    if type(c) is not Identity or _resolve_strategy(c, strategy) != "protocol":
+    if type(c) is not Identity or not _resolve_strategy(c, strategy).runs_codec_protocol:
         return
-    ex = Exchange.of(group, label=_call_label(key, c))
+    ex = Exchange.of(group, label=engine.call_label(key, c))
     if not direct_path_applies(tensor, ex):
         return
     direct.remember(
         lane_key,
         generation,
         direct.DirectLane(
-            ex, _group_id(group),
+            ex, checks.group_id(group),
             queue_for(group), average=op == "mean", inplace=inplace,
         ),
     )
@@ -762,6 +333,7 @@ def wire_bytes_estimate(tensor: torch.Tensor, codec: CodecSpec) -> int:
 
 
 __all__ = [
+    "CHECK_ENV",
     "CHECK_MODES",
     "STRATEGIES",
     "CheckMode",

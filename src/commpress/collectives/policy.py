@@ -30,6 +30,7 @@ import torch
 from commpress.codecs.base import Codec, CodecContext, require
 from commpress.codecs.protocol import Protocol, Reduced
 from commpress.codecs.registry import get_codec
+from commpress.collectives import engine
 from commpress.collectives.feedback import (
     FALLBACK_REASONS,
     ChoiceReason,
@@ -465,6 +466,11 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(_to_cpu(v) for v in value)
     return value
+
+
+def _codec_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext) -> Protocol:
+    """The codec's own protocol: the exchange of :meth:`CompressionState.reduce`."""
+    return codec.reduce(x, ctx)
 
 
 class CompressionState:
@@ -907,11 +913,12 @@ class CompressionState:
         ``local`` is this worker's decoded contribution when feedback applied. It is
         :meth:`prepare`, the codec's own protocol and :meth:`finish`.
         """
-        plan, x, ctx = self.prepare(
-            key, tensor, rank=rank, world_size=world_size, step=step, average=average, plan=plan
+        return (
+            yield from engine.with_feedback(
+                self, key, tensor, _codec_protocol, rank=rank, world_size=world_size,
+                step=step, average=average, plan=plan,
+            )
         )
-        result = yield from plan.codec.reduce(x, ctx)
-        return self.finish(key, tensor, x, plan, result)
 
     def advance(self) -> int:
         """Move to the next step; returns the step that just ended."""

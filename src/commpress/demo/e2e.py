@@ -974,6 +974,7 @@ def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpu
 
     import commpress.ddp
     from commpress.codecs.registry import get_codec
+    from commpress.collectives.strategies import get_strategy
     from commpress.demo.model import preset
     from commpress.demo.train import train
 
@@ -991,8 +992,8 @@ def _run_one(index: int, setup: Mapping[str, Any], cfg: Mapping[str, Any], corpu
             warmup_codec="fp16", min_numel=int(setup["min_numel"]),
             min_compression_rate=float(setup["min_compression_rate"]), fallback_codec="fp16",
             timeout=float(cfg["hook_timeout_s"]), strategy=strategy,  # type: ignore[arg-type]
-            local_size=int(cfg["procs_per_node"]) if strategy.startswith("hierarchical")
-            else None,
+            local_size=int(cfg["procs_per_node"])
+            if get_strategy(strategy).needs_local_size else None,
         ))
 
     counter = CollectiveBytes()

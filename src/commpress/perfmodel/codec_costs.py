@@ -39,6 +39,7 @@ from commpress.codecs.protocol import AllGather, AllReduce
 from commpress.codecs.registry import get_codec
 from commpress.codecs.simulate import single_worker
 from commpress.collectives.policy import CompressionState
+from commpress.collectives.strategies import get_strategy, strategy_names
 from commpress.errors import CommpressError, error_context
 from commpress.metrics import gaussian, heavy_tailed, nmse
 from commpress.perfmodel import collectives as coll
@@ -47,9 +48,8 @@ from commpress.perfmodel.timeline import Segment
 
 #: Largest sample (elements) encoded to measure wire bytes; larger tensors are extrapolated.
 SAMPLE_MAX = 1 << 16
-STRATEGIES: tuple[str, ...] = (
-    "auto", "allreduce", "allgather", "ring", "hierarchical", "hierarchical-compress-first"
-)
+#: The registered strategies (:mod:`commpress.collectives.strategies`).
+STRATEGIES: tuple[str, ...] = strategy_names()
 
 
 # ---------------------------------------------------------------------------- throughput
@@ -627,10 +627,7 @@ class ExchangeConfig:
     codec_time_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise CommpressError(
-                f"unknown strategy {self.strategy!r}; accepted: {', '.join(STRATEGIES)}"
-            )
+        get_strategy(self.strategy)  # an unknown one is refused with the accepted ones
         if self.algorithm not in coll.ALLREDUCE_ALGORITHMS:
             raise CommpressError(
                 f"unknown all-reduce algorithm {self.algorithm!r}; accepted: "
@@ -799,27 +796,19 @@ class _Planner:
             return []
         ranks = cfg.cluster.world_size
         link = cfg.cluster.bottleneck
-        strategy = cfg.strategy
-        single_only = ("allgather", "ring", "hierarchical-compress-first")
-        if strategy in single_only and codec.multi_round:
-            raise CommpressError(
-                f"codec {codec.codec_id!r} needs several exchange rounds; strategy "
-                f"{strategy!r} supports single-round codecs only (use 'auto', 'allreduce' or "
-                "'hierarchical')"
-            )
-        if strategy == "allreduce" and not (codec.summable or codec.multi_round):
-            raise CommpressError(
-                f"codec {codec.codec_id!r} is not summable: its payloads cannot be added by an "
-                "all-reduce; use strategy 'auto', 'allgather' or 'ring'"
-            )
-        if strategy in ("auto", "allreduce"):
+        strategy = get_strategy(cfg.strategy)
+        why = strategy.refusal(codec)
+        if why is not None:
+            raise CommpressError(why)
+        # The strategy's cost description (data from the registry), priced here.
+        cost = strategy.cost
+        if cost.pattern == "protocol":
             return self.protocol(shape, ranks, link)
-        if strategy == "allgather":
+        if cost.pattern == "allgather":
             return self.gather(shape, ranks, link)
-        if strategy == "ring":
+        if cost.pattern == "ring":
             return self.ring(numel, ranks, link)
-        return self.hierarchical(shape if shape else (1,),
-                                 strategy == "hierarchical-compress-first")
+        return self.hierarchical(shape if shape else (1,), cost.compress_first)
 
     def local_roundtrip(self, numel: int) -> list[Segment]:
         """``decode(encode(x))`` of the whole tensor: the error-feedback residual's reference

@@ -21,6 +21,7 @@ from typing import Any
 
 from commpress.codecs.registry import get_codec
 from commpress.collectives.feedback import compression_rate, dense_codec_ids, feedback_applies
+from commpress.collectives.strategies import get_strategy
 from commpress.errors import CommpressError, error_context
 from commpress.perfmodel.codec_costs import (
     ExchangeConfig,
@@ -401,7 +402,7 @@ class HookPlan:
 
     def depth_for(self, strategy: str) -> int:
         """Exchanges in flight inside a bucket with ``strategy``."""
-        return 1 if strategy.startswith("hierarchical") else self.depth
+        return get_strategy(strategy).depth(self.depth)
 
     def choose(self, codec: Any, shape: Shape) -> Any:
         """The codec the hook sends a tensor of ``shape`` with (after any warm-up)."""
@@ -629,7 +630,7 @@ def _predict_hooked(
     owners: list[int] = []
     wire = 0.0
     cache: dict[tuple[str, bool, tuple[Shape, ...]], Any] = {}
-    roundtrip = strategy in ("ring", "hierarchical", "hierarchical-compress-first")
+    roundtrip = get_strategy(strategy).local_is_roundtrip
     for b, (codec, bucket) in enumerate(zip(codecs, workload.buckets, strict=True)):
         feedback = roundtrip and hook.feedback(codec)
         for c, shapes in hook.bucket_jobs(codec, bucket):

@@ -1,34 +1,24 @@
-"""Ways of exchanging a tensor across ranks, each a *task* run by :func:`driver.run_tasks`.
+"""Pieces shared by the ring and hierarchical strategies.
 
-* :func:`gather_protocol` -- all-gather of payloads, then decode and add in rank order (any
-  single-round codec, summable or not).
-* :func:`ring_task` -- reduce-scatter and all-gather built from point-to-point messages with the
-  codec in the wire: at each hop of the reduce-scatter the received partial sum is decoded, the
-  local chunk is added and the result is re-encoded for the next hop (how a compressing NIC
-  such as NetZIP sits in a ring). With a lossless codec the result is bit-identical to the
-  uncompressed ring.
-* :func:`hierarchical_task` -- ranks on one node reduce-scatter uncompressed (fast local link),
-  each local rank exchanges its shard compressed with its peers on the other nodes, then the
-  node all-gathers (SqueezeNIC's "local reduction, then compression"). The
-  ``compress_first`` variant compresses before the local reduction too (the intra-node
-  reduce-scatter is a ring with the codec in the wire).
+* point-to-point payload messages around a ring (:class:`_Link`, :func:`padded_payload_meta`,
+  also used by :mod:`commpress.collectives.p2p`);
+* the ring reduce-scatter with the codec in the wire (:func:`ring_reduce_scatter`) and the ring
+  all-gather of payloads (:func:`ring_all_gather_payloads`), and :func:`chunk_bounds`;
+* node groups for the hierarchical strategies (:func:`node_groups`,
+  :func:`prepare_node_groups`, :func:`local_size_from_env`) and their uncompressed intra-node
+  reduce-scatter and all-gather.
 
-Every strategy leaves the **identical** result on every rank: whatever is lossy is decoded from
-one payload that all ranks decode, and float additions happen once, on one rank, before the
-result is distributed bit for bit.
-
-Every task takes a keyword-only ``pool`` (an offload pool of one worker thread, see
-:func:`commpress.collectives.driver.offloaded`): with it, every encode and decode (and every
-step of a codec's protocol) runs on the pool while the scheduler's thread waits for transfers
-and issues the other buckets' operations. The operations issued and their order, and the
-arithmetic, are the same with and without a pool, so results are bit-identical.
+Every piece takes a keyword-only ``pool`` where it does codec work (an offload pool of one
+worker thread, see :func:`commpress.collectives.driver.offloaded`): the operations issued and
+their order, and the arithmetic, are the same with and without a pool, so results are
+bit-identical.
 """
+
 
 from __future__ import annotations
 
 import datetime
 import functools
-import math
 import os
 import threading
 import time
@@ -42,10 +32,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
 
 from commpress.codecs.base import Codec, CodecContext, Payload
-from commpress.codecs.protocol import AllGather, Protocol, Reduced
 from commpress.collectives.driver import (
     Exchange,
-    OffloadedWork,
     Pending,
     classify_failure,
     name_hash,
@@ -54,8 +42,6 @@ from commpress.collectives.driver import (
     packed_layout,
     parse_payload_meta,
     payload_meta,
-    protocol_task,
-    submit_offload,
     sum_in_place,
     unpack_bytes,
 )
@@ -67,22 +53,6 @@ RING_TAG_BASE = 0x5C0000
 MAX_P2P_PARTS = 8
 _DIMS = 8
 PADDED_META_LEN = 2 + MAX_P2P_PARTS * (2 + _DIMS)
-
-
-# ---------------------------------------------------------------------------- all-gather
-def gather_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext) -> Protocol:
-    """Protocol that all-gathers payloads and adds the decodings in rank order.
-
-    It is the default protocol of non-summable codecs, offered for summable ones too (it trades
-    ``world_size`` times the received bytes for decoding each payload once and never adding
-    compressed lanes).
-    """
-    payload = codec.encode(x, ctx)
-    local = codec.decode(payload, ctx) if ctx.need_local else None
-    gathered = yield AllGather(payload)
-    total = codec.sum_decoded(gathered, ctx)
-    return Reduced(total=codec.finish_total(total, ctx), local=local)
-
 
 # ---------------------------------------------------------------------------- p2p messages
 def padded_payload_meta(payload: Payload) -> torch.Tensor:
@@ -300,83 +270,6 @@ def _own_local(codec: Codec, x: torch.Tensor, ctx: CodecContext) -> torch.Tensor
 def _decode_piece(codec: Codec, payload: Payload, ctx: CodecContext) -> torch.Tensor:
     return codec.decode(payload, ctx).reshape(-1)
 
-
-def ring_task(
-    codec: Codec,
-    x: torch.Tensor,
-    ctx: CodecContext,
-    ex: Exchange,
-    *,
-    tag: int = RING_TAG_BASE,
-    pool: ThreadPoolExecutor | None = None,
-) -> Generator[Pending, None, Reduced]:
-    """All-reduce ``x`` around a ring with ``codec`` on every hop (see the module docstring).
-
-    1. :func:`ring_reduce_scatter` leaves rank ``r`` with the sum of chunk ``(r + 1) mod n``.
-    2. That rank encodes the sum once; the payloads travel around the ring unchanged
-       (:func:`ring_all_gather_payloads`) and every rank decodes all ``n`` of them, so all ranks
-       hold the same bits.
-    3. With ``ctx.average`` the total is divided by ``n``.
-
-    ``local`` (when ``ctx.need_local``) is ``decode(encode(x))``: in a ring a rank's own
-    contribution is never sent alone, so this is the error-feedback residual's best proxy.
-
-    ``pool``: an offload pool (one worker thread) for the codec work: the hop encodes and
-    decode-and-adds of step 1 and the final encode of step 2 run there while the scheduler
-    serves other buckets; the ``n`` decodes of step 2 (and ``local``) are submitted as the
-    payloads arrive, so they overlap the remaining all-gather hops. Only the scheduler's thread
-    sends and receives, in the same order as without a pool; the pool computes the same values,
-    so the result is bit-identical. Tuning: offloading can only pay when encoding or decoding a
-    bucket costs about as much as transferring it; with a cheap codec (identity, fp16) the
-    hand-offs (about 0.1 ms each on a CPU, ``3(n-1) + n`` per bucket) cost more than they
-    hide.
-    """
-    if codec.multi_round:
-        raise CommpressError(
-            f"codec {codec.codec_id!r} needs several rounds and cannot run in a ring; use "
-            "strategy 'auto' or 'allreduce'"
-        )
-    flat = x.detach().reshape(-1)
-    if pool is None:
-        local = _own_local(codec, x, ctx) if ctx.need_local else None
-        if flat.numel() == 0:
-            return Reduced(total=x.detach().clone(), local=local)
-    elif flat.numel() == 0:
-        own = functools.partial(_own_local, codec, x, ctx)
-        local = (yield from offloaded(pool, own, "local contribution")) if ctx.need_local else None
-        return Reduced(total=x.detach().clone(), local=local)
-    n = ex.world_size
-    chunk, total_chunk = yield from ring_reduce_scatter(codec, flat, ctx, ex, tag, pool=pool)
-    final_ctx = _hop_ctx(ctx, ex, f"ag{chunk}")
-    encode = functools.partial(codec.encode, total_chunk, final_ctx)
-    mine = yield from offloaded(pool, encode, "all-gather encode")
-    sizes = [hi - lo for lo, hi in chunk_bounds(flat.numel(), n)]
-    if pool is None:
-        payloads = yield from ring_all_gather_payloads(codec, mine, chunk, sizes, ex, tag)
-        pieces = [
-            _decode_piece(codec, p, _hop_ctx(ctx, ex, f"ag{c}")) for c, p in enumerate(payloads)
-        ]
-    else:
-        local_work = (
-            submit_offload(pool, functools.partial(_own_local, codec, x, ctx), "local contribution")
-            if ctx.need_local
-            else None
-        )
-        decodes: dict[int, OffloadedWork] = {}
-
-        def decode_later(c: int, payload: Payload) -> None:
-            fn = functools.partial(_decode_piece, codec, payload, _hop_ctx(ctx, ex, f"ag{c}"))
-            decodes[c] = submit_offload(pool, fn, f"all-gather decode of chunk {c}")
-
-        yield from ring_all_gather_payloads(
-            codec, mine, chunk, sizes, ex, tag, on_receive=decode_later
-        )
-        works = [decodes[c] for c in range(n)]
-        yield Pending([*works, local_work], "all-gather decodes")
-        pieces = [w.result() for w in works]
-        local = None if local_work is None else local_work.result()
-    total = torch.cat(pieces).reshape(x.shape).to(x.dtype)
-    return Reduced(total=codec.finish_total(total, ctx), local=local)
 
 
 def reference_ring_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -632,119 +525,16 @@ def _all_gather_equal(
     return bufs
 
 
-def hierarchical_task(
-    codec: Codec,
-    x: torch.Tensor,
-    ctx: CodecContext,
-    ex: Exchange,
-    *,
-    local_size: int,
-    compress_first: bool = False,
-    tag: int = RING_TAG_BASE,
-    pool: ThreadPoolExecutor | None = None,
-) -> Generator[Pending, None, Reduced]:
-    """Two-level all-reduce: reduce on the node, exchange shards compressed between nodes.
-
-    Plain variant (``compress_first=False``):
-
-    1. The ``L`` ranks of a node reduce-scatter the tensor *uncompressed* (whole rows of a
-       matrix, padded to a multiple of ``L`` rows; elements of a vector): local rank ``j``
-       holds shard ``j`` summed over its node.
-    2. Local rank ``j`` of every node reduces shard ``j`` across nodes with the codec's own
-       protocol (all-reduce of payloads, all-gather, several rounds: whatever the codec asks),
-       so ``N = world / L`` times fewer bytes leave each node than with a flat exchange of the
-       whole tensor per rank.
-    3. The node all-gathers the shard totals uncompressed.
-
-    ``compress_first=True`` replaces step 1 by a ring reduce-scatter *with the codec in the
-    wire* (:func:`ring_reduce_scatter`), compressing before the local reduction too.
-
-    ``pool``: an offload pool (one worker thread) for the codec work: the codec's protocol
-    steps in step 2 (:func:`~commpress.collectives.driver.protocol_task`), the hops of the
-    compressing reduce-scatter, and ``local`` (``decode(encode(x))`` when ``ctx.need_local``),
-    which is submitted first and overlaps step 1. The intra- and inter-node operations are
-    issued by the scheduler's thread in the same order as without a pool, and the arithmetic
-    is the same, so the result is bit-identical. Buckets of a hierarchical reduction run one
-    after the other (see :func:`commpress.collectives.api.reduce`), so the pool overlaps
-    codec work with this task's own transfers only.
-    """
-    flat = x.detach().reshape(-1)
-    local: torch.Tensor | None = None
-    local_work: OffloadedWork | None = None
-    if ctx.need_local:
-        own = functools.partial(_own_local, codec, x, ctx)
-        if pool is None:
-            local = own()
-        else:
-            local_work = submit_offload(pool, own, "local contribution")
-    numel = flat.numel()
-    if numel == 0:
-        if local_work is not None:
-            yield Pending([local_work], "local contribution")
-            local = local_work.result()
-        return Reduced(total=x.detach().clone(), local=local)
-    intra, inter = node_groups(ex, local_size)
-    L = intra.world_size
-    if compress_first:
-        if codec.multi_round:
-            raise CommpressError(
-                f"codec {codec.codec_id!r} needs several rounds and cannot run in the intra-node "
-                "ring of 'hierarchical-compress-first'; use 'hierarchical'"
-            )
-        chunk, shard = yield from ring_reduce_scatter(codec, flat, ctx, intra, tag, pool=pool)
-        bounds = chunk_bounds(numel, L)
-        width = max(hi - lo for lo, hi in bounds)
-    else:
-        # Shard whole rows of a matrix (so low-rank codecs still see matrices), elements of
-        # a vector; pad to a multiple of L rows.
-        unit = math.prod(x.shape[1:]) if x.dim() >= 2 and numel else 1
-        rows = -(-(numel // unit) // L)
-        width = rows * unit
-        padded = torch.zeros(width * L, dtype=flat.dtype, device=flat.device)
-        padded[:numel] = flat
-        shard = yield from _reduce_scatter_equal(padded, intra, "intra-node reduce-scatter")
-        if unit > 1:
-            shard = shard.reshape(rows, *x.shape[1:])
-        chunk = intra.rank
-    if inter.world_size > 1:
-        shard_ctx = CodecContext(
-            rank=inter.rank,
-            world_size=inter.world_size,
-            step=ctx.step,
-            key=f"{ctx.key}/shard{chunk}",
-            state=ctx.state.setdefault(f"shard{chunk}", {}),
-        )
-        reduced = yield from protocol_task(codec.reduce(shard, shard_ctx), inter, pool=pool)
-        shard = reduced.total
-    piece = torch.zeros(width, dtype=flat.dtype, device=flat.device)
-    piece[: shard.numel()] = shard.reshape(-1)
-    pieces = yield from _all_gather_equal(piece, intra, "intra-node all-gather")
-    if compress_first:
-        # Local rank j holds chunk (j + 1) mod L.
-        by_chunk = {(j + 1) % L: pieces[j] for j in range(L)}
-        total_flat = torch.cat([by_chunk[c][: hi - lo] for c, (lo, hi) in enumerate(bounds)])
-    else:
-        total_flat = torch.cat(pieces)[:numel]
-    total = total_flat.reshape(x.shape).to(x.dtype)
-    if local_work is not None:
-        yield Pending([local_work], "local contribution")
-        local = local_work.result()
-    return Reduced(total=codec.finish_total(total, ctx), local=local)
-
-
 __all__ = [
     "MAX_P2P_PARTS",
     "PADDED_META_LEN",
     "RING_TAG_BASE",
     "chunk_bounds",
-    "gather_protocol",
-    "hierarchical_task",
     "local_size_from_env",
     "node_groups",
-    "prepare_node_groups",
     "padded_payload_meta",
+    "prepare_node_groups",
     "reference_ring_sum",
     "ring_all_gather_payloads",
     "ring_reduce_scatter",
-    "ring_task",
 ]

@@ -1,0 +1,392 @@
+"""The reduction engine: plan -> prepare -> strategy task -> finish, for every caller.
+
+:func:`commpress.all_reduce`, :func:`commpress.all_reduce_async` and :func:`commpress.reduce`
+run :func:`reduce`; the DDP hook (:mod:`commpress.ddp`) and
+:meth:`commpress.collectives.policy.CompressionState.reduce` run :func:`with_feedback` and
+:func:`dense_with_feedback` through :func:`run_jobs`. The steps:
+
+1. **plan** -- which strategy carries the exchange (:func:`resolve_strategy`, a
+   :class:`Route`: strategy, node size, offload pool, pipeline depth) and, for the hook, which
+   codec each tensor is sent with (``state.plan``);
+2. **prepare** -- a codec context per tensor or bucket; with error feedback the compensated
+   input (``state.prepare`` / ``state.compensate``);
+3. **strategy task** -- :meth:`Route.exchange`, the registered strategy's task, pipelined with
+   the other tensors' by :func:`commpress.collectives.driver.run_tasks` (:func:`run_jobs`);
+4. **finish** -- totals assembled (buckets concatenated, written in place), error-feedback
+   memory updated (``state.finish``).
+
+Argument checks and agreement across ranks live in :mod:`commpress.collectives.checks`. The
+identity codec's direct lanes (:mod:`commpress.collectives.direct`) bypass the engine for
+repeated calls. The engine is where reduce-scatter and all-gather will plug in (a
+:class:`Route` whose strategy task returns a shard instead of the total).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from commpress.codecs.base import Codec, CodecContext
+from commpress.codecs.cast import Identity
+from commpress.codecs.protocol import Reduced
+from commpress.collectives import checks
+from commpress.collectives.driver import (
+    Exchange,
+    Pending,
+    run_tasks,
+    uncompressed_all_reduce,
+)
+from commpress.collectives.strategies import (
+    RING_TAG_BASE,
+    ExchangeStrategy,
+    get_strategy,
+    local_size_from_env,
+)
+from commpress.errors import CommpressError
+
+if TYPE_CHECKING:
+    from commpress.collectives.policy import CompressionState, Plan
+
+Y = TypeVar("Y")
+#: One tensor's exchange: ``exchange(codec, x, ctx)`` -> a task (or a protocol) giving the
+#: :class:`Reduced`.
+Exchanger = Callable[[Codec, torch.Tensor, CodecContext], Generator[Any, Any, Reduced]]
+
+_LOCK = threading.Lock()
+#: Codec state kept for callers that pass no ``ctx``: (group id, fingerprint, key) -> dict.
+_STATES: dict[tuple[int, str, str], dict[str, Any]] = {}
+_OFFLOAD: ThreadPoolExecutor | None = None
+
+
+def offload_pool() -> ThreadPoolExecutor:
+    """The shared "codec worker" thread of ``offload=True``."""
+    global _OFFLOAD
+    with _LOCK:
+        if _OFFLOAD is None:
+            _OFFLOAD = ThreadPoolExecutor(1, thread_name_prefix="commpress-offload")
+        return _OFFLOAD
+
+
+def forget(gid: int | None = None) -> None:
+    """Forget the codec states kept for calls without ``ctx`` on group ``gid`` (all when
+    ``None``)."""
+    with _LOCK:
+        if gid is None:
+            _STATES.clear()
+            return
+        for k in [k for k in _STATES if k[0] == gid]:
+            del _STATES[k]
+
+
+# ---------------------------------------------------------------------------- plan
+def resolve_strategy(codec: Codec, strategy: str) -> ExchangeStrategy:
+    """The registered strategy ``strategy``, refusing an unknown name or a codec it cannot
+    carry (:meth:`ExchangeStrategy.refusal`)."""
+    found = get_strategy(strategy)
+    why = found.refusal(codec)
+    if why is not None:
+        raise CommpressError(why)
+    return found
+
+
+def ring_tag(i: int) -> int:
+    """Point-to-point tag base of the ``i``-th exchange in flight (ring messages of two
+    exchanges must not pair up)."""
+    return RING_TAG_BASE + 4 * (i % 4096)
+
+
+@dataclasses.dataclass(slots=True)
+class Route:
+    """How a reduction's exchanges run.
+
+    Attributes:
+        strategy: the registered strategy.
+        local_size: ranks per node when the strategy needs it, else 0.
+        pool: the offload pool for codec work, or ``None``.
+        depth: exchanges in flight at once (the caller's depth, limited by the strategy).
+    """
+
+    strategy: ExchangeStrategy
+    local_size: int = 0
+    pool: ThreadPoolExecutor | None = None
+    depth: int = 2
+
+    @classmethod
+    def of(
+        cls,
+        strategy: ExchangeStrategy,
+        ex: Exchange,
+        *,
+        local_size: int | None = None,
+        pool: ThreadPoolExecutor | None = None,
+        pipeline_depth: int = 2,
+    ) -> Route:
+        """The route of ``strategy`` on ``ex``: a node size from ``local_size`` or
+        ``LOCAL_WORLD_SIZE`` where the strategy needs one (0 otherwise)."""
+        if strategy.needs_local_size:
+            size = local_size_from_env(ex.world_size) if local_size is None else local_size
+        else:
+            size = 0
+        return cls(strategy, size, pool, strategy.depth(pipeline_depth))
+
+    def exchange(
+        self, ex: Exchange, codec: Codec, x: torch.Tensor, ctx: CodecContext, *, tag: int
+    ) -> Generator[Pending, None, Reduced]:
+        """The strategy's task exchanging ``x`` on ``ex``."""
+        return self.strategy.task(
+            codec, x, ctx, ex, tag=tag, pool=self.pool, local_size=self.local_size
+        )
+
+
+def run_jobs(
+    ex: Exchange, route: Route, jobs: Sequence[Callable[[Exchanger], Generator[Pending, None, Y]]]
+) -> list[Y]:
+    """Run ``jobs`` pipelined (``route.depth`` in flight), in the same order on every rank.
+
+    Job ``i`` is called with an :data:`Exchanger` bound to ``ex`` and its own point-to-point
+    tag, and returns its task; the results come back in job order. Tasks are created lazily,
+    when the scheduler starts them.
+    """
+    tasks = [
+        functools.partial(job, functools.partial(route.exchange, ex, tag=ring_tag(i)))
+        for i, job in enumerate(jobs)
+    ]
+    return run_tasks(tasks, ex, depth=route.depth)
+
+
+# ---------------------------------------------------------------------------- all_reduce
+def call_label(key: str, codec: Codec) -> str:
+    """How errors name an all-reduce call."""
+    call = f"all_reduce of {key!r}" if key else "all_reduce"
+    return f"{call} with {codec.codec_id}"
+
+
+def bucket_slices(shape: tuple[int, ...], bucket_elems: int) -> tuple[list[tuple[int, int]], int]:
+    """Bucket boundaries in units of whole rows (tensors of 2+ dimensions, so that every
+    bucket is still a matrix for low-rank codecs) or of elements; returns them and the unit."""
+    numel = math.prod(shape)
+    unit = math.prod(shape[1:]) if len(shape) >= 2 else 1
+    if bucket_elems <= 0 or numel <= bucket_elems or unit == 0:
+        return [(0, numel // max(unit, 1))], max(unit, 1)
+    length, step = numel // unit, max(1, bucket_elems // unit)
+    return [(lo, min(lo + step, length)) for lo in range(0, length, step)], unit
+
+
+def finish_inplace(tensor: torch.Tensor, reduced: Reduced, inplace: bool) -> Reduced:
+    """``reduced``, with the total written into ``tensor`` when ``inplace``."""
+    if not inplace:
+        return reduced
+    out = tensor.detach()
+    if reduced.total.data_ptr() != out.data_ptr() or reduced.total.dtype != out.dtype:
+        out.copy_(reduced.total)
+    return Reduced(total=tensor, local=reduced.local)
+
+
+# Not frozen: a frozen dataclass's __init__ costs about 1 us more per call, on every call.
+@dataclasses.dataclass(slots=True, kw_only=True)
+class ReduceOptions:
+    """How to reduce one tensor: the keywords of :func:`commpress.collectives.api.reduce`
+    (see there), checked once when built."""
+
+    group: Any = None
+    op: str = "mean"
+    strategy: str = "auto"
+    ctx: CodecContext | None = None
+    key: str = ""
+    step: int = 0
+    timeout: float | None = None
+    bucket_bytes: int | None = None
+    need_local: bool = False
+    local_size: int | None = None
+    offload: bool = False
+    pipeline_depth: int = 2
+    check: Any = None
+    stats: dict[str, int] | None = None
+    inplace: bool = False
+
+    def __post_init__(self) -> None:
+        checks.reduce_options(
+            op=self.op, key=self.key, bucket_bytes=self.bucket_bytes, depth=self.pipeline_depth
+        )
+
+
+def reduce(tensor: torch.Tensor, codec: checks.CodecSpec, options: ReduceOptions) -> Reduced:
+    """:func:`commpress.collectives.api.reduce` on the calling thread."""
+    group, op, strategy, ctx, key = (
+        options.group, options.op, options.strategy, options.ctx, options.key
+    )
+    inplace, need_local, offload = options.inplace, options.need_local, options.offload
+    codec = checks.reduction_arguments(tensor, codec)
+    plan = resolve_strategy(codec, strategy)
+    x = codec.check_input(tensor)
+    ex = Exchange.of(group, timeout=options.timeout, label=call_label(key, codec))
+    if options.stats is not None:
+        ex.stats = options.stats
+    bucket_elems = checks.bucket_elements(tensor, x, options.bucket_bytes, inplace=inplace)
+    # Codec work on the offload pool adds wait points to the tasks, which are points of the
+    # scheduler's rotation: every rank must make the same choice, so it is part of the signature.
+    # Buckets of a hierarchical reduction run one after the other (the strategy's depth
+    # limit): its steps use several groups, and a rank's intra-node peers sit in different
+    # inter-node groups whose codec protocols may take different numbers of steps (shards
+    # differ), so interleaving buckets could order intra-node operations differently on
+    # different ranks.
+    route = Route.of(
+        plan, ex, local_size=options.local_size, pool=offload_pool() if offload else None,
+        pipeline_depth=options.pipeline_depth,
+    )
+    checks.ctx_matches(ctx, ex)
+    need_local = need_local or (ctx is not None and ctx.need_local)
+    if inplace and not need_local:
+        # The codec's payload may alias the input (identity): the reduction may then run in
+        # the input's memory. Not with need_local, whose decoded contribution would alias it.
+        ex.writable = tensor.detach().reshape(-1)
+    gid = checks.group_id(group)
+    mode = checks.check_mode(options.check)
+    if mode != "off":
+        checks.check_agreement(
+            ex,
+            codec,
+            x,
+            key=key if ctx is None else ctx.key,
+            strategy=strategy,
+            offload=offload,
+            op=op,
+            bucket_elems=bucket_elems,
+            local_size=route.local_size,
+            depth=route.depth,
+            every=mode == "every",
+            gid=gid,
+        )
+    slices, unit = bucket_slices(tuple(x.shape), bucket_elems)
+    many = len(slices) > 1
+    plain_ok = plan.runs_codec_protocol and type(codec) is Identity
+    if plain_ok and not many and not need_local and not route.pool:
+        # No codec work to schedule: one plain all-reduce (same result as the protocol).
+        plain = uncompressed_all_reduce(x, ex, average=op == "mean")
+        if plain is not None:
+            return finish_inplace(tensor, plain, inplace)
+    if ctx is None:
+        # Without a key, tensors of different shapes or dtypes must not share codec state
+        # (PowerSGD's Q of a 64x32 matrix cannot serve a 64x48 one).
+        state_key = key or f"<no key: {tuple(x.shape)} {x.dtype}>"
+        with _LOCK:
+            state = _STATES.setdefault((gid, codec.fingerprint(), state_key), {})
+        ctx = CodecContext(
+            rank=ex.rank, world_size=ex.world_size, step=options.step, key=key, state=state,
+            average=op == "mean", need_local=need_local,
+        )
+    else:
+        ctx = dataclasses.replace(ctx, average=op == "mean", need_local=need_local)
+    rows = x.reshape(-1, *x.shape[1:]) if unit > 1 else x.reshape(-1)
+
+    def bucket_ctx(i: int) -> CodecContext:
+        if not many:
+            return ctx
+        return dataclasses.replace(
+            ctx, key=f"{ctx.key}[{i}]", state=ctx.state.setdefault(f"bucket{i}", {})
+        )
+
+    def bucket_job(i: int, exchange: Exchanger) -> Generator[Pending, None, Reduced]:
+        # With offload every strategy runs its codec work on the pool; the scheduler's thread
+        # alone issues the collectives, in the same order as without it (see run_tasks).
+        lo, hi = slices[i]
+        return exchange(codec, x if not many else rows[lo:hi], bucket_ctx(i))
+
+    jobs = [functools.partial(bucket_job, i) for i in range(len(slices))]
+    results: list[Reduced] = run_jobs(ex, route, jobs)
+    if not many:
+        reduced = results[0]
+    else:
+        total = torch.cat([r.total.reshape(-1) for r in results]).reshape(x.shape)
+        local = None
+        if ctx.need_local:
+            local = torch.cat([r.local.reshape(-1) for r in results if r.local is not None])
+            local = local.reshape(x.shape)
+        reduced = Reduced(total=total, local=local)
+    return finish_inplace(tensor, reduced, inplace)
+
+
+# ---------------------------------------------------------------------------- with feedback
+def with_feedback(
+    state: CompressionState,
+    key: str,
+    tensor: torch.Tensor,
+    exchange: Callable[[Codec, torch.Tensor, CodecContext], Generator[Y, Any, Reduced]],
+    *,
+    rank: int,
+    world_size: int,
+    step: int | None = None,
+    average: bool = True,
+    plan: Plan | None = None,
+) -> Generator[Y, Any, Reduced]:
+    """One tensor through ``state``: its plan and compensated input (``state.prepare``), the
+    ``exchange`` (a strategy task, or a codec protocol: any generator giving a
+    :class:`Reduced`), then ``state.finish`` (error-feedback memory, the tensor's dtype)."""
+    plan, x, ctx = state.prepare(
+        key, tensor, rank=rank, world_size=world_size, step=step, average=average, plan=plan
+    )
+    result = yield from exchange(plan.codec, x, ctx)
+    return state.finish(key, tensor, x, plan, result)
+
+
+def dense_with_feedback(
+    state: CompressionState,
+    items: list[tuple[str, torch.Tensor]],
+    plans: list[Plan],
+    exchange: Exchanger,
+    *,
+    rank: int,
+    world_size: int,
+    step: int,
+    key: str,
+) -> Generator[Any, Any, None]:
+    """Several tensors sharing an element-wise codec (``plans`` alike in codec and feedback)
+    as one flat exchange, with error feedback kept per tensor (``state.compensate`` and
+    ``state.finish``); writes each tensor's mean into it.
+
+    Element-wise casts give the same values whether tensors are reduced one by one or
+    concatenated (and the same as PyTorch's fp16 hook on the whole bucket), at the cost of one
+    collective.
+    """
+    codec, feedback = plans[0].codec, plans[0].feedback
+    xs = [state.compensate(plan, t) for (_, t), plan in zip(items, plans, strict=True)]
+    flat = xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
+    ctx = CodecContext(
+        rank=rank, world_size=world_size, step=step, key=key, need_local=feedback,
+        average=True,
+    )
+    reduced = yield from exchange(codec, flat, ctx)
+    offset = 0
+    for (k, t), x, plan in zip(items, xs, plans, strict=True):
+        n = t.numel()
+        local = None
+        if feedback:
+            local = reduced.local[offset : offset + n].view(t.shape)  # type: ignore[index]
+        total = reduced.total[offset : offset + n].view(t.shape)
+        t.copy_(state.finish(k, t, x, plan, Reduced(total=total, local=local)).total)
+        offset += n
+
+
+__all__ = [
+    "Exchanger",
+    "ReduceOptions",
+    "Route",
+    "bucket_slices",
+    "call_label",
+    "dense_with_feedback",
+    "finish_inplace",
+    "forget",
+    "offload_pool",
+    "reduce",
+    "resolve_strategy",
+    "ring_tag",
+    "run_jobs",
+    "with_feedback",
+]
