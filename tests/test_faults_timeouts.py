@@ -29,7 +29,8 @@ from commpress import (
     PayloadError,
     PeerLostError,
 )
-from commpress.collectives.strategies import _SUBGROUPS, group_timeout
+from commpress.collectives.strategies import group_timeout
+from commpress.collectives.strategies.helpers import _SUBGROUPS
 from commpress.errors import error_context
 from dist_utils import run_workers
 
