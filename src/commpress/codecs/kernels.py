@@ -513,6 +513,113 @@ def _nb_sign_decode(packed: Any, scale: Any, out: Any) -> None:
             dst[k] = scale if (src[full] >> (k - 8 * full)) & 1 else neg
 
 
+def _nb_stochastic_encode(
+    x: Any,
+    chunk: Any,
+    kind: Any,
+    levels: Any,
+    bits: Any,
+    mode: Any,
+    seed: Any,
+    noise: Any,
+    inv_all: Any,
+    packed: Any,
+) -> None:
+    # kind 0 (qsgd): code = levels +- clamp(floor(|x| * inv + u), 0, levels), NaN -> levels;
+    # kind 1 (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1 (x < 0 -> 0, else 2).
+    # mode 1: u from the internal generator keyed by seed; mode 2: u = noise.
+    n = x.size
+    zero = f32(0.0)
+    top = f32(levels)
+    nunits = (n + UNIT - 1) // UNIT
+    for unit in prange(nunits):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        buf = np.empty(UNIT + 8, np.uint8)
+        i = a
+        c = a // chunk
+        while i < b:
+            e = min((c + 1) * chunk, b)
+            inv = inv_all[c]
+            src = x[i:e]
+            dst = buf[i - a : e - a]
+            for k in range(src.size):
+                v = src[k]
+                u = _nb_uniform(seed, i + k) if mode == 1 else noise[i + k]
+                t = abs(v) * inv
+                if kind == 0:
+                    t = np.floor(t + u)
+                    t = t if t >= zero else zero
+                    t = t if t <= top else top
+                    level = u8(t)
+                    dst[k] = u8(levels) - level if v < zero else u8(levels) + level
+                else:
+                    if u < t:
+                        dst[k] = u8(0) if v < zero else u8(2)
+                    else:
+                        dst[k] = u8(1)
+            i = e
+            c += 1
+        _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+
+
+def _nb_offset_decode(
+    packed: Any, step: Any, chunk: Any, bits: Any, offset: Any, out: Any
+) -> None:
+    # out[i] = (f32(code_i) - offset) * step[chunk of i] (qsgd: offset levels, terngrad 1)
+    n = out.size
+    nunits = (n + UNIT - 1) // UNIT
+    for unit in prange(nunits):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        buf = np.empty(UNIT + 8, np.uint8)
+        _nb_unpack_unit(packed, a // 8 * bits, b - a, bits, buf)
+        i = a
+        c = a // chunk
+        while i < b:
+            e = min((c + 1) * chunk, b)
+            m = step[c]
+            src = buf[i - a : e - a]
+            dst = out[i:e]
+            for k in range(src.size):
+                dst[k] = (f32(src[k]) - offset) * m
+            i = e
+            c += 1
+
+
+def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
+    # the first k distinct values of draws (each in [0, d)), written sorted into out[:k];
+    # returns how many distinct values were found (k, or fewer when draws ran out)
+    bitmap = np.zeros((d + 63) // 64, np.uint64)
+    count = 0
+    for i in range(draws.size):
+        v = draws[i]
+        w = v >> 6
+        bit = u64(1) << u64(v & 63)
+        if not bitmap[w] & bit:
+            bitmap[w] |= bit
+            count += 1
+            if count == k:
+                break
+    if count < k:
+        return count
+    j = 0
+    for w in range(bitmap.size):
+        word = bitmap[w]
+        while word:
+            low = word & (~word + u64(1))  # lowest set bit
+            # its position: count the bits below it
+            pos = 0
+            probe = low >> u64(1)
+            while probe:
+                probe >>= u64(1)
+                pos += 1
+            out[j] = w * 64 + pos
+            j += 1
+            word ^= low
+    return count
+
+
 _HELPERS = (
     "_nb_uniform",
     "_nb_pack_unit",
@@ -522,7 +629,15 @@ _HELPERS = (
     "_nb_chunk_params",
     "_nb_quantize",
 )
-_KERNELS = ("_nb_minmax_encode", "_nb_minmax_decode", "_nb_sign_encode", "_nb_sign_decode")
+_KERNELS = (
+    "_nb_minmax_encode",
+    "_nb_minmax_decode",
+    "_nb_sign_encode",
+    "_nb_sign_decode",
+    "_nb_stochastic_encode",
+    "_nb_offset_decode",
+)
+_SERIAL = ("_nb_first_distinct",)
 
 
 def _build() -> dict[str, Callable[..., Any]]:
@@ -534,12 +649,17 @@ def _build() -> dict[str, Callable[..., Any]]:
     module["prange"] = numba.prange
     for name in _HELPERS:
         module[name] = numba.njit(cache=True, fastmath=False, error_model="numpy")(module[name])
-    return {
+    compiled = {
         name[len("_nb_") :]: numba.njit(
             cache=True, parallel=True, fastmath=False, error_model="numpy"
         )(module[name])
         for name in _KERNELS
     }
+    for name in _SERIAL:
+        compiled[name[len("_nb_") :]] = numba.njit(
+            cache=True, fastmath=False, error_model="numpy"
+        )(module[name])
+    return compiled
 
 
 def _kernel(name: str) -> Callable[..., Any]:
@@ -593,11 +713,28 @@ def minmax_encode(
     return packed, lo, scale
 
 
+def _out32(out: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``out`` viewed as ``n`` contiguous fp32 values, or a fresh such tensor."""
+    if out is None:
+        return torch.empty(n, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+        raise CommpressError(f"kernel output must be {n} contiguous float32 values")
+    return out.view(-1)
+
+
 def minmax_decode(
-    packed: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, *, chunk: int, bits: int, n: int
+    packed: torch.Tensor,
+    lo: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    chunk: int,
+    bits: int,
+    n: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`minmax_encode`: ``n`` fp32 values ``code * scale + min``."""
-    out = torch.empty(n, dtype=torch.float32)
+    """Inverse of :func:`minmax_encode`: ``n`` fp32 values ``code * scale + min`` (written
+    into ``out``, ``n`` contiguous fp32 values, when given)."""
+    out = _out32(out, n)
     with _launch():
         _kernel("minmax_decode")(
             _np(packed.contiguous()),
@@ -621,16 +758,93 @@ def sign_encode(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     return packed, float(partial.sum())
 
 
-def sign_decode(packed: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
-    """``n`` fp32 values: ``+scale`` where the bit is 1, ``-scale`` where it is 0."""
-    out = torch.empty(n, dtype=torch.float32)
+def sign_decode(
+    packed: torch.Tensor, scale: torch.Tensor, n: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``n`` fp32 values: ``+scale`` where the bit is 1, ``-scale`` where it is 0 (written
+    into ``out`` when given)."""
+    out = _out32(out, n)
     with _launch():
         _kernel("sign_decode")(_np(packed.contiguous()), np.float32(scale.item()), _np(out))
     return out
 
 
+def stochastic_encode(
+    x: torch.Tensor,
+    inv: torch.Tensor,
+    *,
+    kind: Literal["qsgd", "terngrad"],
+    chunk: int,
+    levels: int,
+    bits: int,
+    seed: int = 0,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed ``bits``-bit codes of QSGD (``kind="qsgd"``: ``levels +- floor(|x| inv + u)``
+    clamped to ``[0, levels]``) or TernGrad (``"terngrad"``: ``1 + sign(x)`` where ``u <
+    |x| inv``, else 1) for a 1-D contiguous fp32 CPU tensor, with ``inv`` per chunk. ``u``
+    comes from ``noise`` when given, else from the internal generator keyed by ``seed``."""
+    n = x.numel()
+    packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+    if noise is not None:
+        mode, noise_np = 2, _np(noise)
+    else:
+        mode, noise_np = 1, np.zeros(1, np.float32)
+    with _launch():
+        _kernel("stochastic_encode")(
+            _np(x),
+            chunk,
+            0 if kind == "qsgd" else 1,
+            levels,
+            bits,
+            mode,
+            np.uint64(seed),
+            noise_np,
+            _np(inv.contiguous()),
+            _np(packed),
+        )
+    return packed
+
+
+def offset_decode(
+    packed: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    chunk: int,
+    bits: int,
+    offset: float,
+    n: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``n`` fp32 values ``(code - offset) * step[chunk]`` from packed ``bits``-bit codes
+    (written into ``out`` when given)."""
+    out = _out32(out, n)
+    with _launch():
+        _kernel("offset_decode")(
+            _np(packed.contiguous()),
+            _np(step.contiguous()),
+            chunk,
+            bits,
+            np.float32(offset),
+            _np(out),
+        )
+    return out
+
+
+def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
+    """The first ``k`` distinct values of ``draws`` (int64 in ``[0, d)``, CPU), sorted
+    ascending; ``None`` when ``draws`` holds fewer than ``k`` distinct values."""
+    out = torch.empty(k, dtype=torch.int64)
+    with _launch():
+        found = _kernel("first_distinct")(_np(draws.contiguous()), k, d, _np(out))
+    return out if found >= k else None
+
+
 __all__ = [
     "ENV_VAR",
+    "first_distinct",
+    "offset_decode",
+    "stochastic_encode",
     "available",
     "minmax_decode",
     "minmax_encode",

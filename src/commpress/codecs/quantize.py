@@ -124,6 +124,18 @@ def _chunk_norms(view: torch.Tensor) -> torch.Tensor:
     return norm
 
 
+def _max_abs(view: torch.Tensor) -> torch.Tensor:
+    """``max |v|`` of each row of a ``(chunks, chunk)`` view without materialising ``|v|``:
+    ``|max(-min, max)|`` (the outer ``abs`` turns a ``-0.0`` into ``+0.0``, as ``amax`` of
+    ``|v|`` gives). Equal to ``view.abs().amax(dim=1)`` bit for bit on finite rows; rows with
+    a NaN give a NaN."""
+    if view.shape[0] == 1:  # one row: a full reduction parallelizes, a row-wise one does not
+        lo, hi = (t.reshape(1) for t in torch.aminmax(view))
+    else:
+        lo, hi = torch.aminmax(view, dim=1)
+    return torch.maximum(lo.neg_(), hi).abs_()
+
+
 def _flat32(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).to(torch.float32).contiguous()
 
@@ -138,6 +150,15 @@ def _kernel_seed(ctx: CodecContext, seed: int) -> int:
     """A 63-bit seed for the CPU kernels' own generator, from this worker's stream."""
     g = ctx.generator(seed, shared=False, device=torch.device("cpu"))
     return int(torch.randint(0, SEED_LIMIT - 1, (1,), generator=g).item())
+
+
+def _into(result: torch.Tensor, payload: Payload, out: torch.Tensor | None) -> torch.Tensor:
+    """``result`` with the payload's shape, copied into ``out`` unless it already is it."""
+    if out is None:
+        return result.reshape(payload.shape)
+    if result.data_ptr() != out.data_ptr():
+        out.view(-1).copy_(result.reshape(-1))
+    return out
 
 
 def _floor_clamp(t: torch.Tensor, top: float) -> torch.Tensor:
@@ -345,7 +366,11 @@ class MinMax(Codec):
             packed, lo, scale = minmax_encode_torch(flat, chunk, self.bits, noise)
         return self.make_payload(x, {"codes": packed, "min": lo, "scale": scale})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         n = payload.numel
         nchunks = num_chunks(n, self.chunk_size)
         packed = self.part(payload, "codes", numel=math.ceil(n * self.bits / 8), dtype=torch.uint8)
@@ -355,10 +380,13 @@ class MinMax(Codec):
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
         if kernels.use_kernels(packed):
-            out = kernels.minmax_decode(packed, lo, scale, chunk=chunk, bits=self.bits, n=n)
+            direct = out if out is not None and out.dtype == torch.float32 else None
+            result = kernels.minmax_decode(
+                packed, lo, scale, chunk=chunk, bits=self.bits, n=n, out=direct
+            )
         else:
-            out = minmax_decode_torch(packed, lo, scale, chunk, self.bits, n)
-        return out.to(payload.dtype).reshape(payload.shape)
+            result = minmax_decode_torch(packed, lo, scale, chunk, self.bits, n)
+        return _into(result.to(payload.dtype), payload, out)
 
 
 # ---------------------------------------------------------------------- qsgd
@@ -452,6 +480,15 @@ class QSGD(Codec):
             empty = torch.empty(0, device=x.device)
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "norm": empty})
         chunk = chunk_length(n, self.chunk_size)
+        if self.code_bits <= 8 and kernels.use_kernels(flat):
+            norm = _per_chunk(flat, chunk, _chunk_norms)
+            valid = (norm > 0) & torch.isfinite(norm)
+            inv = torch.where(valid, s / norm, torch.zeros_like(norm))
+            packed = kernels.stochastic_encode(
+                flat, inv, kind="qsgd", chunk=chunk, levels=self.levels, bits=self.code_bits,
+                seed=_kernel_seed(ctx, self.seed),
+            )
+            return self.make_payload(x, {"codes": packed, "norm": norm})
         noise = _uniform(ctx, self.seed, n, flat.device)
         norms: list[torch.Tensor] = []
 
@@ -470,7 +507,11 @@ class QSGD(Codec):
         packed = pack_bits(codes, self.code_bits)
         return self.make_payload(x, {"codes": packed, "norm": torch.cat(norms)})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         n = payload.numel
         bits = self.code_bits
         nbytes = math.ceil(bits * n / 8) if bits <= 8 else n + math.ceil((bits - 8) * n / 8)
@@ -480,9 +521,17 @@ class QSGD(Codec):
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
         step = norm / float(self.levels)
-        signed = (unpack_bits(packed, bits, n).to(torch.int32) - self.levels).to(torch.float32)
-        out = _chunked(signed, chunk, lambda view, rows: view * step[rows].unsqueeze(1))
-        return saturating_cast(out, payload.dtype).reshape(payload.shape)
+        if bits <= 8 and kernels.use_kernels(packed):
+            direct = out if out is not None and out.dtype == torch.float32 else None
+            result = kernels.offset_decode(
+                packed, step, chunk=chunk, bits=bits, offset=float(self.levels), n=n, out=direct
+            )
+        else:
+            signed = unpack_bits(packed, bits, n).to(torch.int32) - self.levels
+            result = _chunked(
+                signed.to(torch.float32), chunk, lambda view, rows: view * step[rows].unsqueeze(1)
+            )
+        return _into(saturating_cast(result, payload.dtype), payload, out)
 
 
 # ---------------------------------------------------------------------- terngrad
@@ -548,6 +597,13 @@ class TernGrad(Codec):
             empty = torch.empty(0, device=x.device)
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "scale": empty})
         chunk = chunk_length(n, self.chunk_size)
+        if kernels.use_kernels(flat):
+            m = _per_chunk(flat, chunk, _max_abs)
+            packed = kernels.stochastic_encode(
+                flat, _safe_reciprocal(m), kind="terngrad", chunk=chunk, levels=1, bits=2,
+                seed=_kernel_seed(ctx, self.seed),
+            )
+            return self.make_payload(x, {"codes": packed, "scale": m})
         noise = _uniform(ctx, self.seed, n, flat.device)
         scales: list[torch.Tensor] = []
 
@@ -565,16 +621,26 @@ class TernGrad(Codec):
         codes = _chunked(flat, chunk, quantize)
         return self.make_payload(x, {"codes": pack_bits(codes, 2), "scale": torch.cat(scales)})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         n = payload.numel
         packed = self.part(payload, "codes", numel=math.ceil(2 * n / 8), dtype=torch.uint8)
         m = self.part(payload, "scale", numel=num_chunks(n, self.chunk_size), dtype=torch.float32)
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
-        ternary = unpack_bits(packed, 2, n).to(torch.float32) - 1.0
-        out = _chunked(ternary, chunk, lambda view, rows: view * m[rows].unsqueeze(1))
-        return out.to(payload.dtype).reshape(payload.shape)
+        if kernels.use_kernels(packed):
+            direct = out if out is not None and out.dtype == torch.float32 else None
+            result = kernels.offset_decode(
+                packed, m, chunk=chunk, bits=2, offset=1.0, n=n, out=direct
+            )
+        else:
+            ternary = unpack_bits(packed, 2, n).to(torch.float32) - 1.0
+            result = _chunked(ternary, chunk, lambda view, rows: view * m[rows].unsqueeze(1))
+        return _into(result.to(payload.dtype), payload, out)
 
 
 # ---------------------------------------------------------------------- sign
@@ -638,17 +704,22 @@ class Sign(Codec):
             packed, scale = sign_encode_torch(flat)
         return self.make_payload(x, {"signs": packed, "scale": scale})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         n = payload.numel
         packed = self.part(payload, "signs", numel=math.ceil(n / 8), dtype=torch.uint8)
         scale = self.part(payload, "scale", numel=1, dtype=torch.float32)
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         if kernels.use_kernels(packed):
-            out = kernels.sign_decode(packed, scale, n)
+            direct = out if out is not None and out.dtype == torch.float32 else None
+            result = kernels.sign_decode(packed, scale, n, out=direct)
         else:
-            out = sign_decode_torch(packed, scale, n)
-        return out.to(payload.dtype).reshape(payload.shape)
+            result = sign_decode_torch(packed, scale, n)
+        return _into(result.to(payload.dtype), payload, out)
 
 
 __all__ = [
