@@ -155,9 +155,10 @@ def render(rows: Sequence[CodecRow]) -> str:
     fresh = max((r.memcpy_gbps for r in rows), default=math.nan)
     hot = max((r.hot_memcpy_gbps for r in rows), default=math.nan)
     return render_table(headers, table) + (
-        f"\n\nmemcpy = hot copy_ into a reused buffer, measured just before each codec; "
-        f"ratios are against it. Best seen: hot memcpy {hot:.2f} GB/s, clone into fresh "
-        f"memory {fresh:.2f} GB/s"
+        f"\n\ncopy ceilings (best seen): hot memcpy into a reused buffer {hot:.2f} GB/s, "
+        f"clone into fresh memory {fresh:.2f} GB/s. The memcpy column and the ratios use the "
+        f"hot memcpy measured just before each codec; dec->buf decodes with out= into a "
+        f"reused buffer"
     )
 
 

@@ -587,6 +587,172 @@ def _nb_offset_decode(
             c += 1
 
 
+def _nb_mag_key(v: Any) -> Any:
+    # |x| as an order-preserving integer (the fp32 bits without the sign); NaN ranks as +inf
+    key = v & i32(0x7FFFFFFF)
+    return key if key <= _KEY_POS_INF else _KEY_POS_INF
+
+
+def _nb_topk_select(xi: Any, k: Any, nparts: Any, out: Any) -> None:
+    # out[:k] = ascending indices of the k largest |x| (x given as int32 bits), radix-selected
+    # on the 31-bit magnitude keys in two 16-bit digits; ties at the threshold go to the
+    # lowest indices. Four read passes, no sort.
+    n = xi.size
+    per = (n + nparts - 1) // nparts
+    hist = np.zeros((nparts, 65536), np.int64)
+    for p in prange(nparts):
+        src = xi[min(p * per, n) : min((p + 1) * per, n)]
+        h = hist[p]
+        for i in range(src.size):
+            h[_nb_mag_key(src[i]) >> i32(16)] += 1
+    above = 0
+    top = 0
+    for digit in range(65535, -1, -1):
+        c = 0
+        for p in range(nparts):
+            c += hist[p, digit]
+        if above + c >= k:
+            top = digit
+            break
+        above += c
+    hist[:, :] = 0
+    for p in prange(nparts):
+        src = xi[min(p * per, n) : min((p + 1) * per, n)]
+        h = hist[p]
+        for i in range(src.size):
+            key = _nb_mag_key(src[i])
+            if (key >> i32(16)) == top:
+                h[key & i32(0xFFFF)] += 1
+    low = 0
+    for digit in range(65535, -1, -1):
+        c = 0
+        for p in range(nparts):
+            c += hist[p, digit]
+        if above + c >= k:
+            low = digit
+            break
+        above += c
+    threshold = i32((top << 16) | low)
+    ties = k - above  # how many keys equal to the threshold are taken (the first ones)
+    gt = np.zeros(nparts, np.int64)
+    eq = np.zeros(nparts, np.int64)
+    for p in prange(nparts):
+        src = xi[min(p * per, n) : min((p + 1) * per, n)]
+        g = 0
+        e = 0
+        for i in range(src.size):
+            key = _nb_mag_key(src[i])
+            g += 1 if key > threshold else 0
+            e += 1 if key == threshold else 0
+        gt[p] = g
+        eq[p] = e
+    start = np.zeros(nparts, np.int64)
+    take = np.zeros(nparts, np.int64)
+    pos = 0
+    for p in range(nparts):
+        take[p] = min(eq[p], ties)
+        ties -= take[p]
+        start[p] = pos
+        pos += gt[p] + take[p]
+    _nb_write_selected(xi, threshold, nparts, per, start, take, out)
+
+
+def _nb_topk_band(xi: Any, k: Any, nparts: Any, out: Any) -> Any:
+    # As _nb_topk_select, but with a lower bound on the threshold taken from a sample: one
+    # pass counts the keys at or above the bound, a second collects them (about k plus a few
+    # sqrt(k) n / sample; keys and indices, in index order), and the exact threshold and the
+    # ties come from those candidates alone. Returns False (out untouched) when the bound is
+    # above the k-th largest key (fewer than k candidates); the caller then radix-selects.
+    n = xi.size
+    s = min(n, max(4096, n // 256))
+    sample = np.empty(s, np.int32)
+    for j in range(s):
+        # fixed pseudo-random positions (a hash of j): only the speed depends on them
+        pos = np.int64(_nb_uniform(u64(0x5EED), j) * f32(n))
+        pos = pos if pos < n else n - 1
+        sample[j] = _nb_mag_key(xi[pos])
+    ks = np.int64(np.float64(k) * s / n)
+    lo_rank = ks + np.int64(4.0 * np.sqrt(np.float64(ks) + 1.0)) + 8  # from the top
+    lo_key = i32(0) if lo_rank >= s else np.partition(sample, s - 1 - lo_rank)[s - 1 - lo_rank]
+    per = (n + nparts - 1) // nparts
+    count = np.zeros(nparts, np.int64)
+    for p in prange(nparts):
+        src = xi[min(p * per, n) : min((p + 1) * per, n)]
+        c = 0
+        for i in range(src.size):
+            c += 1 if _nb_mag_key(src[i]) >= lo_key else 0
+        count[p] = c
+    total = count.sum()
+    if total < k:
+        return False
+    off = np.zeros(nparts + 1, np.int64)
+    for p in range(nparts):
+        off[p + 1] = off[p] + count[p]
+    ckeys = np.empty(total, np.int32)
+    cidx = np.empty(total, np.int64)
+    for p in prange(nparts):
+        a = min(p * per, n)
+        src = xi[a : min((p + 1) * per, n)]
+        j = off[p]
+        for g in range(0, src.size, 16):
+            # a vectorized test of 16 keys first: most blocks hold no candidate
+            block = src[g : g + 16]
+            hit = False
+            for t in range(block.size):
+                hit |= _nb_mag_key(block[t]) >= lo_key
+            if hit:
+                for t in range(block.size):
+                    key = _nb_mag_key(block[t])
+                    if key >= lo_key:
+                        ckeys[j] = key
+                        cidx[j] = a + g + t
+                        j += 1
+    threshold = np.partition(ckeys, total - k)[total - k]
+    above = 0
+    for j in range(total):
+        above += 1 if ckeys[j] > threshold else 0
+    ties = k - above
+    j = 0
+    for c in range(total):
+        key = ckeys[c]
+        if key > threshold:
+            out[j] = cidx[c]
+            j += 1
+        elif key == threshold and ties > 0:
+            out[j] = cidx[c]
+            j += 1
+            ties -= 1
+    return True
+
+
+def _nb_write_selected(
+    xi: Any, threshold: Any, nparts: Any, per: Any, start: Any, take: Any, out: Any
+) -> None:
+    # out[start[p]:] = indices in partition p with key > threshold, plus its first take[p]
+    # keys equal to it, in ascending order
+    n = xi.size
+    for p in prange(nparts):
+        a = min(p * per, n)
+        src = xi[a : min((p + 1) * per, n)]
+        j = start[p]
+        left = take[p]
+        for g in range(0, src.size, 16):
+            block = src[g : g + 16]
+            hit = False
+            for t in range(block.size):
+                hit |= _nb_mag_key(block[t]) >= threshold
+            if hit:
+                for t in range(block.size):
+                    key = _nb_mag_key(block[t])
+                    if key > threshold:
+                        out[j] = a + g + t
+                        j += 1
+                    elif key == threshold and left > 0:
+                        out[j] = a + g + t
+                        j += 1
+                        left -= 1
+
+
 def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
     # the first k distinct values of draws (each in [0, d)), written sorted into out[:k];
     # returns how many distinct values were found (k, or fewer when draws ran out)
@@ -628,7 +794,10 @@ _HELPERS = (
     "_nb_prescale",
     "_nb_chunk_params",
     "_nb_quantize",
+    "_nb_mag_key",
 )
+# helpers that contain parallel loops (compiled with parallel=True)
+_PARALLEL_HELPERS = ("_nb_write_selected",)
 _KERNELS = (
     "_nb_minmax_encode",
     "_nb_minmax_decode",
@@ -636,6 +805,8 @@ _KERNELS = (
     "_nb_sign_decode",
     "_nb_stochastic_encode",
     "_nb_offset_decode",
+    "_nb_topk_select",
+    "_nb_topk_band",
 )
 _SERIAL = ("_nb_first_distinct",)
 
@@ -649,6 +820,10 @@ def _build() -> dict[str, Callable[..., Any]]:
     module["prange"] = numba.prange
     for name in _HELPERS:
         module[name] = numba.njit(cache=True, fastmath=False, error_model="numpy")(module[name])
+    for name in _PARALLEL_HELPERS:
+        module[name] = numba.njit(
+            cache=True, parallel=True, fastmath=False, error_model="numpy"
+        )(module[name])
     compiled = {
         name[len("_nb_") :]: numba.njit(
             cache=True, parallel=True, fastmath=False, error_model="numpy"
@@ -831,6 +1006,26 @@ def offset_decode(
     return out
 
 
+def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D contiguous fp32 CPU
+    tensor (``1 <= k <= n``; NaN ranks as +inf; among equal magnitudes at the threshold the
+    lowest indices are taken), by threshold instead of a sort: a sample of ``max(4096,
+    n/256)`` magnitudes gives a lower bound on the ``k``-th largest, two read passes count
+    and collect the coordinates at or above it (about ``k`` plus a few ``sqrt(k) n /
+    sample``), and a selection (``np.partition``) among those finds the exact threshold;
+    when the bound misses (unlikely; it depends on the data only, never on a seed), a
+    two-digit radix select over the 31-bit magnitude keys (four read passes) does it."""
+    out = torch.empty(k, dtype=torch.int64)
+    with _launch():
+        import numba
+
+        nparts = 4 * numba.get_num_threads()
+        bits = _np(x).view(np.int32)
+        if not _kernel("topk_band")(bits, k, nparts, _np(out)):
+            _kernel("topk_select")(bits, k, nparts, _np(out))
+    return out
+
+
 def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
     """The first ``k`` distinct values of ``draws`` (int64 in ``[0, d)``, CPU), sorted
     ascending; ``None`` when ``draws`` holds fewer than ``k`` distinct values."""
@@ -845,6 +1040,7 @@ __all__ = [
     "first_distinct",
     "offset_decode",
     "stochastic_encode",
+    "topk_select",
     "available",
     "minmax_decode",
     "minmax_encode",

@@ -36,6 +36,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from commpress.codecs import kernels
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -84,11 +85,35 @@ def magnitudes(flat: torch.Tensor) -> torch.Tensor:
 
 
 def exact_top(importance: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (ascending, int64) of the ``k`` largest entries of ``importance``."""
-    if k >= importance.numel():
-        return torch.arange(importance.numel(), device=importance.device)
-    idx = torch.topk(importance, k, sorted=False).indices
-    return idx.sort().values
+    """Indices (ascending, int64) of the ``k`` largest entries of ``importance`` (a 1-D
+    tensor without NaN), selected by threshold: the ``k``-th largest value ``t``, every entry
+    above ``t`` and, of the entries equal to ``t``, the ones with the lowest indices (so ties
+    are resolved deterministically, the same way as :func:`top_magnitudes`'s kernel)."""
+    d = importance.numel()
+    if k >= d:
+        return torch.arange(d, device=importance.device)
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=importance.device)
+    t = torch.topk(importance, k, sorted=False).values.min()
+    above = importance > t
+    ties = k - int(torch.count_nonzero(above))
+    picked = above.nonzero().reshape(-1)
+    if ties > 0:
+        tied = (importance == t).nonzero().reshape(-1)[:ties]
+        picked = torch.cat([picked, tied]).sort().values
+    return picked
+
+
+def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D tensor (NaN ranks as
+    +inf; ties at the threshold go to the lowest indices). On CPU with the numba kernels a
+    radix select over the fp32 bit patterns (float16/bfloat16 are widened to float32 first,
+    which keeps every order); else :func:`exact_top` of :func:`magnitudes`. Both give the
+    same indices."""
+    d = flat.numel()
+    if 0 < k < d and flat.dtype != torch.float64 and kernels.use_kernels(flat):
+        return kernels.topk_select(flat.to(torch.float32).contiguous(), k)
+    return exact_top(magnitudes(flat), k)
 
 
 def needs_exponent(input_dtype: torch.dtype, value_dtype: torch.dtype) -> bool:
@@ -148,23 +173,25 @@ def scatter_decode(
     values: torch.Tensor,
     indices: torch.Tensor,
     exponent: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A zero tensor of the payload's shape and dtype with ``values`` (times ``2^exponent``)
-    written at ``indices``, saturating finite values at the dtype's largest.
+    written at ``indices``, saturating finite values at the dtype's largest (``out``, when
+    given, is zeroed and filled instead of a fresh tensor).
 
     Out-of-range indices (a corrupted payload) make ``scatter_`` raise, which the caller's
     error context turns into a :class:`CommpressError`.
     """
-    if exponent is None:
-        out = torch.zeros(payload.numel, dtype=payload.dtype, device=values.device)
-        if values.numel():
-            out.scatter_(0, indices.to(torch.int64), saturating_cast(values, payload.dtype))
-        return out.reshape(payload.shape)
-    work = _work_dtype(payload.dtype)
-    wide = torch.zeros(payload.numel, dtype=work, device=values.device)
+    if out is None:
+        out = torch.zeros(payload.shape, dtype=payload.dtype, device=values.device)
+    else:
+        out.zero_()
     if values.numel():
-        wide.scatter_(0, indices.to(torch.int64), unscale_values(values, exponent, work))
-    return saturating_cast(wide, payload.dtype).reshape(payload.shape)
+        if exponent is not None:
+            values = unscale_values(values, exponent, _work_dtype(payload.dtype))
+        # element-wise, so casting the values equals casting the scattered tensor
+        out.view(-1).scatter_(0, indices.to(torch.int64), saturating_cast(values, payload.dtype))
+    return out
 
 
 def exponent_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -258,17 +285,25 @@ class TopK(Codec):
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = x.reshape(-1)
         d = flat.numel()
-        idx = exact_top(magnitudes(flat), self.count(d))
-        parts = encode_values(self, x, flat[idx], _VALUE_DTYPES[self.value_dtype])
+        idx = top_magnitudes(flat, self.count(d))
+        parts = encode_values(
+            self, x, flat.index_select(0, idx), _VALUE_DTYPES[self.value_dtype]
+        )
         return self.make_payload(x, {**parts, "indices": idx.to(index_dtype(d))})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         k = self.count(payload.numel)
         vdtype = _VALUE_DTYPES[self.value_dtype]
         values = self.part(payload, "values", numel=k, dtype=vdtype)
         indices = self.part(payload, "indices", numel=k, dtype=index_dtype(payload.numel))
         exponent = decode_exponent(self, payload, vdtype)
-        return scatter_decode(payload, values.reshape(-1), indices.reshape(-1), exponent)
+        return scatter_decode(
+            payload, values.reshape(-1), indices.reshape(-1), exponent, out
+        )
 
 
 @register_codec
@@ -406,7 +441,11 @@ class DGC(Codec):
             x, {**parts, "indices": idx.to(index_dtype(d)), "count": count}
         )
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         count = int(self.part(payload, "count", numel=1, dtype=torch.int32).reshape(-1)[0])
         if not 0 <= count <= payload.numel:
             raise CommpressError(
@@ -417,7 +456,9 @@ class DGC(Codec):
         values = self.part(payload, "values", numel=count, dtype=vdtype)
         indices = self.part(payload, "indices", numel=count, dtype=index_dtype(payload.numel))
         exponent = decode_exponent(self, payload, vdtype)
-        return scatter_decode(payload, values.reshape(-1), indices.reshape(-1), exponent)
+        return scatter_decode(
+            payload, values.reshape(-1), indices.reshape(-1), exponent, out
+        )
 
 
 __all__ = [
@@ -432,4 +473,5 @@ __all__ = [
     "scale_values",
     "scatter_decode",
     "target_count",
+    "top_magnitudes",
 ]
