@@ -709,3 +709,20 @@ def test_max_abs_matches_amax_of_abs() -> None:
         got = _max_abs(view)
         want = view.abs().amax(dim=1)
         assert torch.equal(got, want) and not torch.signbit(got).any()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 512, 70001])
+def test_kernel_chunk_norms_within_one_rounding_of_torch(chunk: int) -> None:
+    from commpress.codecs.quantize import _NORM_CLAMP, _chunk_norms, _per_chunk
+
+    x = heavy_tailed(70001, seed=chunk)
+    x[5] = 3e38
+    x[9000] = float("inf")
+    x[20000] = float("nan")
+    got = kernels.chunk_norms(x, chunk, _NORM_CLAMP)
+    want = _per_chunk(x, chunk, _chunk_norms)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    ulp = torch.nextafter(want[finite], torch.tensor(math.inf)) - want[finite]
+    assert bool(((got[finite] - want[finite]).abs() <= ulp).all())

@@ -563,6 +563,23 @@ def _nb_stochastic_encode(
         _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
 
 
+def _nb_chunk_norms(x: Any, chunk: Any, clamp: Any, norms: Any) -> None:
+    # norms[c] = L2 norm of chunk c, accumulated in float64 and rounded to float32; norms
+    # beyond float32 (finite inputs near its largest) are clamped to ``clamp``
+    n = x.size
+    nchunks = norms.size
+    for c in prange(nchunks):
+        src = x[c * chunk : min((c + 1) * chunk, n)]
+        acc = 0.0
+        for i in range(src.size):
+            v = np.float64(src[i])
+            acc += v * v
+        norm = np.sqrt(acc)
+        if norm > np.float64(clamp) and norm < np.inf:
+            norm = np.float64(clamp)
+        norms[c] = f32(norm)
+
+
 def _nb_offset_decode(
     packed: Any, step: Any, chunk: Any, bits: Any, offset: Any, out: Any
 ) -> None:
@@ -753,6 +770,32 @@ def _nb_write_selected(
                         left -= 1
 
 
+def _nb_count_at_least(xi: Any, key: Any, counts: Any) -> None:
+    # counts[p] = how many magnitude keys of partition p are >= key
+    n = xi.size
+    nparts = counts.size
+    per = (n + nparts - 1) // nparts
+    for p in prange(nparts):
+        src = xi[min(p * per, n) : min((p + 1) * per, n)]
+        c = 0
+        for i in range(src.size):
+            c += 1 if _nb_mag_key(src[i]) >= key else 0
+        counts[p] = c
+
+
+def _nb_collect_at_least(xi: Any, key: Any, counts: Any, out: Any) -> None:
+    # out = ascending indices of the magnitude keys >= key (counts from _nb_count_at_least)
+    n = xi.size
+    nparts = counts.size
+    per = (n + nparts - 1) // nparts
+    start = np.zeros(nparts, np.int64)
+    take = np.zeros(nparts, np.int64)
+    for p in range(1, nparts):
+        start[p] = start[p - 1] + counts[p - 1]
+    # keys >= key are keys > key - 1 (key >= 1 here: key 0 selects everything)
+    _nb_write_selected(xi, key - i32(1), nparts, per, start, take, out)
+
+
 def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
     # the first k distinct values of draws (each in [0, d)), written sorted into out[:k];
     # returns how many distinct values were found (k, or fewer when draws ran out)
@@ -805,8 +848,11 @@ _KERNELS = (
     "_nb_sign_decode",
     "_nb_stochastic_encode",
     "_nb_offset_decode",
+    "_nb_chunk_norms",
     "_nb_topk_select",
     "_nb_topk_band",
+    "_nb_count_at_least",
+    "_nb_collect_at_least",
 )
 _SERIAL = ("_nb_first_distinct",)
 
@@ -981,6 +1027,17 @@ def stochastic_encode(
     return packed
 
 
+def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
+    """L2 norm of each ``chunk`` of a 1-D contiguous fp32 CPU tensor, summed in float64 and
+    rounded to float32 (norms beyond float32's range clamped to ``clamp``; Inf and NaN
+    propagate). Within one float32 rounding of the torch path's float32 norms."""
+    n = x.numel()
+    norms = torch.empty(-(-n // chunk), dtype=torch.float32)
+    with _launch():
+        _kernel("chunk_norms")(_np(x), chunk, np.float32(clamp), _np(norms))
+    return norms
+
+
 def offset_decode(
     packed: torch.Tensor,
     step: torch.Tensor,
@@ -1026,6 +1083,33 @@ def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+def at_least(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch.Tensor]]:
+    """How many ``|x| >= threshold`` (NaN counting as +inf) in a 1-D contiguous fp32 CPU
+    tensor, and a function that returns their ascending int64 indices (a second pass, run
+    only when the count is accepted). ``threshold`` is a magnitude (``>= 0``, may be inf)."""
+    bits = _np(x).view(np.int32)
+    key = np.int32(np.array([threshold], np.float32).view(np.int32)[0] & 0x7FFFFFFF)
+    with _launch():
+        import numba
+
+        counts = np.zeros(4 * numba.get_num_threads(), np.int64)
+        if key == 0:
+            counts[0] = bits.size  # every magnitude is >= 0
+        else:
+            _kernel("count_at_least")(bits, key, counts)
+    total = int(counts.sum())
+
+    def collect() -> torch.Tensor:
+        if key == 0:
+            return torch.arange(total)
+        out = torch.empty(total, dtype=torch.int64)
+        with _launch():
+            _kernel("collect_at_least")(bits, key, counts, _np(out))
+        return out
+
+    return total, collect
+
+
 def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
     """The first ``k`` distinct values of ``draws`` (int64 in ``[0, d)``, CPU), sorted
     ascending; ``None`` when ``draws`` holds fewer than ``k`` distinct values."""
@@ -1037,6 +1121,8 @@ def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
 
 __all__ = [
     "ENV_VAR",
+    "at_least",
+    "chunk_norms",
     "first_distinct",
     "offset_decode",
     "stochastic_encode",

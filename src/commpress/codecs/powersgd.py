@@ -236,7 +236,11 @@ class PowerSGD(Codec):
         self._store(ctx, q)
         return self.make_payload(x, {"p": p_hat, "q": q})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         planned = self.plan(payload.shape)
         if planned is None:
             values = self.part(payload, "values", numel=payload.numel, dtype=payload.dtype)
@@ -246,8 +250,14 @@ class PowerSGD(Codec):
         q = self.part(payload, "q", numel=m * r, dtype=torch.float32).reshape(m, r)
         # q is Q 2^-kQ (see encode): restore the scale after the product, where an
         # out-of-range value can only become +-Inf
-        out = (p @ q.T).mul_(2.0 ** headroom_log2(1, n))
-        return out.to(payload.dtype).reshape(payload.shape)
+        if out is not None and out.dtype == torch.float32:
+            torch.mm(p, q.T, out=out.view(n, m)).mul_(2.0 ** headroom_log2(1, n))
+            return out
+        result = (p @ q.T).mul_(2.0 ** headroom_log2(1, n))
+        if out is not None:
+            out.view(n, m).copy_(result)
+            return out
+        return result.to(payload.dtype).reshape(payload.shape)
 
     def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
         """Aggregate with the other workers: one round when sent exactly, otherwise two

@@ -481,7 +481,9 @@ class QSGD(Codec):
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "norm": empty})
         chunk = chunk_length(n, self.chunk_size)
         if self.code_bits <= 8 and kernels.use_kernels(flat):
-            norm = _per_chunk(flat, chunk, _chunk_norms)
+            # float64 sums in one pass (the torch path sums in float32, recomputing only
+            # overflowing chunks in float64): norms may differ by one float32 rounding
+            norm = kernels.chunk_norms(flat, chunk, _NORM_CLAMP)
             valid = (norm > 0) & torch.isfinite(norm)
             inv = torch.where(valid, s / norm, torch.zeros_like(norm))
             packed = kernels.stochastic_encode(

@@ -232,7 +232,7 @@ class RandomK(Codec):
                 overflowed = torch.isinf(scaled) & torch.isfinite(v)
                 v = torch.where(overflowed, torch.copysign(top, v), scaled)
             # element-wise, so casting the k values equals casting the scattered tensor
-            out.view(-1)[idx] = saturating_cast(v, payload.dtype)
+            out.view(-1).scatter_(0, idx, saturating_cast(v, payload.dtype))
         return out
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:

@@ -408,6 +408,30 @@ class DGC(Codec):
         """How many positions are sampled (``>= numel`` means: exact top-K instead)."""
         return max(math.ceil(self.sample_ratio * numel), self.min_samples)
 
+    def select_kernel(self, flat: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        """:meth:`select` on the magnitudes of a 1-D fp32 CPU tensor through the numba
+        kernels: the same samples, thresholds, counts and indices, without materialising the
+        magnitudes or the mask (each count is one read pass, the indices one more)."""
+        d = flat.numel()
+        k = self.target(d)
+        s = self.sample_size(d)
+        if s >= d or k >= d:
+            return top_magnitudes(flat, k)
+        g = ctx.generator(self.seed, shared=False, device=flat.device)
+        positions = torch.randint(0, d, (s,), generator=g, device=flat.device)
+        samples = magnitudes(flat[positions]).sort(descending=True).values
+        k_s = min(s, max(1, math.ceil(k * s / d)))
+        for attempt in range(self.adapt_iters + 1):
+            count, collect = kernels.at_least(flat, float(samples[k_s - 1]))
+            if count >= self.min_count_factor * k or k_s == s or attempt == self.adapt_iters:
+                break
+            k_s = min(s, max(k_s + 1, math.ceil(k_s * k / max(count, 1))))
+        idx = collect()
+        if count > self.max_count_factor * k:
+            importance = magnitudes(flat[idx])
+            idx = idx[torch.topk(importance, k, sorted=False).indices].sort().values
+        return idx
+
     def select(self, importance: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         """Ascending int64 indices chosen from the magnitudes ``importance`` (steps 1-4)."""
         d = importance.numel()
@@ -434,8 +458,13 @@ class DGC(Codec):
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = x.reshape(-1)
         d = flat.numel()
-        idx = self.select(magnitudes(flat), ctx)
-        parts = encode_values(self, x, flat[idx], _VALUE_DTYPES[self.value_dtype])
+        if x.dtype == torch.float32 and kernels.use_kernels(flat):
+            idx = self.select_kernel(flat.contiguous(), ctx)
+        else:
+            idx = self.select(magnitudes(flat), ctx)
+        parts = encode_values(
+            self, x, flat.index_select(0, idx), _VALUE_DTYPES[self.value_dtype]
+        )
         count = torch.tensor([idx.numel()], dtype=torch.int32, device=flat.device)
         return self.make_payload(
             x, {**parts, "indices": idx.to(index_dtype(d)), "count": count}
