@@ -477,8 +477,17 @@ def _nb_sign_encode(x: Any, packed: Any, partial: Any) -> None:
         a = unit * UNIT
         b = min(a + UNIT, n)
         src = x[a:b]
+        # eight independent float64 partial sums (one dependency chain would cap the pass
+        # at one add per FP latency), then one exact-order combination
+        lanes = np.zeros(8, np.float64)
+        full = src.size // 8 * 8
+        for g in range(0, full, 8):
+            for j in range(8):
+                lanes[j] += abs(np.float64(src[g + j]))
         acc = 0.0
-        for k in range(src.size):
+        for j in range(8):
+            acc += lanes[j]
+        for k in range(full, src.size):
             acc += abs(np.float64(src[k]))
         partial[unit] = acc
         dst = packed[a // 8 : (b + 7) // 8]
@@ -570,8 +579,16 @@ def _nb_chunk_norms(x: Any, chunk: Any, clamp: Any, norms: Any) -> None:
     nchunks = norms.size
     for c in prange(nchunks):
         src = x[c * chunk : min((c + 1) * chunk, n)]
+        lanes = np.zeros(8, np.float64)  # independent partial sums, as in _nb_sign_encode
+        full = src.size // 8 * 8
+        for g in range(0, full, 8):
+            for j in range(8):
+                v = np.float64(src[g + j])
+                lanes[j] += v * v
         acc = 0.0
-        for i in range(src.size):
+        for j in range(8):
+            acc += lanes[j]
+        for i in range(full, src.size):
             v = np.float64(src[i])
             acc += v * v
         norm = np.sqrt(acc)

@@ -116,6 +116,12 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     return exact_top(magnitudes(flat), k)
 
 
+def _kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k``-th largest entry of a 1-D tensor without NaN (a selection, not a sort: the
+    same value as ``values.sort(descending=True).values[k - 1]``)."""
+    return torch.kthvalue(values, values.numel() - k + 1).values
+
+
 def needs_exponent(input_dtype: torch.dtype, value_dtype: torch.dtype) -> bool:
     """Whether values of ``input_dtype`` can overflow ``value_dtype`` (so a payload carries a
     power-of-two ``exponent`` part)."""
@@ -233,8 +239,13 @@ class TopK(Codec):
     1. ``K = ceil(ratio * d)``; a non-empty tensor always sends at least one coordinate and
        never more than ``d``. An empty tensor sends nothing.
     2. Rank coordinates by ``|x|`` (NaN counts as ``+inf``, so non-finite values are always
-       sent and the receiver sees them) and take the ``K`` largest with ``torch.topk``, which
-       runs on the tensor's own device.
+       sent and the receiver sees them) and take the ``K`` largest by threshold, without a
+       sort: on CPU a numba kernel bounds the ``K``-th largest magnitude from a sample and
+       selects it exactly among the coordinates above the bound (radix select if the bound
+       misses); elsewhere (and with ``COMMPRESS_KERNELS=torch``) ``torch.topk`` gives the
+       ``K``-th largest value and a comparison the indices. Ties at the threshold: of the
+       coordinates whose magnitude equals the ``K``-th largest, the ones with the lowest
+       indices are sent, on every path, so both paths send identical payloads.
     3. Send the values cast to ``value_dtype`` (float16 by default) and their flat indices as
        int32 (int64 beyond ``2**31 - 1`` elements), indices in ascending order.
     4. The receiver writes the values into a zero tensor. Across workers the payloads are
@@ -319,7 +330,7 @@ class DGC(Codec):
     1. Draw ``s = max(ceil(sample_ratio * d), min_samples)`` positions uniformly (with
        replacement) from a per-rank random stream (``seed``, tensor key, step and rank). If
        ``s >= d`` the tensor is small: select the exact top ``K`` instead and stop.
-    2. Sort the sampled magnitudes (NaN counts as ``+inf``) and take the ``k_s``-th largest,
+    2. Select (no full sort) the ``k_s``-th largest sampled magnitude (NaN counts as ``+inf``),
        ``k_s = ceil(K * s / d)``, as the threshold; select every coordinate with ``|x| >=``
        threshold. Expect about ``K`` coordinates, with a relative spread of about
        ``1 / sqrt(k_s)``.
@@ -419,10 +430,10 @@ class DGC(Codec):
             return top_magnitudes(flat, k)
         g = ctx.generator(self.seed, shared=False, device=flat.device)
         positions = torch.randint(0, d, (s,), generator=g, device=flat.device)
-        samples = magnitudes(flat[positions]).sort(descending=True).values
+        samples = magnitudes(flat[positions])
         k_s = min(s, max(1, math.ceil(k * s / d)))
         for attempt in range(self.adapt_iters + 1):
-            count, collect = kernels.at_least(flat, float(samples[k_s - 1]))
+            count, collect = kernels.at_least(flat, float(_kth_largest(samples, k_s)))
             if count >= self.min_count_factor * k or k_s == s or attempt == self.adapt_iters:
                 break
             k_s = min(s, max(k_s + 1, math.ceil(k_s * k / max(count, 1))))
@@ -441,10 +452,10 @@ class DGC(Codec):
             return exact_top(importance, k)
         g = ctx.generator(self.seed, shared=False, device=importance.device)
         positions = torch.randint(0, d, (s,), generator=g, device=importance.device)
-        samples = importance[positions].sort(descending=True).values
+        samples = importance[positions]
         k_s = min(s, max(1, math.ceil(k * s / d)))
         for attempt in range(self.adapt_iters + 1):
-            mask = importance >= samples[k_s - 1]
+            mask = importance >= _kth_largest(samples, k_s)
             count = int(torch.count_nonzero(mask))
             if count >= self.min_count_factor * k or k_s == s or attempt == self.adapt_iters:
                 break
