@@ -951,6 +951,33 @@ def minmax_encode(
     return packed, lo, scale
 
 
+_scratch = threading.local()
+
+
+def scratch32(n: int) -> torch.Tensor:
+    """``n`` float32 elements of this thread's scratch buffer (grown on demand, reused).
+
+    Large fresh allocations cost page faults on first touch (glibc maps every block above
+    32 MB afresh), as much as the pass that fills them: the kernel paths widen float16 and
+    bfloat16 inputs, and decode for a narrower ``out=``, through this buffer instead. Its
+    content is valid only until the next call on the same thread, and it never leaves the
+    codec call that asked for it."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(max(n, 1), dtype=torch.float32)
+        _scratch.buf = buf
+    return buf[:n]
+
+
+def widen(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (a CPU tensor) as a 1-D contiguous float32 tensor: itself when it already is
+    one, else a copy in :func:`scratch32` (exact for float16 and bfloat16)."""
+    flat = x.reshape(-1)
+    if flat.dtype == torch.float32 and flat.is_contiguous():
+        return flat
+    return scratch32(flat.numel()).copy_(flat)
+
+
 def _out32(out: torch.Tensor | None, n: int) -> torch.Tensor:
     """``out`` viewed as ``n`` contiguous fp32 values, or a fresh such tensor."""
     if out is None:
@@ -1152,6 +1179,8 @@ __all__ = [
     "sign_decode",
     "sign_encode",
     "use_backend",
+    "scratch32",
     "use_kernels",
     "warm_up",
+    "widen",
 ]

@@ -137,7 +137,21 @@ def _max_abs(view: torch.Tensor) -> torch.Tensor:
 
 
 def _flat32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` flattened to contiguous float32; float16/bfloat16 inputs bound for the CPU
+    kernels are widened into the kernels' reused scratch buffer (no fresh pages), so the
+    result must not outlive the encode."""
+    if x.dtype in (torch.float16, torch.bfloat16) and kernels.use_kernels(x):
+        return kernels.widen(x)
     return x.reshape(-1).to(torch.float32).contiguous()
+
+
+def _direct32(out: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """Where a CPU decode kernel writes: ``out`` itself when it is float32, the scratch
+    buffer when it is another dtype (then copied, converting, into ``out``), else a fresh
+    tensor (``None``)."""
+    if out is None:
+        return None
+    return out if out.dtype == torch.float32 else kernels.scratch32(n)
 
 
 def _uniform(ctx: CodecContext, seed: int, n: int, device: torch.device) -> torch.Tensor:
@@ -152,13 +166,36 @@ def _kernel_seed(ctx: CodecContext, seed: int) -> int:
     return int(torch.randint(0, SEED_LIMIT - 1, (1,), generator=g).item())
 
 
-def _into(result: torch.Tensor, payload: Payload, out: torch.Tensor | None) -> torch.Tensor:
-    """``result`` with the payload's shape, copied into ``out`` unless it already is it."""
+def _into(
+    result: torch.Tensor,
+    payload: Payload,
+    out: torch.Tensor | None,
+    *,
+    saturate: bool = False,
+) -> torch.Tensor:
+    """A decoder's float32 ``result`` converted to the payload's dtype (``saturate``: by
+    :func:`saturating_cast`, else ``.to``) and shape, written into ``out`` when given (a
+    converting ``copy_``, which rounds as ``.to`` does, so no fresh tensor is made)."""
     if out is None:
-        return result.reshape(payload.shape)
-    if result.data_ptr() != out.data_ptr():
+        wide = saturating_cast(result, payload.dtype) if saturate else result.to(payload.dtype)
+        return wide.reshape(payload.shape)
+    if result.data_ptr() == out.data_ptr() and result.dtype == out.dtype:
+        return out
+    if saturate and _needs_saturation(result, payload.dtype):
+        out.view(-1).copy_(saturating_cast(result, payload.dtype).reshape(-1))
+    else:
         out.view(-1).copy_(result.reshape(-1))
     return out
+
+
+def _needs_saturation(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``saturating_cast(x, dtype)`` may differ from ``x.to(dtype)``: ``dtype`` is
+    narrower and ``x`` holds a non-finite value or one beyond ``dtype``'s largest."""
+    if x.numel() == 0 or torch.finfo(dtype).max >= torch.finfo(x.dtype).max:
+        return False
+    lo, hi = torch.aminmax(x)
+    top = torch.finfo(dtype).max
+    return not bool(torch.isfinite(lo) & torch.isfinite(hi) & (lo >= -top) & (hi <= top))
 
 
 def _floor_clamp(t: torch.Tensor, top: float) -> torch.Tensor:
@@ -380,13 +417,13 @@ class MinMax(Codec):
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
         if kernels.use_kernels(packed):
-            direct = out if out is not None and out.dtype == torch.float32 else None
+            direct = _direct32(out, n)
             result = kernels.minmax_decode(
                 packed, lo, scale, chunk=chunk, bits=self.bits, n=n, out=direct
             )
         else:
             result = minmax_decode_torch(packed, lo, scale, chunk, self.bits, n)
-        return _into(result.to(payload.dtype), payload, out)
+        return _into(result, payload, out)
 
 
 # ---------------------------------------------------------------------- qsgd
@@ -524,7 +561,7 @@ class QSGD(Codec):
         chunk = chunk_length(n, self.chunk_size)
         step = norm / float(self.levels)
         if bits <= 8 and kernels.use_kernels(packed):
-            direct = out if out is not None and out.dtype == torch.float32 else None
+            direct = _direct32(out, n)
             result = kernels.offset_decode(
                 packed, step, chunk=chunk, bits=bits, offset=float(self.levels), n=n, out=direct
             )
@@ -533,7 +570,7 @@ class QSGD(Codec):
             result = _chunked(
                 signed.to(torch.float32), chunk, lambda view, rows: view * step[rows].unsqueeze(1)
             )
-        return _into(saturating_cast(result, payload.dtype), payload, out)
+        return _into(result, payload, out, saturate=True)
 
 
 # ---------------------------------------------------------------------- terngrad
@@ -635,14 +672,14 @@ class TernGrad(Codec):
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
         if kernels.use_kernels(packed):
-            direct = out if out is not None and out.dtype == torch.float32 else None
+            direct = _direct32(out, n)
             result = kernels.offset_decode(
                 packed, m, chunk=chunk, bits=2, offset=1.0, n=n, out=direct
             )
         else:
             ternary = unpack_bits(packed, 2, n).to(torch.float32) - 1.0
             result = _chunked(ternary, chunk, lambda view, rows: view * m[rows].unsqueeze(1))
-        return _into(result.to(payload.dtype), payload, out)
+        return _into(result, payload, out)
 
 
 # ---------------------------------------------------------------------- sign
@@ -717,11 +754,11 @@ class Sign(Codec):
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         if kernels.use_kernels(packed):
-            direct = out if out is not None and out.dtype == torch.float32 else None
+            direct = _direct32(out, n)
             result = kernels.sign_decode(packed, scale, n, out=direct)
         else:
             result = sign_decode_torch(packed, scale, n)
-        return _into(result.to(payload.dtype), payload, out)
+        return _into(result, payload, out)
 
 
 __all__ = [

@@ -112,7 +112,7 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     same indices."""
     d = flat.numel()
     if 0 < k < d and flat.dtype != torch.float64 and kernels.use_kernels(flat):
-        return kernels.topk_select(flat.to(torch.float32).contiguous(), k)
+        return kernels.topk_select(kernels.widen(flat), k)
     return exact_top(magnitudes(flat), k)
 
 
