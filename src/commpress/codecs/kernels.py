@@ -545,6 +545,7 @@ def _nb_stochastic_encode(
         a = unit * UNIT
         b = min(a + UNIT, n)
         buf = np.empty(UNIT + 8, np.uint8)
+        ubuf = np.empty(UNIT, np.float32)
         i = a
         c = a // chunk
         while i < b:
@@ -552,21 +553,35 @@ def _nb_stochastic_encode(
             inv = inv_all[c]
             src = x[i:e]
             dst = buf[i - a : e - a]
-            for k in range(src.size):
-                v = src[k]
-                u = _nb_uniform(seed, i + k) if mode == 1 else noise[i + k]
-                t = abs(v) * inv
-                if kind == 0:
-                    t = np.floor(t + u)
+            u = ubuf[: src.size]
+            # branch-free inner loops (they vectorize): the noise first, then the codes
+            if mode == 1:
+                # _nb_uniform written out, so that the loop vectorizes
+                base = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
+                for k in range(src.size):
+                    z = base + u64(k) * u64(0x9E3779B97F4A7C15)
+                    z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+                    z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+                    z = z ^ (z >> u64(31))
+                    u[k] = f32(z >> u64(40)) * f32(5.9604644775390625e-08)
+            else:
+                given = noise[i:e]
+                for k in range(src.size):
+                    u[k] = given[k]
+            if kind == 0:
+                mid = u8(levels)
+                for k in range(src.size):
+                    v = src[k]
+                    t = np.floor(abs(v) * inv + u[k])
                     t = t if t >= zero else zero
                     t = t if t <= top else top
                     level = u8(t)
-                    dst[k] = u8(levels) - level if v < zero else u8(levels) + level
-                else:
-                    if u < t:
-                        dst[k] = u8(0) if v < zero else u8(2)
-                    else:
-                        dst[k] = u8(1)
+                    dst[k] = mid - level if v < zero else mid + level
+            else:
+                for k in range(src.size):
+                    v = src[k]
+                    keep = u[k] < abs(v) * inv
+                    dst[k] = (u8(0) if v < zero else u8(2)) if keep else u8(1)
             i = e
             c += 1
         _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
