@@ -33,6 +33,7 @@ from commpress.codecs.base import (
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.quantize import require_seed
 from commpress.codecs.registry import register_codec
+from commpress.codecs.sparse import scatter_into
 from commpress.codecs.thc import reply_part
 from commpress.errors import error_context
 
@@ -232,7 +233,7 @@ class RandomK(Codec):
                 overflowed = torch.isinf(scaled) & torch.isfinite(v)
                 v = torch.where(overflowed, torch.copysign(top, v), scaled)
             # element-wise, so casting the k values equals casting the scattered tensor
-            out.view(-1).scatter_(0, idx, saturating_cast(v, payload.dtype))
+            scatter_into(out.view(-1), idx, saturating_cast(v, payload.dtype))
         return out
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:

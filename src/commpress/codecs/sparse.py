@@ -174,6 +174,16 @@ def unscale_values(
     return torch.where(overflowed, torch.copysign(torch.full_like(scaled, top), v), scaled)
 
 
+def scatter_into(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[indices] = values`` (same dtype). 16-bit floats are scattered as their int16
+    bit patterns (the same bits; torch's CPU ``scatter_`` is ~50x slower on float16 and
+    bfloat16 than on integers)."""
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat.view(torch.int16).scatter_(0, indices, values.view(torch.int16))
+    else:
+        flat.scatter_(0, indices, values)
+
+
 def scatter_decode(
     payload: Payload,
     values: torch.Tensor,
@@ -196,7 +206,9 @@ def scatter_decode(
         if exponent is not None:
             values = unscale_values(values, exponent, _work_dtype(payload.dtype))
         # element-wise, so casting the values equals casting the scattered tensor
-        out.view(-1).scatter_(0, indices.to(torch.int64), saturating_cast(values, payload.dtype))
+        scatter_into(
+            out.view(-1), indices.to(torch.int64), saturating_cast(values, payload.dtype)
+        )
     return out
 
 
@@ -512,6 +524,7 @@ __all__ = [
     "overflow_exponent",
     "scale_values",
     "scatter_decode",
+    "scatter_into",
     "target_count",
     "top_magnitudes",
 ]
