@@ -141,6 +141,16 @@ def warm_up() -> bool:
         minmax_decode(packed, lo, scale, chunk=8, bits=3, n=20)
     signs, total = sign_encode(x)
     sign_decode(signs, torch.tensor([total / 20]), 20)
+    inv = torch.ones(3)
+    codes = stochastic_encode(x, inv, kind="qsgd", chunk=8, levels=127, bits=8)
+    offset_decode(codes, inv, chunk=8, bits=8, offset=127.0, n=20)
+    codes = stochastic_encode(x, inv, kind="terngrad", chunk=8, levels=1, bits=2)
+    offset_decode(codes, inv, chunk=8, bits=2, offset=1.0, n=20)
+    chunk_norms(x, 8, 1.0)
+    topk_select(x, 3)
+    _kernel("topk_select")(_np(x).view(np.int32), 3, 2, np.empty(3, np.int64))
+    at_least(x, 0.5)[1]()
+    first_distinct(torch.arange(20), 5, 20)
     return True
 
 
@@ -902,7 +912,7 @@ def _build() -> dict[str, Callable[..., Any]]:
         module[name] = numba.njit(
             cache=True, parallel=True, fastmath=False, error_model="numpy"
         )(module[name])
-    compiled = {
+    compiled: dict[str, Callable[..., Any]] = {
         name[len("_nb_") :]: numba.njit(
             cache=True, parallel=True, fastmath=False, error_model="numpy"
         )(module[name])
