@@ -382,3 +382,32 @@ def test_finite_inputs_give_finite_outputs(spec: str) -> None:
             for average in (False, True):
                 for total in simulate(codec, xs, average=average).totals:
                     assert bool(torch.isfinite(total).all()), (spec, dtype, magnitude, average)
+
+
+@pytest.mark.parametrize("codec_id", sorted(EXPECTED_IDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", [(33, 17), (0,), ()])
+def test_decode_into_a_buffer_is_bit_identical(
+    codec_id: str, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    """``decode(..., out=buf)`` writes into ``buf``, returns it, and equals a fresh decode."""
+    codec = get_codec(codec_id)
+    x = gaussian(math.prod(shape), seed=4).reshape(shape).to(dtype)
+    ctx = CodecContext(key="w", step=1)
+    payload = codec.encode(x, ctx)
+    fresh = codec.decode(payload, ctx)
+    buf = torch.full(shape, 7.0, dtype=dtype)  # stale content must not leak through
+    into = codec.decode(payload, ctx, out=buf)
+    assert into is buf
+    torch.testing.assert_close(into, fresh, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(into), torch.signbit(fresh))
+
+
+def test_decode_refuses_a_wrong_buffer() -> None:
+    codec = get_codec("fp16")
+    payload = codec.encode(gaussian(12).reshape(3, 4))
+    for bad in (
+        torch.empty(4, 3), torch.empty(3, 4, dtype=torch.float64), torch.empty(4, 3).t(), "x",
+    ):
+        with pytest.raises(CommpressError, match="out must be"):
+            codec.decode(payload, out=bad)  # type: ignore[arg-type]

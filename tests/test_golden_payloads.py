@@ -308,10 +308,28 @@ def _golden() -> dict[str, str]:
     return data
 
 
+#: Codecs whose stochastic-rounding noise comes from the CPU kernels' own counter-based
+#: generator when the numba kernels run (the default: numba is a dependency), and from torch's
+#: generator on the plain torch path: same distribution, different draws. The golden file is
+#: recorded with the kernels; under ``COMMPRESS_KERNELS=torch`` these cases are not compared.
+KERNEL_NOISE_CODECS = ("qsgd", "terngrad")
+
+
+def _kernel_noise_differs() -> bool:
+    from commpress.codecs import kernels
+
+    return kernels.requested_backend() == "torch" or not kernels.available()
+
+
 def _compare(got: dict[str, str], prefix: str) -> None:
     want = {k: v for k, v in _golden().items() if k.startswith(prefix)}
     assert sorted(got) == sorted(want), "cases differ: regenerate? (see the module docstring)"
-    changed = [k for k in want if got[k] != want[k]]
+    skipped = {
+        k for k in want
+        if _kernel_noise_differs() and any(f"/{c}/" in k or f"codec={c}," in k
+                                           for c in KERNEL_NOISE_CODECS)
+    }
+    changed = [k for k in want if k not in skipped and got[k] != want[k]]
     assert not changed, f"payload bytes or results changed for: {changed}"
 
 

@@ -631,3 +631,98 @@ def test_terngrad_and_coarse_qsgd_are_not_contractive_on_realistic_inputs() -> N
         default = get_codec("qsgd")
         assert default.contractive and default.feedback_fit == "optional"
         assert nmse(default.decode(default.encode(x)), x) < default.variance_bound
+
+
+# ---------------------------------------------------------------------- qsgd / terngrad kernels
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "qsgd", "qsgd:levels=7,chunk_size=100", "qsgd:levels=1,chunk_size=3", "qsgd:chunk_size=0",
+        "terngrad", "terngrad:chunk_size=333", "terngrad:chunk_size=1",
+    ],
+)
+@pytest.mark.parametrize("n", [1, 7, 1000, 16385, 70001])
+def test_stochastic_kernels_with_given_noise_match_torch(spec: str, n: int) -> None:
+    """Given the torch path's own noise, the QSGD/TernGrad kernels produce its codes bit for
+    bit (the codec's kernel path draws its noise from the kernels' internal generator
+    instead, as minmax does), and the decode kernel reproduces the torch decode."""
+    from commpress.codecs.quantize import (
+        _chunk_norms,
+        _max_abs,
+        _per_chunk,
+        _safe_reciprocal,
+        _uniform,
+        chunk_length,
+    )
+
+    codec = get_codec(spec)
+    x = heavy_tailed(n, seed=n)
+    x[::17] = 0.0
+    ctx = CodecContext(key="k", step=2)
+    with kernels.use_backend("torch"):
+        payload = codec.encode(x, ctx)
+        decoded = codec.decode(payload, ctx)
+    noise = _uniform(ctx, codec.seed, n, torch.device("cpu"))
+    chunk = chunk_length(n, codec.chunk_size)
+    if isinstance(codec, QSGD):
+        norm = _per_chunk(x, chunk, _chunk_norms)
+        assert torch.equal(norm, payload.parts["norm"])
+        inv = torch.where(
+            (norm > 0) & torch.isfinite(norm), float(codec.levels) / norm, torch.zeros_like(norm)
+        )
+        codes = kernels.stochastic_encode(
+            x, inv, kind="qsgd", chunk=chunk, levels=codec.levels, bits=codec.code_bits,
+            noise=noise,
+        )
+    else:
+        m = _per_chunk(x, chunk, _max_abs)
+        assert torch.equal(m, payload.parts["scale"])
+        codes = kernels.stochastic_encode(
+            x, _safe_reciprocal(m), kind="terngrad", chunk=chunk, levels=1, bits=2, noise=noise
+        )
+    assert torch.equal(codes, payload.parts["codes"])
+    with kernels.use_backend("numba"):
+        assert torch.equal(codec.decode(payload, ctx), decoded)
+        assert torch.equal(codec.decode(payload, ctx, out=torch.empty_like(x)), decoded)
+
+
+@pytest.mark.parametrize("spec", ["qsgd", "terngrad:chunk_size=256"])
+def test_stochastic_kernels_are_reproducible_and_per_rank(spec: str) -> None:
+    x = gaussian(5000)
+    codec = get_codec(spec)
+    with kernels.use_backend("numba"):
+        a = codec.encode(x, CodecContext(rank=0, world_size=2, step=1, key="w"))
+        b = codec.encode(x, CodecContext(rank=0, world_size=2, step=1, key="w"))
+        c = codec.encode(x, CodecContext(rank=1, world_size=2, step=1, key="w"))
+    assert torch.equal(a.parts["codes"], b.parts["codes"])
+    assert not torch.equal(a.parts["codes"], c.parts["codes"])
+
+
+def test_max_abs_matches_amax_of_abs() -> None:
+    from commpress.codecs.quantize import _max_abs
+
+    x = heavy_tailed(4096, seed=2).reshape(8, 512)
+    x[3] = 0.0
+    x[4] = -0.0
+    x[5] = -x[5].abs()
+    for view in (x, x.reshape(1, -1), x[:1]):
+        got = _max_abs(view)
+        want = view.abs().amax(dim=1)
+        assert torch.equal(got, want) and not torch.signbit(got).any()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 512, 70001])
+def test_kernel_chunk_norms_within_one_rounding_of_torch(chunk: int) -> None:
+    from commpress.codecs.quantize import _NORM_CLAMP, _chunk_norms, _per_chunk
+
+    x = heavy_tailed(70001, seed=chunk)
+    x[5] = 3e38
+    x[9000] = float("inf")
+    x[20000] = float("nan")
+    got = kernels.chunk_norms(x, chunk, _NORM_CLAMP)
+    want = _per_chunk(x, chunk, _chunk_norms)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    ulp = torch.nextafter(want[finite], torch.tensor(math.inf)) - want[finite]
+    assert bool(((got[finite] - want[finite]).abs() <= ulp).all())

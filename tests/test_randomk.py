@@ -276,3 +276,66 @@ def test_float16_values_saturate_for_large_float32_input() -> None:
     x = torch.tensor([1e6, -1e6, 1.0])
     out = codec.decode(codec.encode(x))
     assert out.tolist() == [65504.0, -65504.0, 1.0]
+
+
+# ---------------------------------------------------------------------- the shared sample
+@pytest.mark.parametrize(
+    ("d", "k"), [(1, 1), (7, 3), (100, 50), (1000, 10), (5000, 2600), (100, 99), (1 << 20, 9000)]
+)
+def test_sampler_kernel_matches_torch(d: int, k: int) -> None:
+    """The numba kernel and the torch path keep the same first k distinct draws."""
+    from commpress.codecs import kernels
+    from commpress.codecs.randomk import first_distinct_torch, shared_sample
+
+    for seed in range(4):
+        draws = torch.randint(0, d, (k + 8,), generator=torch.Generator().manual_seed(seed))
+        a = kernels.first_distinct(draws, k, d)
+        b = first_distinct_torch(draws, k)
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert torch.equal(a, b)
+            assert torch.equal(a, torch.unique(a)) and a.numel() == k
+        results = []
+        for backend in ("numba", "torch"):
+            with kernels.use_backend(backend):  # type: ignore[arg-type]
+                g = torch.Generator().manual_seed(seed)
+                results.append(shared_sample(d, k, g, torch.device("cpu")))
+        assert torch.equal(results[0], results[1])
+        assert results[0].numel() == k and bool((results[0][1:] > results[0][:-1]).all())
+
+
+def test_sample_needs_no_permutation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawing k of d coordinates never materialises a permutation of d."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("randperm called")
+
+    monkeypatch.setattr(torch, "randperm", refuse)
+    idx = randomk(ratio=0.01).indices(1 << 22, CodecContext(key="w"), torch.device("cpu"))
+    assert idx.numel() == round(0.01 * (1 << 22))
+
+
+@pytest.mark.parametrize(("d", "ratio"), [(20, 0.25), (20, 0.75)])
+def test_sample_is_uniform_without_replacement(d: int, ratio: float) -> None:
+    """Over 4000 steps every coordinate is drawn about k/d of the time (chi-square with d-1
+    degrees of freedom below its 0.9999 quantile, ~55 for 19 dof) and so is every pair (no
+    position is favoured: pairs test the joint law, which a marginal test would miss)."""
+    codec = randomk(ratio=ratio)
+    k = codec.num_selected(d)
+    steps = 4000
+    counts = torch.zeros(d)
+    pairs = torch.zeros(d, d)
+    for step in range(steps):
+        idx = codec.indices(d, CodecContext(key="u", step=step), torch.device("cpu"))
+        assert idx.numel() == k and torch.equal(idx, torch.unique(idx))
+        counts[idx] += 1
+        mask = torch.zeros(d)
+        mask[idx] = 1
+        pairs += torch.outer(mask, mask)
+    expected = steps * k / d
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 55, chi2
+    off = ~torch.eye(d, dtype=torch.bool)
+    pair_expected = steps * k * (k - 1) / (d * (d - 1))
+    rel = (pairs[off] - pair_expected).abs().max() / pair_expected
+    assert rel < 0.25, float(rel)

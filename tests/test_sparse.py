@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -501,3 +502,78 @@ def test_gathered_sum_of_scaled_values_is_finite() -> None:
     total = simulate(codec, xs).total
     assert bool(torch.isfinite(total).all())
     assert nmse(total, xs[0] + xs[1]) < 1e-6
+
+
+# ---------------------------------------------------------------------- threshold selection
+def _selection_inputs() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n in (2, 5, 100, 4097, 70001, 300001):
+        out.append((f"gauss{n}", torch.randn(n, generator=g)))
+        out.append((f"ties{n}", torch.randint(-3, 4, (n,), generator=g).float()))
+        zeros = torch.zeros(n)
+        zeros[::3] = -0.0
+        out.append((f"zeros{n}", zeros))
+        bad = torch.randn(n, generator=g)
+        bad[::7] = float("nan")
+        bad[::11] = float("-inf")
+        out.append((f"nonfinite{n}", bad))
+    return out
+
+
+@pytest.mark.parametrize(("name", "x"), _selection_inputs())
+def test_top_magnitudes_kernel_equals_torch_and_exact_topk(name: str, x: torch.Tensor) -> None:
+    """The numba threshold select (sampled bound, and the radix fallback), the torch
+    threshold path and torch.topk pick the same magnitudes; ties at the threshold go to the
+    lowest indices on both paths, so the indices are identical too."""
+    from commpress.codecs import kernels
+    from commpress.codecs.sparse import exact_top, magnitudes, top_magnitudes
+
+    n = x.numel()
+    mags = magnitudes(x)
+    for k in sorted({1, n // 2, max(1, n // 100), n - 1} - {0}):
+        with kernels.use_backend("torch"):
+            reference = top_magnitudes(x, k)
+        assert torch.equal(reference, exact_top(mags, k))
+        with kernels.use_backend("numba"):
+            assert torch.equal(top_magnitudes(x, k), reference), (name, k)
+            assert torch.equal(top_magnitudes(x.bfloat16(), k), exact_top(
+                magnitudes(x.bfloat16()), k)), (name, k)
+        radix = torch.empty(k, dtype=torch.int64)
+        kernels._kernel("topk_select")(x.numpy().view(np.int32), k, 3, radix.numpy())
+        assert torch.equal(radix, reference), (name, k)
+        assert bool((reference[1:] > reference[:-1]).all())
+        want = torch.topk(mags, k).values.sort().values
+        assert torch.equal(mags[reference].sort().values, want)
+        # ties at the threshold: the lowest indices
+        threshold = mags[reference].min()
+        tied = (mags == threshold).nonzero().reshape(-1)
+        taken = reference[mags[reference] == threshold]
+        assert torch.equal(taken, tied[: taken.numel()])
+
+
+@pytest.mark.parametrize(
+    "spec", ["dgc", "dgc:ratio=0.05,max_count_factor=1.0", "dgc:adapt_iters=0"]
+)
+@pytest.mark.parametrize("kind", ["gauss", "ties", "nonfinite"])
+def test_dgc_kernel_selection_equals_torch(spec: str, kind: str) -> None:
+    """DGC's kernel path (counts and indices without the magnitude tensor or the mask) sends
+    the same payload as the torch path: same samples, thresholds and indices."""
+    from commpress.codecs import kernels
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200003, generator=g)
+    if kind == "ties":
+        x = torch.randint(-5, 6, (200003,), generator=g).float()
+    if kind == "nonfinite":
+        x[::1001] = float("nan")
+        x[::3001] = float("inf")
+    codec = get_codec(spec)
+    ctx = CodecContext(key="w", step=3, rank=1, world_size=2)
+    with kernels.use_backend("numba"):
+        a = codec.encode(x, ctx)
+    with kernels.use_backend("torch"):
+        b = codec.encode(x, ctx)
+    assert a.parts.keys() == b.parts.keys()
+    for name in a.parts:
+        torch.testing.assert_close(a.parts[name], b.parts[name], rtol=0, atol=0, equal_nan=True)

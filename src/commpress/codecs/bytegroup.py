@@ -57,16 +57,15 @@ need byte residuals to the general kernel and write exactly its planes (tested).
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
 import torch
 
+from commpress.codecs import kernels
 from commpress.codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
 from commpress.errors import CommpressError
 
@@ -154,47 +153,28 @@ def matrix_view(shape: tuple[int, ...], numel: int) -> tuple[int, int, bool]:
 
 
 # ---------------------------------------------------------------------- kernel selection
-ENV_VAR = "COMMPRESS_KERNELS"
-_override: str | None = None
-_env_value: str | None = None
+# One backend switch for every numba kernel of the library: the override and the environment
+# variable of :mod:`commpress.codecs.kernels` (read there, on each call).
+ENV_VAR = kernels.ENV_VAR
+use_backend = kernels.use_backend
 _lock = threading.Lock()
 _compiled: dict[str, Callable[..., Any]] | None = None
 _import_error: str | None = None
-
-
-@contextmanager
-def use_backend(name: Literal["auto", "numba", "torch"]) -> Iterator[None]:
-    """Temporarily force the implementation used on CPU (tests compare both)."""
-    global _override
-    if name not in ("auto", "numba", "torch"):
-        raise CommpressError(f"kernel backend must be auto, numba or torch, got {name!r}")
-    previous, _override = _override, name
-    try:
-        yield
-    finally:
-        _override = previous
-
 
 _CPU_PROBE = torch.empty(0)
 _NO_MASK = np.zeros(0, dtype=np.uint8)
 
 
 def use_kernels(t: torch.Tensor) -> bool:
-    """Whether to run the numba kernels for tensor ``t`` (CPU only; ``COMMPRESS_KERNELS``
-    = ``torch`` disables them, ``numba`` makes their absence an error; the variable is read
-    once, on first use)."""
-    global _env_value
+    """Whether to run the numba kernels for tensor ``t``: CPU only, as chosen by
+    :func:`commpress.codecs.kernels.requested_backend` (``COMMPRESS_KERNELS`` = ``torch``
+    disables them, ``numba`` makes their absence an error; ``kernels.use_backend`` /
+    ``set_backend`` override the variable for every kernel of the library)."""
     if t.device.type != "cpu":
         return False
-    wanted = _override
-    if wanted is None:
-        if _env_value is None:  # read once: later changes go through use_backend()
-            _env_value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-        wanted = _env_value
+    wanted = kernels.requested_backend()
     if wanted == "torch":
         return False
-    if wanted not in ("auto", "numba"):
-        raise CommpressError(f"{ENV_VAR}={wanted!r} is not one of auto, numba, torch")
     if _compiled is not None:
         return True
     if _load() is None:

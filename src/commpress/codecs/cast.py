@@ -84,9 +84,19 @@ class _FloatCast(Codec):
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         return self.make_payload(x, {"values": x.reshape(-1).to(self.wire_dtype)})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         v = self.part(payload, "values", numel=payload.numel, dtype=self.wire_dtype)
-        return saturating_cast(v, payload.dtype).reshape(payload.shape)
+        if out is None:
+            return saturating_cast(v, payload.dtype).reshape(payload.shape)
+        if torch.finfo(payload.dtype).max >= torch.finfo(self.wire_dtype).max:
+            out.view(-1).copy_(v)  # a widening cast: exact, nothing to saturate
+        else:
+            out.view(-1).copy_(saturating_cast(v, payload.dtype))
+        return out
 
     def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
         payload = self.encode(tensor, ctx)

@@ -141,6 +141,16 @@ def warm_up() -> bool:
         minmax_decode(packed, lo, scale, chunk=8, bits=3, n=20)
     signs, total = sign_encode(x)
     sign_decode(signs, torch.tensor([total / 20]), 20)
+    inv = torch.ones(3)
+    codes = stochastic_encode(x, inv, kind="qsgd", chunk=8, levels=127, bits=8)
+    offset_decode(codes, inv, chunk=8, bits=8, offset=127.0, n=20)
+    codes = stochastic_encode(x, inv, kind="terngrad", chunk=8, levels=1, bits=2)
+    offset_decode(codes, inv, chunk=8, bits=2, offset=1.0, n=20)
+    chunk_norms(x, 8, 1.0)
+    topk_select(x, 3)
+    _kernel("topk_select")(_np(x).view(np.int32), 3, 2, np.empty(3, np.int64))
+    at_least(x, 0.5)[1]()
+    first_distinct(torch.arange(20), 5, 20)
     return True
 
 
@@ -477,8 +487,17 @@ def _nb_sign_encode(x: Any, packed: Any, partial: Any) -> None:
         a = unit * UNIT
         b = min(a + UNIT, n)
         src = x[a:b]
+        # eight independent float64 partial sums (one dependency chain would cap the pass
+        # at one add per FP latency), then one exact-order combination
+        lanes = np.zeros(8, np.float64)
+        full = src.size // 8 * 8
+        for g in range(0, full, 8):
+            for j in range(8):
+                lanes[j] += abs(np.float64(src[g + j]))
         acc = 0.0
-        for k in range(src.size):
+        for j in range(8):
+            acc += lanes[j]
+        for k in range(full, src.size):
             acc += abs(np.float64(src[k]))
         partial[unit] = acc
         dst = packed[a // 8 : (b + 7) // 8]
@@ -513,6 +532,345 @@ def _nb_sign_decode(packed: Any, scale: Any, out: Any) -> None:
             dst[k] = scale if (src[full] >> (k - 8 * full)) & 1 else neg
 
 
+def _nb_stochastic_encode(
+    x: Any,
+    chunk: Any,
+    kind: Any,
+    levels: Any,
+    bits: Any,
+    mode: Any,
+    seed: Any,
+    noise: Any,
+    inv_all: Any,
+    packed: Any,
+) -> None:
+    # kind 0 (qsgd): code = levels +- clamp(floor(|x| * inv + u), 0, levels), NaN -> levels;
+    # kind 1 (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1 (x < 0 -> 0, else 2).
+    # mode 1: u from the internal generator keyed by seed; mode 2: u = noise.
+    n = x.size
+    zero = f32(0.0)
+    top = f32(levels)
+    nunits = (n + UNIT - 1) // UNIT
+    for unit in prange(nunits):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        buf = np.empty(UNIT + 8, np.uint8)
+        ubuf = np.empty(UNIT, np.float32)
+        i = a
+        c = a // chunk
+        while i < b:
+            e = min((c + 1) * chunk, b)
+            inv = inv_all[c]
+            src = x[i:e]
+            dst = buf[i - a : e - a]
+            u = ubuf[: src.size]
+            # branch-free inner loops (they vectorize): the noise first, then the codes
+            if mode == 1:
+                # _nb_uniform written out, so that the loop vectorizes
+                base = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
+                for k in range(src.size):
+                    z = base + u64(k) * u64(0x9E3779B97F4A7C15)
+                    z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+                    z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+                    z = z ^ (z >> u64(31))
+                    u[k] = f32(z >> u64(40)) * f32(5.9604644775390625e-08)
+            else:
+                given = noise[i:e]
+                for k in range(src.size):
+                    u[k] = given[k]
+            if kind == 0:
+                mid = u8(levels)
+                for k in range(src.size):
+                    v = src[k]
+                    t = np.floor(abs(v) * inv + u[k])
+                    t = t if t >= zero else zero
+                    t = t if t <= top else top
+                    level = u8(t)
+                    dst[k] = mid - level if v < zero else mid + level
+            else:
+                for k in range(src.size):
+                    v = src[k]
+                    keep = u[k] < abs(v) * inv
+                    dst[k] = (u8(0) if v < zero else u8(2)) if keep else u8(1)
+            i = e
+            c += 1
+        _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+
+
+def _nb_chunk_norms(x: Any, chunk: Any, clamp: Any, norms: Any) -> None:
+    # norms[c] = L2 norm of chunk c, accumulated in float64 and rounded to float32; norms
+    # beyond float32 (finite inputs near its largest) are clamped to ``clamp``
+    n = x.size
+    nchunks = norms.size
+    for c in prange(nchunks):
+        src = x[c * chunk : min((c + 1) * chunk, n)]
+        lanes = np.zeros(8, np.float64)  # independent partial sums, as in _nb_sign_encode
+        full = src.size // 8 * 8
+        for g in range(0, full, 8):
+            for j in range(8):
+                v = np.float64(src[g + j])
+                lanes[j] += v * v
+        acc = 0.0
+        for j in range(8):
+            acc += lanes[j]
+        for i in range(full, src.size):
+            v = np.float64(src[i])
+            acc += v * v
+        norm = np.sqrt(acc)
+        if norm > np.float64(clamp) and norm < np.inf:
+            norm = np.float64(clamp)
+        norms[c] = f32(norm)
+
+
+def _nb_offset_decode(
+    packed: Any, step: Any, chunk: Any, bits: Any, offset: Any, out: Any
+) -> None:
+    # out[i] = (f32(code_i) - offset) * step[chunk of i] (qsgd: offset levels, terngrad 1)
+    n = out.size
+    nunits = (n + UNIT - 1) // UNIT
+    for unit in prange(nunits):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        buf = np.empty(UNIT + 8, np.uint8)
+        _nb_unpack_unit(packed, a // 8 * bits, b - a, bits, buf)
+        i = a
+        c = a // chunk
+        while i < b:
+            e = min((c + 1) * chunk, b)
+            m = step[c]
+            src = buf[i - a : e - a]
+            dst = out[i:e]
+            for k in range(src.size):
+                dst[k] = (f32(src[k]) - offset) * m
+            i = e
+            c += 1
+
+
+def _nb_mag_key(v: Any) -> Any:
+    # |x| as an order-preserving integer (the fp32 bits without the sign); NaN ranks as +inf
+    key = v & i32(0x7FFFFFFF)
+    return key if key <= _KEY_POS_INF else _KEY_POS_INF
+
+
+def _nb_topk_select(xi: Any, k: Any, nparts: Any, out: Any) -> None:
+    # out[:k] = ascending indices of the k largest |x| (x given as int32 bits), radix-selected
+    # on the 31-bit magnitude keys in two 16-bit digits; ties at the threshold go to the
+    # lowest indices. Four read passes, no sort.
+    n = xi.size
+    per = (n + nparts - 1) // nparts
+    hist = np.zeros((nparts, 65536), np.int64)
+    for p in prange(nparts):
+        src = xi[min(p * per, n) : min((p + 1) * per, n)]
+        h = hist[p]
+        for i in range(src.size):
+            h[_nb_mag_key(src[i]) >> i32(16)] += 1
+    above = 0
+    top = 0
+    for digit in range(65535, -1, -1):
+        c = 0
+        for p in range(nparts):
+            c += hist[p, digit]
+        if above + c >= k:
+            top = digit
+            break
+        above += c
+    hist[:, :] = 0
+    for p in prange(nparts):
+        src = xi[min(p * per, n) : min((p + 1) * per, n)]
+        h = hist[p]
+        for i in range(src.size):
+            key = _nb_mag_key(src[i])
+            if (key >> i32(16)) == top:
+                h[key & i32(0xFFFF)] += 1
+    low = 0
+    for digit in range(65535, -1, -1):
+        c = 0
+        for p in range(nparts):
+            c += hist[p, digit]
+        if above + c >= k:
+            low = digit
+            break
+        above += c
+    threshold = i32((top << 16) | low)
+    ties = k - above  # how many keys equal to the threshold are taken (the first ones)
+    gt = np.zeros(nparts, np.int64)
+    eq = np.zeros(nparts, np.int64)
+    for p in prange(nparts):
+        src = xi[min(p * per, n) : min((p + 1) * per, n)]
+        g = 0
+        e = 0
+        for i in range(src.size):
+            key = _nb_mag_key(src[i])
+            g += 1 if key > threshold else 0
+            e += 1 if key == threshold else 0
+        gt[p] = g
+        eq[p] = e
+    start = np.zeros(nparts, np.int64)
+    take = np.zeros(nparts, np.int64)
+    pos = 0
+    for p in range(nparts):
+        take[p] = min(eq[p], ties)
+        ties -= take[p]
+        start[p] = pos
+        pos += gt[p] + take[p]
+    _nb_write_selected(xi, threshold, nparts, per, start, take, out)
+
+
+def _nb_topk_band(xi: Any, k: Any, nparts: Any, out: Any) -> Any:
+    # As _nb_topk_select, but with a lower bound on the threshold taken from a sample: one
+    # pass counts the keys at or above the bound, a second collects them (about k plus a few
+    # sqrt(k) n / sample; keys and indices, in index order), and the exact threshold and the
+    # ties come from those candidates alone. Returns False (out untouched) when the bound is
+    # above the k-th largest key (fewer than k candidates); the caller then radix-selects.
+    n = xi.size
+    s = min(n, max(4096, n // 256))
+    sample = np.empty(s, np.int32)
+    for j in range(s):
+        # fixed pseudo-random positions (a hash of j): only the speed depends on them
+        pos = np.int64(_nb_uniform(u64(0x5EED), j) * f32(n))
+        pos = pos if pos < n else n - 1
+        sample[j] = _nb_mag_key(xi[pos])
+    ks = np.int64(np.float64(k) * s / n)
+    lo_rank = ks + np.int64(4.0 * np.sqrt(np.float64(ks) + 1.0)) + 8  # from the top
+    lo_key = i32(0) if lo_rank >= s else np.partition(sample, s - 1 - lo_rank)[s - 1 - lo_rank]
+    per = (n + nparts - 1) // nparts
+    count = np.zeros(nparts, np.int64)
+    for p in prange(nparts):
+        src = xi[min(p * per, n) : min((p + 1) * per, n)]
+        c = 0
+        for i in range(src.size):
+            c += 1 if _nb_mag_key(src[i]) >= lo_key else 0
+        count[p] = c
+    total = count.sum()
+    if total < k:
+        return False
+    off = np.zeros(nparts + 1, np.int64)
+    for p in range(nparts):
+        off[p + 1] = off[p] + count[p]
+    ckeys = np.empty(total, np.int32)
+    cidx = np.empty(total, np.int64)
+    for p in prange(nparts):
+        a = min(p * per, n)
+        src = xi[a : min((p + 1) * per, n)]
+        j = off[p]
+        for g in range(0, src.size, 16):
+            # a vectorized test of 16 keys first: most blocks hold no candidate
+            block = src[g : g + 16]
+            hit = False
+            for t in range(block.size):
+                hit |= _nb_mag_key(block[t]) >= lo_key
+            if hit:
+                for t in range(block.size):
+                    key = _nb_mag_key(block[t])
+                    if key >= lo_key:
+                        ckeys[j] = key
+                        cidx[j] = a + g + t
+                        j += 1
+    threshold = np.partition(ckeys, total - k)[total - k]
+    above = 0
+    for j in range(total):
+        above += 1 if ckeys[j] > threshold else 0
+    ties = k - above
+    j = 0
+    for c in range(total):
+        key = ckeys[c]
+        if key > threshold:
+            out[j] = cidx[c]
+            j += 1
+        elif key == threshold and ties > 0:
+            out[j] = cidx[c]
+            j += 1
+            ties -= 1
+    return True
+
+
+def _nb_write_selected(
+    xi: Any, threshold: Any, nparts: Any, per: Any, start: Any, take: Any, out: Any
+) -> None:
+    # out[start[p]:] = indices in partition p with key > threshold, plus its first take[p]
+    # keys equal to it, in ascending order
+    n = xi.size
+    for p in prange(nparts):
+        a = min(p * per, n)
+        src = xi[a : min((p + 1) * per, n)]
+        j = start[p]
+        left = take[p]
+        for g in range(0, src.size, 16):
+            block = src[g : g + 16]
+            hit = False
+            for t in range(block.size):
+                hit |= _nb_mag_key(block[t]) >= threshold
+            if hit:
+                for t in range(block.size):
+                    key = _nb_mag_key(block[t])
+                    if key > threshold:
+                        out[j] = a + g + t
+                        j += 1
+                    elif key == threshold and left > 0:
+                        out[j] = a + g + t
+                        j += 1
+                        left -= 1
+
+
+def _nb_count_at_least(xi: Any, key: Any, counts: Any) -> None:
+    # counts[p] = how many magnitude keys of partition p are >= key
+    n = xi.size
+    nparts = counts.size
+    per = (n + nparts - 1) // nparts
+    for p in prange(nparts):
+        src = xi[min(p * per, n) : min((p + 1) * per, n)]
+        c = 0
+        for i in range(src.size):
+            c += 1 if _nb_mag_key(src[i]) >= key else 0
+        counts[p] = c
+
+
+def _nb_collect_at_least(xi: Any, key: Any, counts: Any, out: Any) -> None:
+    # out = ascending indices of the magnitude keys >= key (counts from _nb_count_at_least)
+    n = xi.size
+    nparts = counts.size
+    per = (n + nparts - 1) // nparts
+    start = np.zeros(nparts, np.int64)
+    take = np.zeros(nparts, np.int64)
+    for p in range(1, nparts):
+        start[p] = start[p - 1] + counts[p - 1]
+    # keys >= key are keys > key - 1 (key >= 1 here: key 0 selects everything)
+    _nb_write_selected(xi, key - i32(1), nparts, per, start, take, out)
+
+
+def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
+    # the first k distinct values of draws (each in [0, d)), written sorted into out[:k];
+    # returns how many distinct values were found (k, or fewer when draws ran out)
+    bitmap = np.zeros((d + 63) // 64, np.uint64)
+    count = 0
+    for i in range(draws.size):
+        v = draws[i]
+        w = v >> 6
+        bit = u64(1) << u64(v & 63)
+        if not bitmap[w] & bit:
+            bitmap[w] |= bit
+            count += 1
+            if count == k:
+                break
+    if count < k:
+        return count
+    j = 0
+    for w in range(bitmap.size):
+        word = bitmap[w]
+        while word:
+            low = word & (~word + u64(1))  # lowest set bit
+            # its position: count the bits below it
+            pos = 0
+            probe = low >> u64(1)
+            while probe:
+                probe >>= u64(1)
+                pos += 1
+            out[j] = w * 64 + pos
+            j += 1
+            word ^= low
+    return count
+
+
 _HELPERS = (
     "_nb_uniform",
     "_nb_pack_unit",
@@ -521,8 +879,24 @@ _HELPERS = (
     "_nb_prescale",
     "_nb_chunk_params",
     "_nb_quantize",
+    "_nb_mag_key",
 )
-_KERNELS = ("_nb_minmax_encode", "_nb_minmax_decode", "_nb_sign_encode", "_nb_sign_decode")
+# helpers that contain parallel loops (compiled with parallel=True)
+_PARALLEL_HELPERS = ("_nb_write_selected",)
+_KERNELS = (
+    "_nb_minmax_encode",
+    "_nb_minmax_decode",
+    "_nb_sign_encode",
+    "_nb_sign_decode",
+    "_nb_stochastic_encode",
+    "_nb_offset_decode",
+    "_nb_chunk_norms",
+    "_nb_topk_select",
+    "_nb_topk_band",
+    "_nb_count_at_least",
+    "_nb_collect_at_least",
+)
+_SERIAL = ("_nb_first_distinct",)
 
 
 def _build() -> dict[str, Callable[..., Any]]:
@@ -534,12 +908,21 @@ def _build() -> dict[str, Callable[..., Any]]:
     module["prange"] = numba.prange
     for name in _HELPERS:
         module[name] = numba.njit(cache=True, fastmath=False, error_model="numpy")(module[name])
-    return {
+    for name in _PARALLEL_HELPERS:
+        module[name] = numba.njit(
+            cache=True, parallel=True, fastmath=False, error_model="numpy"
+        )(module[name])
+    compiled: dict[str, Callable[..., Any]] = {
         name[len("_nb_") :]: numba.njit(
             cache=True, parallel=True, fastmath=False, error_model="numpy"
         )(module[name])
         for name in _KERNELS
     }
+    for name in _SERIAL:
+        compiled[name[len("_nb_") :]] = numba.njit(
+            cache=True, fastmath=False, error_model="numpy"
+        )(module[name])
+    return compiled
 
 
 def _kernel(name: str) -> Callable[..., Any]:
@@ -593,11 +976,55 @@ def minmax_encode(
     return packed, lo, scale
 
 
+_scratch = threading.local()
+
+
+def scratch32(n: int) -> torch.Tensor:
+    """``n`` float32 elements of this thread's scratch buffer (grown on demand, reused).
+
+    Large fresh allocations cost page faults on first touch (glibc maps every block above
+    32 MB afresh), as much as the pass that fills them: the kernel paths widen float16 and
+    bfloat16 inputs, and decode for a narrower ``out=``, through this buffer instead. Its
+    content is valid only until the next call on the same thread, and it never leaves the
+    codec call that asked for it."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(max(n, 1), dtype=torch.float32)
+        _scratch.buf = buf
+    return buf[:n]
+
+
+def widen(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (a CPU tensor) as a 1-D contiguous float32 tensor: itself when it already is
+    one, else a copy in :func:`scratch32` (exact for float16 and bfloat16)."""
+    flat = x.reshape(-1)
+    if flat.dtype == torch.float32 and flat.is_contiguous():
+        return flat
+    return scratch32(flat.numel()).copy_(flat)
+
+
+def _out32(out: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``out`` viewed as ``n`` contiguous fp32 values, or a fresh such tensor."""
+    if out is None:
+        return torch.empty(n, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+        raise CommpressError(f"kernel output must be {n} contiguous float32 values")
+    return out.view(-1)
+
+
 def minmax_decode(
-    packed: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, *, chunk: int, bits: int, n: int
+    packed: torch.Tensor,
+    lo: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    chunk: int,
+    bits: int,
+    n: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`minmax_encode`: ``n`` fp32 values ``code * scale + min``."""
-    out = torch.empty(n, dtype=torch.float32)
+    """Inverse of :func:`minmax_encode`: ``n`` fp32 values ``code * scale + min`` (written
+    into ``out``, ``n`` contiguous fp32 values, when given)."""
+    out = _out32(out, n)
     with _launch():
         _kernel("minmax_decode")(
             _np(packed.contiguous()),
@@ -621,16 +1048,154 @@ def sign_encode(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     return packed, float(partial.sum())
 
 
-def sign_decode(packed: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
-    """``n`` fp32 values: ``+scale`` where the bit is 1, ``-scale`` where it is 0."""
-    out = torch.empty(n, dtype=torch.float32)
+def sign_decode(
+    packed: torch.Tensor, scale: torch.Tensor, n: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``n`` fp32 values: ``+scale`` where the bit is 1, ``-scale`` where it is 0 (written
+    into ``out`` when given)."""
+    out = _out32(out, n)
     with _launch():
         _kernel("sign_decode")(_np(packed.contiguous()), np.float32(scale.item()), _np(out))
     return out
 
 
+def stochastic_encode(
+    x: torch.Tensor,
+    inv: torch.Tensor,
+    *,
+    kind: Literal["qsgd", "terngrad"],
+    chunk: int,
+    levels: int,
+    bits: int,
+    seed: int = 0,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed ``bits``-bit codes of QSGD (``kind="qsgd"``: ``levels +- floor(|x| inv + u)``
+    clamped to ``[0, levels]``) or TernGrad (``"terngrad"``: ``1 + sign(x)`` where ``u <
+    |x| inv``, else 1) for a 1-D contiguous fp32 CPU tensor, with ``inv`` per chunk. ``u``
+    comes from ``noise`` when given, else from the internal generator keyed by ``seed``."""
+    n = x.numel()
+    packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+    if noise is not None:
+        mode, noise_np = 2, _np(noise)
+    else:
+        mode, noise_np = 1, np.zeros(1, np.float32)
+    with _launch():
+        _kernel("stochastic_encode")(
+            _np(x),
+            chunk,
+            0 if kind == "qsgd" else 1,
+            levels,
+            bits,
+            mode,
+            np.uint64(seed),
+            noise_np,
+            _np(inv.contiguous()),
+            _np(packed),
+        )
+    return packed
+
+
+def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
+    """L2 norm of each ``chunk`` of a 1-D contiguous fp32 CPU tensor, summed in float64 and
+    rounded to float32 (norms beyond float32's range clamped to ``clamp``; Inf and NaN
+    propagate). Within one float32 rounding of the torch path's float32 norms."""
+    n = x.numel()
+    norms = torch.empty(-(-n // chunk), dtype=torch.float32)
+    with _launch():
+        _kernel("chunk_norms")(_np(x), chunk, np.float32(clamp), _np(norms))
+    return norms
+
+
+def offset_decode(
+    packed: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    chunk: int,
+    bits: int,
+    offset: float,
+    n: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``n`` fp32 values ``(code - offset) * step[chunk]`` from packed ``bits``-bit codes
+    (written into ``out`` when given)."""
+    out = _out32(out, n)
+    with _launch():
+        _kernel("offset_decode")(
+            _np(packed.contiguous()),
+            _np(step.contiguous()),
+            chunk,
+            bits,
+            np.float32(offset),
+            _np(out),
+        )
+    return out
+
+
+def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D contiguous fp32 CPU
+    tensor (``1 <= k <= n``; NaN ranks as +inf; among equal magnitudes at the threshold the
+    lowest indices are taken), by threshold instead of a sort: a sample of ``max(4096,
+    n/256)`` magnitudes gives a lower bound on the ``k``-th largest, two read passes count
+    and collect the coordinates at or above it (about ``k`` plus a few ``sqrt(k) n /
+    sample``), and a selection (``np.partition``) among those finds the exact threshold;
+    when the bound misses (unlikely; it depends on the data only, never on a seed), a
+    two-digit radix select over the 31-bit magnitude keys (four read passes) does it."""
+    out = torch.empty(k, dtype=torch.int64)
+    with _launch():
+        import numba
+
+        nparts = 4 * numba.get_num_threads()
+        bits = _np(x).view(np.int32)
+        if not _kernel("topk_band")(bits, k, nparts, _np(out)):
+            _kernel("topk_select")(bits, k, nparts, _np(out))
+    return out
+
+
+def at_least(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch.Tensor]]:
+    """How many ``|x| >= threshold`` (NaN counting as +inf) in a 1-D contiguous fp32 CPU
+    tensor, and a function that returns their ascending int64 indices (a second pass, run
+    only when the count is accepted). ``threshold`` is a magnitude (``>= 0``, may be inf)."""
+    bits = _np(x).view(np.int32)
+    key = np.int32(np.array([threshold], np.float32).view(np.int32)[0] & 0x7FFFFFFF)
+    with _launch():
+        import numba
+
+        counts = np.zeros(4 * numba.get_num_threads(), np.int64)
+        if key == 0:
+            counts[0] = bits.size  # every magnitude is >= 0
+        else:
+            _kernel("count_at_least")(bits, key, counts)
+    total = int(counts.sum())
+
+    def collect() -> torch.Tensor:
+        if key == 0:
+            return torch.arange(total)
+        out = torch.empty(total, dtype=torch.int64)
+        with _launch():
+            _kernel("collect_at_least")(bits, key, counts, _np(out))
+        return out
+
+    return total, collect
+
+
+def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
+    """The first ``k`` distinct values of ``draws`` (int64 in ``[0, d)``, CPU), sorted
+    ascending; ``None`` when ``draws`` holds fewer than ``k`` distinct values."""
+    out = torch.empty(k, dtype=torch.int64)
+    with _launch():
+        found = _kernel("first_distinct")(_np(draws.contiguous()), k, d, _np(out))
+    return out if found >= k else None
+
+
 __all__ = [
     "ENV_VAR",
+    "at_least",
+    "chunk_norms",
+    "first_distinct",
+    "offset_decode",
+    "stochastic_encode",
+    "topk_select",
     "available",
     "minmax_decode",
     "minmax_encode",
@@ -639,6 +1204,8 @@ __all__ = [
     "sign_decode",
     "sign_encode",
     "use_backend",
+    "scratch32",
     "use_kernels",
     "warm_up",
+    "widen",
 ]

@@ -384,9 +384,14 @@ class NetZip(Codec):
         ctx: CodecContext | None = None,
         *,
         shape: tuple[int, ...] | torch.Size | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As :meth:`Codec.decode` (same checks and errors), with less overhead per call."""
+        """As :meth:`Codec.decode` (same checks and errors), with less overhead per call.
+        ``out`` receives a copy of the decoding."""
         self.check_payload(payload, shape)
+        if out is not None:
+            self.check_out(out, payload)
+        buffer = out
         try:
             out = self._decode(payload, ctx if ctx is not None else self._default_ctx())
         except CommpressError as exc:
@@ -398,6 +403,9 @@ class NetZip(Codec):
                 f"{self.codec_id}.decode produced {tuple(out.shape)} {out.dtype}, expected "
                 f"{tuple(payload.shape)} {payload.dtype} (codec bug)"
             )
+        if buffer is not None:
+            buffer.copy_(out)
+            return buffer
         return out
 
     def _default_ctx(self) -> CodecContext:

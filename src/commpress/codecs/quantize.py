@@ -124,8 +124,34 @@ def _chunk_norms(view: torch.Tensor) -> torch.Tensor:
     return norm
 
 
+def _max_abs(view: torch.Tensor) -> torch.Tensor:
+    """``max |v|`` of each row of a ``(chunks, chunk)`` view without materialising ``|v|``:
+    ``|max(-min, max)|`` (the outer ``abs`` turns a ``-0.0`` into ``+0.0``, as ``amax`` of
+    ``|v|`` gives). Equal to ``view.abs().amax(dim=1)`` bit for bit on finite rows; rows with
+    a NaN give a NaN."""
+    if view.shape[0] == 1:  # one row: a full reduction parallelizes, a row-wise one does not
+        lo, hi = (t.reshape(1) for t in torch.aminmax(view))
+    else:
+        lo, hi = torch.aminmax(view, dim=1)
+    return torch.maximum(lo.neg_(), hi).abs_()
+
+
 def _flat32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` flattened to contiguous float32; float16/bfloat16 inputs bound for the CPU
+    kernels are widened into the kernels' reused scratch buffer (no fresh pages), so the
+    result must not outlive the encode."""
+    if x.dtype in (torch.float16, torch.bfloat16) and kernels.use_kernels(x):
+        return kernels.widen(x)
     return x.reshape(-1).to(torch.float32).contiguous()
+
+
+def _direct32(out: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """Where a CPU decode kernel writes: ``out`` itself when it is float32, the scratch
+    buffer when it is another dtype (then copied, converting, into ``out``), else a fresh
+    tensor (``None``)."""
+    if out is None:
+        return None
+    return out if out.dtype == torch.float32 else kernels.scratch32(n)
 
 
 def _uniform(ctx: CodecContext, seed: int, n: int, device: torch.device) -> torch.Tensor:
@@ -138,6 +164,38 @@ def _kernel_seed(ctx: CodecContext, seed: int) -> int:
     """A 63-bit seed for the CPU kernels' own generator, from this worker's stream."""
     g = ctx.generator(seed, shared=False, device=torch.device("cpu"))
     return int(torch.randint(0, SEED_LIMIT - 1, (1,), generator=g).item())
+
+
+def _into(
+    result: torch.Tensor,
+    payload: Payload,
+    out: torch.Tensor | None,
+    *,
+    saturate: bool = False,
+) -> torch.Tensor:
+    """A decoder's float32 ``result`` converted to the payload's dtype (``saturate``: by
+    :func:`saturating_cast`, else ``.to``) and shape, written into ``out`` when given (a
+    converting ``copy_``, which rounds as ``.to`` does, so no fresh tensor is made)."""
+    if out is None:
+        wide = saturating_cast(result, payload.dtype) if saturate else result.to(payload.dtype)
+        return wide.reshape(payload.shape)
+    if result.data_ptr() == out.data_ptr() and result.dtype == out.dtype:
+        return out
+    if saturate and _needs_saturation(result, payload.dtype):
+        out.view(-1).copy_(saturating_cast(result, payload.dtype).reshape(-1))
+    else:
+        out.view(-1).copy_(result.reshape(-1))
+    return out
+
+
+def _needs_saturation(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``saturating_cast(x, dtype)`` may differ from ``x.to(dtype)``: ``dtype`` is
+    narrower and ``x`` holds a non-finite value or one beyond ``dtype``'s largest."""
+    if x.numel() == 0 or torch.finfo(dtype).max >= torch.finfo(x.dtype).max:
+        return False
+    lo, hi = torch.aminmax(x)
+    top = torch.finfo(dtype).max
+    return not bool(torch.isfinite(lo) & torch.isfinite(hi) & (lo >= -top) & (hi <= top))
 
 
 def _floor_clamp(t: torch.Tensor, top: float) -> torch.Tensor:
@@ -345,7 +403,11 @@ class MinMax(Codec):
             packed, lo, scale = minmax_encode_torch(flat, chunk, self.bits, noise)
         return self.make_payload(x, {"codes": packed, "min": lo, "scale": scale})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         n = payload.numel
         nchunks = num_chunks(n, self.chunk_size)
         packed = self.part(payload, "codes", numel=math.ceil(n * self.bits / 8), dtype=torch.uint8)
@@ -355,10 +417,13 @@ class MinMax(Codec):
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
         if kernels.use_kernels(packed):
-            out = kernels.minmax_decode(packed, lo, scale, chunk=chunk, bits=self.bits, n=n)
+            direct = _direct32(out, n)
+            result = kernels.minmax_decode(
+                packed, lo, scale, chunk=chunk, bits=self.bits, n=n, out=direct
+            )
         else:
-            out = minmax_decode_torch(packed, lo, scale, chunk, self.bits, n)
-        return out.to(payload.dtype).reshape(payload.shape)
+            result = minmax_decode_torch(packed, lo, scale, chunk, self.bits, n)
+        return _into(result, payload, out)
 
 
 # ---------------------------------------------------------------------- qsgd
@@ -452,6 +517,17 @@ class QSGD(Codec):
             empty = torch.empty(0, device=x.device)
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "norm": empty})
         chunk = chunk_length(n, self.chunk_size)
+        if self.code_bits <= 8 and kernels.use_kernels(flat):
+            # float64 sums in one pass (the torch path sums in float32, recomputing only
+            # overflowing chunks in float64): norms may differ by one float32 rounding
+            norm = kernels.chunk_norms(flat, chunk, _NORM_CLAMP)
+            valid = (norm > 0) & torch.isfinite(norm)
+            inv = torch.where(valid, s / norm, torch.zeros_like(norm))
+            packed = kernels.stochastic_encode(
+                flat, inv, kind="qsgd", chunk=chunk, levels=self.levels, bits=self.code_bits,
+                seed=_kernel_seed(ctx, self.seed),
+            )
+            return self.make_payload(x, {"codes": packed, "norm": norm})
         noise = _uniform(ctx, self.seed, n, flat.device)
         norms: list[torch.Tensor] = []
 
@@ -470,7 +546,11 @@ class QSGD(Codec):
         packed = pack_bits(codes, self.code_bits)
         return self.make_payload(x, {"codes": packed, "norm": torch.cat(norms)})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         n = payload.numel
         bits = self.code_bits
         nbytes = math.ceil(bits * n / 8) if bits <= 8 else n + math.ceil((bits - 8) * n / 8)
@@ -480,9 +560,17 @@ class QSGD(Codec):
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
         step = norm / float(self.levels)
-        signed = (unpack_bits(packed, bits, n).to(torch.int32) - self.levels).to(torch.float32)
-        out = _chunked(signed, chunk, lambda view, rows: view * step[rows].unsqueeze(1))
-        return saturating_cast(out, payload.dtype).reshape(payload.shape)
+        if bits <= 8 and kernels.use_kernels(packed):
+            direct = _direct32(out, n)
+            result = kernels.offset_decode(
+                packed, step, chunk=chunk, bits=bits, offset=float(self.levels), n=n, out=direct
+            )
+        else:
+            signed = unpack_bits(packed, bits, n).to(torch.int32) - self.levels
+            result = _chunked(
+                signed.to(torch.float32), chunk, lambda view, rows: view * step[rows].unsqueeze(1)
+            )
+        return _into(result, payload, out, saturate=True)
 
 
 # ---------------------------------------------------------------------- terngrad
@@ -548,6 +636,13 @@ class TernGrad(Codec):
             empty = torch.empty(0, device=x.device)
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "scale": empty})
         chunk = chunk_length(n, self.chunk_size)
+        if kernels.use_kernels(flat):
+            m = _per_chunk(flat, chunk, _max_abs)
+            packed = kernels.stochastic_encode(
+                flat, _safe_reciprocal(m), kind="terngrad", chunk=chunk, levels=1, bits=2,
+                seed=_kernel_seed(ctx, self.seed),
+            )
+            return self.make_payload(x, {"codes": packed, "scale": m})
         noise = _uniform(ctx, self.seed, n, flat.device)
         scales: list[torch.Tensor] = []
 
@@ -565,16 +660,26 @@ class TernGrad(Codec):
         codes = _chunked(flat, chunk, quantize)
         return self.make_payload(x, {"codes": pack_bits(codes, 2), "scale": torch.cat(scales)})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         n = payload.numel
         packed = self.part(payload, "codes", numel=math.ceil(2 * n / 8), dtype=torch.uint8)
         m = self.part(payload, "scale", numel=num_chunks(n, self.chunk_size), dtype=torch.float32)
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
-        ternary = unpack_bits(packed, 2, n).to(torch.float32) - 1.0
-        out = _chunked(ternary, chunk, lambda view, rows: view * m[rows].unsqueeze(1))
-        return out.to(payload.dtype).reshape(payload.shape)
+        if kernels.use_kernels(packed):
+            direct = _direct32(out, n)
+            result = kernels.offset_decode(
+                packed, m, chunk=chunk, bits=2, offset=1.0, n=n, out=direct
+            )
+        else:
+            ternary = unpack_bits(packed, 2, n).to(torch.float32) - 1.0
+            result = _chunked(ternary, chunk, lambda view, rows: view * m[rows].unsqueeze(1))
+        return _into(result, payload, out)
 
 
 # ---------------------------------------------------------------------- sign
@@ -638,17 +743,22 @@ class Sign(Codec):
             packed, scale = sign_encode_torch(flat)
         return self.make_payload(x, {"signs": packed, "scale": scale})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         n = payload.numel
         packed = self.part(payload, "signs", numel=math.ceil(n / 8), dtype=torch.uint8)
         scale = self.part(payload, "scale", numel=1, dtype=torch.float32)
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         if kernels.use_kernels(packed):
-            out = kernels.sign_decode(packed, scale, n)
+            direct = _direct32(out, n)
+            result = kernels.sign_decode(packed, scale, n, out=direct)
         else:
-            out = sign_decode_torch(packed, scale, n)
-        return out.to(payload.dtype).reshape(payload.shape)
+            result = sign_decode_torch(packed, scale, n)
+        return _into(result, payload, out)
 
 
 __all__ = [

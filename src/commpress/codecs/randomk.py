@@ -21,6 +21,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from commpress.codecs import kernels
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -32,6 +33,7 @@ from commpress.codecs.base import (
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.quantize import require_seed
 from commpress.codecs.registry import register_codec
+from commpress.codecs.sparse import scatter_into
 from commpress.codecs.thc import reply_part
 from commpress.errors import error_context
 
@@ -41,6 +43,56 @@ _VALUE_DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 _INDEX_STREAM = 0x52B
+
+
+def first_distinct_torch(draws: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Plain-torch :func:`commpress.codecs.kernels.first_distinct`: the first ``k`` distinct
+    values of ``draws`` in draw order, sorted ascending (``None`` if there are fewer)."""
+    values, order = torch.sort(draws, stable=True)
+    first = torch.ones_like(values, dtype=torch.bool)
+    first[1:] = values[1:] != values[:-1]
+    values, position = values[first], order[first]  # stable: the earliest occurrence
+    if values.numel() < k:
+        return None
+    if values.numel() > k:
+        cutoff = torch.kthvalue(position, k).values
+        values = values[position <= cutoff]
+    return values
+
+
+def shared_sample(numel: int, k: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
+    """``k`` distinct coordinates of ``[0, numel)`` (ascending, int64), a uniform sample
+    without replacement, drawn from ``g`` without a permutation of ``numel``.
+
+    Draws uniform integers from ``g`` in batches and keeps the first ``k`` distinct values
+    (rejecting repeats, which makes every ``k``-subset equally likely). When ``k > numel / 2``
+    it draws the ``numel - k`` coordinates to leave out instead (same rule). The result is a
+    function of ``g``'s stream only; the numba kernel and the torch path give the same
+    coordinates.
+    """
+    if k >= numel:
+        return torch.arange(numel, device=device)
+    complement = 2 * k > numel
+    m = numel - k if complement else k
+    if m == 0:
+        return torch.arange(numel, device=device)
+    # expected repeats among m draws ~ m^2 / (2 numel): draw twice that, plus slack
+    batch = m + 2 * (m * m // numel) + 64
+    draws = torch.randint(0, numel, (batch,), generator=g, device=device)
+    while True:
+        if kernels.use_kernels(draws):
+            chosen = kernels.first_distinct(draws, m, numel)
+        else:
+            chosen = first_distinct_torch(draws, m)
+        if chosen is not None:
+            break
+        extra = torch.randint(0, numel, (batch // 4 + 64,), generator=g, device=device)
+        draws = torch.cat([draws, extra])
+    if not complement:
+        return chosen
+    keep = torch.ones(numel, dtype=torch.bool, device=device)
+    keep[chosen] = False
+    return keep.nonzero().reshape(-1)
 
 
 @register_codec
@@ -146,12 +198,11 @@ class RandomK(Codec):
         if k == numel:
             return torch.arange(numel, device=device)
         g = ctx.generator(self.seed + _INDEX_STREAM, shared=True, device=device)
-        chosen = torch.randperm(numel, generator=g, device=device)[:k]
-        return torch.sort(chosen).values
+        return shared_sample(numel, k, g, device)
 
     def _values(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1)
-        values = saturating_cast(flat[idx], _VALUE_DTYPES[self.value_dtype])
+        values = saturating_cast(flat.index_select(0, idx), _VALUE_DTYPES[self.value_dtype])
         if flat.numel():
             # min and max are non-finite iff some element is (NaN propagates): two cheap
             # reductions, no host sync
@@ -160,10 +211,19 @@ class RandomK(Codec):
             values = torch.where(finite, values, torch.full_like(values, math.nan))
         return values
 
-    def _expand(self, values: torch.Tensor, idx: torch.Tensor, payload: Payload) -> torch.Tensor:
+    def _expand(
+        self,
+        values: torch.Tensor,
+        idx: torch.Tensor,
+        payload: Payload,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         d = payload.numel
         work = torch.float64 if payload.dtype == torch.float64 else torch.float32
-        out = torch.zeros(d, dtype=work, device=values.device)
+        if out is None:
+            out = torch.zeros(payload.shape, dtype=payload.dtype, device=values.device)
+        else:
+            out.zero_()
         if d:
             v = values.to(work)
             if self.scale:
@@ -172,20 +232,25 @@ class RandomK(Codec):
                 top = torch.full_like(scaled, torch.finfo(work).max)
                 overflowed = torch.isinf(scaled) & torch.isfinite(v)
                 v = torch.where(overflowed, torch.copysign(top, v), scaled)
-            out[idx] = v
-        return saturating_cast(out, payload.dtype).reshape(payload.shape)
+            # element-wise, so casting the k values equals casting the scattered tensor
+            scatter_into(out.view(-1), idx, saturating_cast(v, payload.dtype))
+        return out
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         idx = self.indices(x.numel(), ctx, x.device)
         return self.make_payload(x, {"values": self._values(x, idx)})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         k = self.num_selected(payload.numel)
         values = self.part(
             payload, "values", numel=k, dtype=_VALUE_DTYPES[self.value_dtype]
         )
         idx = self.indices(payload.numel, ctx, values.device)
-        return self._expand(values, idx, payload)
+        return self._expand(values, idx, payload, out)
 
     def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
         """One all-reduce of the ``k`` shared coordinates' values."""

@@ -36,6 +36,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from commpress.codecs import kernels
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -84,11 +85,41 @@ def magnitudes(flat: torch.Tensor) -> torch.Tensor:
 
 
 def exact_top(importance: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (ascending, int64) of the ``k`` largest entries of ``importance``."""
-    if k >= importance.numel():
-        return torch.arange(importance.numel(), device=importance.device)
-    idx = torch.topk(importance, k, sorted=False).indices
-    return idx.sort().values
+    """Indices (ascending, int64) of the ``k`` largest entries of ``importance`` (a 1-D
+    tensor without NaN), selected by threshold: the ``k``-th largest value ``t``, every entry
+    above ``t`` and, of the entries equal to ``t``, the ones with the lowest indices (so ties
+    are resolved deterministically, the same way as :func:`top_magnitudes`'s kernel)."""
+    d = importance.numel()
+    if k >= d:
+        return torch.arange(d, device=importance.device)
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=importance.device)
+    t = torch.topk(importance, k, sorted=False).values.min()
+    above = importance > t
+    ties = k - int(torch.count_nonzero(above))
+    picked = above.nonzero().reshape(-1)
+    if ties > 0:
+        tied = (importance == t).nonzero().reshape(-1)[:ties]
+        picked = torch.cat([picked, tied]).sort().values
+    return picked
+
+
+def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D tensor (NaN ranks as
+    +inf; ties at the threshold go to the lowest indices). On CPU with the numba kernels a
+    radix select over the fp32 bit patterns (float16/bfloat16 are widened to float32 first,
+    which keeps every order); else :func:`exact_top` of :func:`magnitudes`. Both give the
+    same indices."""
+    d = flat.numel()
+    if 0 < k < d and flat.dtype != torch.float64 and kernels.use_kernels(flat):
+        return kernels.topk_select(kernels.widen(flat), k)
+    return exact_top(magnitudes(flat), k)
+
+
+def _kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k``-th largest entry of a 1-D tensor without NaN (a selection, not a sort: the
+    same value as ``values.sort(descending=True).values[k - 1]``)."""
+    return torch.kthvalue(values, values.numel() - k + 1).values
 
 
 def needs_exponent(input_dtype: torch.dtype, value_dtype: torch.dtype) -> bool:
@@ -143,28 +174,42 @@ def unscale_values(
     return torch.where(overflowed, torch.copysign(torch.full_like(scaled, top), v), scaled)
 
 
+def scatter_into(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[indices] = values`` (same dtype). 16-bit floats are scattered as their int16
+    bit patterns (the same bits; torch's CPU ``scatter_`` is ~50x slower on float16 and
+    bfloat16 than on integers)."""
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat.view(torch.int16).scatter_(0, indices, values.view(torch.int16))
+    else:
+        flat.scatter_(0, indices, values)
+
+
 def scatter_decode(
     payload: Payload,
     values: torch.Tensor,
     indices: torch.Tensor,
     exponent: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A zero tensor of the payload's shape and dtype with ``values`` (times ``2^exponent``)
-    written at ``indices``, saturating finite values at the dtype's largest.
+    written at ``indices``, saturating finite values at the dtype's largest (``out``, when
+    given, is zeroed and filled instead of a fresh tensor).
 
     Out-of-range indices (a corrupted payload) make ``scatter_`` raise, which the caller's
     error context turns into a :class:`CommpressError`.
     """
-    if exponent is None:
-        out = torch.zeros(payload.numel, dtype=payload.dtype, device=values.device)
-        if values.numel():
-            out.scatter_(0, indices.to(torch.int64), saturating_cast(values, payload.dtype))
-        return out.reshape(payload.shape)
-    work = _work_dtype(payload.dtype)
-    wide = torch.zeros(payload.numel, dtype=work, device=values.device)
+    if out is None:
+        out = torch.zeros(payload.shape, dtype=payload.dtype, device=values.device)
+    else:
+        out.zero_()
     if values.numel():
-        wide.scatter_(0, indices.to(torch.int64), unscale_values(values, exponent, work))
-    return saturating_cast(wide, payload.dtype).reshape(payload.shape)
+        if exponent is not None:
+            values = unscale_values(values, exponent, _work_dtype(payload.dtype))
+        # element-wise, so casting the values equals casting the scattered tensor
+        scatter_into(
+            out.view(-1), indices.to(torch.int64), saturating_cast(values, payload.dtype)
+        )
+    return out
 
 
 def exponent_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -206,8 +251,13 @@ class TopK(Codec):
     1. ``K = ceil(ratio * d)``; a non-empty tensor always sends at least one coordinate and
        never more than ``d``. An empty tensor sends nothing.
     2. Rank coordinates by ``|x|`` (NaN counts as ``+inf``, so non-finite values are always
-       sent and the receiver sees them) and take the ``K`` largest with ``torch.topk``, which
-       runs on the tensor's own device.
+       sent and the receiver sees them) and take the ``K`` largest by threshold, without a
+       sort: on CPU a numba kernel bounds the ``K``-th largest magnitude from a sample and
+       selects it exactly among the coordinates above the bound (radix select if the bound
+       misses); elsewhere (and with ``COMMPRESS_KERNELS=torch``) ``torch.topk`` gives the
+       ``K``-th largest value and a comparison the indices. Ties at the threshold: of the
+       coordinates whose magnitude equals the ``K``-th largest, the ones with the lowest
+       indices are sent, on every path, so both paths send identical payloads.
     3. Send the values cast to ``value_dtype`` (float16 by default) and their flat indices as
        int32 (int64 beyond ``2**31 - 1`` elements), indices in ascending order.
     4. The receiver writes the values into a zero tensor. Across workers the payloads are
@@ -258,17 +308,25 @@ class TopK(Codec):
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = x.reshape(-1)
         d = flat.numel()
-        idx = exact_top(magnitudes(flat), self.count(d))
-        parts = encode_values(self, x, flat[idx], _VALUE_DTYPES[self.value_dtype])
+        idx = top_magnitudes(flat, self.count(d))
+        parts = encode_values(
+            self, x, flat.index_select(0, idx), _VALUE_DTYPES[self.value_dtype]
+        )
         return self.make_payload(x, {**parts, "indices": idx.to(index_dtype(d))})
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         k = self.count(payload.numel)
         vdtype = _VALUE_DTYPES[self.value_dtype]
         values = self.part(payload, "values", numel=k, dtype=vdtype)
         indices = self.part(payload, "indices", numel=k, dtype=index_dtype(payload.numel))
         exponent = decode_exponent(self, payload, vdtype)
-        return scatter_decode(payload, values.reshape(-1), indices.reshape(-1), exponent)
+        return scatter_decode(
+            payload, values.reshape(-1), indices.reshape(-1), exponent, out
+        )
 
 
 @register_codec
@@ -284,7 +342,7 @@ class DGC(Codec):
     1. Draw ``s = max(ceil(sample_ratio * d), min_samples)`` positions uniformly (with
        replacement) from a per-rank random stream (``seed``, tensor key, step and rank). If
        ``s >= d`` the tensor is small: select the exact top ``K`` instead and stop.
-    2. Sort the sampled magnitudes (NaN counts as ``+inf``) and take the ``k_s``-th largest,
+    2. Select (no full sort) the ``k_s``-th largest sampled magnitude (NaN counts as ``+inf``),
        ``k_s = ceil(K * s / d)``, as the threshold; select every coordinate with ``|x| >=``
        threshold. Expect about ``K`` coordinates, with a relative spread of about
        ``1 / sqrt(k_s)``.
@@ -373,6 +431,30 @@ class DGC(Codec):
         """How many positions are sampled (``>= numel`` means: exact top-K instead)."""
         return max(math.ceil(self.sample_ratio * numel), self.min_samples)
 
+    def select_kernel(self, flat: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        """:meth:`select` on the magnitudes of a 1-D fp32 CPU tensor through the numba
+        kernels: the same samples, thresholds, counts and indices, without materialising the
+        magnitudes or the mask (each count is one read pass, the indices one more)."""
+        d = flat.numel()
+        k = self.target(d)
+        s = self.sample_size(d)
+        if s >= d or k >= d:
+            return top_magnitudes(flat, k)
+        g = ctx.generator(self.seed, shared=False, device=flat.device)
+        positions = torch.randint(0, d, (s,), generator=g, device=flat.device)
+        samples = magnitudes(flat[positions])
+        k_s = min(s, max(1, math.ceil(k * s / d)))
+        for attempt in range(self.adapt_iters + 1):
+            count, collect = kernels.at_least(flat, float(_kth_largest(samples, k_s)))
+            if count >= self.min_count_factor * k or k_s == s or attempt == self.adapt_iters:
+                break
+            k_s = min(s, max(k_s + 1, math.ceil(k_s * k / max(count, 1))))
+        idx = collect()
+        if count > self.max_count_factor * k:
+            importance = magnitudes(flat[idx])
+            idx = idx[torch.topk(importance, k, sorted=False).indices].sort().values
+        return idx
+
     def select(self, importance: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         """Ascending int64 indices chosen from the magnitudes ``importance`` (steps 1-4)."""
         d = importance.numel()
@@ -382,10 +464,10 @@ class DGC(Codec):
             return exact_top(importance, k)
         g = ctx.generator(self.seed, shared=False, device=importance.device)
         positions = torch.randint(0, d, (s,), generator=g, device=importance.device)
-        samples = importance[positions].sort(descending=True).values
+        samples = importance[positions]
         k_s = min(s, max(1, math.ceil(k * s / d)))
         for attempt in range(self.adapt_iters + 1):
-            mask = importance >= samples[k_s - 1]
+            mask = importance >= _kth_largest(samples, k_s)
             count = int(torch.count_nonzero(mask))
             if count >= self.min_count_factor * k or k_s == s or attempt == self.adapt_iters:
                 break
@@ -399,14 +481,23 @@ class DGC(Codec):
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = x.reshape(-1)
         d = flat.numel()
-        idx = self.select(magnitudes(flat), ctx)
-        parts = encode_values(self, x, flat[idx], _VALUE_DTYPES[self.value_dtype])
+        if x.dtype == torch.float32 and kernels.use_kernels(flat):
+            idx = self.select_kernel(flat.contiguous(), ctx)
+        else:
+            idx = self.select(magnitudes(flat), ctx)
+        parts = encode_values(
+            self, x, flat.index_select(0, idx), _VALUE_DTYPES[self.value_dtype]
+        )
         count = torch.tensor([idx.numel()], dtype=torch.int32, device=flat.device)
         return self.make_payload(
             x, {**parts, "indices": idx.to(index_dtype(d)), "count": count}
         )
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         count = int(self.part(payload, "count", numel=1, dtype=torch.int32).reshape(-1)[0])
         if not 0 <= count <= payload.numel:
             raise CommpressError(
@@ -417,7 +508,9 @@ class DGC(Codec):
         values = self.part(payload, "values", numel=count, dtype=vdtype)
         indices = self.part(payload, "indices", numel=count, dtype=index_dtype(payload.numel))
         exponent = decode_exponent(self, payload, vdtype)
-        return scatter_decode(payload, values.reshape(-1), indices.reshape(-1), exponent)
+        return scatter_decode(
+            payload, values.reshape(-1), indices.reshape(-1), exponent, out
+        )
 
 
 __all__ = [
@@ -431,5 +524,7 @@ __all__ = [
     "overflow_exponent",
     "scale_values",
     "scatter_decode",
+    "scatter_into",
     "target_count",
+    "top_magnitudes",
 ]
