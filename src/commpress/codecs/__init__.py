@@ -32,7 +32,7 @@ from commpress.codecs import (  # noqa: E402,F401,I001
     topkc,
     randomk,
     powersgd,
-    lossless,
+    netzip,
 )
 
 __all__ = [
