@@ -12,7 +12,7 @@ import torch
 from commpress.codecs import get_codec
 from commpress.codecs.kernels import use_backend
 from commpress.codecs.netzip.framing import checksum, checksum_reference
-from commpress.errors import CommpressError
+from commpress.errors import CommpressError, ConfigError, PayloadError
 from commpress.testing import gaussian
 from netzip_cases import KERNELS, assert_bit_exact, recrc, stream_of, with_stream
 
@@ -159,3 +159,25 @@ def test_old_format_version_is_refused_clearly() -> None:
     raw[2] = 2  # a stream written by an older commpress
     with pytest.raises(CommpressError, match="format version 2.*older"):
         codec.decode(with_stream(payload, recrc(bytes(raw))))
+
+
+def test_corrupt_streams_raise_payload_error_and_bad_options_config_error() -> None:
+    """The error types say what happened: a corrupted, truncated or forged stream is a
+    PayloadError (a ValueError, as before); a bad codec option is a ConfigError."""
+    codec = get_codec("netzip")
+    x = gaussian(600, seed=9).reshape(20, 30)
+    payload = codec.encode(x)
+    data = stream_of(payload)
+    flipped = data.clone()
+    flipped[data.numel() // 2] ^= 0x10
+    raw = bytearray(bytes(data.tolist()))
+    raw[0] = ord("X")  # not a netzip stream, with a valid checksum
+    for bad in (flipped, data[:-1], data[:3], recrc(bytes(raw))):
+        with pytest.raises(PayloadError) as info:
+            codec.decode(with_stream(payload, bad))
+        assert isinstance(info.value, ValueError)
+        assert str(info.value).startswith("netzip.decode: ")
+    with pytest.raises(ConfigError, match="level must be in"):
+        get_codec("netzip", level=99)
+    with pytest.raises(ConfigError, match="backend"):
+        get_codec("netzip", backend="gzip")

@@ -45,9 +45,16 @@ from commpress.codecs.base import (
     require,
     saturating_cast,
 )
-from commpress.codecs.quantize import require_seed
+from commpress.codecs.common import (
+    finite_max_abs,
+    require_seed,
+    scale_values,
+    scatter_into,
+    unscale_values,
+    work_dtype,
+)
 from commpress.codecs.registry import register_codec
-from commpress.errors import CommpressError
+from commpress.errors import PayloadError
 
 ValueDtype = Literal["float16", "bfloat16", "float32"]
 
@@ -128,10 +135,6 @@ def needs_exponent(input_dtype: torch.dtype, value_dtype: torch.dtype) -> bool:
     return torch.finfo(value_dtype).max < torch.finfo(input_dtype).max
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def overflow_exponent(bound: torch.Tensor, top: float) -> torch.Tensor:
     """The smallest integer ``e >= 0`` with ``bound * 2^-e <= top`` (an int64 0-d tensor,
     computed without a host sync). ``bound`` is a finite magnitude; a NaN/Inf or negative
@@ -142,46 +145,6 @@ def overflow_exponent(bound: torch.Tensor, top: float) -> torch.Tensor:
     e = torch.where(mantissa == 0.5, exp - 1, exp)  # ratio = 2^(exp-1) exactly
     fits = ~(ratio > 1.0) | torch.isinf(ratio)  # also true for NaN
     return torch.where(fits, torch.zeros_like(e), e)
-
-
-def finite_max_abs(values: torch.Tensor) -> torch.Tensor:
-    """``max |v|`` over the finite entries of ``values`` (0 when there are none), 0-d."""
-    if values.numel() == 0:
-        return values.new_zeros((), dtype=torch.float32)
-    mag = values.abs()
-    return torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag)).amax()
-
-
-def scale_values(
-    values: torch.Tensor, value_dtype: torch.dtype, exponent: torch.Tensor
-) -> torch.Tensor:
-    """``values * 2^-exponent`` cast to ``value_dtype`` (an exact scaling; no-op for 0)."""
-    work = _work_dtype(values.dtype)
-    factor = torch.exp2(-exponent.to(work))
-    return (values.to(work) * factor).to(value_dtype)
-
-
-def unscale_values(
-    values: torch.Tensor, exponent: torch.Tensor, work: torch.dtype
-) -> torch.Tensor:
-    """``values * 2^exponent`` in ``work``; a finite value whose product overflows ``work``
-    (a value rounded up to the top of its 16-bit range, times the largest exponent) saturates
-    at ``work``'s largest finite value instead of becoming Inf."""
-    v = values.to(work)
-    scaled = v * torch.exp2(exponent.reshape(()).to(work))
-    top = torch.finfo(work).max
-    overflowed = torch.isinf(scaled) & torch.isfinite(v)
-    return torch.where(overflowed, torch.copysign(torch.full_like(scaled, top), v), scaled)
-
-
-def scatter_into(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-    """``flat[indices] = values`` (same dtype). 16-bit floats are scattered as their int16
-    bit patterns (the same bits; torch's CPU ``scatter_`` is ~50x slower on float16 and
-    bfloat16 than on integers)."""
-    if flat.dtype in (torch.float16, torch.bfloat16):
-        flat.view(torch.int16).scatter_(0, indices, values.view(torch.int16))
-    else:
-        flat.scatter_(0, indices, values)
 
 
 def scatter_decode(
@@ -204,7 +167,7 @@ def scatter_decode(
         out.zero_()
     if values.numel():
         if exponent is not None:
-            values = unscale_values(values, exponent, _work_dtype(payload.dtype))
+            values = unscale_values(values, exponent, work_dtype(payload.dtype))
         # element-wise, so casting the values equals casting the scattered tensor
         scatter_into(
             out.view(-1), indices.to(torch.int64), saturating_cast(values, payload.dtype)
@@ -500,7 +463,7 @@ class DGC(Codec):
     ) -> torch.Tensor:
         count = int(self.part(payload, "count", numel=1, dtype=torch.int32).reshape(-1)[0])
         if not 0 <= count <= payload.numel:
-            raise CommpressError(
+            raise PayloadError(
                 f"payload says {count} coordinates were sent, expected 0..{payload.numel} for a "
                 f"tensor of shape {tuple(payload.shape)}; corrupted?"
             )
@@ -518,13 +481,10 @@ __all__ = [
     "TopK",
     "encode_values",
     "exact_top",
-    "finite_max_abs",
     "magnitudes",
     "needs_exponent",
     "overflow_exponent",
-    "scale_values",
     "scatter_decode",
-    "scatter_into",
     "target_count",
     "top_magnitudes",
 ]
