@@ -129,7 +129,7 @@ def vars_of(planes: ex.ExponentPlanes) -> dict[str, Any]:
     return out
 
 
-def test_fast_path_writes_the_general_pathsstream_of() -> None:
+def test_fast_path_writes_the_general_paths_stream() -> None:
     """The default codec's fast path (plan cache, inlined framing, bf16 kernels) and the
     general path (torch transforms, generic framing) write the same bytes, and both decoders
     return the input bit for bit from either stream."""
