@@ -672,24 +672,16 @@ class NetZip(Codec):
     def _plain_sections(work: torch.Tensor, lay: gr.Layout, grouping: str) -> list[Section]:
         if grouping == "none":
             return [Section(T_PLANE, gr.to_numpy_u8(work), "exp")]
-        if grouping == "byte":
-            planes = gr.byte_planes(work, lay)
-            return [
-                Section(
-                    T_PLANE + i,
-                    gr.to_numpy_u8(p),
-                    "exp" if lay.plane_has_exponent(lay.nbytes - 1 - i) else "man",
+        if grouping in ("byte", "bitplane"):
+            # plane i holds byte (bit) ``top - i``: most significant first
+            if grouping == "byte":
+                planes, top, has_exp = gr.byte_planes(work, lay), lay.nbytes - 1, (
+                    lay.plane_has_exponent
                 )
-                for i, p in enumerate(planes)
-            ]
-        if grouping == "bitplane":
-            planes = gr.bit_planes(work, lay)
+            else:
+                planes, top, has_exp = gr.bit_planes(work, lay), lay.bits - 1, lay.bit_is_exponent
             return [
-                Section(
-                    T_PLANE + i,
-                    gr.to_numpy_u8(p),
-                    "exp" if lay.bit_is_exponent(lay.bits - 1 - i) else "man",
-                )
+                Section(T_PLANE + i, gr.to_numpy_u8(p), "exp" if has_exp(top - i) else "man")
                 for i, p in enumerate(planes)
             ]
         raise ConfigError(f"unknown grouping {grouping!r}; accepted: {gr.GROUPINGS}")

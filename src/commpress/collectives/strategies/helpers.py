@@ -475,24 +475,14 @@ def node_groups(ex: Exchange, local_size: int) -> tuple[Exchange, Exchange]:
     node, local_rank = divmod(ex.rank, local_size)
     intra = tuple(ex.global_rank(node * local_size + i) for i in range(local_size))
     inter = tuple(ex.global_rank(k * local_size + local_rank) for k in range(n // local_size))
-    # A group of one never communicates, so it needs no process group of its own.
-    intra_ex = Exchange(
-        _subgroup(ex.group, intra, ex.timeout) if len(intra) > 1 else None,
-        local_rank,
-        len(intra),
-        ex.timeout,
-        f"{ex.label} (intra-node)",
-        stats=ex.stats,
-    )
-    inter_ex = Exchange(
-        _subgroup(ex.group, inter, ex.timeout) if len(inter) > 1 else None,
-        node,
-        len(inter),
-        ex.timeout,
-        f"{ex.label} (inter-node)",
-        stats=ex.stats,
-    )
-    return intra_ex, inter_ex
+
+    def part(ranks: tuple[int, ...], rank: int, what: str) -> Exchange:
+        # A group of one never communicates, so it needs no process group of its own.
+        group = _subgroup(ex.group, ranks, ex.timeout) if len(ranks) > 1 else None
+        return Exchange(group, rank, len(ranks), ex.timeout, f"{ex.label} ({what})",
+                        stats=ex.stats)
+
+    return part(intra, local_rank, "intra-node"), part(inter, node, "inter-node")
 
 
 def _reduce_scatter_equal(
