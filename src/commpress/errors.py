@@ -79,7 +79,9 @@ def error_context(what: str) -> Iterator[None]:
     except WRAPPED as exc:
         raise CommpressError(f"{what}: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:
-        exc.add_note(f"(in {what})")
+        add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+        if add_note is not None:
+            add_note(f"(in {what})")
         raise
 
 

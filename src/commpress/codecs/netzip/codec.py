@@ -674,12 +674,10 @@ class NetZip(Codec):
             return [Section(T_PLANE, gr.to_numpy_u8(work), "exp")]
         if grouping in ("byte", "bitplane"):
             # plane i holds byte (bit) ``top - i``: most significant first
-            if grouping == "byte":
-                planes, top, has_exp = gr.byte_planes(work, lay), lay.nbytes - 1, (
-                    lay.plane_has_exponent
-                )
-            else:
-                planes, top, has_exp = gr.bit_planes(work, lay), lay.bits - 1, lay.bit_is_exponent
+            by_byte = grouping == "byte"
+            planes = gr.byte_planes(work, lay) if by_byte else gr.bit_planes(work, lay)
+            top = len(planes) - 1
+            has_exp = lay.plane_has_exponent if by_byte else lay.bit_is_exponent
             return [
                 Section(T_PLANE + i, gr.to_numpy_u8(p), "exp" if has_exp(top - i) else "man")
                 for i, p in enumerate(planes)

@@ -77,7 +77,6 @@ def bf16_layout(n: int, rows: int, cols: int) -> tuple[int, ...]:
     return 0, off_e, off_m, off_c, off_esc, off_st, off_mask, off_mask + (n + 7) // 8
 
 
-
 # ---------------------------------------------------------------------- scratch buffers
 #: Scratch buffers up to this size are kept per thread and reused (fresh allocations of
 #: megabytes cost page faults on every call).
@@ -134,10 +133,8 @@ def buffers(n: int, nplanes: int, rem_bits: int) -> tuple[np.ndarray, ...]:
     return bundle
 
 
-
 def _pack_rem(vals: torch.Tensor, bits: int) -> torch.Tensor:
     return pack_bits(vals, bits) if vals.numel() else vals.new_zeros(0, dtype=torch.uint8)
-
 
 
 # ---------------------------------------------------------------------- prediction

@@ -38,7 +38,6 @@ ZERO_FRACTION = 64
 BLOCK = 256
 
 
-
 @dataclass(frozen=True, slots=True)
 class Layout:
     """Bit layout of one floating-point dtype (derived sizes are precomputed fields)."""
@@ -105,7 +104,6 @@ def matrix_view(shape: tuple[int, ...], numel: int) -> tuple[int, int, bool]:
     return -(-numel // cols), cols, False
 
 
-
 # ---------------------------------------------------------------------- numpy views
 def numpy_of(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
@@ -119,7 +117,6 @@ def to_numpy_u8(t: torch.Tensor) -> np.ndarray:
     return numpy_of(t.cpu().contiguous())
 
 
-
 def narrow(v: torch.Tensor, lay: Layout) -> torch.Tensor:
     """Unsigned ``w``-bit values held in int64 -> the signed ``w``-bit dtype (exact)."""
     if lay.bits == 64:
@@ -131,8 +128,6 @@ def narrow(v: torch.Tensor, lay: Layout) -> torch.Tensor:
 def widen(words: torch.Tensor, lay: Layout) -> torch.Tensor:
     """Signed words -> int64 (``int32`` would do for the fields; int64 keeps it simple)."""
     return words.to(torch.int64)
-
-
 
 
 # ---------------------------------------------------------------------- zero mask
@@ -159,8 +154,6 @@ def pack_mask(nz: torch.Tensor) -> torch.Tensor:
 
 def unpack_mask(packed: torch.Tensor, n: int) -> torch.Tensor:
     return unpack_bits(packed, 1, n).bool()
-
-
 
 
 # ---------------------------------------------------------------------- other groupings

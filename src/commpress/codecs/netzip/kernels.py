@@ -469,8 +469,6 @@ def _nb_encode_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbi
     return kept, ne, g4, use_mask, byte_mode, c4, r4, mask
 
 
-
-
 def _nb_count_zeros16(words: Any) -> Any:
     # Zero words of an int16 array, counted in uint16 lanes over blocks of 32768 (the
     # constant-width accumulator lets the loop vectorize on 32 lanes).
@@ -627,7 +625,6 @@ def _nb_encode_bf16(words: Any, n: Any, cols: Any, use_row: Any, use_col: Any,
         return False, k, ne, g4, use_mask, c4, r4
     _nb_pack_pairs(t, k, codes)
     return True, k, ne, g4, use_mask, c4, r4
-
 
 
 def _nb_encode_bf16_buf(words: Any, cols: Any, flags: Any, stride: Any, buf: Any) -> Any:
@@ -858,7 +855,6 @@ def _nb_checksum(buf: Any) -> Any:
     h = (h ^ (h >> np.uint64(27))) * np.uint64(M2)
     h = h ^ (h >> np.uint64(31))
     return (h ^ (h >> np.uint64(32))) & np.uint64(0xFFFFFFFF)
-
 
 
 # ---------------------------------------------------------------------- backend probe
