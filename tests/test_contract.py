@@ -22,7 +22,7 @@ from commpress.codecs import (
 from commpress.codecs.base import FeedbackFit
 from commpress.codecs.randomk import RandomK
 from commpress.codecs.registry import codec_class
-from commpress.errors import CommpressError, ConfigError, error_context
+from commpress.errors import CommpressError, ConfigError, PayloadError, error_context
 from commpress.testing import check_config_round_trip, gaussian, nmse
 
 EXPECTED_IDS = {
@@ -81,6 +81,24 @@ def test_codec_modules_table_names_where_each_codec_lives() -> None:
 def test_bad_codec_parameters_raise_config_error(spec: str, params: dict) -> None:
     with pytest.raises(ConfigError):
         get_codec(spec, **params)
+
+
+def test_malformed_payloads_raise_payload_error() -> None:
+    """A part of the wrong size (checked by ``part``) and an out-of-range index (a torch error
+    inside ``_decode``) are both PayloadErrors; a payload of another codec too."""
+    x = gaussian(20, seed=1)
+    topk = get_codec("topk", ratio=0.5)
+    p = topk.encode(x)
+    bad = p.parts["indices"].clone()
+    bad[0] = 10**6
+    with pytest.raises(PayloadError, match="topk.decode: RuntimeError"):
+        topk.decode(p.replace(parts={**p.parts, "indices": bad}))
+    qsgd = get_codec("qsgd")
+    q = qsgd.encode(x)
+    with pytest.raises(PayloadError, match="part 'codes' has 19 elements"):
+        qsgd.decode(q.replace(parts={**q.parts, "codes": q.parts["codes"][:-1]}))
+    with pytest.raises(PayloadError, match="produced by codec 'qsgd'"):
+        topk.decode(q)
 
 
 def test_get_codec_accepts_id_mapping_spec_and_instance() -> None:

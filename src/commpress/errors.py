@@ -63,21 +63,23 @@ WRAPPED: tuple[type[Exception], ...] = (RuntimeError, ValueError, IndexError, Ov
 
 
 @contextmanager
-def error_context(what: str) -> Iterator[None]:
+def error_context(what: str, *, wrap_as: type[CommpressError] | None = None) -> Iterator[None]:
     """Re-raise exceptions from the block as :class:`CommpressError` prefixed with ``what``.
 
     A ``CommpressError`` raised inside keeps its type (a :class:`PeerLostError` stays one) and
     gains the prefix, so nested contexts read outermost first:
     ``"all_reduce of 'fc1.weight': topk: ratio must be in (0, 1]"``. The exceptions in
-    :data:`WRAPPED` become a ``CommpressError``; any other exception (a bug such as a
-    ``TypeError`` or ``KeyError``) passes through with its type, ``what`` added as a note.
+    :data:`WRAPPED` become a ``wrap_as`` (``CommpressError`` by default; a decoder passes
+    :class:`PayloadError`: a library failing on a payload's contents); any other exception
+    (a bug such as a ``TypeError`` or ``KeyError``) passes through with its type, ``what``
+    added as a note.
     """
     try:
         yield
     except CommpressError as exc:
         raise prefixed(exc, what) from exc.__cause__
     except WRAPPED as exc:
-        raise CommpressError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        raise (wrap_as or CommpressError)(f"{what}: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:
         add_note = getattr(exc, "add_note", None)  # Python >= 3.11
         if add_note is not None:

@@ -424,7 +424,7 @@ class Codec(ABC):
         if out is not None:
             self.check_out(out, payload)
         context = ctx if ctx is not None else CodecContext()
-        with error_context(f"{self.codec_id}.decode"):
+        with error_context(f"{self.codec_id}.decode", wrap_as=PayloadError):
             if out is not None and self.decodes_into:
                 result = self._decode(payload, context, out=out)  # type: ignore[call-arg]
             else:

@@ -342,7 +342,7 @@ class NetZip(Codec):
         if out is not None:
             self.check_out(out, payload)
         buffer = out
-        try:
+        try:  # what error_context("netzip.decode", wrap_as=PayloadError) does, inline
             out = self._decode(payload, ctx if ctx is not None else self._default_ctx())
         except CommpressError as exc:
             raise prefixed(exc, f"{self.codec_id}.decode") from exc.__cause__
