@@ -1,9 +1,11 @@
 """The library's exception types.
 
 Every error that commpress raises on purpose is a :class:`CommpressError`. It subclasses
-:class:`ValueError`, so code that already guards against bad values keeps working. Errors from
-deeper layers are re-raised as ``CommpressError`` with a note on what commpress was doing, so a
-user sees *which* codec, tensor or rank failed and not only the low-level message.
+:class:`ValueError`, so code that already guards against bad values keeps working. Failures of
+deeper layers on bad values (torch's ``RuntimeError``, ``ValueError``, ...) are re-raised as
+``CommpressError`` with a note on what commpress was doing, so a user sees *which* codec,
+tensor or rank failed and not only the low-level message; programming errors (``TypeError``,
+``KeyError``, ...) keep their type (see :func:`error_context`).
 
 Subclasses say what happened, for code that reacts differently to each::
 
