@@ -125,7 +125,7 @@ def sample(data: np.ndarray, nbytes: int = SAMPLE_BYTES) -> np.ndarray:
     return np.concatenate([data[i * step : i * step + k] for i in range(4)])
 
 
-def choose_backend(data: np.ndarray) -> BackendName:
+def choose_backend(data: np.ndarray, *, use_kernel: bool | None = None) -> BackendName:
     """The ``auto`` choice for one plane: ``raw`` for tiny planes and for planes whose probe
     (:data:`PROBE_BYTES` from the middle) looks incompressible; ``huffman`` otherwise (it
     also squeezes runs of zeros through zstd's long matches).
@@ -137,22 +137,26 @@ def choose_backend(data: np.ndarray) -> BackendName:
     ``1 - PROBE_GAIN`` passes, and so do a few that do not (skewed but wide distributions),
     which then cost one compression attempt and stay raw (a section never expands). Integer
     arithmetic only, so every path decides alike; it costs about a microsecond where a trial
-    compression cost several."""
+    compression cost several. ``use_kernel`` says whether to count with the numba kernel (a
+    caller that already asked :func:`~commpress.codecs.netzip.kernels.use_kernels` passes its
+    answer; ``None`` asks it)."""
     size = data.size
     if size < MIN_COMPRESS_BYTES:
         return "raw"
     start = max(0, size // 2 - PROBE_BYTES // 2)
     probe = data[start : start + PROBE_BYTES]
-    return "huffman" if _collision_says_compress(probe) else "raw"
+    if use_kernel is None:
+        use_kernel = use_kernels(CPU_PROBE)
+    return "huffman" if _collision_says_compress(probe, use_kernel) else "raw"
 
 
 #: ``2 ** (8 * PROBE_GAIN)`` rounded: the collision-probability threshold's reciprocal.
 _H2_LIMIT = round(2 ** (8 * PROBE_GAIN))
 
 
-def _collision_says_compress(probe: np.ndarray) -> bool:
+def _collision_says_compress(probe: np.ndarray, use_kernel: bool) -> bool:
     n = int(probe.size)
-    if use_kernels(CPU_PROBE):
+    if use_kernel:
         s = int(kernel("sum_sq_counts")(probe))
     else:
         counts = np.bincount(probe, minlength=256).astype(np.int64)

@@ -620,7 +620,7 @@ class NetZip(Codec):
             if name == "auto-low":
                 name = "huffman" if size >= bk.MIN_COMPRESS_BYTES else "raw"
             elif name == "auto":
-                name = bk.choose_backend(data)
+                name = bk.choose_backend(data, use_kernel=True)  # use_kernels(x) said so
             used = 0  # raw
             blob: Any = data
             stored = size
