@@ -31,6 +31,7 @@ there: this module is only the sparsifier.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -398,47 +399,61 @@ class DGC(Codec):
         """:meth:`select` on the magnitudes of a 1-D fp32 CPU tensor through the numba
         kernels: the same samples, thresholds, counts and indices, without materialising the
         magnitudes or the mask (each count is one read pass, the indices one more)."""
-        d = flat.numel()
+        return self._select(
+            flat.numel(), ctx, flat.device,
+            exact=lambda k: top_magnitudes(flat, k),
+            sample=lambda positions: magnitudes(flat[positions]),
+            at_least=lambda threshold: kernels.at_least(flat, float(threshold)),
+            importance_of=lambda idx: magnitudes(flat[idx]),
+        )
+
+    def select(self, importance: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        """Ascending int64 indices chosen from the magnitudes ``importance`` (steps 1-4)."""
+
+        def at_least(threshold: torch.Tensor) -> tuple[int, Callable[[], torch.Tensor]]:
+            mask = importance >= threshold
+            return int(torch.count_nonzero(mask)), lambda: torch.nonzero(mask).reshape(-1)
+
+        return self._select(
+            importance.numel(), ctx, importance.device,
+            exact=lambda k: exact_top(importance, k),
+            sample=lambda positions: importance[positions],
+            at_least=at_least,
+            importance_of=lambda idx: importance[idx],
+        )
+
+    def _select(
+        self,
+        d: int,
+        ctx: CodecContext,
+        device: torch.device,
+        *,
+        exact: Callable[[int], torch.Tensor],
+        sample: Callable[[torch.Tensor], torch.Tensor],
+        at_least: Callable[[torch.Tensor], tuple[int, Callable[[], torch.Tensor]]],
+        importance_of: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Steps 1-4 over ``d`` magnitudes reached through the callables: ``exact(k)`` (small
+        tensors), ``sample(positions)``, ``at_least(threshold)`` (the count of magnitudes
+        ``>= threshold`` and a function giving their ascending indices) and
+        ``importance_of(indices)``."""
         k = self.target(d)
         s = self.sample_size(d)
         if s >= d or k >= d:
-            return top_magnitudes(flat, k)
-        g = ctx.generator(self.seed, shared=False, device=flat.device)
-        positions = torch.randint(0, d, (s,), generator=g, device=flat.device)
-        samples = magnitudes(flat[positions])
+            return exact(k)
+        g = ctx.generator(self.seed, shared=False, device=device)
+        positions = torch.randint(0, d, (s,), generator=g, device=device)
+        samples = sample(positions)
         k_s = min(s, max(1, math.ceil(k * s / d)))
         for attempt in range(self.adapt_iters + 1):
-            count, collect = kernels.at_least(flat, float(_kth_largest(samples, k_s)))
+            count, collect = at_least(_kth_largest(samples, k_s))
             if count >= self.min_count_factor * k or k_s == s or attempt == self.adapt_iters:
                 break
             k_s = min(s, max(k_s + 1, math.ceil(k_s * k / max(count, 1))))
         idx = collect()
         if count > self.max_count_factor * k:
-            importance = magnitudes(flat[idx])
-            idx = idx[torch.topk(importance, k, sorted=False).indices].sort().values
-        return idx
-
-    def select(self, importance: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
-        """Ascending int64 indices chosen from the magnitudes ``importance`` (steps 1-4)."""
-        d = importance.numel()
-        k = self.target(d)
-        s = self.sample_size(d)
-        if s >= d or k >= d:
-            return exact_top(importance, k)
-        g = ctx.generator(self.seed, shared=False, device=importance.device)
-        positions = torch.randint(0, d, (s,), generator=g, device=importance.device)
-        samples = importance[positions]
-        k_s = min(s, max(1, math.ceil(k * s / d)))
-        for attempt in range(self.adapt_iters + 1):
-            mask = importance >= _kth_largest(samples, k_s)
-            count = int(torch.count_nonzero(mask))
-            if count >= self.min_count_factor * k or k_s == s or attempt == self.adapt_iters:
-                break
-            k_s = min(s, max(k_s + 1, math.ceil(k_s * k / max(count, 1))))
-        idx = torch.nonzero(mask).reshape(-1)
-        if count > self.max_count_factor * k:
             # Hierarchical selection: the exact top-K among the (few) selected coordinates.
-            idx = idx[torch.topk(importance[idx], k, sorted=False).indices].sort().values
+            idx = idx[torch.topk(importance_of(idx), k, sorted=False).indices].sort().values
         return idx
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
