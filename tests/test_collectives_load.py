@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import commpress
+from collective_cases import TwoRoundInt, int_valued, two_round_expected
 from commpress.codecs.base import CodecContext
 from commpress.codecs.simulate import simulate
 from commpress.collectives import all_reduce, all_reduce_async
 from commpress.testing import nmse
 from dist_utils import run_workers
-from test_collectives import TwoRoundInt, int_valued, two_round_expected
 
 
 # ---------------------------------------------------------------------------- every codec

@@ -22,7 +22,7 @@ from commpress.codecs import (
 from commpress.codecs.base import FeedbackFit
 from commpress.codecs.randomk import RandomK
 from commpress.codecs.registry import codec_class
-from commpress.errors import CommpressError, error_context
+from commpress.errors import CommpressError, ConfigError, PayloadError, error_context
 from commpress.testing import check_config_round_trip, gaussian, nmse
 
 EXPECTED_IDS = {
@@ -55,6 +55,50 @@ def test_codec_declares_its_nature(codec_id: str) -> None:
     assert cls.summary, f"{codec_id} has no summary line"
     for name, _default, doc in cls.parameters():
         assert doc, f"{codec_id}.{name} has no description"
+
+
+def test_codec_modules_table_names_where_each_codec_lives() -> None:
+    """``codecs.CODEC_MODULES`` (id -> module) is the map a reader uses to find a codec."""
+    from commpress.codecs import CODEC_MODULES
+
+    assert set(CODEC_MODULES) == set(commpress.codec_ids())
+    for codec_id, module in CODEC_MODULES.items():
+        defined_in = codec_class(codec_id).__module__
+        assert defined_in.startswith(f"commpress.codecs.{module}"), (codec_id, defined_in)
+
+
+@pytest.mark.parametrize(
+    ("spec", "params"),
+    [
+        ("topk", {"ratio": 2.0}),
+        ("netzip", {"level": 40}),
+        ("netzip", {"grouping": "nibble"}),
+        ("qsgd", {"seed": -1}),
+        ("identity", {"bogus": 1}),
+        ("powersgd", {"rank": "four"}),
+    ],
+)
+def test_bad_codec_parameters_raise_config_error(spec: str, params: dict) -> None:
+    with pytest.raises(ConfigError):
+        get_codec(spec, **params)
+
+
+def test_malformed_payloads_raise_payload_error() -> None:
+    """A part of the wrong size (checked by ``part``) and an out-of-range index (a torch error
+    inside ``_decode``) are both PayloadErrors; a payload of another codec too."""
+    x = gaussian(20, seed=1)
+    topk = get_codec("topk", ratio=0.5)
+    p = topk.encode(x)
+    bad = p.parts["indices"].clone()
+    bad[0] = 10**6
+    with pytest.raises(PayloadError, match="topk.decode: RuntimeError"):
+        topk.decode(p.replace(parts={**p.parts, "indices": bad}))
+    qsgd = get_codec("qsgd")
+    q = qsgd.encode(x)
+    with pytest.raises(PayloadError, match="part 'codes' has 19 elements"):
+        qsgd.decode(q.replace(parts={**q.parts, "codes": q.parts["codes"][:-1]}))
+    with pytest.raises(PayloadError, match="produced by codec 'qsgd'"):
+        topk.decode(q)
 
 
 def test_get_codec_accepts_id_mapping_spec_and_instance() -> None:
@@ -100,6 +144,19 @@ def test_error_context_prefixes_and_converts() -> None:
         "doing x"
     ):
         raise RuntimeError("bad")
+    # a subtype survives the prefix
+    with pytest.raises(ConfigError, match=r"^outer: bad option$"), error_context("outer"):
+        raise ConfigError("bad option")
+
+
+@pytest.mark.parametrize("bug", [TypeError, KeyError, AttributeError])
+def test_error_context_does_not_relabel_bugs(bug: type[Exception]) -> None:
+    """Programming errors keep their type (not a ValueError), with a note on where."""
+    with pytest.raises(bug) as info, error_context("doing y"):
+        raise bug("oops")
+    assert not isinstance(info.value, ValueError)
+    if hasattr(info.value, "add_note"):  # Python >= 3.11
+        assert "(in doing y)" in getattr(info.value, "__notes__", [])
 
 
 def test_context_validates_and_seeds_reproducibly() -> None:

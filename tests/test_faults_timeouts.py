@@ -86,10 +86,16 @@ def test_error_context_keeps_the_subclass_and_adds_the_prefix() -> None:
     assert str(info.value) == "outer: inner: rank 2 is gone"
     with pytest.raises(ExchangeTimeoutError, match="^what: late$"), error_context("what"):
         raise ExchangeTimeoutError("late")
-    # Foreign errors still become plain CommpressError.
-    with pytest.raises(CommpressError, match="what: KeyError") as plain, error_context("what"):
-        raise KeyError("x")
+    # Foreign errors from bad values still become plain CommpressError; bugs (KeyError,
+    # TypeError) keep their type.
+    with pytest.raises(CommpressError, match="what: RuntimeError") as plain, error_context(
+        "what"
+    ):
+        raise RuntimeError("x")
     assert type(plain.value) is CommpressError
+    with pytest.raises(KeyError) as bug, error_context("what"):
+        raise KeyError("x")
+    assert not isinstance(bug.value, ValueError)
 
 
 def _exchange_faults_worker(rank: int, world: int, case: str, flag: str) -> tuple[str, str, float]:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from commpress.codecs.bytegroup import Layout, layout, matrix_view
+from commpress.codecs.netzip.grouping import Layout, layout, matrix_view
 from commpress.errors import CommpressError, error_context
 
 

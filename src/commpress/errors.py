@@ -1,9 +1,11 @@
 """The library's exception types.
 
 Every error that commpress raises on purpose is a :class:`CommpressError`. It subclasses
-:class:`ValueError`, so code that already guards against bad values keeps working. Errors from
-deeper layers are re-raised as ``CommpressError`` with a note on what commpress was doing, so a
-user sees *which* codec, tensor or rank failed and not only the low-level message.
+:class:`ValueError`, so code that already guards against bad values keeps working. Failures of
+deeper layers on bad values (torch's ``RuntimeError``, ``ValueError``, ...) are re-raised as
+``CommpressError`` with a note on what commpress was doing, so a user sees *which* codec,
+tensor or rank failed and not only the low-level message; programming errors (``TypeError``,
+``KeyError``, ...) keep their type (see :func:`error_context`).
 
 Subclasses say what happened, for code that reacts differently to each::
 
@@ -54,25 +56,43 @@ class MismatchError(ExchangeError):
     """Ranks made different calls or disagree on settings that must match."""
 
 
+#: Lower-level exceptions that :func:`error_context` re-raises as :class:`CommpressError`: an
+#: operation failing on the values it was given (torch's ``RuntimeError``, ``ValueError``,
+#: ``IndexError``, ``OverflowError``). ``TypeError``, ``KeyError`` and ``AttributeError`` are
+#: programming errors: they keep their type (and gain a note saying where they happened), so a
+#: bug is never relabelled as bad input.
+WRAPPED: tuple[type[Exception], ...] = (RuntimeError, ValueError, IndexError, OverflowError)
+
+
 @contextmanager
-def error_context(what: str) -> Iterator[None]:
-    """Re-raise any exception from the block as :class:`CommpressError` prefixed with ``what``.
+def error_context(what: str, *, wrap_as: type[CommpressError] | None = None) -> Iterator[None]:
+    """Re-raise exceptions from the block as :class:`CommpressError` prefixed with ``what``.
 
     A ``CommpressError`` raised inside keeps its type (a :class:`PeerLostError` stays one) and
     gains the prefix, so nested contexts read outermost first:
-    ``"all_reduce of 'fc1.weight': topk: ratio must be in (0, 1]"``.
+    ``"all_reduce of 'fc1.weight': topk: ratio must be in (0, 1]"``. The exceptions in
+    :data:`WRAPPED` become a ``wrap_as`` (``CommpressError`` by default; a decoder passes
+    :class:`PayloadError`: a library failing on a payload's contents); any other exception
+    (a bug such as a ``TypeError`` or ``KeyError``) passes through with its type, ``what``
+    added as a note.
     """
     try:
         yield
     except CommpressError as exc:
-        raise _retyped(exc, f"{what}: {exc}") from exc.__cause__
-    except (RuntimeError, TypeError, ValueError, IndexError, KeyError, OverflowError) as exc:
-        raise CommpressError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        raise prefixed(exc, what) from exc.__cause__
+    except WRAPPED as exc:
+        raise (wrap_as or CommpressError)(f"{what}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+        if add_note is not None:
+            add_note(f"(in {what})")
+        raise
 
 
-def _retyped(exc: CommpressError, message: str) -> CommpressError:
-    """A new error of ``exc``'s type with ``message`` (plain ``CommpressError`` where that type
-    cannot be built from one message)."""
+def prefixed(exc: CommpressError, what: str) -> CommpressError:
+    """A new error of ``exc``'s type whose message is ``"what: message"`` (a plain
+    ``CommpressError`` where that type cannot be built from one message)."""
+    message = f"{what}: {exc}"
     try:
         new = type(exc)(message)
     except Exception:  # a subclass with another constructor signature

@@ -43,7 +43,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced
-from commpress.errors import CommpressError, error_context
+from commpress.errors import CommpressError, ConfigError, PayloadError, error_context
 
 #: How error feedback suits a codec (see :attr:`Codec.feedback_fit`).
 FeedbackFit = Literal["needed", "optional", "incompatible"]
@@ -87,7 +87,7 @@ def require(condition: bool, message: str, value: Any = dataclasses.MISSING) -> 
     if not condition:
         if value is not dataclasses.MISSING:
             message = f"{message}, got {value!r}"
-        raise CommpressError(message)
+        raise ConfigError(message)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -341,7 +341,7 @@ class Codec(ABC):
             value = getattr(self, f.name)
             hint = hints.get(f.name)
             if hint is not None and not _matches(value, hint):
-                raise CommpressError(
+                raise ConfigError(
                     f"{self.codec_id}: parameter {f.name!r} must be {_describe_hint(hint)}, "
                     f"got {value!r}"
                 )
@@ -375,7 +375,7 @@ class Codec(ABC):
 
         codec = get_codec(config)
         if not isinstance(codec, cls):
-            raise CommpressError(
+            raise ConfigError(
                 f"config id {config.get('id')!r} does not describe a {cls.__name__} codec"
             )
         return codec
@@ -424,7 +424,7 @@ class Codec(ABC):
         if out is not None:
             self.check_out(out, payload)
         context = ctx if ctx is not None else CodecContext()
-        with error_context(f"{self.codec_id}.decode"):
+        with error_context(f"{self.codec_id}.decode", wrap_as=PayloadError):
             if out is not None and self.decodes_into:
                 result = self._decode(payload, context, out=out)  # type: ignore[call-arg]
             else:
@@ -443,7 +443,7 @@ class Codec(ABC):
     def check_out(self, out: Any, payload: Payload) -> None:
         """Refuse an ``out=`` buffer that cannot hold the decoding of ``payload``."""
         if not isinstance(out, torch.Tensor):
-            raise CommpressError(
+            raise ConfigError(
                 f"{self.codec_id}.decode: out must be a torch.Tensor, got {type(out).__name__}"
             )
         if (
@@ -452,7 +452,7 @@ class Codec(ABC):
             or out.device != payload.device
             or not out.is_contiguous()
         ):
-            raise CommpressError(
+            raise ConfigError(
                 f"{self.codec_id}.decode: out must be a contiguous {tuple(payload.shape)} "
                 f"{payload.dtype} tensor on {payload.device}, got {tuple(out.shape)} "
                 f"{out.dtype} on {out.device} (contiguous={out.is_contiguous()})"
@@ -531,17 +531,17 @@ class Codec(ABC):
     ) -> torch.Tensor:
         """Fetch part ``name`` from a payload, checking its element count and dtype."""
         if name not in payload.parts:
-            raise CommpressError(
+            raise PayloadError(
                 f"payload has no part {name!r} (parts: {sorted(payload.parts)}); corrupted?"
             )
         t = payload.parts[name]
         if numel is not None and t.numel() != numel:
-            raise CommpressError(
+            raise PayloadError(
                 f"payload part {name!r} has {t.numel()} elements, expected {numel} for a "
                 f"tensor of shape {tuple(payload.shape)}"
             )
         if dtype is not None and t.dtype != dtype:
-            raise CommpressError(f"payload part {name!r} is {t.dtype}, expected {dtype}")
+            raise PayloadError(f"payload part {name!r} is {t.dtype}, expected {dtype}")
         return t
 
     def sum_decoded(
@@ -551,7 +551,7 @@ class Codec(ABC):
         with ``average``, divide by their number in the accumulator, before the cast back to
         the payloads' dtype (which saturates: a finite mean stays finite)."""
         if not payloads:
-            raise CommpressError("nothing to sum: empty list of payloads")
+            raise ConfigError("nothing to sum: empty list of payloads")
         first = payloads[0]
         acc_dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
         acc = torch.zeros(first.shape, dtype=acc_dtype, device=first.device)
@@ -564,12 +564,12 @@ class Codec(ABC):
     def check_input(self, tensor: Any) -> torch.Tensor:
         """Refuse anything but a floating-point tensor of a supported dtype."""
         if not isinstance(tensor, torch.Tensor):
-            raise CommpressError(
+            raise ConfigError(
                 f"{self.codec_id}.encode expects a torch.Tensor, got {type(tensor).__name__}"
             )
         if tensor.dtype not in SUPPORTED_DTYPES:
             names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
-            raise CommpressError(
+            raise ConfigError(
                 f"{self.codec_id}.encode expects a floating-point tensor ({names}), "
                 f"got {str(tensor.dtype).replace('torch.', '')}"
             )
@@ -580,26 +580,26 @@ class Codec(ABC):
     ) -> None:
         """Refuse payloads of another codec or configuration, or of an unexpected shape."""
         if not isinstance(payload, Payload):
-            raise CommpressError(
+            raise ConfigError(
                 f"{self.codec_id}.decode expects a Payload, got {type(payload).__name__}"
             )
         if payload.codec != self.codec_id:
-            raise CommpressError(
+            raise PayloadError(
                 f"payload was produced by codec {payload.codec!r}; cannot decode with "
                 f"{self.codec_id!r}"
             )
         if payload.fingerprint != self.fingerprint():
-            raise CommpressError(
+            raise PayloadError(
                 f"payload was produced by a {self.codec_id!r} codec with another configuration "
                 f"(fingerprint {payload.fingerprint}, this codec {self.fingerprint()}: "
                 f"{self.get_config()})"
             )
         if shape is not None and tuple(shape) != tuple(payload.shape):
-            raise CommpressError(
+            raise PayloadError(
                 f"payload holds a tensor of shape {tuple(payload.shape)}, expected {tuple(shape)}"
             )
         if payload.summed < 1:
-            raise CommpressError(f"payload.summed must be >= 1, got {payload.summed}")
+            raise PayloadError(f"payload.summed must be >= 1, got {payload.summed}")
 
     def spec(self) -> str:
         """Short spec string: the id plus the parameters that differ from their defaults,

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from commpress.errors import CommpressError
+from commpress.errors import ConfigError, PayloadError
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("commpress.codecs.bitpack assumes a little-endian machine")
@@ -26,7 +26,7 @@ def packed_nbytes(n: int, bits: int) -> int:
 
 def _check_bits(bits: int) -> None:
     if not 1 <= bits <= 16:
-        raise CommpressError(f"bit width must be in [1, 16], got {bits}")
+        raise ConfigError(f"bit width must be in [1, 16], got {bits}")
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -66,10 +66,10 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``n`` codes as ``uint8`` (``int32`` when ``bits > 8``)."""
     _check_bits(bits)
     if packed.dtype != torch.uint8 or packed.dim() != 1:
-        raise CommpressError(f"packed codes must be a 1-D uint8 tensor, got {packed.dtype}")
+        raise PayloadError(f"packed codes must be a 1-D uint8 tensor, got {packed.dtype}")
     expected = packed_nbytes(n, bits) if bits <= 8 else n + packed_nbytes(n, bits - 8)
     if packed.numel() != expected:
-        raise CommpressError(
+        raise PayloadError(
             f"packed buffer has {packed.numel()} bytes, expected {expected} for {n} "
             f"{bits}-bit codes"
         )

@@ -16,10 +16,10 @@ from typing import ClassVar
 import torch
 
 from commpress.codecs.base import Codec, CodecContext, Payload, param, require, saturating_cast
+from commpress.codecs.common import require_seed
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
-from commpress.codecs.quantize import require_seed
 from commpress.codecs.registry import register_codec
-from commpress.errors import CommpressError, error_context
+from commpress.errors import ConfigError, error_context
 
 #: Key of the warm-start factor in ``CodecContext.state``.
 STATE_Q = "q"
@@ -207,7 +207,7 @@ class PowerSGD(Codec):
             return fresh
         if not isinstance(stored, torch.Tensor) or tuple(stored.shape) != (m, r):
             got = tuple(stored.shape) if isinstance(stored, torch.Tensor) else type(stored)
-            raise CommpressError(
+            raise ConfigError(
                 f"ctx.state[{STATE_Q!r}] holds {got}, expected a ({m}, {r}) tensor; the state "
                 f"belongs to another tensor or configuration (key {ctx.key!r}): pass a fresh "
                 "state dict"

@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 
+from commpress.errors import ConfigError
+
 if TYPE_CHECKING:
     from commpress.codecs.base import Payload
 
@@ -70,20 +72,18 @@ class AllReduce:
     saturate: bool = False
 
     def __post_init__(self) -> None:
-        from commpress.errors import CommpressError
-
         if self.op not in ("sum", "max", "min"):
-            raise CommpressError(f"AllReduce op must be 'sum', 'max' or 'min', got {self.op!r}")
+            raise ConfigError(f"AllReduce op must be 'sum', 'max' or 'min', got {self.op!r}")
         if self.int_bits is not None:
             if not 1 <= self.int_bits <= 32:
-                raise CommpressError(f"AllReduce int_bits must be in [1, 32], got {self.int_bits}")
+                raise ConfigError(f"AllReduce int_bits must be in [1, 32], got {self.int_bits}")
             for name, t in self.tensors.items():
                 if t.is_floating_point() or t.dtype == torch.bool:
-                    raise CommpressError(
+                    raise ConfigError(
                         f"AllReduce int_bits needs integer tensors; {name!r} is {t.dtype}"
                     )
         if self.saturate and self.int_bits is None:
-            raise CommpressError("AllReduce saturate=True needs int_bits")
+            raise ConfigError("AllReduce saturate=True needs int_bits")
 
     @property
     def wire_bytes(self) -> int:

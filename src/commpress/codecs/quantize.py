@@ -35,23 +35,14 @@ from commpress.codecs.base import (
     saturating_cast,
 )
 from commpress.codecs.bitpack import pack_bits, unpack_bits
+from commpress.codecs.common import SEED_LIMIT, require_seed
 from commpress.codecs.registry import register_codec
-
-#: Seeds of every seeded codec are integers in ``[0, 2**63)``: they fit a signed 64-bit integer
-#: in any JSON reader or C API, and equal configurations hash to equal fingerprints.
-SEED_LIMIT = 2**63
 
 #: float32 constants of ``minmax``'s exact power-of-two pre-scaling (see :func:`minmax_params`).
 F32_MAX = float(torch.finfo(torch.float32).max)
 TINY_SCALE = 2.0**-100
 HUGE_SCALE = 2.0**100
 SHIFT = 2.0**64
-
-
-def require_seed(seed: int) -> None:
-    """Refuse a codec ``seed`` outside ``[0, 2**63)`` (the one rule for every seeded codec:
-    ``minmax``, ``qsgd``, ``terngrad``, ``thc``, ``randomk``, ``powersgd``, ``dgc``)."""
-    require(0 <= seed < SEED_LIMIT, "seed must be in [0, 2**63)", seed)
 
 
 # ---------------------------------------------------------------------- chunk helpers
@@ -764,7 +755,6 @@ class Sign(Codec):
 __all__ = [
     "F32_MAX",
     "QSGD",
-    "SEED_LIMIT",
     "MinMax",
     "Sign",
     "TernGrad",
@@ -773,7 +763,6 @@ __all__ = [
     "minmax_encode_torch",
     "minmax_params",
     "num_chunks",
-    "require_seed",
     "sign_decode_torch",
     "sign_encode_torch",
 ]

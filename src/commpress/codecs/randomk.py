@@ -30,11 +30,9 @@ from commpress.codecs.base import (
     require,
     saturating_cast,
 )
+from commpress.codecs.common import reply_part, require_seed, scatter_into
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
-from commpress.codecs.quantize import require_seed
 from commpress.codecs.registry import register_codec
-from commpress.codecs.sparse import scatter_into
-from commpress.codecs.thc import reply_part
 from commpress.errors import error_context
 
 _VALUE_DTYPES = {

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from commpress.codecs.base import Codec
-from commpress.errors import CommpressError
+from commpress.errors import ConfigError
 
 _REGISTRY: dict[str, type[Codec]] = {}
 #: Codecs built from spec strings (codecs are frozen, so equal specs can share one).
@@ -22,12 +22,12 @@ def register_codec(cls: C) -> C:
     """Class decorator adding a codec class to the registry under its ``codec_id``."""
     codec_id = getattr(cls, "codec_id", None)
     if not isinstance(codec_id, str) or not codec_id:
-        raise CommpressError(f"{cls.__name__} has no codec_id string")
+        raise ConfigError(f"{cls.__name__} has no codec_id string")
     if not dataclasses.is_dataclass(cls):
-        raise CommpressError(f"{cls.__name__} must be a dataclass to be registered")
+        raise ConfigError(f"{cls.__name__} must be a dataclass to be registered")
     existing = _REGISTRY.get(codec_id)
     if existing is not None and existing.__qualname__ != cls.__qualname__:
-        raise CommpressError(
+        raise ConfigError(
             f"codec id {codec_id!r} is already registered by {existing.__module__}."
             f"{existing.__qualname__}"
         )
@@ -57,7 +57,7 @@ def codec_class(codec_id: str) -> type[Codec]:
     try:
         return _REGISTRY[codec_id]
     except KeyError:
-        raise CommpressError(
+        raise ConfigError(
             f"unknown codec id {codec_id!r}{did_you_mean(str(codec_id), codec_ids())}; known "
             f"ids: {', '.join(codec_ids())}"
         ) from None
@@ -74,7 +74,7 @@ def parse_codec_spec(spec: str) -> dict[str, Any]:
     for item in filter(None, (s.strip() for s in rest.split(","))):
         name, sep, raw = item.partition("=")
         if not sep or not name.strip():
-            raise CommpressError(f"codec spec {spec!r}: expected name=value, got {item!r}")
+            raise ConfigError(f"codec spec {spec!r}: expected name=value, got {item!r}")
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
@@ -109,11 +109,11 @@ def get_codec(spec: str | Mapping[str, Any] | Codec, **params: Any) -> Codec:
     elif isinstance(spec, Mapping):
         config = dict(spec)
     else:
-        raise CommpressError(
+        raise ConfigError(
             f"a codec is given by an id string or a config mapping, got {type(spec).__name__}"
         )
     if "id" not in config:
-        raise CommpressError(f"codec config has no 'id' key: {config!r}")
+        raise ConfigError(f"codec config has no 'id' key: {config!r}")
     codec_id = config.pop("id")
     config.update(params)
     cls = codec_class(codec_id)
@@ -121,7 +121,7 @@ def get_codec(spec: str | Mapping[str, Any] | Codec, **params: Any) -> Codec:
     unknown = sorted(set(config) - set(accepted))
     if unknown:
         hint = did_you_mean(unknown[0], accepted) if len(unknown) == 1 else ""
-        raise CommpressError(
+        raise ConfigError(
             f"{codec_id}: unknown parameter(s) {', '.join(unknown)}{hint}; accepted: "
             f"{', '.join(accepted) if accepted else '(none)'}"
         )

@@ -18,7 +18,7 @@ import torch
 
 from commpress.codecs.base import Codec, CodecContext
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced, Request
-from commpress.errors import CommpressError
+from commpress.errors import CommpressError, ConfigError, MismatchError
 
 
 @dataclass(slots=True, kw_only=True)
@@ -70,7 +70,7 @@ def reduce_tensors(
             if request.saturate:
                 wide = wide.clamp_(-limit, limit)
             elif wide.numel() and int(wide.abs().max()) > limit:
-                raise CommpressError(
+                raise ConfigError(
                     f"integer sum overflows {request.int_bits}-bit lanes (|sum| > {limit}); "
                     "the codec must size its lanes for the world size or saturate"
                 )
@@ -84,23 +84,23 @@ def _check_same_request(requests: Sequence[Request], round_index: int) -> None:
     first = requests[0]
     for rank, req in enumerate(requests[1:], start=1):
         if type(req) is not type(first):
-            raise CommpressError(
+            raise MismatchError(
                 f"round {round_index}: worker 0 asked for {type(first).__name__} but worker "
                 f"{rank} asked for {type(req).__name__}"
             )
         if isinstance(first, AllReduce):
             assert isinstance(req, AllReduce)
             if (req.op, req.int_bits, req.saturate) != (first.op, first.int_bits, first.saturate):
-                raise CommpressError(f"round {round_index}: workers disagree on the reduction")
+                raise MismatchError(f"round {round_index}: workers disagree on the reduction")
             if set(req.tensors) != set(first.tensors):
-                raise CommpressError(
+                raise MismatchError(
                     f"round {round_index}: worker {rank} sends parts {sorted(req.tensors)}, "
                     f"worker 0 sends {sorted(first.tensors)}"
                 )
             for name, t in req.tensors.items():
                 f0 = first.tensors[name]
                 if t.shape != f0.shape or t.dtype != f0.dtype:
-                    raise CommpressError(
+                    raise MismatchError(
                         f"round {round_index}: part {name!r} is {tuple(t.shape)} {t.dtype} on "
                         f"worker {rank} but {tuple(f0.shape)} {f0.dtype} on worker 0"
                     )
@@ -135,19 +135,19 @@ def simulate(
     """
     n = len(inputs)
     if n == 0:
-        raise CommpressError("simulate needs at least one worker input")
+        raise ConfigError("simulate needs at least one worker input")
     for r, t in enumerate(inputs):
         if not isinstance(t, torch.Tensor):
-            raise CommpressError(f"worker {r}'s input is a {type(t).__name__}, not a tensor")
+            raise ConfigError(f"worker {r}'s input is a {type(t).__name__}, not a tensor")
     shapes = {tuple(t.shape) for t in inputs}
     if len(shapes) != 1:
-        raise CommpressError(f"all workers must hold tensors of one shape, got {sorted(shapes)}")
+        raise ConfigError(f"all workers must hold tensors of one shape, got {sorted(shapes)}")
     dtypes = {str(t.dtype) for t in inputs}
     if len(dtypes) != 1:
-        raise CommpressError(f"all workers must hold tensors of one dtype, got {sorted(dtypes)}")
+        raise ConfigError(f"all workers must hold tensors of one dtype, got {sorted(dtypes)}")
     states = [dict() for _ in range(n)] if states is None else list(states)
     if len(states) != n:
-        raise CommpressError(f"got {len(states)} state dicts for {n} workers")
+        raise ConfigError(f"got {len(states)} state dicts for {n} workers")
 
     contexts = [
         CodecContext(
@@ -185,7 +185,7 @@ def drive(
     n = len(protocols)
     order = list(range(n)) if order is None else list(order)
     if sorted(order) != list(range(n)):
-        raise CommpressError(f"order must be a permutation of range({n}), got {order}")
+        raise ConfigError(f"order must be a permutation of range({n}), got {order}")
     results: list[Reduced | None] = [None] * n
     pending: list[Request | None] = [None] * n
     for r, gen in enumerate(protocols):
@@ -200,7 +200,7 @@ def drive(
         if all(finished):
             break
         if any(finished):
-            raise CommpressError(
+            raise MismatchError(
                 f"round {round_index}: workers {[r for r in range(n) if finished[r]]} finished "
                 "while others still ask for exchanges; the protocol is not symmetric"
             )

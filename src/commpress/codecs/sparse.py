@@ -31,6 +31,7 @@ there: this module is only the sparsifier.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -45,9 +46,16 @@ from commpress.codecs.base import (
     require,
     saturating_cast,
 )
-from commpress.codecs.quantize import require_seed
+from commpress.codecs.common import (
+    finite_max_abs,
+    require_seed,
+    scale_values,
+    scatter_into,
+    unscale_values,
+    work_dtype,
+)
 from commpress.codecs.registry import register_codec
-from commpress.errors import CommpressError
+from commpress.errors import PayloadError
 
 ValueDtype = Literal["float16", "bfloat16", "float32"]
 
@@ -128,10 +136,6 @@ def needs_exponent(input_dtype: torch.dtype, value_dtype: torch.dtype) -> bool:
     return torch.finfo(value_dtype).max < torch.finfo(input_dtype).max
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def overflow_exponent(bound: torch.Tensor, top: float) -> torch.Tensor:
     """The smallest integer ``e >= 0`` with ``bound * 2^-e <= top`` (an int64 0-d tensor,
     computed without a host sync). ``bound`` is a finite magnitude; a NaN/Inf or negative
@@ -142,46 +146,6 @@ def overflow_exponent(bound: torch.Tensor, top: float) -> torch.Tensor:
     e = torch.where(mantissa == 0.5, exp - 1, exp)  # ratio = 2^(exp-1) exactly
     fits = ~(ratio > 1.0) | torch.isinf(ratio)  # also true for NaN
     return torch.where(fits, torch.zeros_like(e), e)
-
-
-def finite_max_abs(values: torch.Tensor) -> torch.Tensor:
-    """``max |v|`` over the finite entries of ``values`` (0 when there are none), 0-d."""
-    if values.numel() == 0:
-        return values.new_zeros((), dtype=torch.float32)
-    mag = values.abs()
-    return torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag)).amax()
-
-
-def scale_values(
-    values: torch.Tensor, value_dtype: torch.dtype, exponent: torch.Tensor
-) -> torch.Tensor:
-    """``values * 2^-exponent`` cast to ``value_dtype`` (an exact scaling; no-op for 0)."""
-    work = _work_dtype(values.dtype)
-    factor = torch.exp2(-exponent.to(work))
-    return (values.to(work) * factor).to(value_dtype)
-
-
-def unscale_values(
-    values: torch.Tensor, exponent: torch.Tensor, work: torch.dtype
-) -> torch.Tensor:
-    """``values * 2^exponent`` in ``work``; a finite value whose product overflows ``work``
-    (a value rounded up to the top of its 16-bit range, times the largest exponent) saturates
-    at ``work``'s largest finite value instead of becoming Inf."""
-    v = values.to(work)
-    scaled = v * torch.exp2(exponent.reshape(()).to(work))
-    top = torch.finfo(work).max
-    overflowed = torch.isinf(scaled) & torch.isfinite(v)
-    return torch.where(overflowed, torch.copysign(torch.full_like(scaled, top), v), scaled)
-
-
-def scatter_into(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-    """``flat[indices] = values`` (same dtype). 16-bit floats are scattered as their int16
-    bit patterns (the same bits; torch's CPU ``scatter_`` is ~50x slower on float16 and
-    bfloat16 than on integers)."""
-    if flat.dtype in (torch.float16, torch.bfloat16):
-        flat.view(torch.int16).scatter_(0, indices, values.view(torch.int16))
-    else:
-        flat.scatter_(0, indices, values)
 
 
 def scatter_decode(
@@ -204,7 +168,7 @@ def scatter_decode(
         out.zero_()
     if values.numel():
         if exponent is not None:
-            values = unscale_values(values, exponent, _work_dtype(payload.dtype))
+            values = unscale_values(values, exponent, work_dtype(payload.dtype))
         # element-wise, so casting the values equals casting the scattered tensor
         scatter_into(
             out.view(-1), indices.to(torch.int64), saturating_cast(values, payload.dtype)
@@ -435,47 +399,61 @@ class DGC(Codec):
         """:meth:`select` on the magnitudes of a 1-D fp32 CPU tensor through the numba
         kernels: the same samples, thresholds, counts and indices, without materialising the
         magnitudes or the mask (each count is one read pass, the indices one more)."""
-        d = flat.numel()
+        return self._select(
+            flat.numel(), ctx, flat.device,
+            exact=lambda k: top_magnitudes(flat, k),
+            sample=lambda positions: magnitudes(flat[positions]),
+            at_least=lambda threshold: kernels.at_least(flat, float(threshold)),
+            importance_of=lambda idx: magnitudes(flat[idx]),
+        )
+
+    def select(self, importance: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
+        """Ascending int64 indices chosen from the magnitudes ``importance`` (steps 1-4)."""
+
+        def at_least(threshold: torch.Tensor) -> tuple[int, Callable[[], torch.Tensor]]:
+            mask = importance >= threshold
+            return int(torch.count_nonzero(mask)), lambda: torch.nonzero(mask).reshape(-1)
+
+        return self._select(
+            importance.numel(), ctx, importance.device,
+            exact=lambda k: exact_top(importance, k),
+            sample=lambda positions: importance[positions],
+            at_least=at_least,
+            importance_of=lambda idx: importance[idx],
+        )
+
+    def _select(
+        self,
+        d: int,
+        ctx: CodecContext,
+        device: torch.device,
+        *,
+        exact: Callable[[int], torch.Tensor],
+        sample: Callable[[torch.Tensor], torch.Tensor],
+        at_least: Callable[[torch.Tensor], tuple[int, Callable[[], torch.Tensor]]],
+        importance_of: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Steps 1-4 over ``d`` magnitudes reached through the callables: ``exact(k)`` (small
+        tensors), ``sample(positions)``, ``at_least(threshold)`` (the count of magnitudes
+        ``>= threshold`` and a function giving their ascending indices) and
+        ``importance_of(indices)``."""
         k = self.target(d)
         s = self.sample_size(d)
         if s >= d or k >= d:
-            return top_magnitudes(flat, k)
-        g = ctx.generator(self.seed, shared=False, device=flat.device)
-        positions = torch.randint(0, d, (s,), generator=g, device=flat.device)
-        samples = magnitudes(flat[positions])
+            return exact(k)
+        g = ctx.generator(self.seed, shared=False, device=device)
+        positions = torch.randint(0, d, (s,), generator=g, device=device)
+        samples = sample(positions)
         k_s = min(s, max(1, math.ceil(k * s / d)))
         for attempt in range(self.adapt_iters + 1):
-            count, collect = kernels.at_least(flat, float(_kth_largest(samples, k_s)))
+            count, collect = at_least(_kth_largest(samples, k_s))
             if count >= self.min_count_factor * k or k_s == s or attempt == self.adapt_iters:
                 break
             k_s = min(s, max(k_s + 1, math.ceil(k_s * k / max(count, 1))))
         idx = collect()
         if count > self.max_count_factor * k:
-            importance = magnitudes(flat[idx])
-            idx = idx[torch.topk(importance, k, sorted=False).indices].sort().values
-        return idx
-
-    def select(self, importance: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
-        """Ascending int64 indices chosen from the magnitudes ``importance`` (steps 1-4)."""
-        d = importance.numel()
-        k = self.target(d)
-        s = self.sample_size(d)
-        if s >= d or k >= d:
-            return exact_top(importance, k)
-        g = ctx.generator(self.seed, shared=False, device=importance.device)
-        positions = torch.randint(0, d, (s,), generator=g, device=importance.device)
-        samples = importance[positions]
-        k_s = min(s, max(1, math.ceil(k * s / d)))
-        for attempt in range(self.adapt_iters + 1):
-            mask = importance >= _kth_largest(samples, k_s)
-            count = int(torch.count_nonzero(mask))
-            if count >= self.min_count_factor * k or k_s == s or attempt == self.adapt_iters:
-                break
-            k_s = min(s, max(k_s + 1, math.ceil(k_s * k / max(count, 1))))
-        idx = torch.nonzero(mask).reshape(-1)
-        if count > self.max_count_factor * k:
             # Hierarchical selection: the exact top-K among the (few) selected coordinates.
-            idx = idx[torch.topk(importance[idx], k, sorted=False).indices].sort().values
+            idx = idx[torch.topk(importance_of(idx), k, sorted=False).indices].sort().values
         return idx
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
@@ -500,7 +478,7 @@ class DGC(Codec):
     ) -> torch.Tensor:
         count = int(self.part(payload, "count", numel=1, dtype=torch.int32).reshape(-1)[0])
         if not 0 <= count <= payload.numel:
-            raise CommpressError(
+            raise PayloadError(
                 f"payload says {count} coordinates were sent, expected 0..{payload.numel} for a "
                 f"tensor of shape {tuple(payload.shape)}; corrupted?"
             )
@@ -518,13 +496,10 @@ __all__ = [
     "TopK",
     "encode_values",
     "exact_top",
-    "finite_max_abs",
     "magnitudes",
     "needs_exponent",
     "overflow_exponent",
-    "scale_values",
     "scatter_decode",
-    "scatter_into",
     "target_count",
     "top_magnitudes",
 ]

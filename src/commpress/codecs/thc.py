@@ -16,9 +16,8 @@ tested and reused.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -30,10 +29,10 @@ from commpress.codecs.base import (
     require,
     saturating_cast,
 )
+from commpress.codecs.common import reply_part, require_seed, work_dtype
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
-from commpress.codecs.quantize import require_seed
 from commpress.codecs.registry import register_codec
-from commpress.errors import CommpressError, error_context
+from commpress.errors import ConfigError, PayloadError, error_context
 
 #: Seed offsets, so that the shared rotation and the per-rank rounding noise never coincide.
 _SIGN_STREAM = 0x7C1
@@ -54,9 +53,9 @@ def hadamard_transform(x: torch.Tensor, block: int) -> torch.Tensor:
     """
     n = x.numel()
     if block < 1 or block & (block - 1):
-        raise CommpressError(f"Hadamard block size must be a power of two, got {block}")
+        raise ConfigError(f"Hadamard block size must be a power of two, got {block}")
     if x.dim() != 1 or n % block:
-        raise CommpressError(
+        raise ConfigError(
             f"Hadamard transform needs a 1-D tensor whose length is a multiple of {block}, got "
             f"shape {tuple(x.shape)}"
         )
@@ -88,10 +87,6 @@ def _lane_dtype(bits: int) -> torch.dtype:
     if bits <= 16:
         return torch.int16
     return torch.int32
-
-
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +281,7 @@ class Thc(Codec):
             return b
         width = max(b, self.bits + math.ceil(math.log2(world_size)))
         if width > 32:
-            raise CommpressError(
+            raise ConfigError(
                 f"thc without saturation needs {width}-bit lanes for {world_size} workers "
                 f"(bits={self.bits} + ceil(log2({world_size}))), more than 32; use "
                 "saturate=True or fewer bits"
@@ -320,7 +315,7 @@ class Thc(Codec):
         self, x: torch.Tensor, ctx: CodecContext, lay: ThcLayout, scale: float
     ) -> torch.Tensor:
         """``H_B (signs * scale * x)`` per block, padded, in float32 (float64 for float64)."""
-        work = _work_dtype(x.dtype)
+        work = work_dtype(x.dtype)
         flat = x.reshape(-1).to(work)
         if lay.padded != lay.numel:
             flat = torch.cat([flat, flat.new_zeros(lay.padded - lay.numel)])
@@ -345,7 +340,7 @@ class Thc(Codec):
         ctx = ctx if ctx is not None else CodecContext()
         lay = self.layout(numel)
         if y.numel() != lay.padded:
-            raise CommpressError(
+            raise PayloadError(
                 f"rotated vector has {y.numel()} elements, expected {lay.padded} for {numel}"
             )
         signs = self._signs(ctx, lay, y.device, y.dtype, 1.0 / math.sqrt(lay.block))
@@ -463,10 +458,10 @@ class Thc(Codec):
         ranges = self.part(payload, "range", numel=lay.blocks, dtype=torch.float32)
         codes = self.part(payload, "codes", numel=lay.padded)
         if codes.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
-            raise CommpressError(
+            raise PayloadError(
                 f"payload part 'codes' is {codes.dtype}, expected an integer lane dtype"
             )
-        work = _work_dtype(payload.dtype)
+        work = work_dtype(payload.dtype)
         flat = self._reconstruct(
             codes, ranges, lay, ctx, summed=payload.summed, divide=1, work=work
         )
@@ -493,23 +488,11 @@ class Thc(Codec):
             divide = ctx.world_size if ctx.average and ctx.world_size > 1 else 1
             flat = self._reconstruct(
                 summed, ranges, lay, ctx, summed=ctx.world_size, divide=divide,
-                work=_work_dtype(x.dtype),
+                work=work_dtype(x.dtype),
             )
             total = saturating_cast(flat, x.dtype).reshape(x.shape)
         local = self.decode(self._payload(x, ranges, codes, width), ctx) if ctx.need_local else None
         return Reduced(total=total, local=local)
 
 
-def reply_part(reply: Any, name: str, like: torch.Tensor) -> torch.Tensor:
-    """Fetch ``name`` from an all-reduce reply, checking it matches what was sent."""
-    if not isinstance(reply, Mapping) or name not in reply:
-        raise CommpressError(f"all-reduce reply lacks part {name!r}: driver bug?")
-    t = reply[name]
-    if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
-        raise CommpressError(
-            f"all-reduce reply part {name!r} is not a {tuple(like.shape)} {like.dtype} tensor"
-        )
-    return t
-
-
-__all__ = ["Thc", "ThcLayout", "hadamard_transform", "reply_part"]
+__all__ = ["Thc", "ThcLayout", "hadamard_transform"]

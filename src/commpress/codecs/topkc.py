@@ -24,10 +24,9 @@ from commpress.codecs.base import (
     require,
     saturating_cast,
 )
+from commpress.codecs.common import finite_max_abs, reply_part, scale_values, unscale_values
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.registry import register_codec
-from commpress.codecs.sparse import finite_max_abs, scale_values, unscale_values
-from commpress.codecs.thc import reply_part
 from commpress.errors import error_context
 
 _FLOAT16 = {"float16": torch.float16, "bfloat16": torch.bfloat16}

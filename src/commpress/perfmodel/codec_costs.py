@@ -113,15 +113,10 @@ BUILTIN_SOURCE = "built-in assumptions for a datacenter GPU (not measured)"
 
 
 def spec_key(codec: Codec) -> str:
-    """``"topk"`` for a default-configured codec, else ``"topk:ratio=0.001"`` (parameters that
-    differ from their defaults, sorted): the key of a codec in a :class:`SpeedTable`."""
-    defaults = {name: default for name, default, _ in codec.parameters()}
-    config = codec.get_config()
-    changed = [
-        f"{k}={json.dumps(v)}" for k, v in sorted(config.items())
-        if k != "id" and defaults.get(k, object()) != v
-    ]
-    return codec.codec_id + (":" + ",".join(changed) if changed else "")
+    """The key of a codec in a :class:`SpeedTable`: :meth:`Codec.spec` (``"topk"`` for a
+    default-configured codec, else ``"topk:ratio=0.001"``, the parameters that differ from
+    their defaults), the one spec string of the library."""
+    return codec.spec()
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 from commpress.codecs.base import Codec, CodecContext
 from commpress.codecs.protocol import Reduced
 from commpress.collectives.driver import Exchange, Pending
-from commpress.errors import CommpressError
+from commpress.errors import ConfigError
 
 CostPattern = Literal["protocol", "allgather", "ring", "hierarchical"]
 #: The offload pool a task runs its codec work on (``None``: the scheduler's thread).
@@ -137,7 +137,7 @@ def register_strategy(strategy: ExchangeStrategy) -> ExchangeStrategy:
     """Register ``strategy`` under its name (refusing a second one of the same name)."""
     with _LOCK:
         if strategy.name in _REGISTRY and type(_REGISTRY[strategy.name]) is not type(strategy):
-            raise CommpressError(f"strategy {strategy.name!r} is already registered")
+            raise ConfigError(f"strategy {strategy.name!r} is already registered")
         _REGISTRY[strategy.name] = strategy
     return strategy
 
@@ -157,7 +157,7 @@ def get_strategy(name: object) -> ExchangeStrategy:
     listing the accepted ones."""
     found = _REGISTRY.get(name) if isinstance(name, str) else None
     if found is None:
-        raise CommpressError(
+        raise ConfigError(
             f"unknown strategy {name!r}; accepted: {', '.join(repr(s) for s in _REGISTRY)}"
         )
     return found

@@ -45,7 +45,7 @@ from commpress.collectives.driver import (
     sum_in_place,
     unpack_bytes,
 )
-from commpress.errors import CommpressError, ExchangeTimeoutError
+from commpress.errors import CommpressError, ConfigError, ExchangeTimeoutError, MismatchError
 
 #: Tags of ring messages (user point-to-point traffic should use tags below this).
 RING_TAG_BASE = 0x5C0000
@@ -58,7 +58,7 @@ PADDED_META_LEN = 2 + MAX_P2P_PARTS * (2 + _DIMS)
 def padded_payload_meta(payload: Payload) -> torch.Tensor:
     names = sorted(payload.parts)
     if len(names) > MAX_P2P_PARTS:
-        raise CommpressError(
+        raise ConfigError(
             f"payload of {payload.codec!r} has {len(names)} parts; point-to-point messages carry "
             f"at most {MAX_P2P_PARTS}"
         )
@@ -136,7 +136,7 @@ class _Link:
             names_hash, in_specs = _specs_from_meta(row)
             names = tuple(out_names)
             if names_hash != name_hash(out.codec, *out_names):
-                raise CommpressError(
+                raise MismatchError(
                     f"{ex.label}: the left neighbour sent payload parts that differ from this "
                     "rank's; are all ranks using the same codec?"
                 )
@@ -427,7 +427,7 @@ def local_size_from_env(world_size: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise CommpressError(f"LOCAL_WORLD_SIZE must be an integer, got {raw!r}") from None
+        raise ConfigError(f"LOCAL_WORLD_SIZE must be an integer, got {raw!r}") from None
 
 
 def _subgroup(parent: Any, global_ranks: tuple[int, ...], timeout: float | None) -> Any:
@@ -468,31 +468,21 @@ def node_groups(ex: Exchange, local_size: int) -> tuple[Exchange, Exchange]:
     """
     n = ex.world_size
     if local_size < 1 or n % local_size:
-        raise CommpressError(
+        raise ConfigError(
             f"hierarchical all-reduce needs a local size that divides the world size {n}, got "
             f"{local_size} (set local_size= or LOCAL_WORLD_SIZE; ranks k*L..(k+1)*L-1 form node k)"
         )
     node, local_rank = divmod(ex.rank, local_size)
     intra = tuple(ex.global_rank(node * local_size + i) for i in range(local_size))
     inter = tuple(ex.global_rank(k * local_size + local_rank) for k in range(n // local_size))
-    # A group of one never communicates, so it needs no process group of its own.
-    intra_ex = Exchange(
-        _subgroup(ex.group, intra, ex.timeout) if len(intra) > 1 else None,
-        local_rank,
-        len(intra),
-        ex.timeout,
-        f"{ex.label} (intra-node)",
-        stats=ex.stats,
-    )
-    inter_ex = Exchange(
-        _subgroup(ex.group, inter, ex.timeout) if len(inter) > 1 else None,
-        node,
-        len(inter),
-        ex.timeout,
-        f"{ex.label} (inter-node)",
-        stats=ex.stats,
-    )
-    return intra_ex, inter_ex
+
+    def part(ranks: tuple[int, ...], rank: int, what: str) -> Exchange:
+        # A group of one never communicates, so it needs no process group of its own.
+        group = _subgroup(ex.group, ranks, ex.timeout) if len(ranks) > 1 else None
+        return Exchange(group, rank, len(ranks), ex.timeout, f"{ex.label} ({what})",
+                        stats=ex.stats)
+
+    return part(intra, local_rank, "intra-node"), part(inter, node, "inter-node")
 
 
 def _reduce_scatter_equal(

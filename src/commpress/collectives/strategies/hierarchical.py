@@ -41,7 +41,7 @@ from commpress.collectives.strategies.helpers import (
     node_groups,
     ring_reduce_scatter,
 )
-from commpress.errors import CommpressError
+from commpress.errors import ConfigError
 
 
 def hierarchical_task(
@@ -99,7 +99,7 @@ def hierarchical_task(
     L = intra.world_size
     if compress_first:
         if codec.multi_round:
-            raise CommpressError(
+            raise ConfigError(
                 f"codec {codec.codec_id!r} needs several rounds and cannot run in the intra-node "
                 "ring of 'hierarchical-compress-first'; use 'hierarchical'"
             )

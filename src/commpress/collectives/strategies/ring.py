@@ -44,7 +44,7 @@ from commpress.collectives.strategies.helpers import (
     ring_all_gather_payloads,
     ring_reduce_scatter,
 )
-from commpress.errors import CommpressError
+from commpress.errors import ConfigError
 
 
 def ring_task(
@@ -78,7 +78,7 @@ def ring_task(
     hide.
     """
     if codec.multi_round:
-        raise CommpressError(
+        raise ConfigError(
             f"codec {codec.codec_id!r} needs several rounds and cannot run in a ring; use "
             "strategy 'auto' or 'allreduce'"
         )

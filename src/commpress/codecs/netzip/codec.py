@@ -16,18 +16,19 @@ Algorithm (one tensor, all on the integer bit patterns, so every step is exact):
 3. **Grouping** (``grouping``): regroup the kept words into planes of similar statistics:
    the exponent field on its own, coded as a 4-bit residual against a per-row and per-column
    prediction (``context``) with the sign and mantissa bits in byte planes; or byte planes;
-   or bit planes; or nothing. See :mod:`commpress.codecs.bytegroup`.
+   or bit planes; or nothing. See :mod:`commpress.codecs.netzip.grouping` and
+   :mod:`commpress.codecs.netzip.exponent`.
 4. **Backend** (``backend`` for exponent-bearing planes, ``mantissa_backend`` for the rest):
    each plane goes through raw storage, LZ4, zstd, zstd's Huffman coder or an ANS coder
-   (:mod:`commpress.codecs.backends`), whichever the configuration (or ``auto``, from a
+   (:mod:`commpress.codecs.netzip.backends`), whichever the configuration (or ``auto``, from a
    sample of the plane) picks; a plane that would not shrink is stored raw.
 5. **Framing**: one ``uint8`` stream: a header (format version, dtype, element count, the
    stages chosen, the exponent grouping's context layout, section lengths), the sections,
-   and a 32-bit checksum of everything before it (:mod:`commpress.codecs.lossless_kernels`).
+   and a 32-bit checksum of everything before it (:mod:`commpress.codecs.netzip.framing`).
    Decoding verifies the checksum and every length before touching the data: a corrupted or
-   truncated payload raises :class:`CommpressError` instead of returning wrong values, and
-   so does a payload relabelled with a shape whose matrix view (the context layout) differs
-   from the one it was encoded with.
+   truncated payload raises :class:`~commpress.errors.PayloadError` instead of returning
+   wrong values, and so does a payload relabelled with a shape whose matrix view (the
+   context layout) differs from the one it was encoded with.
 
 The payload has one part, ``stream``, on the input's device (the backends run on the CPU;
 CUDA tensors are regrouped on the GPU, moved to the CPU as planes, and rebuilt on the GPU).
@@ -65,42 +66,57 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
-from commpress.codecs import backends as bk
-from commpress.codecs import bytegroup as bg
-from commpress.codecs import lossless_kernels as lk
 from commpress.codecs.base import Codec, CodecContext, Payload, param, require, saturating_cast
+from commpress.codecs.bitpack import packed_nbytes
+from commpress.codecs.netzip import backends as bk
+from commpress.codecs.netzip import exponent as ex
+from commpress.codecs.netzip import grouping as gr
+from commpress.codecs.netzip import kernels as nk
+from commpress.codecs.netzip.framing import (
+    CRC,
+    DELTA_IDS,
+    F_BYTE_MODE,
+    F_COL,
+    F_MASK,
+    F_ROW,
+    GROUPING_IDS,
+    MAGIC,
+    SMALL,
+    T_CODES,
+    T_CODES_HI,
+    T_ESC,
+    T_MANT,
+    T_MASK,
+    T_PLANE,
+    T_REM,
+    T_STATS,
+    VARINTS,
+    VERSION,
+    Header,
+    Section,
+    check_layout,
+    checksum,
+    expect_tags,
+    frame,
+    from_i16,
+    header_prefix,
+    i16_bytes,
+    layout_code,
+    parse,
+    put_varint,
+    read_sections,
+    varint,
+    zigzag,
+)
 from commpress.codecs.protocol import AllGather, Protocol, Reduced
 from commpress.codecs.registry import register_codec
-from commpress.errors import CommpressError
-
-MAGIC = b"NZ"
-#: Format version 3: exponent-grouped streams record their context layout (the matrix view
-#: they were encoded with). 2: the trailing checksum is :func:`lossless_kernels.checksum`
-#: (1: CRC-32). Only the current version is read.
-VERSION = 3
-
-GROUPING_IDS: dict[str, int] = {name: i for i, name in enumerate(bg.GROUPINGS)}
-DELTAS = ("none", "min", "mean", "median", "previous")
-DELTA_IDS = {name: i for i, name in enumerate(DELTAS)}
-_XOR_BIT = 0x10
-_KEYFRAME_BIT = 0x20
-
-_F_MASK = 1
-_F_ROW = 2
-_F_COL = 4
-_F_BYTE_MODE = 8
-
-# Section tags.
-T_MASK, T_STATS, T_CODES, T_CODES_HI, T_ESC, T_REM = 1, 2, 4, 5, 6, 7
-T_MANT = 16  # + plane index
-T_PLANE = 64  # + plane index (byte, bitplane and none groupings)
+from commpress.errors import WRAPPED, CommpressError, ConfigError, PayloadError, prefixed
 
 #: ``context="auto"`` uses row statistics when rows have at least this many elements, and
 #: column statistics when there are at least this many rows (the side information is one
@@ -116,75 +132,11 @@ AUTO_MARGIN = 1.03
 #: A stream larger than the raw tensor plus this many bytes is replaced by the stored words.
 STORED_SLACK = 32
 
-_CRC = struct.Struct("<I")
 _STATE_KEY = "netzip.refs"
 _FINGERPRINTS: dict[Any, str] = {}
 _LOW_ENTROPY_TAGS = frozenset((T_CODES, T_STATS, T_MASK))
 
 Backend = Literal["auto", "huffman", "zstd", "lz4", "ans", "raw"]
-
-
-# ---------------------------------------------------------------------- header encoding
-def _put_varint(out: bytearray, value: int) -> None:
-    """Append ``value`` (>= 0) as a little-endian base-128 varint."""
-    if value < 0x80:
-        if value < 0:
-            raise CommpressError(f"varint must be >= 0, got {value}")
-        out.append(value)
-        return
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    _put_varint(out, value)
-    return bytes(out)
-
-
-_SMALL = 1 << 14
-_VARINTS = [_varint(v) for v in range(_SMALL)]
-
-
-def _zigzag(value: int) -> int:
-    return (value << 1) if value >= 0 else ((-value << 1) - 1)
-
-
-def _unzigzag(value: int) -> int:
-    return (value >> 1) if not value & 1 else -((value + 1) >> 1)
-
-
-@dataclass(slots=True)
-class _Section:
-    tag: int
-    data: np.ndarray  # raw uint8 plane
-    role: Literal["exp", "man", "side", "raw"]
-
-
-@dataclass(slots=True)
-class _Header:
-    dtype_code: int
-    grouping: str
-    delta: str
-    xor: bool
-    keyframe: bool
-    flags: int
-    numel: int
-    layout: int  # exponent grouping: _layout_code of the shape it was encoded for
-    kept: int
-    g4: int
-    nesc: int
-    base_key: int
-    source: int
-    seq: int
-    ref_seq: int
-    ref_crc: int
-    step: int
-    sections: list[tuple[int, int, int, int]]  # tag, backend id, raw length, stored length
-    body_start: int
-    crc: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +145,8 @@ class _Plan:
 
     bf16: bool
     flags: int  # bit 0: row statistics, bit 1: column statistics
-    offsets: tuple[int, ...]  # bg.bf16_layout
-    lay: bg.Layout
+    offsets: tuple[int, ...]  # ex.bf16_layout
+    lay: gr.Layout
     n: int
     rows: int
     cols: int
@@ -210,21 +162,19 @@ class _Plan:
 
 
 _PLANS: dict[Any, _Plan] = {}
-#: Lower-level exceptions that encode/decode re-raise as CommpressError (as error_context).
-_WRAPPED = (RuntimeError, TypeError, ValueError, IndexError, KeyError, OverflowError)
 _SHARED_CTX = CodecContext()
 
 
 def _kernel_bf16() -> Any:
-    return bg._k("encode_bf16_buf")
+    return nk.kernel("encode_bf16_buf")
 
 
 def _kernel_general() -> Any:
-    return bg._k("encode_exponent")
+    return nk.kernel("encode_exponent")
 
 
 def _kernel_decode_bf16() -> Any:
-    return bg._k("decode_bf16_planes")
+    return nk.kernel("decode_bf16_planes")
 
 
 _NO_BYTES = np.empty(0, dtype=np.uint8)
@@ -304,7 +254,7 @@ class NetZip(Codec):
         if refs is None:
             return {}
         if not isinstance(refs, dict):
-            raise CommpressError(f"ctx.state[{_STATE_KEY!r}] is not a dict; state corrupted?")
+            raise ConfigError(f"ctx.state[{_STATE_KEY!r}] is not a dict; state corrupted?")
         return refs
 
     @staticmethod
@@ -348,7 +298,7 @@ class NetZip(Codec):
         assert best is not None
         return best[1], best[2]
 
-    def _backend_for(self, section: _Section) -> str:
+    def _backend_for(self, section: Section) -> str:
         role = section.role
         if role == "raw":
             return "raw"
@@ -374,8 +324,8 @@ class NetZip(Codec):
                     return fast
             return self._encode_general(x, ctx if ctx is not None else self._default_ctx())
         except CommpressError as exc:
-            raise CommpressError(f"{self.codec_id}.encode: {exc}") from exc.__cause__
-        except _WRAPPED as exc:
+            raise prefixed(exc, f"{self.codec_id}.encode") from exc.__cause__
+        except WRAPPED as exc:
             raise CommpressError(f"{self.codec_id}.encode: {type(exc).__name__}: {exc}") from exc
 
     def decode(
@@ -392,12 +342,12 @@ class NetZip(Codec):
         if out is not None:
             self.check_out(out, payload)
         buffer = out
-        try:
+        try:  # what error_context("netzip.decode", wrap_as=PayloadError) does, inline
             out = self._decode(payload, ctx if ctx is not None else self._default_ctx())
         except CommpressError as exc:
-            raise CommpressError(f"{self.codec_id}.decode: {exc}") from exc.__cause__
-        except _WRAPPED as exc:
-            raise CommpressError(f"{self.codec_id}.decode: {type(exc).__name__}: {exc}") from exc
+            raise prefixed(exc, f"{self.codec_id}.decode") from exc.__cause__
+        except WRAPPED as exc:  # a library failing on the payload's contents
+            raise PayloadError(f"{self.codec_id}.decode: {type(exc).__name__}: {exc}") from exc
         if out.shape != payload.shape or out.dtype != payload.dtype:
             raise CommpressError(
                 f"{self.codec_id}.decode produced {tuple(out.shape)} {out.dtype}, expected "
@@ -422,9 +372,9 @@ class NetZip(Codec):
 
     def _encode_general(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         """Every configuration and device: the stages one after the other."""
-        lay = bg.layout(x.dtype)
+        lay = gr.layout(x.dtype)
         x = x.contiguous()
-        words = bg.words_of(x)
+        words = gr.words_of(x)
         n = words.numel()
         grouping, delta = self._choose(x)
         xor = self.delta_op == "xor"
@@ -435,7 +385,7 @@ class NetZip(Codec):
         refs: dict[str, dict[str, Any]] | None = None
         work = words
         if delta in ("min", "mean", "median") and n:
-            keys = bg.to_monotone(words, lay)
+            keys = gr.to_monotone(words, lay)
             if delta == "min":
                 base_key = int(keys.min())
             elif delta == "median":
@@ -443,10 +393,10 @@ class NetZip(Codec):
             else:
                 base_key = _mean_key(words, lay)
             if xor:
-                base_word = bg.from_monotone(torch.tensor(base_key, device=x.device), lay)
+                base_word = gr.from_monotone(torch.tensor(base_key, device=x.device), lay)
                 work = words ^ base_word
             else:
-                work = bg.sub_words(keys, base_key, lay)
+                work = gr.sub_words(keys, base_key, lay)
         elif delta == "previous":
             refs = self._refs(ctx)
             entry = refs.get(_ref_name(ctx.key, source))
@@ -465,26 +415,26 @@ class NetZip(Codec):
                 if xor:
                     work = words ^ ref
                 else:
-                    work = bg.sub_words(bg.to_monotone(words, lay), bg.to_monotone(ref, lay), lay)
+                    work = gr.sub_words(gr.to_monotone(words, lay), gr.to_monotone(ref, lay), lay)
 
         # 2. zeros and 3. grouping
         flags = 0
         kept, g4, nesc = n, 0, 0
-        sections: list[_Section] = []
+        sections: list[Section] = []
         use_mask = False
-        rows, cols, is_matrix = bg.matrix_view(tuple(x.shape), n)
+        rows, cols, is_matrix = gr.matrix_view(tuple(x.shape), n)
         if n and grouping == "exponent":
             use_row, use_col = self._context_flags(rows, cols, is_matrix)
-            planes, cx = bg.encode_exponent(
+            planes, cx = ex.encode_exponent(
                 work, lay, tuple(x.shape), use_row=use_row, use_col=use_col,
                 allow_mask=self.zeros,
             )
             kept, g4, nesc = planes.kept, cx.g4, planes.nesc
-            flags |= _F_MASK if planes.mask is not None else 0
-            flags |= (_F_ROW if cx.use_row else 0) | (_F_COL if cx.use_col else 0)
-            flags |= _F_BYTE_MODE if planes.byte_mode else 0
+            flags |= F_MASK if planes.mask is not None else 0
+            flags |= (F_ROW if cx.use_row else 0) | (F_COL if cx.use_col else 0)
+            flags |= F_BYTE_MODE if planes.byte_mode else 0
             if planes.mask is not None:
-                sections.append(_Section(T_MASK, planes.mask, "side"))
+                sections.append(Section(T_MASK, planes.mask, "side"))
             if planes.r4 is not None or cx.c4 is not None:
                 if planes.r4 is None:
                     assert cx.c4 is not None
@@ -493,22 +443,22 @@ class NetZip(Codec):
                     stats = planes.r4 - g4
                 else:
                     stats = np.concatenate((planes.r4 - g4, cx.c4))
-                sections.append(_Section(T_STATS, _i16_bytes(stats), "side"))
-            sections.append(_Section(T_CODES, planes.codes, "exp"))
+                sections.append(Section(T_STATS, i16_bytes(stats), "side"))
+            sections.append(Section(T_CODES, planes.codes, "exp"))
             if planes.codes_hi is not None:
-                sections.append(_Section(T_CODES_HI, planes.codes_hi, "exp"))
+                sections.append(Section(T_CODES_HI, planes.codes_hi, "exp"))
             if planes.nesc:
-                sections.append(_Section(T_ESC, planes.escapes, "exp"))
+                sections.append(Section(T_ESC, planes.escapes, "exp"))
             for q, plane in enumerate(planes.mant):
-                sections.append(_Section(T_MANT + q, plane, "man"))
+                sections.append(Section(T_MANT + q, plane, "man"))
             if planes.rem is not None:
-                sections.append(_Section(T_REM, planes.rem, "man"))
+                sections.append(Section(T_REM, planes.rem, "man"))
         elif n:
-            use_mask = self.zeros and bg.wants_mask(bg.count_zeros(work), n)
+            use_mask = self.zeros and gr.wants_mask(gr.count_zeros(work), n)
             if use_mask:
-                flags |= _F_MASK
-                nz, _ = bg.zero_mask(work)
-                sections.append(_Section(T_MASK, bg.to_numpy_u8(bg.pack_mask(nz)), "side"))
+                flags |= F_MASK
+                nz, _ = gr.zero_mask(work)
+                sections.append(Section(T_MASK, gr.to_numpy_u8(gr.pack_mask(nz)), "side"))
                 work = work[nz]
                 kept = work.numel()
             sections.extend(self._plain_sections(work, lay, grouping))
@@ -516,8 +466,8 @@ class NetZip(Codec):
         # 4. backends and 5. framing
         stream, crc = self._frame(
             sections,
-            header=_header_prefix(
-                lay, grouping, delta, xor, keyframe, flags, n, _layout_code(cols, is_matrix),
+            header=header_prefix(
+                lay, grouping, delta, xor, keyframe, flags, n, layout_code(cols, is_matrix),
                 kept, g4, nesc, base_key,
                 (source, seq, ref_seq, ref_crc, ctx.step) if delta == "previous" else None,
             ),
@@ -527,8 +477,8 @@ class NetZip(Codec):
             # exceeds the raw tensor by more than its small header.
             delta = "previous" if delta == "previous" else "none"
             stream, crc = self._frame(
-                [_Section(T_PLANE, bg.to_numpy_u8(words), "raw")],
-                header=_header_prefix(
+                [Section(T_PLANE, gr.to_numpy_u8(words), "raw")],
+                header=header_prefix(
                     lay, "none", delta, xor, delta == "previous", 0, n, 0, n, 0, 0, 0,
                     (source, seq, 0, 0, ctx.step) if delta == "previous" else None,
                 ),
@@ -552,9 +502,9 @@ class NetZip(Codec):
         key = (self.context, self.zeros, self.backend, self.mantissa_backend, shape, dtype)
         plan = _PLANS.get(key)
         if plan is None:
-            lay = bg.layout(dtype)
+            lay = gr.layout(dtype)
             n = math.prod(shape)
-            rows, cols, is_matrix = bg.matrix_view(shape, n)
+            rows, cols, is_matrix = gr.matrix_view(shape, n)
             use_row, use_col = self._context_flags(rows, cols, is_matrix)
             use_col = use_col and is_matrix
             head = bytearray(MAGIC)
@@ -562,11 +512,11 @@ class NetZip(Codec):
             # sections' backends when the configuration fixes them (None: decided per plane)
             low = "auto" if self.backend == "auto" else self.backend
             plan = _Plan(
-                bf16=lay.code == bg.BF16_CODE, flags=int(use_row) | (int(use_col) << 1),
-                offsets=bg.bf16_layout(n, rows, cols),
+                bf16=lay.code == gr.BF16_CODE, flags=int(use_row) | (int(use_col) << 1),
+                offsets=ex.bf16_layout(n, rows, cols),
                 lay=lay, n=n, rows=rows, cols=cols, use_row=use_row, use_col=use_col,
-                stride=max(1, rows // bg.COL_SAMPLE_ROWS), head=bytes(head),
-                numel=_varint(n) + _varint(_layout_code(cols, is_matrix)), exp_backend=low,
+                stride=max(1, rows // ex.COL_SAMPLE_ROWS), head=bytes(head),
+                numel=varint(n) + varint(layout_code(cols, is_matrix)), exp_backend=low,
                 man_backend=self.mantissa_backend,
                 int_dtype=lay.int_dtype, word_bytes=n * lay.nbytes,
             )
@@ -582,7 +532,7 @@ class NetZip(Codec):
         shape = tuple(x.shape)
         plan = self._plan(shape, x.dtype)
         n = plan.n
-        if not n or not bg.use_kernels(x):
+        if not n or not nk.use_kernels(x):
             return None
         lay = plan.lay
         if not x.is_contiguous():
@@ -595,7 +545,7 @@ class NetZip(Codec):
         ok = False
         if plan.bf16:
             off = plan.offsets
-            buf = bg.scratch("bf16", off[7], np.uint8)
+            buf = ex.scratch("bf16", off[7], np.uint8)
             ok, kept, ne, g4, use_mask, nstats = _kernel_bf16()(
                 w, plan.cols, plan.flags | (4 if self.zeros else 0), plan.stride, buf
             )
@@ -609,7 +559,7 @@ class NetZip(Codec):
                 byte_mode = False
                 t2 = rem_buf = None
         if not ok:
-            bufs = bg._buffers(n, lay.mant_planes, lay.rem_bits)
+            bufs = ex.buffers(n, lay.mant_planes, lay.rem_bits)
             t, t2, esc_buf, mant, _, codes_buf, rem_buf = bufs
             kept, ne, g4, use_mask, byte_mode, c4, r4, mask = _kernel_general()(
                 w, n, plan.cols, lay.man_bits, lay.emask, lay.bits, plan.use_row,
@@ -617,24 +567,24 @@ class NetZip(Codec):
             )
             if plan.use_row or plan.use_col:
                 if not plan.use_col:
-                    stats = _i16_bytes(r4 - g4)
+                    stats = i16_bytes(r4 - g4)
                 elif not plan.use_row:
-                    stats = _i16_bytes(c4)
+                    stats = i16_bytes(c4)
                 else:
-                    stats = _i16_bytes(np.concatenate((r4 - g4, c4)))
+                    stats = i16_bytes(np.concatenate((r4 - g4, c4)))
         kept = int(kept)
         ne = 0 if byte_mode else int(ne)
         g4 = int(g4)
-        flags = (_F_MASK if use_mask else 0) | (_F_ROW if plan.use_row else 0) | (
-            _F_COL if plan.use_col else 0
-        ) | (_F_BYTE_MODE if byte_mode else 0)
+        flags = (F_MASK if use_mask else 0) | (F_ROW if plan.use_row else 0) | (
+            F_COL if plan.use_col else 0
+        ) | (F_BYTE_MODE if byte_mode else 0)
         header = bytearray(plan.head)
         header.append(flags)
         header += plan.numel
         if use_mask:
-            _put_varint(header, kept)
-        _put_varint(header, _zigzag(g4))
-        _put_varint(header, ne)
+            put_varint(header, kept)
+        put_varint(header, zigzag(g4))
+        put_varint(header, ne)
         # the sections, in the general path's order, with its backend choices
         items: list[tuple[int, np.ndarray, str]] = []
         if use_mask:
@@ -659,10 +609,10 @@ class NetZip(Codec):
             items.append((T_MANT + q, mant[q, :kept], mb))
         if lay.rem_bits:
             assert rem_buf is not None
-            items.append((T_REM, rem_buf[: bg.packed_nbytes(kept, lay.rem_bits)], mb))
+            items.append((T_REM, rem_buf[: packed_nbytes(kept, lay.rem_bits)], mb))
         header.append(len(items))
         blobs: list[Any] = []
-        total = _CRC.size
+        total = CRC.size
         huff = bk.huffman_compressor()
         level = self.level
         for tag, data, name in items:
@@ -670,7 +620,7 @@ class NetZip(Codec):
             if name == "auto-low":
                 name = "huffman" if size >= bk.MIN_COMPRESS_BYTES else "raw"
             elif name == "auto":
-                name = bk.choose_backend(data)
+                name = bk.choose_backend(data, use_kernel=True)  # use_kernels(x) said so
             used = 0  # raw
             blob: Any = data
             stored = size
@@ -686,8 +636,8 @@ class NetZip(Codec):
             total += stored
             header.append(tag)
             header.append(used)
-            header += _VARINTS[size] if size < _SMALL else _varint(size)
-            header += _VARINTS[stored] if stored < _SMALL else _varint(stored)
+            header += VARINTS[size] if size < SMALL else varint(size)
+            header += VARINTS[stored] if stored < SMALL else varint(stored)
         total += len(header)
         if total > plan.word_bytes + STORED_SLACK:
             return None  # the general path stores the words themselves
@@ -701,7 +651,7 @@ class NetZip(Codec):
             end = pos + len(blob)
             mv[pos:end] = blob
             pos = end
-        _CRC.pack_into(mv, pos, lk.checksum(out[:pos]))
+        CRC.pack_into(mv, pos, checksum(out[:pos]))
         return Payload(
             codec=self.codec_id, fingerprint=self.fingerprint(), shape=shape, dtype=x.dtype,
             parts={"stream": torch.from_numpy(out)},
@@ -719,57 +669,23 @@ class NetZip(Codec):
         return cols >= AUTO_ROW_MIN_COLS, is_matrix and rows >= AUTO_COL_MIN_ROWS
 
     @staticmethod
-    def _plain_sections(work: torch.Tensor, lay: bg.Layout, grouping: str) -> list[_Section]:
+    def _plain_sections(work: torch.Tensor, lay: gr.Layout, grouping: str) -> list[Section]:
         if grouping == "none":
-            return [_Section(T_PLANE, bg.to_numpy_u8(work), "exp")]
-        if grouping == "byte":
-            planes = bg.byte_planes(work, lay)
+            return [Section(T_PLANE, gr.to_numpy_u8(work), "exp")]
+        if grouping in ("byte", "bitplane"):
+            # plane i holds byte (bit) ``top - i``: most significant first
+            by_byte = grouping == "byte"
+            planes = gr.byte_planes(work, lay) if by_byte else gr.bit_planes(work, lay)
+            top = len(planes) - 1
+            has_exp = lay.plane_has_exponent if by_byte else lay.bit_is_exponent
             return [
-                _Section(
-                    T_PLANE + i,
-                    bg.to_numpy_u8(p),
-                    "exp" if lay.plane_has_exponent(lay.nbytes - 1 - i) else "man",
-                )
+                Section(T_PLANE + i, gr.to_numpy_u8(p), "exp" if has_exp(top - i) else "man")
                 for i, p in enumerate(planes)
             ]
-        if grouping == "bitplane":
-            planes = bg.bit_planes(work, lay)
-            return [
-                _Section(
-                    T_PLANE + i,
-                    bg.to_numpy_u8(p),
-                    "exp" if lay.bit_is_exponent(lay.bits - 1 - i) else "man",
-                )
-                for i, p in enumerate(planes)
-            ]
-        raise CommpressError(f"unknown grouping {grouping!r}; accepted: {bg.GROUPINGS}")
+        raise ConfigError(f"unknown grouping {grouping!r}; accepted: {gr.GROUPINGS}")
 
-    def _frame(self, sections: list[_Section], *, header: bytearray) -> tuple[np.ndarray, int]:
-        """Compress every section, then lay out header, sections and CRC in one buffer."""
-        blobs: list[Any] = [header]
-        header.append(len(sections))  # at most a dozen sections: a one-byte varint
-        level = self.level
-        backend_ids = bk.BACKEND_IDS
-        for s in sections:
-            data = s.data
-            size = data.size
-            name = self._backend_for(s)
-            blob: Any = data.data
-            used = "raw"
-            if name != "raw" and size:
-                used, packed = bk.compressed_or_raw(name, data, level=level)  # type: ignore[arg-type]
-                if used != "raw":
-                    blob = packed
-            blobs.append(blob)
-            header.append(s.tag)
-            header.append(backend_ids[used])
-            header += _VARINTS[size] if size < _SMALL else _varint(size)
-            stored = len(blob)
-            header += _VARINTS[stored] if stored < _SMALL else _varint(stored)
-        out = bytearray().join(blobs)
-        crc = lk.checksum(out)
-        out += _CRC.pack(crc)
-        return np.frombuffer(out, dtype=np.uint8), crc
+    def _frame(self, sections: list[Section], *, header: bytearray) -> tuple[np.ndarray, int]:
+        return frame(sections, header=header, backend_for=self._backend_for, level=self.level)
 
     def fingerprint(self) -> str:
         """The configuration's fingerprint (cached: it is checked on every decode)."""
@@ -782,19 +698,19 @@ class NetZip(Codec):
     def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         part = self.part(payload, "stream", dtype=torch.uint8)
         device = part.device
-        lay = bg.layout(payload.dtype)
+        lay = gr.layout(payload.dtype)
         buf = part.reshape(-1).cpu().contiguous().numpy() if part.numel() else np.empty(
             0, dtype=np.uint8
         )
-        head = _parse(buf)
+        head = parse(buf)
         n = payload.numel
         self._check_header(head, lay, n)
         if head.grouping == "exponent" and n:
-            _check_layout(head.layout, tuple(payload.shape), n)
+            check_layout(head.layout, tuple(payload.shape), n)
         if (
             head.grouping == "exponent" and head.delta == "none" and device.type == "cpu"
-            and lay.code == bg.BF16_CODE and not head.flags & _F_BYTE_MODE
-            and n and bg.use_kernels(bg._CPU_PROBE)
+            and lay.code == gr.BF16_CODE and not head.flags & F_BYTE_MODE
+            and n and nk.use_kernels(nk.CPU_PROBE)
         ):
             return self._decode_bf16(buf, head, payload)
 
@@ -816,7 +732,7 @@ class NetZip(Codec):
                 if entry is None or int(entry["seq"]) != head.ref_seq or int(
                     entry["crc"]
                 ) != head.ref_crc or tuple(entry["shape"]) != tuple(payload.shape):
-                    raise CommpressError(
+                    raise PayloadError(
                         f"previous-step delta out of sync for key {ctx.key!r} from rank "
                         f"{head.source}: payload #{head.seq} (step {head.step}) refers to "
                         f"#{head.ref_seq} (crc {head.ref_crc:08x}) but this receiver holds "
@@ -824,23 +740,23 @@ class NetZip(Codec):
                         "payload is a keyframe"
                     )
 
-        planes = self._sections(buf, head)
+        planes = read_sections(buf, head)
         words = self._rebuild(head, planes, lay, payload, device)
 
         # undo the delta
         if head.delta in ("min", "mean", "median") and n:
             if head.xor:
-                words = words ^ bg.from_monotone(torch.tensor(head.base_key, device=device), lay)
+                words = words ^ gr.from_monotone(torch.tensor(head.base_key, device=device), lay)
             else:
-                words = bg.from_monotone(bg.add_words(words, head.base_key, lay), lay)
+                words = gr.from_monotone(gr.add_words(words, head.base_key, lay), lay)
         elif head.delta == "previous" and not head.keyframe:
             assert entry is not None
             ref = entry["words"].to(device)
             if head.xor:
                 words = words ^ ref
             else:
-                words = bg.from_monotone(
-                    bg.add_words(words, bg.to_monotone(ref, lay), lay), lay
+                words = gr.from_monotone(
+                    gr.add_words(words, gr.to_monotone(ref, lay), lay), lay
                 )
         words = words.to(lay.int_dtype)
         if refs is not None:
@@ -853,113 +769,99 @@ class NetZip(Codec):
             })
         return words.view(payload.dtype).reshape(payload.shape)
 
-    def _decode_bf16(self, buf: np.ndarray, head: _Header, payload: Payload) -> torch.Tensor:
+    def _decode_bf16(self, buf: np.ndarray, head: Header, payload: Payload) -> torch.Tensor:
         """The default bf16 stream (4-bit codes) on CPU: the sections (raw ones without a copy),
         then one kernel; the same checks as the general path."""
         shape = tuple(payload.shape)
         n = head.numel
-        rows, cols, is_matrix = bg.matrix_view(shape, n)
-        use_row, use_col = bool(head.flags & _F_ROW), bool(head.flags & _F_COL)
+        rows, cols, is_matrix = gr.matrix_view(shape, n)
+        use_row, use_col = bool(head.flags & F_ROW), bool(head.flags & F_COL)
         if use_col and not is_matrix:
-            raise CommpressError("payload has column statistics for a non-matrix tensor")
-        planes = self._sections(buf, head)
-        use_mask = bool(head.flags & _F_MASK)
+            raise PayloadError("payload has column statistics for a non-matrix tensor")
+        planes = read_sections(buf, head)
+        use_mask = bool(head.flags & F_MASK)
         expected = [T_STATS] if use_row or use_col else []
         expected += [T_CODES, T_MANT] + ([T_ESC] if head.nesc else [])
         expected += [T_MASK] if use_mask else []
         if len(planes) != len(expected) or any(t not in planes for t in expected):
-            _expect_tags(planes, expected)
+            expect_tags(planes, expected)
         esc = planes.get(T_ESC, _NO_BYTES)
         if esc.size != head.nesc:
-            raise CommpressError(
+            raise PayloadError(
                 f"escape plane holds {esc.size} exponents, header says {head.nesc}"
             )
         words = np.empty(n, dtype=np.int16)
         codes = planes[T_CODES]
         status = _kernel_decode_bf16()(
             n, rows, cols, use_row, use_col, head.g4, planes.get(T_STATS, _NO_BYTES), codes, esc,
-            planes[T_MANT], words, bg.scratch("nibbles", 2 * codes.size, np.uint8), head.kept,
+            planes[T_MANT], words, ex.scratch("nibbles", 2 * codes.size, np.uint8), head.kept,
             use_mask, planes[T_MASK] if use_mask else _NO_BYTES,
         )
         if status:
-            raise CommpressError(_DECODE_STATUS[status])
+            raise PayloadError(_DECODE_STATUS[status])
         return torch.from_numpy(words).view(torch.bfloat16).reshape(shape)
 
-    def _check_header(self, head: _Header, lay: bg.Layout, n: int) -> None:
+    def _check_header(self, head: Header, lay: gr.Layout, n: int) -> None:
         if head.dtype_code != lay.code:
-            raise CommpressError(
+            raise PayloadError(
                 f"payload header says dtype code {head.dtype_code}, the payload is {lay.dtype}"
             )
         if head.numel != n:
-            raise CommpressError(
+            raise PayloadError(
                 f"payload header holds {head.numel} elements, the payload shape has {n}"
             )
         # grouping "none" without a base delta is the stored fallback any configuration emits
         stored = head.grouping == "none" and head.delta in ("none", "previous")
         if self.grouping != "auto" and head.grouping != self.grouping and not stored:
-            raise CommpressError(
+            raise PayloadError(
                 f"payload uses grouping {head.grouping!r}, this codec {self.grouping!r}"
             )
         if self.delta != "auto" and head.delta != self.delta and not (
             stored and head.delta == "none" and self.delta != "previous"
         ):
-            raise CommpressError(f"payload uses delta {head.delta!r}, this codec {self.delta!r}")
+            raise PayloadError(f"payload uses delta {head.delta!r}, this codec {self.delta!r}")
         if head.xor != (self.delta_op == "xor"):
-            raise CommpressError("payload and codec disagree on delta_op")
-
-    @staticmethod
-    def _sections(buf: np.ndarray, head: _Header) -> dict[int, np.ndarray]:
-        planes: dict[int, np.ndarray] = {}
-        pos = head.body_start
-        for tag, backend_id, raw_len, stored in head.sections:
-            if backend_id >= len(bk.BACKENDS):
-                raise CommpressError(f"section {tag} names unknown backend id {backend_id}")
-            if tag in planes:
-                raise CommpressError(f"section {tag} appears twice")
-            blob = buf[pos : pos + stored].data
-            planes[tag] = bk.decompress(bk.BACKENDS[backend_id], blob, raw_len)
-            pos += stored
-        return planes
+            raise PayloadError("payload and codec disagree on delta_op")
 
     def _rebuild(
         self,
-        head: _Header,
+        head: Header,
         planes: dict[int, np.ndarray],
-        lay: bg.Layout,
+        lay: gr.Layout,
         payload: Payload,
         device: torch.device,
     ) -> torch.Tensor:
         n = head.numel
-        use_mask = bool(head.flags & _F_MASK)
+        use_mask = bool(head.flags & F_MASK)
         expected: list[int] = [T_MASK] if use_mask else []
         if n == 0:
             if planes:
-                raise CommpressError("payload of an empty tensor holds sections")
+                raise PayloadError("payload of an empty tensor holds sections")
             return torch.empty(0, dtype=lay.int_dtype, device=device)
         if head.grouping == "exponent":
-            rows, cols, is_matrix = bg.matrix_view(tuple(payload.shape), n)
-            use_row, use_col = bool(head.flags & _F_ROW), bool(head.flags & _F_COL)
-            byte_mode = bool(head.flags & _F_BYTE_MODE)
+            rows, cols, is_matrix = gr.matrix_view(tuple(payload.shape), n)
+            use_row, use_col = bool(head.flags & F_ROW), bool(head.flags & F_COL)
+            byte_mode = bool(head.flags & F_BYTE_MODE)
             if use_col and not is_matrix:
-                raise CommpressError("payload has column statistics for a non-matrix tensor")
+                raise PayloadError("payload has column statistics for a non-matrix tensor")
             expected += [T_STATS] if use_row or use_col else []
             expected += [T_CODES]
             expected += [T_CODES_HI] if byte_mode and lay.exp_bits > 8 else []
             expected += [T_ESC] if head.nesc else []
             expected += [T_MANT + q for q in range(lay.mant_planes)]
             expected += [T_REM] if lay.rem_bits else []
-            _expect_tags(planes, expected)
-            cx = bg.Context(rows=rows, cols=cols, g4=head.g4, use_row=use_row, use_col=use_col)
+            expect_tags(planes, expected)
+            cx = ex.Context(rows=rows, cols=cols, g4=head.g4, use_row=use_row, use_col=use_col)
             if use_row or use_col:
                 nrow = rows if use_row else 0
-                stats = _from_i16(
+                stats = from_i16(
                     planes[T_STATS], nrow + (cols if use_col else 0), "row/column statistics"
                 )
                 if use_row:
                     cx.r4 = stats[:nrow] + head.g4
                 if use_col:
                     cx.c4 = stats[nrow:]
-            return bg.decode_exponent(
+            return ex.decode_exponent(
                 lay, n, cx, kept=head.kept, byte_mode=byte_mode, codes=planes[T_CODES],
                 codes_hi=planes.get(T_CODES_HI), escapes=planes.get(
                     T_ESC, np.empty(0, dtype=np.uint8)
@@ -968,31 +870,31 @@ class NetZip(Codec):
             )
         count = {"none": 1, "byte": lay.nbytes, "bitplane": lay.bits}[head.grouping]
         expected += [T_PLANE + i for i in range(count)]
-        _expect_tags(planes, expected)
+        expect_tags(planes, expected)
         kept = head.kept
         tensors = [torch.from_numpy(planes[T_PLANE + i].copy()).to(device) for i in range(count)]
         if head.grouping == "none":
             if tensors[0].numel() != kept * lay.nbytes:
-                raise CommpressError("word plane has the wrong size")
+                raise PayloadError("word plane has the wrong size")
             words = tensors[0].view(lay.int_dtype)
         elif head.grouping == "byte":
             if any(t.numel() != kept for t in tensors):
-                raise CommpressError("byte planes have the wrong size")
-            words = bg.from_byte_planes(tensors, lay)
+                raise PayloadError("byte planes have the wrong size")
+            words = gr.from_byte_planes(tensors, lay)
         else:
-            if any(t.numel() != bg.packed_nbytes(kept, 1) for t in tensors):
-                raise CommpressError("bit planes have the wrong size")
-            words = bg.from_bit_planes(tensors, lay, kept)
+            if any(t.numel() != packed_nbytes(kept, 1) for t in tensors):
+                raise PayloadError("bit planes have the wrong size")
+            words = gr.from_bit_planes(tensors, lay, kept)
         if not use_mask:
             if kept != n:
-                raise CommpressError(f"{kept} stored elements for {n} without a zero bitmap")
+                raise PayloadError(f"{kept} stored elements for {n} without a zero bitmap")
             return words
         mask = torch.from_numpy(planes[T_MASK].copy()).to(device)
-        if mask.numel() != bg.packed_nbytes(n, 1):
-            raise CommpressError("zero bitmap has the wrong size")
-        nz = bg.unpack_mask(mask, n)
+        if mask.numel() != packed_nbytes(n, 1):
+            raise PayloadError("zero bitmap has the wrong size")
+        nz = gr.unpack_mask(mask, n)
         if int(nz.sum()) != kept:
-            raise CommpressError("zero bitmap does not match the number of stored elements")
+            raise PayloadError("zero bitmap does not match the number of stored elements")
         out = torch.zeros(n, dtype=lay.int_dtype, device=device)
         out[nz] = words
         return out
@@ -1023,200 +925,13 @@ def _ref_name(key: str, rank: int) -> str:
     return f"{key}#{rank}"
 
 
-def _i16_bytes(values: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(values.astype("<i2")).view(np.uint8)
-
-
-def _from_i16(plane: np.ndarray, count: int, what: str) -> np.ndarray:
-    if plane.size != 2 * count:
-        raise CommpressError(f"{what} hold {plane.size} bytes, expected {2 * count}")
-    return plane.view("<i2").astype(np.int64)
-
-
-def _expect_tags(planes: dict[int, np.ndarray], expected: list[int]) -> None:
-    if sorted(planes) != sorted(expected):
-        raise CommpressError(
-            f"payload sections {sorted(planes)} do not match the header (expected "
-            f"{sorted(expected)})"
-        )
-
-
-def _layout_code(cols: int, is_matrix: bool) -> int:
-    """The exponent context's layout as one number: the row length of the matrix view and
-    whether it is the tensor's last dimension (else fixed blocks of a flat tensor)."""
-    return (cols << 1) | int(is_matrix)
-
-
-def _describe_layout(code: int) -> str:
-    cols, is_matrix = code >> 1, code & 1
-    return f"rows of {cols} ({'last dimension' if is_matrix else 'flat blocks'})"
-
-
-def _check_layout(code: int, shape: tuple[int, ...], n: int) -> None:
-    """Refuse a payload whose exponent context was laid out for another shape (the payload's
-    shape is what the receiver says it is; a relabelled one must not decode to other values)."""
-    _, cols, is_matrix = bg.matrix_view(shape, n)
-    if code != _layout_code(cols, is_matrix):
-        raise CommpressError(
-            f"payload's exponent context layout is {_describe_layout(code)}, but shape "
-            f"{shape} has {_describe_layout(_layout_code(cols, is_matrix))}: the payload was "
-            "encoded for another shape of the same size"
-        )
-
-
-def _header_prefix(
-    lay: bg.Layout, grouping: str, delta: str, xor: bool, keyframe: bool, flags: int, n: int,
-    layout: int, kept: int, g4: int, nesc: int, base_key: int,
-    prev: tuple[int, int, int, int, int] | None,
-) -> bytearray:
-    out = bytearray(MAGIC)
-    out.append(VERSION)
-    out.append(lay.code)
-    out.append(GROUPING_IDS[grouping])
-    out.append(DELTA_IDS[delta] | (_XOR_BIT if xor else 0) | (_KEYFRAME_BIT if keyframe else 0))
-    out.append(flags)
-    _put_varint(out, n)
-    if grouping == "exponent":
-        _put_varint(out, layout)
-    if flags & _F_MASK:
-        _put_varint(out, kept)
-    if grouping == "exponent":
-        _put_varint(out, _zigzag(g4))
-        _put_varint(out, nesc)
-    if delta in ("min", "mean", "median"):
-        _put_varint(out, _zigzag(base_key))
-    if prev is not None:
-        source, seq, ref_seq, ref_crc, step = prev
-        _put_varint(out, source)
-        _put_varint(out, seq)
-        _put_varint(out, ref_seq)
-        out += _CRC.pack(ref_crc)
-        _put_varint(out, step)
-    return out
-
-
-def _parse(buf: np.ndarray) -> _Header:
-    if buf.size < len(MAGIC) + 1 + _CRC.size:
-        raise CommpressError(f"payload stream of {buf.size} bytes is too short (truncated?)")
-    (stored_crc,) = _CRC.unpack_from(buf.data, buf.size - _CRC.size)
-    actual = lk.checksum(buf[: buf.size - _CRC.size])
-    if actual != stored_crc:
-        raise CommpressError(
-            f"payload checksum mismatch (stored {stored_crc:08x}, computed {actual:08x}): the "
-            "stream is corrupted or truncated"
-        )
-    size = buf.size - _CRC.size
-    # The header is parsed from a bytes copy of its first bytes with plain indexing (an
-    # IndexError means a truncated header); it cannot be longer than _HEADER_MAX.
-    b = buf[: min(size, _HEADER_MAX)].tobytes()
-    try:
-        return _parse_header(b, size, stored_crc)
-    except IndexError:
-        raise CommpressError("payload header is truncated") from None
-
-
-#: Longest possible header: 7 fixed bytes, at most 10 varints of 10 bytes and a u32, the
-#: section count and 127 sections of 2 bytes and two varints.
-_HEADER_MAX = 7 + 10 * 10 + 4 + 1 + 127 * 22
-
-
-def _read_varint(b: bytes, pos: int) -> tuple[int, int]:
-    value = b[pos]
-    if value < 0x80:
-        return value, pos + 1
-    value &= 0x7F
-    shift = 7
-    pos += 1
-    while shift < 70:
-        byte = b[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-    raise CommpressError("payload header holds a malformed number")
-
-
-def _parse_header(b: bytes, size: int, stored_crc: int) -> _Header:
-    if b[0:2] != MAGIC:
-        raise CommpressError(f"payload does not start with {MAGIC!r} (got {b[0:2]!r})")
-    version = b[2]
-    if version != VERSION:
-        raise CommpressError(
-            f"payload format version {version} was written by "
-            f"{'an older' if version < VERSION else 'a newer'} commpress; this one reads "
-            f"version {VERSION} only (encode and decode with the same commpress version)"
-        )
-    dtype_code, gid, dbyte, flags = b[3], b[4], b[5], b[6]
-    if gid >= len(bg.GROUPINGS):
-        raise CommpressError(f"payload names unknown grouping id {gid}")
-    did = dbyte & 0x0F
-    if did >= len(DELTAS) or dbyte & ~(0x0F | _XOR_BIT | _KEYFRAME_BIT):
-        raise CommpressError(f"payload names unknown delta {dbyte:#x}")
-    if flags & ~(_F_MASK | _F_ROW | _F_COL | _F_BYTE_MODE):
-        raise CommpressError(f"payload has unknown flags {flags:#x}")
-    grouping, delta = bg.GROUPINGS[gid], DELTAS[did]
-    numel, pos = _read_varint(b, 7)
-    layout = 0
-    if grouping == "exponent":
-        layout, pos = _read_varint(b, pos)
-    kept = numel
-    if flags & _F_MASK:
-        kept, pos = _read_varint(b, pos)
-    g4 = nesc = 0
-    if grouping == "exponent":
-        z, pos = _read_varint(b, pos)
-        g4 = _unzigzag(z)
-        nesc, pos = _read_varint(b, pos)
-    base_key = 0
-    if delta in ("min", "mean", "median"):
-        z, pos = _read_varint(b, pos)
-        base_key = _unzigzag(z)
-    source = seq = ref_seq = ref_crc = step = 0
-    if delta == "previous":
-        source, pos = _read_varint(b, pos)
-        seq, pos = _read_varint(b, pos)
-        ref_seq, pos = _read_varint(b, pos)
-        if pos + 4 > len(b):
-            raise IndexError
-        (ref_crc,) = _CRC.unpack_from(b, pos)
-        pos += 4
-        step, pos = _read_varint(b, pos)
-    nsec = b[pos]
-    pos += 1
-    if nsec > 127:
-        raise CommpressError(f"payload claims {nsec} sections")
-    sections = []
-    body = 0
-    for _ in range(nsec):
-        tag, backend_id = b[pos], b[pos + 1]
-        raw_len, pos = _read_varint(b, pos + 2)
-        stored, pos = _read_varint(b, pos)
-        sections.append((tag, backend_id, raw_len, stored))
-        body += stored
-    if pos > size:
-        raise IndexError
-    if pos + body != size:
-        raise CommpressError(
-            f"payload sections add up to {pos + body + _CRC.size} bytes, the stream has "
-            f"{size + _CRC.size}"
-        )
-    return _Header(
-        dtype_code=dtype_code, grouping=grouping, delta=delta, xor=bool(dbyte & _XOR_BIT),
-        keyframe=bool(dbyte & _KEYFRAME_BIT), flags=flags, numel=numel, layout=layout,
-        kept=kept, g4=g4, nesc=nesc, base_key=base_key, source=source, seq=seq,
-        ref_seq=ref_seq, ref_crc=ref_crc, step=step, sections=sections, body_start=pos,
-        crc=stored_crc,
-    )
-
-
-def _mean_key(words: torch.Tensor, lay: bg.Layout) -> int:
+def _mean_key(words: torch.Tensor, lay: gr.Layout) -> int:
     """Order-preserving key of the mean of the finite values (0 when there are none)."""
     x = words.view(lay.dtype)
     finite = x[torch.isfinite(x)]
     mean = finite.double().mean() if finite.numel() else torch.zeros((), dtype=torch.float64)
     as_dtype = mean.to(lay.dtype).reshape(1)
-    return int(bg.to_monotone(as_dtype.view(lay.int_dtype), lay)[0])
+    return int(gr.to_monotone(as_dtype.view(lay.int_dtype), lay)[0])
 
 
 def _sample_rows(x: torch.Tensor) -> torch.Tensor:
@@ -1225,7 +940,7 @@ def _sample_rows(x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     if n <= AUTO_SAMPLE:
         return x
-    rows, cols, is_matrix = bg.matrix_view(tuple(x.shape), n)
+    rows, cols, is_matrix = gr.matrix_view(tuple(x.shape), n)
     if is_matrix and cols <= AUTO_SAMPLE // 4:
         k = max(4, AUTO_SAMPLE // cols)
         idx = torch.linspace(0, rows - 1, k, device=x.device).round().long().unique()

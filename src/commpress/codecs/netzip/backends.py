@@ -1,4 +1,4 @@
-"""Byte-stream backends for the lossless codec: raw, lz4, zstd, Huffman and ANS.
+"""Byte-stream (entropy) backends of netzip: raw, lz4, zstd, Huffman and ANS.
 
 Every backend turns a contiguous ``uint8`` buffer into ``bytes`` and back. None of them is
 written here bit by bit: they are thin wrappers around maintained libraries.
@@ -16,7 +16,8 @@ written here bit by bit: they are thin wrappers around maintained libraries.
   data; it comes within a fraction of a percent of the plane's order-0 entropy but is slower.
 
 Decoding checks every length it is told (a backend that yields more or fewer bytes than
-the header promised is refused) and turns library failures into :class:`CommpressError`.
+the header promised is refused) and turns library failures into
+:class:`~commpress.errors.PayloadError`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
-from commpress.errors import CommpressError
+from commpress.codecs.netzip.kernels import CPU_PROBE, kernel, use_kernels
+from commpress.errors import ConfigError, PayloadError
 
 BackendName: TypeAlias = Literal["raw", "lz4", "zstd", "huffman", "ans"]
 #: Backends by wire id (the id is what the payload header stores).
@@ -100,7 +102,7 @@ def _decompressor() -> Any:
 def _as_u8(data: np.ndarray | bytes | memoryview) -> np.ndarray:
     if isinstance(data, np.ndarray):
         if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
-            raise CommpressError(f"backend input must be contiguous 1-D uint8, got {data.dtype}")
+            raise ConfigError(f"backend input must be contiguous 1-D uint8, got {data.dtype}")
         return data
     return np.frombuffer(data, dtype=np.uint8)
 
@@ -123,7 +125,7 @@ def sample(data: np.ndarray, nbytes: int = SAMPLE_BYTES) -> np.ndarray:
     return np.concatenate([data[i * step : i * step + k] for i in range(4)])
 
 
-def choose_backend(data: np.ndarray) -> BackendName:
+def choose_backend(data: np.ndarray, *, use_kernel: bool | None = None) -> BackendName:
     """The ``auto`` choice for one plane: ``raw`` for tiny planes and for planes whose probe
     (:data:`PROBE_BYTES` from the middle) looks incompressible; ``huffman`` otherwise (it
     also squeezes runs of zeros through zstd's long matches).
@@ -135,54 +137,32 @@ def choose_backend(data: np.ndarray) -> BackendName:
     ``1 - PROBE_GAIN`` passes, and so do a few that do not (skewed but wide distributions),
     which then cost one compression attempt and stay raw (a section never expands). Integer
     arithmetic only, so every path decides alike; it costs about a microsecond where a trial
-    compression cost several."""
+    compression cost several. ``use_kernel`` says whether to count with the numba kernel (a
+    caller that already asked :func:`~commpress.codecs.netzip.kernels.use_kernels` passes its
+    answer; ``None`` asks it)."""
     size = data.size
     if size < MIN_COMPRESS_BYTES:
         return "raw"
     start = max(0, size // 2 - PROBE_BYTES // 2)
     probe = data[start : start + PROBE_BYTES]
-    return "huffman" if _collision_says_compress(probe) else "raw"
+    if use_kernel is None:
+        use_kernel = use_kernels(CPU_PROBE)
+    return "huffman" if _collision_says_compress(probe, use_kernel) else "raw"
 
 
 #: ``2 ** (8 * PROBE_GAIN)`` rounded: the collision-probability threshold's reciprocal.
 _H2_LIMIT = round(2 ** (8 * PROBE_GAIN))
 
 
-def _collision_says_compress(probe: np.ndarray) -> bool:
+def _collision_says_compress(probe: np.ndarray, use_kernel: bool) -> bool:
     n = int(probe.size)
-    kernel = _histogram_kernel()
-    if kernel is not None:
-        s = int(kernel(probe))
+    if use_kernel:
+        s = int(kernel("sum_sq_counts")(probe))
     else:
         counts = np.bincount(probe, minlength=256).astype(np.int64)
         s = int((counts * counts).sum())
     # sum p^2 >= 2^-7.6  <=>  (S - N) * 2^7.6 >= N (N - 1)
     return (s - n) * _H2_LIMIT >= n * (n - 1)
-
-
-_HIST: list[Any] = []
-
-
-def _nb_sum_sq_counts(probe: Any) -> Any:
-    counts = np.zeros(256, dtype=np.int64)
-    for i in range(probe.size):
-        counts[probe[i]] += 1
-    s = 0
-    for c in counts:
-        s += c * c
-    return s
-
-
-def _histogram_kernel() -> Any:
-    """The numba-compiled histogram kernel (None when numba is unavailable)."""
-    if not _HIST:
-        try:
-            import numba
-
-            _HIST.append(numba.njit(cache=True, nogil=True)(_nb_sum_sq_counts))
-        except Exception:  # pragma: no cover - depends on the installation
-            _HIST.append(None)
-    return _HIST[0]
 
 
 # ---------------------------------------------------------------------- ANS (constriction)
@@ -212,18 +192,18 @@ def _ans_decompress(blob: memoryview, raw_len: int) -> np.ndarray:
 
     if raw_len == 0:
         if len(blob):
-            raise CommpressError("ans section holds bytes for an empty plane")
+            raise PayloadError("ans section holds bytes for an empty plane")
         return np.empty(0, dtype=np.uint8)
     if len(blob) < _ANS_HEAD.size:
-        raise CommpressError("ans section is shorter than its header")
+        raise PayloadError("ans section is shorter than its header")
     lo, span = _ANS_HEAD.unpack_from(blob, 0)
     k = span + 1
     table_end = _ANS_HEAD.size + 4 * k
     if lo + span > 255 or len(blob) < table_end or (len(blob) - table_end) % 4:
-        raise CommpressError("ans section has an inconsistent symbol table")
+        raise PayloadError("ans section has an inconsistent symbol table")
     table = np.frombuffer(blob[_ANS_HEAD.size : table_end], dtype=np.uint32)
     if int(table.astype(np.int64).sum()) != raw_len:
-        raise CommpressError(
+        raise PayloadError(
             f"ans symbol counts add up to {int(table.sum())}, expected {raw_len} symbols"
         )
     if k == 1:
@@ -233,7 +213,7 @@ def _ans_decompress(blob: memoryview, raw_len: int) -> np.ndarray:
     coder = constriction.stream.stack.AnsCoder(words)
     symbols = np.asarray(coder.decode(model, raw_len))
     if symbols.size != raw_len:
-        raise CommpressError("ans stream ended early")
+        raise PayloadError("ans stream ended early")
     return (symbols + lo).astype(np.uint8)
 
 
@@ -255,7 +235,7 @@ def compress(name: BackendName, data: np.ndarray | bytes | memoryview, *, level:
         return bytes(_compressor(-1000).compress(arr))
     if name == "ans":
         return _ans_compress(arr)
-    raise CommpressError(f"unknown backend {name!r}; accepted: {', '.join(BACKENDS)}")
+    raise ConfigError(f"unknown backend {name!r}; accepted: {', '.join(BACKENDS)}")
 
 
 def decompress(name: BackendName, blob: memoryview | bytes, raw_len: int) -> np.ndarray:
@@ -264,11 +244,11 @@ def decompress(name: BackendName, blob: memoryview | bytes, raw_len: int) -> np.
     view = memoryview(blob)
     if name == "raw":
         if len(view) != raw_len:
-            raise CommpressError(f"raw section has {len(view)} bytes, expected {raw_len}")
+            raise PayloadError(f"raw section has {len(view)} bytes, expected {raw_len}")
         return np.frombuffer(view, dtype=np.uint8)
     if raw_len == 0:
         if len(view):
-            raise CommpressError(f"{name} section holds {len(view)} bytes for an empty plane")
+            raise PayloadError(f"{name} section holds {len(view)} bytes for an empty plane")
         return np.empty(0, dtype=np.uint8)
     try:
         if name == "lz4":
@@ -279,20 +259,20 @@ def decompress(name: BackendName, blob: memoryview | bytes, raw_len: int) -> np.
             zstandard = _zstd()
             params = zstandard.get_frame_parameters(view)
             if params.content_size != raw_len:
-                raise CommpressError(
+                raise PayloadError(
                     f"zstd frame holds {params.content_size} bytes, expected {raw_len}"
                 )
             out = _decompressor().decompress(view, max_output_size=raw_len)
         elif name == "ans":
             return _ans_decompress(view, raw_len)
         else:
-            raise CommpressError(f"unknown backend {name!r}; accepted: {', '.join(BACKENDS)}")
-    except CommpressError:
+            raise PayloadError(f"unknown backend {name!r}; accepted: {', '.join(BACKENDS)}")
+    except PayloadError:
         raise
     except Exception as exc:  # library-specific error types (zstd.ZstdError, lz4's LZ4BlockError)
-        raise CommpressError(f"{name} backend could not decode its section: {exc}") from exc
+        raise PayloadError(f"{name} backend could not decode its section: {exc}") from exc
     if len(out) != raw_len:
-        raise CommpressError(f"{name} section decoded to {len(out)} bytes, expected {raw_len}")
+        raise PayloadError(f"{name} section decoded to {len(out)} bytes, expected {raw_len}")
     return np.frombuffer(out, dtype=np.uint8)
 
 

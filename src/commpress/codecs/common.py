@@ -1,0 +1,91 @@
+"""Helpers shared by several codec families (one place, so codec modules never import
+each other): seeds, all-reduce replies, power-of-two scaling of sparse values, scatters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from commpress.codecs.base import require
+from commpress.errors import CommpressError
+
+#: Seeds of every seeded codec are integers in ``[0, 2**63)``: they fit a signed 64-bit integer
+#: in any JSON reader or C API, and equal configurations hash to equal fingerprints.
+SEED_LIMIT = 2**63
+
+
+def require_seed(seed: int) -> None:
+    """Refuse a codec ``seed`` outside ``[0, 2**63)`` (the one rule for every seeded codec:
+    ``minmax``, ``qsgd``, ``terngrad``, ``thc``, ``randomk``, ``powersgd``, ``dgc``)."""
+    require(0 <= seed < SEED_LIMIT, "seed must be in [0, 2**63)", seed)
+
+
+def reply_part(reply: Any, name: str, like: torch.Tensor) -> torch.Tensor:
+    """Fetch ``name`` from an all-reduce reply, checking it matches what was sent."""
+    if not isinstance(reply, Mapping) or name not in reply:
+        raise CommpressError(f"all-reduce reply lacks part {name!r}: driver bug?")
+    t = reply[name]
+    if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
+        raise CommpressError(
+            f"all-reduce reply part {name!r} is not a {tuple(like.shape)} {like.dtype} tensor"
+        )
+    return t
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to compute in for values of ``dtype``: float64 stays, the rest float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def finite_max_abs(values: torch.Tensor) -> torch.Tensor:
+    """``max |v|`` over the finite entries of ``values`` (0 when there are none), 0-d."""
+    if values.numel() == 0:
+        return values.new_zeros((), dtype=torch.float32)
+    mag = values.abs()
+    return torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag)).amax()
+
+
+def scale_values(
+    values: torch.Tensor, value_dtype: torch.dtype, exponent: torch.Tensor
+) -> torch.Tensor:
+    """``values * 2^-exponent`` cast to ``value_dtype`` (an exact scaling; no-op for 0)."""
+    work = work_dtype(values.dtype)
+    factor = torch.exp2(-exponent.to(work))
+    return (values.to(work) * factor).to(value_dtype)
+
+
+def unscale_values(
+    values: torch.Tensor, exponent: torch.Tensor, work: torch.dtype
+) -> torch.Tensor:
+    """``values * 2^exponent`` in ``work``; a finite value whose product overflows ``work``
+    (a value rounded up to the top of its 16-bit range, times the largest exponent) saturates
+    at ``work``'s largest finite value instead of becoming Inf."""
+    v = values.to(work)
+    scaled = v * torch.exp2(exponent.reshape(()).to(work))
+    top = torch.finfo(work).max
+    overflowed = torch.isinf(scaled) & torch.isfinite(v)
+    return torch.where(overflowed, torch.copysign(torch.full_like(scaled, top), v), scaled)
+
+
+def scatter_into(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[indices] = values`` (same dtype). 16-bit floats are scattered as their int16
+    bit patterns (the same bits; torch's CPU ``scatter_`` is ~50x slower on float16 and
+    bfloat16 than on integers)."""
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat.view(torch.int16).scatter_(0, indices, values.view(torch.int16))
+    else:
+        flat.scatter_(0, indices, values)
+
+
+__all__ = [
+    "SEED_LIMIT",
+    "finite_max_abs",
+    "reply_part",
+    "require_seed",
+    "scale_values",
+    "scatter_into",
+    "unscale_values",
+    "work_dtype",
+]
