@@ -151,7 +151,7 @@ def _direct32(out: torch.Tensor | None, n: int) -> torch.Tensor | None:
     tensor (``None``)."""
     if out is None:
         return None
-    return out if out.dtype == torch.float32 else kernels.scratch32(n)
+    return out if out.dtype == torch.float32 else kernels.scratch32(n, out.device)
 
 
 def _uniform(ctx: CodecContext, seed: int, n: int, device: torch.device) -> torch.Tensor:
@@ -737,8 +737,7 @@ class Sign(Codec):
             packed = torch.empty(0, dtype=torch.uint8, device=x.device)
             scale = torch.zeros(1, dtype=torch.float32, device=x.device)
         elif kernels.use_kernels(flat):
-            packed, total = kernels.sign_encode(flat)
-            scale = torch.tensor([total / n], dtype=torch.float64).to(torch.float32)
+            packed, scale = kernels.sign_encode_scaled(flat)
         else:
             packed, scale = sign_encode_torch(flat)
         return self.make_payload(x, {"signs": packed, "scale": scale})
