@@ -241,12 +241,29 @@ def _kernel(name: str) -> Callable[..., Any]:
     return compiled[name]
 
 
+_dispatched: dict[str, int] = {"numba": 0, "triton": 0}
+
+
+def dispatch_counts() -> dict[str, int]:
+    """How many kernel calls each backend has run in this process (``commpress bench
+    codecs`` labels its rows with the backends whose counts moved)."""
+    return dict(_dispatched)
+
+
+def note_dispatch(backend: Literal["numba", "triton"]) -> None:
+    """Count one kernel call run outside the entry points below (for other kernel modules
+    of the library, so that :func:`dispatch_counts` sees them too)."""
+    _dispatched[backend] += 1
+
+
 def _impl(t: torch.Tensor, op: str) -> Any:
     """The backend object (numba kernels or the Triton module) that runs ``op`` on ``t``."""
     backend = backend_for(t)
     if backend == "numba":
+        note_dispatch("numba")
         return _load()
     if backend == "triton" and op in TRITON_OPS:
+        note_dispatch("triton")
         return _load_triton()
     raise CommpressError(
         f"no kernel for {op} on a {t.device.type} tensor with backend {requested_backend()!r} "
@@ -393,9 +410,11 @@ __all__ = [
     "available",
     "backend_for",
     "chunk_norms",
+    "dispatch_counts",
     "first_distinct",
     "minmax_decode",
     "minmax_encode",
+    "note_dispatch",
     "offset_decode",
     "requested_backend",
     "scratch32",

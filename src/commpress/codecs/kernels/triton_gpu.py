@@ -33,18 +33,23 @@ with ``TRITON_INTERPRET=1`` they run in Triton's interpreter, on CPU tensors too
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
 from commpress.codecs.kernels.common import out32
 from commpress.errors import CommpressError
 
 #: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` at import).
-INTERPRETED: bool = bool(knobs.runtime.interpret)
+try:
+    from triton import knobs
+
+    INTERPRETED: bool = bool(knobs.runtime.interpret)
+except ImportError:  # pragma: no cover - Triton before 3.4 reads the variable directly
+    INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
 #: Groups of 8 elements per program of the element-wise kernels.
 GROUPS = 256
