@@ -287,7 +287,7 @@ def minmax_encode(
     comes from ``noise`` (``n`` uniforms in [0, 1)) when given, else from the kernels'
     generator keyed by ``seed`` (an integer in ``[0, 2**63)``).
     """
-    return _impl(x, "minmax_encode").minmax_encode(  # type: ignore[no-any-return]
+    return _impl(x, "minmax_encode").minmax_encode(
         x, chunk=chunk, bits=bits, stochastic=stochastic, seed=seed, noise=noise
     )
 
@@ -304,7 +304,7 @@ def minmax_decode(
 ) -> torch.Tensor:
     """Inverse of :func:`minmax_encode`: ``n`` fp32 values ``code * scale + min`` (written
     into ``out``, ``n`` contiguous fp32 values on the codes' device, when given)."""
-    return _impl(packed, "minmax_decode").minmax_decode(  # type: ignore[no-any-return]
+    return _impl(packed, "minmax_decode").minmax_decode(
         packed, lo, scale, chunk=chunk, bits=bits, n=n, out=out
     )
 
@@ -312,14 +312,14 @@ def minmax_decode(
 def sign_encode(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Sign bits (1 for ``x >= 0``) of a 1-D contiguous fp32 CPU tensor, and ``sum |x|``
     accumulated in fp64 (numba only; codecs use :func:`sign_encode_scaled`)."""
-    return _impl(x, "sign_encode").sign_encode(x)  # type: ignore[no-any-return]
+    return _impl(x, "sign_encode").sign_encode(x)
 
 
 def sign_encode_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sign bits (1 for ``x >= 0``) of a 1-D contiguous fp32 tensor, and ``sign``'s scale:
     ``sum |x|`` accumulated in fp64, divided by ``n`` and rounded to fp32 (a 1-element
     tensor on ``x``'s device)."""
-    return _impl(x, "sign_encode_scaled").sign_encode_scaled(x)  # type: ignore[no-any-return]
+    return _impl(x, "sign_encode_scaled").sign_encode_scaled(x)
 
 
 def sign_decode(
@@ -327,7 +327,7 @@ def sign_decode(
 ) -> torch.Tensor:
     """``n`` fp32 values: ``+scale`` where the bit is 1, ``-scale`` where it is 0 (written
     into ``out`` when given)."""
-    return _impl(packed, "sign_decode").sign_decode(  # type: ignore[no-any-return]
+    return _impl(packed, "sign_decode").sign_decode(
         packed, scale, n, out=out
     )
 
@@ -347,7 +347,7 @@ def stochastic_encode(
     clamped to ``[0, levels]``) or TernGrad (``"terngrad"``: ``1 + sign(x)`` where ``u <
     |x| inv``, else 1) for a 1-D contiguous fp32 tensor, with ``inv`` per chunk. ``u``
     comes from ``noise`` when given, else from the kernels' generator keyed by ``seed``."""
-    return _impl(x, "stochastic_encode").stochastic_encode(  # type: ignore[no-any-return]
+    return _impl(x, "stochastic_encode").stochastic_encode(
         x, inv, kind=kind, chunk=chunk, levels=levels, bits=bits, seed=seed, noise=noise
     )
 
@@ -356,7 +356,7 @@ def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
     """L2 norm of each ``chunk`` of a 1-D contiguous fp32 tensor, summed in float64 and
     rounded to float32 (norms beyond float32's range clamped to ``clamp``; Inf and NaN
     propagate). Within one float32 rounding of the torch path's float32 norms."""
-    return _impl(x, "chunk_norms").chunk_norms(x, chunk, clamp)  # type: ignore[no-any-return]
+    return _impl(x, "chunk_norms").chunk_norms(x, chunk, clamp)
 
 
 def offset_decode(
@@ -371,7 +371,7 @@ def offset_decode(
 ) -> torch.Tensor:
     """``n`` fp32 values ``(code - offset) * step[chunk]`` from packed ``bits``-bit codes
     (written into ``out`` when given)."""
-    return _impl(packed, "offset_decode").offset_decode(  # type: ignore[no-any-return]
+    return _impl(packed, "offset_decode").offset_decode(
         packed, step, chunk=chunk, bits=bits, offset=offset, n=n, out=out
     )
 
@@ -385,20 +385,20 @@ def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
     sample``), and a selection (``np.partition``) among those finds the exact threshold;
     when the bound misses (unlikely; it depends on the data only, never on a seed), a
     two-digit radix select over the 31-bit magnitude keys (four read passes) does it."""
-    return _impl(x, "topk_select").topk_select(x, k)  # type: ignore[no-any-return]
+    return _impl(x, "topk_select").topk_select(x, k)
 
 
 def at_least(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch.Tensor]]:
     """How many ``|x| >= threshold`` (NaN counting as +inf) in a 1-D contiguous fp32 CPU
     tensor, and a function that returns their ascending int64 indices (a second pass, run
     only when the count is accepted). ``threshold`` is a magnitude (``>= 0``, may be inf)."""
-    return _impl(x, "at_least").at_least(x, threshold)  # type: ignore[no-any-return]
+    return _impl(x, "at_least").at_least(x, threshold)
 
 
 def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
     """The first ``k`` distinct values of ``draws`` (int64 in ``[0, d)``, CPU), sorted
     ascending; ``None`` when ``draws`` holds fewer than ``k`` distinct values."""
-    return _impl(draws, "first_distinct").first_distinct(  # type: ignore[no-any-return]
+    return _impl(draws, "first_distinct").first_distinct(
         draws, k, d
     )
 
