@@ -65,9 +65,11 @@ def same(a: torch.Tensor, b: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------------- kernels vs torch
 @pytest.mark.parametrize("n", [1, 7, 9, 1000, 4099])
-@pytest.mark.parametrize("chunk", [1, 5, 64, 2500, 0])
+@pytest.mark.parametrize("chunk", [1, 5, 64, 2048, 2500, 0])
 def test_minmax_nearest_and_given_noise_match_torch(n: int, chunk: int) -> None:
-    chunk = n if chunk == 0 or chunk > n else chunk  # 2500 < 4099: the atomic segment path
+    # chunks of 8 to 2048 (a power of two): one fused pass; else a range kernel (one row per
+    # chunk, or atomic segments beyond 2048: 2500 < 4099) + parameters + quantize
+    chunk = n if chunk == 0 or chunk > n else chunk
     for bits in (1, 3, 4, 8):
         x = sample(n, seed=n + bits)
         noise = torch.rand(n, generator=torch.Generator().manual_seed(bits)).to(DEVICE)

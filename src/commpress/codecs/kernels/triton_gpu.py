@@ -7,10 +7,13 @@ packed codes in the payload format of :mod:`commpress.codecs.bitpack` (code ``j`
 at bits ``b*j .. b*j+b-1`` of the group's ``b`` bytes, little-endian). Decoding reads each
 code's one or two bytes and writes float32. Per-chunk statistics come first:
 
-* ``minmax``: per-chunk min/max as order-preserving int32 keys of the fp32 bit patterns
-  (a row reduction when a chunk fits a program, else segments combined with atomic
-  min/max), then the chunk parameters (scale rounded up from a float64 division, the
-  power-of-two pre-scale, the reciprocal) in a small kernel, then quantize + pack;
+* ``minmax``: per-chunk min/max as order-preserving int32 keys of the fp32 bit patterns,
+  the chunk parameters (scale rounded up from a float64 division, the power-of-two
+  pre-scale, the reciprocal), quantize and pack. Chunks of a power-of-two length from 8 to
+  :data:`ROW_MAX` (the default 1024 among them) do all of it in one kernel, reading the input
+  once; other lengths use a range kernel (a row reduction per chunk, or segments combined
+  with atomic min/max beyond :data:`ROW_MAX`), a parameter kernel and a quantize + pack
+  kernel;
 * ``sign``: bits + per-program float64 partial sums of ``|x|`` in one pass, the partial sums
   added by torch (float64) and divided by ``n`` on the device (no host sync);
 * ``qsgd`` / ``terngrad``: the per-chunk norm / max magnitude come from the codec (torch
@@ -167,24 +170,10 @@ def _segment_range_kernel(x_ptr, lo_key_ptr, hi_key_ptr, n, chunk, nseg, BLOCK: 
 
 
 @triton.jit
-def _params_kernel(
-    lo_key_ptr,
-    hi_key_ptr,
-    lo_ptr,
-    scale_ptr,
-    pre_ptr,
-    inv_ptr,
-    nchunks,
-    BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # per chunk: min, scale = (hi - lo) / levels in float64 rounded up to float32 (capped at
-    # float32's max), the pre-scale, and 1 / (scale * pre) (0 where not finite positive):
-    # quantize.minmax_params, operation for operation
-    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = c < nchunks
-    lk = tl.load(lo_key_ptr + c, mask=mask, other=0)
-    hk = tl.load(hi_key_ptr + c, mask=mask, other=0)
+def _chunk_params(lk, hk, BITS: tl.constexpr):
+    # per chunk from its key range: min, scale = (hi - lo) / levels in float64 rounded up to
+    # float32 (capped at float32's max), the pre-scale, and 1 / (scale * pre) (0 where not
+    # finite positive): quantize.minmax_params, operation for operation
     nan = tl.full(lk.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     inf = tl.full(lk.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
     bad = (hk > 0x7F800000) | (lk < -0x7F800001)
@@ -199,10 +188,82 @@ def _params_kernel(
     step = scale * pre
     r = (1.0 / tl.where(step > 0.0, step, 1.0).to(tl.float64)).to(tl.float32)
     inv = tl.where((step > 0.0) & (r < inf), r, 0.0)
+    return lo, scale, pre, inv
+
+
+@triton.jit
+def _quantize(x, lo, pre, inv, idx, mask, noise_ptr, seed, BITS: tl.constexpr,
+              MODE: tl.constexpr):
+    # code = clamp(floor((x * pre - lo * pre) * inv + u), 0, levels), NaN -> 0, with u = 1/2
+    # (MODE 0), the generator's uniform (1) or noise[i] (2); 0 outside ``mask``
+    t = (x * pre - lo * pre) * inv
+    if MODE == 0:
+        t = t + 0.5
+    elif MODE == 1:
+        t = t + _uniform(seed.to(tl.uint64), idx)
+    else:
+        t = t + tl.load(noise_ptr + idx, mask=mask, other=0.0)
+    t = tl.floor(t)
+    t = tl.where(t >= 0.0, t, 0.0)
+    t = tl.where(t > (1 << BITS) - 1, (1 << BITS) - 1, t)
+    return tl.where(mask, t.to(tl.int32), 0)
+
+
+@triton.jit
+def _params_kernel(
+    lo_key_ptr,
+    hi_key_ptr,
+    lo_ptr,
+    scale_ptr,
+    pre_ptr,
+    inv_ptr,
+    nchunks,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < nchunks
+    lk = tl.load(lo_key_ptr + c, mask=mask, other=0)
+    hk = tl.load(hi_key_ptr + c, mask=mask, other=0)
+    lo, scale, pre, inv = _chunk_params(lk, hk, BITS)
     tl.store(lo_ptr + c, lo, mask=mask)
     tl.store(scale_ptr + c, scale, mask=mask)
     tl.store(pre_ptr + c, pre, mask=mask)
     tl.store(inv_ptr + c, inv, mask=mask)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _minmax_fused_kernel(
+    x_ptr,
+    noise_ptr,
+    lo_ptr,
+    scale_ptr,
+    packed_ptr,
+    n,
+    nchunks,
+    nbytes,
+    seed,
+    BITS: tl.constexpr,
+    MODE: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # the whole encode in one pass for chunks of a power-of-two length CHUNK (8 to ROW_MAX):
+    # ROWS chunks per program, each reduced, parametrized, quantized and packed in registers
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    idx = rows[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    mask = idx < n
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    key = _key(x)
+    lk = tl.min(tl.where(mask, key, _INT32_MAX), axis=1)
+    hk = tl.max(tl.where(mask, key, _INT32_MIN), axis=1)
+    lo, scale, pre, inv = _chunk_params(lk, hk, BITS)
+    tl.store(lo_ptr + rows, lo, mask=rows < nchunks)
+    tl.store(scale_ptr + rows, scale, mask=rows < nchunks)
+    codes = _quantize(x, lo[:, None], pre[:, None], inv[:, None], idx, mask, noise_ptr, seed,
+                      BITS, MODE)
+    groups = tl.program_id(0) * (ROWS * CHUNK // 8) + tl.arange(0, ROWS * CHUNK // 8)
+    _pack_store(packed_ptr, tl.reshape(codes, (ROWS * CHUNK // 8, 8)), groups, nbytes, BITS)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -221,8 +282,6 @@ def _minmax_quantize_kernel(
     MODE: tl.constexpr,
     GROUPS: tl.constexpr,
 ):
-    # code = clamp(floor((x * pre - lo * pre) * inv + u), 0, levels), NaN -> 0, with u = 1/2
-    # (MODE 0), the generator's uniform (1) or noise[i] (2)
     idx, groups = _element_tile(GROUPS)
     mask = idx < n
     x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
@@ -230,17 +289,8 @@ def _minmax_quantize_kernel(
     lo = tl.load(lo_ptr + c, mask=mask, other=0.0)
     pre = tl.load(pre_ptr + c, mask=mask, other=1.0)
     inv = tl.load(inv_ptr + c, mask=mask, other=0.0)
-    t = (x * pre - lo * pre) * inv
-    if MODE == 0:
-        t = t + 0.5
-    elif MODE == 1:
-        t = t + _uniform(seed.to(tl.uint64), idx)
-    else:
-        t = t + tl.load(noise_ptr + idx, mask=mask, other=0.0)
-    t = tl.floor(t)
-    t = tl.where(t >= 0.0, t, 0.0)
-    t = tl.where(t > (1 << BITS) - 1, (1 << BITS) - 1, t)
-    _pack_store(packed_ptr, tl.where(mask, t.to(tl.int32), 0), groups, nbytes, BITS)
+    codes = _quantize(x, lo, pre, inv, idx, mask, noise_ptr, seed, BITS, MODE)
+    _pack_store(packed_ptr, codes, groups, nbytes, BITS)
 
 
 @triton.jit
@@ -365,6 +415,15 @@ def minmax_encode(
     scale = torch.empty(nchunks, dtype=torch.float32, device=dev)
     if n == 0:
         return packed, lo, scale
+    mode = 2 if noise is not None else (1 if stochastic else 0)
+    noise_arg = x if noise is None else noise.contiguous()
+    if 8 <= chunk <= ROW_MAX and chunk & (chunk - 1) == 0:  # one pass
+        rows = ROW_MAX // chunk
+        _minmax_fused_kernel[_blocks(nchunks, rows)](
+            x, noise_arg, lo, scale, packed, n, nchunks, nbytes, seed, BITS=bits, MODE=mode,
+            ROWS=rows, CHUNK=chunk, enable_fp_fusion=False,
+        )
+        return packed, lo, scale
     if chunk <= ROW_MAX:
         lo_key = torch.empty(nchunks, dtype=torch.int32, device=dev)
         hi_key = torch.empty(nchunks, dtype=torch.int32, device=dev)
@@ -386,10 +445,9 @@ def minmax_encode(
         lo_key, hi_key, lo, scale, pre, inv, nchunks, BITS=bits, BLOCK=PARAM_BLOCK,
         enable_fp_fusion=False,
     )
-    mode = 2 if noise is not None else (1 if stochastic else 0)
     _minmax_quantize_kernel[_blocks(n, 8 * GROUPS)](
-        x, x if noise is None else noise.contiguous(), lo, pre, inv, packed, n, chunk, nbytes,
-        seed, BITS=bits, MODE=mode, GROUPS=GROUPS, enable_fp_fusion=False,
+        x, noise_arg, lo, pre, inv, packed, n, chunk, nbytes, seed, BITS=bits, MODE=mode,
+        GROUPS=GROUPS, enable_fp_fusion=False,
     )
     return packed, lo, scale
 
