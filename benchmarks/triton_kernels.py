@@ -26,6 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 from commpress.codecs import get_codec, kernels
 from commpress.codecs.quantize import (
@@ -34,6 +36,13 @@ from commpress.codecs.quantize import (
     sign_decode_torch,
     sign_encode_torch,
 )
+
+
+@triton.jit
+def _one_program(x_ptr, n, BLOCK: tl.constexpr):
+    # the cost of one launch from Python: a trivial kernel
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1.0, mask=i < n)
 
 
 def sample(n: int, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -157,6 +166,11 @@ def cases(tg: Any, x: torch.Tensor) -> dict[str, Callable[[], object]]:
 
     return {
         "copy (dst.copy_)": lambda: dst.copy_(x),
+        "launch: one-program triton kernel": lambda: _one_program[(1,)](out, 128, BLOCK=128),
+        "launch: torch.empty(1024)": lambda: torch.empty(1024, device=x.device),
+        "minmax8 chunk=1000 enc triton (3 kernels)": lambda: tg.minmax_encode(
+            x, chunk=1000, bits=8, stochastic=False
+        ),
         "minmax8 enc triton": lambda: tg.minmax_encode(x, chunk=chunk, bits=8, stochastic=False),
         "minmax8 enc torch-codec": torch_codec("minmax", "enc"),
         "minmax8 dec->buf triton": lambda: tg.minmax_decode(
@@ -214,8 +228,6 @@ def main() -> int:
         print("needs a CUDA GPU and triton")
         return 2
     tg = kernels._load_triton()
-    import triton
-
     device = torch.device("cuda")
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
