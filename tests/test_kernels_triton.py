@@ -355,3 +355,12 @@ def test_switch_and_operations_without_a_triton_kernel(monkeypatch: pytest.Monke
     meta = torch.empty(3, device="meta")
     with kernels.use_backend("numba"):
         assert kernels.backend_for(meta) == "torch"  # devices without kernels: plain torch
+
+
+def test_bench_labels_triton_rows() -> None:
+    from commpress.bench.codecs import run_bench
+
+    with kernels.use_backend("triton"):
+        rows = run_bench(["sign", "fp16"], size_mb=0.004, repeat=1, progress=False,
+                         device=DEVICE.type)
+    assert [r.kernels for r in rows] == ["triton", "-"]
