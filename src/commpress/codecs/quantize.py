@@ -402,7 +402,7 @@ class MinMax(Codec):
             )
         chunk = chunk_length(n, self.chunk_size)
         stochastic = self.rounding == "stochastic"
-        if kernels.use_kernels(flat):
+        if kernels.use_kernels(flat, "minmax_encode"):
             seed = _kernel_seed(ctx, self.seed) if stochastic else 0
             packed, lo, scale = kernels.minmax_encode(
                 flat, chunk=chunk, bits=self.bits, stochastic=stochastic, seed=seed
@@ -425,7 +425,7 @@ class MinMax(Codec):
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
-        if kernels.use_kernels(packed):
+        if kernels.use_kernels(packed, "minmax_decode"):
             direct = _direct32(out, n)
             result = kernels.minmax_decode(
                 packed, lo, scale, chunk=chunk, bits=self.bits, n=n, out=direct
@@ -526,7 +526,7 @@ class QSGD(Codec):
             empty = torch.empty(0, device=x.device)
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "norm": empty})
         chunk = chunk_length(n, self.chunk_size)
-        if self.code_bits <= 8 and kernels.use_kernels(flat):
+        if self.code_bits <= 8 and kernels.use_kernels(flat, "stochastic_encode"):
             # float64 sums in one pass (the torch path sums in float32, recomputing only
             # overflowing chunks in float64): norms may differ by one float32 rounding
             norm = kernels.chunk_norms(flat, chunk, _NORM_CLAMP)
@@ -569,7 +569,7 @@ class QSGD(Codec):
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
         step = norm / float(self.levels)
-        if bits <= 8 and kernels.use_kernels(packed):
+        if bits <= 8 and kernels.use_kernels(packed, "offset_decode"):
             direct = _direct32(out, n)
             result = kernels.offset_decode(
                 packed, step, chunk=chunk, bits=bits, offset=float(self.levels), n=n, out=direct
@@ -645,7 +645,7 @@ class TernGrad(Codec):
             empty = torch.empty(0, device=x.device)
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "scale": empty})
         chunk = chunk_length(n, self.chunk_size)
-        if kernels.use_kernels(flat):
+        if kernels.use_kernels(flat, "stochastic_encode"):
             m = _per_chunk(flat, chunk, _max_abs)
             packed = kernels.stochastic_encode(
                 flat, _safe_reciprocal(m), kind="terngrad", chunk=chunk, levels=1, bits=2,
@@ -680,7 +680,7 @@ class TernGrad(Codec):
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
-        if kernels.use_kernels(packed):
+        if kernels.use_kernels(packed, "offset_decode"):
             direct = _direct32(out, n)
             result = kernels.offset_decode(
                 packed, m, chunk=chunk, bits=2, offset=1.0, n=n, out=direct
@@ -745,7 +745,7 @@ class Sign(Codec):
         if n == 0:
             packed = torch.empty(0, dtype=torch.uint8, device=x.device)
             scale = torch.zeros(1, dtype=torch.float32, device=x.device)
-        elif kernels.use_kernels(flat):
+        elif kernels.use_kernels(flat, "sign_encode_scaled"):
             packed, scale = kernels.sign_encode_scaled(flat)
         else:
             packed, scale = sign_encode_torch(flat)
@@ -761,7 +761,7 @@ class Sign(Codec):
         scale = self.part(payload, "scale", numel=1, dtype=torch.float32)
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
-        if kernels.use_kernels(packed):
+        if kernels.use_kernels(packed, "sign_decode"):
             direct = _direct32(out, n)
             result = kernels.sign_decode(packed, scale, n, out=direct)
         else:

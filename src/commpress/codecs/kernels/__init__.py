@@ -24,9 +24,9 @@ value         CPU tensors                     CUDA tensors
 ``torch``     torch                           torch
 ============  =============================  ======================================
 
-:func:`backend_for` says which one a tensor gets; codecs ask :func:`use_kernels` (optionally
-naming the operation, for those only numba implements) and then call the entry points below,
-which dispatch on the tensor's device. The lossless codec's numba kernels follow the same
+:func:`backend_for` says which one a tensor gets; codecs ask ``use_kernels(t, op)`` (the
+chosen backend implements entry point ``op``; without ``op``: ``t`` gets the numba kernels)
+and then call the entry points below, which dispatch on the tensor's device. The lossless codec's numba kernels follow the same
 switch through :func:`requested_backend` (anything but ``torch`` lets them run).
 
 Both backends give the torch path's payloads bit for bit for deterministic rounding; for
@@ -148,14 +148,14 @@ def backend_for(t: torch.Tensor) -> str:
 
 
 def use_kernels(t: torch.Tensor, op: str | None = None) -> bool:
-    """Whether an operation on ``t`` should go through a kernel backend. ``op`` names the
-    entry point when only some backends implement it (``topk_select``, ``at_least``,
-    ``first_distinct``: numba only); without it, the quantizer entry points every backend
-    has are meant."""
+    """Whether operation ``op`` (an entry point's name) on ``t`` should go through a kernel
+    backend: the backend :func:`backend_for` picks implements it. Without ``op``: whether
+    ``t`` gets the numba kernels (CPU code; the meaning callers had before the Triton
+    backend, so that numba-only code never receives a CUDA tensor)."""
     backend = backend_for(t)
-    if backend == "torch":
-        return False
-    return backend == "numba" or op is None or op in TRITON_OPS
+    if op is None:
+        return backend == "numba"
+    return backend == "numba" or (backend == "triton" and op in TRITON_OPS)
 
 
 def available(backend: Literal["numba", "triton"] = "numba") -> bool:
