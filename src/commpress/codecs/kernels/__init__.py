@@ -26,8 +26,9 @@ value         CPU tensors                     CUDA tensors
 
 :func:`backend_for` says which one a tensor gets; codecs ask ``use_kernels(t, op)`` (the
 chosen backend implements entry point ``op``; without ``op``: ``t`` gets the numba kernels)
-and then call the entry points below, which dispatch on the tensor's device. The lossless codec's numba kernels follow the same
-switch through :func:`requested_backend` (anything but ``torch`` lets them run).
+and then call the entry points below, which dispatch on the tensor's device. The lossless
+codec's numba kernels follow the same switch through :func:`requested_backend` (anything but
+``torch`` lets them run).
 
 Both backends give the torch path's payloads bit for bit for deterministic rounding; for
 stochastic rounding they draw their noise from the same counter-based generator, so numba and
