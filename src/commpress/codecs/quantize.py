@@ -7,9 +7,10 @@
 
 All of them compute in float32 whatever the input dtype and return the input's dtype, shape
 and device. None is summable: workers' payloads use different scales, so aggregation
-all-gathers the payloads and adds the decodings. On CPU, ``minmax`` and ``sign`` run fused
-numba kernels (:mod:`commpress.codecs.kernels`); on other devices, or with
-``COMMPRESS_KERNELS=torch``, they run the plain-torch implementations below.
+all-gathers the payloads and adds the decodings. The four run fused kernels
+(:mod:`commpress.codecs.kernels`: numba on CPU, Triton on CUDA); with
+``COMMPRESS_KERNELS=torch``, or where no backend applies, they run the plain-torch
+implementations below, the reference of both.
 
 Chunks: ``chunk_size=C`` splits the flattened tensor into ``ceil(d / C)`` consecutive chunks
 (the last one possibly shorter), each with its own scale; ``chunk_size=0`` makes the whole
