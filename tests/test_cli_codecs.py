@@ -74,6 +74,16 @@ def test_bench_all_codecs_small() -> None:
         assert math.isfinite(r.nmse_gaussian) and math.isfinite(r.nmse_heavy), r
 
 
+def test_bench_labels_the_kernel_backend_that_ran() -> None:
+    from commpress.codecs import kernels
+
+    rows = run_bench(["minmax", "fp16"], size_mb=0.02, repeat=1, progress=False)
+    assert [r.kernels for r in rows] == ["numba" if kernels.available() else "-", "-"]
+    with kernels.use_backend("torch"):
+        rows = run_bench(["minmax"], size_mb=0.02, repeat=1, progress=False)
+    assert rows[0].kernels == "-"
+
+
 def test_bad_arguments_give_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "codecs", "--repeat", "0"]) == 2
     assert "error" in capsys.readouterr().err

@@ -13,7 +13,11 @@ For each codec, on the same tensors in one run:
    reused across calls (as the collectives do), best of ``--repeat`` runs after a warm-up that
    also compiles fused kernels, reported as GB/s of *input* bytes (the decoded tensor's);
 3. report bits per coordinate of the payload and the NMSE of the round trip on a Gaussian and
-   a heavy-tailed (Student-t, 2 dof) input.
+   a heavy-tailed (Student-t, 2 dof) input;
+4. label each row with the kernel backends its encode and decode dispatched to through
+   :mod:`commpress.codecs.kernels` (``numba``, ``triton``; ``-`` when none: the plain torch
+   path, or kernels that do not report to ``kernels.note_dispatch``, such as the lossless
+   codec's own numba kernels today).
 
 Multi-round codecs are timed on their single-worker encode/decode (the compute a worker does;
 the exchange rounds are the collectives benchmark's business).
@@ -31,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from commpress.codecs import Codec, CodecContext, codec_ids, get_codec
+from commpress.codecs import Codec, CodecContext, codec_ids, get_codec, kernels
 from commpress.errors import CommpressError
 from commpress.metrics import gaussian, heavy_tailed, nmse
 from commpress.report import render_table
@@ -52,6 +56,7 @@ class CodecRow:
     decode_into_gbps: float
     memcpy_gbps: float
     hot_memcpy_gbps: float
+    kernels: str = "-"
 
     @property
     def encode_vs_memcpy(self) -> float:
@@ -93,10 +98,13 @@ def bench_codec(
 ) -> CodecRow:
     """Measure one codec on ``x`` (timings, bits, Gaussian NMSE) and ``heavy`` (NMSE)."""
     ctx = CodecContext(key="bench")
+    before = kernels.dispatch_counts()
     payload = codec.encode(x, ctx)  # warm-up (compiles fused kernels)
     out = codec.decode(payload, ctx)
     buffer = torch.empty_like(x)
     codec.decode(payload, ctx, out=buffer)
+    after = kernels.dispatch_counts()
+    ran = [name for name in sorted(after) if after[name] > before[name]]
     copy, hot = memcpy_gbps(x, repeat)
     nbytes = x.numel() * x.element_size()
     enc = best_time(lambda: codec.encode(x, ctx), repeat)
@@ -113,6 +121,7 @@ def bench_codec(
         decode_into_gbps=nbytes / dec_into / 1e9,
         memcpy_gbps=copy,
         hot_memcpy_gbps=hot,
+        kernels="+".join(ran) or "-",
     )
 
 
@@ -141,12 +150,12 @@ def run_bench(
 
 def render(rows: Sequence[CodecRow]) -> str:
     headers = [
-        "codec", "bits/coord", "NMSE gauss", "NMSE heavy", "enc GB/s", "dec GB/s",
+        "codec", "kernels", "bits/coord", "NMSE gauss", "NMSE heavy", "enc GB/s", "dec GB/s",
         "dec->buf GB/s", "memcpy GB/s", "enc/memcpy", "dec->buf/memcpy",
     ]
     table = [
         [
-            r.codec, r.bits_per_coordinate, r.nmse_gaussian, r.nmse_heavy, r.encode_gbps,
+            r.codec, r.kernels, r.bits_per_coordinate, r.nmse_gaussian, r.nmse_heavy, r.encode_gbps,
             r.decode_gbps, r.decode_into_gbps, r.hot_memcpy_gbps, r.encode_vs_memcpy,
             r.decode_vs_memcpy,
         ]
@@ -188,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
     )
     print(f"{args.size_mb:g} MB {args.dtype} tensors on {args.device}, "
-          f"{torch.get_num_threads()} threads, best of {args.repeat}")
+          f"{torch.get_num_threads()} threads, best of {args.repeat}; "
+          f"{kernels.ENV_VAR}={kernels.requested_backend()}")
     print(render(rows))
     if args.json:
         with open(args.json, "w") as f:

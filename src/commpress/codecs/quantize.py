@@ -7,9 +7,10 @@
 
 All of them compute in float32 whatever the input dtype and return the input's dtype, shape
 and device. None is summable: workers' payloads use different scales, so aggregation
-all-gathers the payloads and adds the decodings. On CPU, ``minmax`` and ``sign`` run fused
-numba kernels (:mod:`commpress.codecs.kernels`); on other devices, or with
-``COMMPRESS_KERNELS=torch``, they run the plain-torch implementations below.
+all-gathers the payloads and adds the decodings. The four run fused kernels
+(:mod:`commpress.codecs.kernels`: numba on CPU, Triton on CUDA); with
+``COMMPRESS_KERNELS=torch``, or where no backend applies, they run the plain-torch
+implementations below, the reference of both.
 
 Chunks: ``chunk_size=C`` splits the flattened tensor into ``ceil(d / C)`` consecutive chunks
 (the last one possibly shorter), each with its own scale; ``chunk_size=0`` makes the whole
@@ -136,13 +137,22 @@ def _flat32(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).to(torch.float32).contiguous()
 
 
+def _flat_in(x: torch.Tensor) -> torch.Tensor:
+    """The input of an encode that the kernels do entirely (``minmax``, ``sign``): flattened,
+    in its own float16/bfloat16 dtype for the Triton kernels (they widen in registers, which
+    saves a pass), else :func:`_flat32`."""
+    if x.dtype in (torch.float16, torch.bfloat16) and kernels.backend_for(x) == "triton":
+        return x.reshape(-1).contiguous()
+    return _flat32(x)
+
+
 def _direct32(out: torch.Tensor | None, n: int) -> torch.Tensor | None:
     """Where a CPU decode kernel writes: ``out`` itself when it is float32, the scratch
     buffer when it is another dtype (then copied, converting, into ``out``), else a fresh
     tensor (``None``)."""
     if out is None:
         return None
-    return out if out.dtype == torch.float32 else kernels.scratch32(n)
+    return out if out.dtype == torch.float32 else kernels.scratch32(n, out.device)
 
 
 def _uniform(ctx: CodecContext, seed: int, n: int, device: torch.device) -> torch.Tensor:
@@ -375,7 +385,7 @@ class MinMax(Codec):
         return 8 * math.ceil(self.bits * n / 8) + 64 * num_chunks(n, self.chunk_size)
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
-        flat = _flat32(x)
+        flat = _flat_in(x)
         n = flat.numel()
         if n == 0:
             empty = torch.empty(0, device=x.device)
@@ -384,7 +394,7 @@ class MinMax(Codec):
             )
         chunk = chunk_length(n, self.chunk_size)
         stochastic = self.rounding == "stochastic"
-        if kernels.use_kernels(flat):
+        if kernels.use_kernels(flat, "minmax_encode"):
             seed = _kernel_seed(ctx, self.seed) if stochastic else 0
             packed, lo, scale = kernels.minmax_encode(
                 flat, chunk=chunk, bits=self.bits, stochastic=stochastic, seed=seed
@@ -407,7 +417,7 @@ class MinMax(Codec):
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
-        if kernels.use_kernels(packed):
+        if kernels.use_kernels(packed, "minmax_decode"):
             direct = _direct32(out, n)
             result = kernels.minmax_decode(
                 packed, lo, scale, chunk=chunk, bits=self.bits, n=n, out=direct
@@ -508,7 +518,7 @@ class QSGD(Codec):
             empty = torch.empty(0, device=x.device)
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "norm": empty})
         chunk = chunk_length(n, self.chunk_size)
-        if self.code_bits <= 8 and kernels.use_kernels(flat):
+        if self.code_bits <= 8 and kernels.use_kernels(flat, "stochastic_encode"):
             # float64 sums in one pass (the torch path sums in float32, recomputing only
             # overflowing chunks in float64): norms may differ by one float32 rounding
             norm = kernels.chunk_norms(flat, chunk, _NORM_CLAMP)
@@ -551,7 +561,7 @@ class QSGD(Codec):
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
         step = norm / float(self.levels)
-        if bits <= 8 and kernels.use_kernels(packed):
+        if bits <= 8 and kernels.use_kernels(packed, "offset_decode"):
             direct = _direct32(out, n)
             result = kernels.offset_decode(
                 packed, step, chunk=chunk, bits=bits, offset=float(self.levels), n=n, out=direct
@@ -627,7 +637,7 @@ class TernGrad(Codec):
             empty = torch.empty(0, device=x.device)
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "scale": empty})
         chunk = chunk_length(n, self.chunk_size)
-        if kernels.use_kernels(flat):
+        if kernels.use_kernels(flat, "stochastic_encode"):
             m = _per_chunk(flat, chunk, _max_abs)
             packed = kernels.stochastic_encode(
                 flat, _safe_reciprocal(m), kind="terngrad", chunk=chunk, levels=1, bits=2,
@@ -662,7 +672,7 @@ class TernGrad(Codec):
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
-        if kernels.use_kernels(packed):
+        if kernels.use_kernels(packed, "offset_decode"):
             direct = _direct32(out, n)
             result = kernels.offset_decode(
                 packed, m, chunk=chunk, bits=2, offset=1.0, n=n, out=direct
@@ -722,14 +732,13 @@ class Sign(Codec):
         return 8 * math.ceil(n / 8) + 32
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
-        flat = _flat32(x)
+        flat = _flat_in(x)
         n = flat.numel()
         if n == 0:
             packed = torch.empty(0, dtype=torch.uint8, device=x.device)
             scale = torch.zeros(1, dtype=torch.float32, device=x.device)
-        elif kernels.use_kernels(flat):
-            packed, total = kernels.sign_encode(flat)
-            scale = torch.tensor([total / n], dtype=torch.float64).to(torch.float32)
+        elif kernels.use_kernels(flat, "sign_encode_scaled"):
+            packed, scale = kernels.sign_encode_scaled(flat)
         else:
             packed, scale = sign_encode_torch(flat)
         return self.make_payload(x, {"signs": packed, "scale": scale})
@@ -744,7 +753,7 @@ class Sign(Codec):
         scale = self.part(payload, "scale", numel=1, dtype=torch.float32)
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
-        if kernels.use_kernels(packed):
+        if kernels.use_kernels(packed, "sign_decode"):
             direct = _direct32(out, n)
             result = kernels.sign_decode(packed, scale, n, out=direct)
         else:

@@ -78,7 +78,7 @@ def shared_sample(numel: int, k: int, g: torch.Generator, device: torch.device) 
     batch = m + 2 * (m * m // numel) + 64
     draws = torch.randint(0, numel, (batch,), generator=g, device=device)
     while True:
-        if kernels.use_kernels(draws):
+        if kernels.use_kernels(draws, "first_distinct"):
             chosen = kernels.first_distinct(draws, m, numel)
         else:
             chosen = first_distinct_torch(draws, m)

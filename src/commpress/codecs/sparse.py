@@ -119,7 +119,7 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     which keeps every order); else :func:`exact_top` of :func:`magnitudes`. Both give the
     same indices."""
     d = flat.numel()
-    if 0 < k < d and flat.dtype != torch.float64 and kernels.use_kernels(flat):
+    if 0 < k < d and flat.dtype != torch.float64 and kernels.use_kernels(flat, "topk_select"):
         return kernels.topk_select(kernels.widen(flat), k)
     return exact_top(magnitudes(flat), k)
 
@@ -459,7 +459,7 @@ class DGC(Codec):
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = x.reshape(-1)
         d = flat.numel()
-        if x.dtype == torch.float32 and kernels.use_kernels(flat):
+        if x.dtype == torch.float32 and kernels.use_kernels(flat, "at_least"):
             idx = self.select_kernel(flat.contiguous(), ctx)
         else:
             idx = self.select(magnitudes(flat), ctx)

@@ -1,16 +1,12 @@
-"""Fused CPU kernels (numba) for the single-pass quantizers, with a switch back to plain torch.
+"""Fused CPU kernels (numba) for the single-pass quantizers and the sparse selections.
 
-The plain-torch implementations in :mod:`commpress.codecs.quantize` run on every device; on a
-CPU they make one memory pass per elementary operation (subtract, multiply, round, clamp, cast,
-pack...). The kernels here do the whole encode or decode of ``minmax`` and ``sign`` in one or
-two passes over the input, parallel over blocks, and are used automatically for CPU tensors.
-
-Choosing the implementation:
-
-* ``COMMPRESS_KERNELS=torch`` in the environment disables the kernels (``numba`` forces them
-  and fails loudly if numba is missing; ``auto``, the default, uses them when numba imports).
-* :func:`set_backend` / :func:`use_backend` override the environment from Python (tests use
-  them to compare both paths).
+The plain-torch implementations in :mod:`commpress.codecs.quantize` make one memory pass per
+elementary operation (subtract, multiply, round, clamp, cast, pack...) on a CPU. The kernels
+here do the whole encode or decode of ``minmax``, ``sign``, ``qsgd`` and ``terngrad`` in one or
+two passes over the input, parallel over blocks; others select top-k coordinates by threshold
+and draw Random-K's coordinates. Which implementation runs is decided by
+:mod:`commpress.codecs.kernels` (the one switch, ``COMMPRESS_KERNELS``); this module holds
+the numba code only and is loaded through :func:`commpress.codecs.kernels.numba_kernels`.
 
 Both paths produce bit-identical payloads and decodings for deterministic rounding (the same
 fp32 operations in the same order, no fused multiply-add, ``fastmath=False``; only ``sign``'s
@@ -19,44 +15,38 @@ lies within ~1e-15 of a rounding boundary). For stochastic
 rounding the kernel draws its own uniform noise from a counter-based generator (SplitMix64 of
 the element index and a seed taken from the caller's torch generator) because drawing a
 64 MB tensor of ``torch.rand`` costs more than the whole encode; given the same noise tensor
-(``noise=`` argument) the kernel reproduces the torch path bit for bit.
+(``noise=`` argument) the kernel reproduces the torch path bit for bit. The Triton kernels
+(:mod:`commpress.codecs.kernels.triton_gpu`) use the same generator, so both kernel
+backends send the same payload for the same input and seed.
 
-Kernels are compiled on first use (10-20 s of CPU once; :func:`warm_up` does it eagerly) and
-cached on disk (``cache=True``, next to this file or in numba's user cache directory). Calls
-are serialised by a lock, because numba's default ``workqueue`` threading layer aborts the
-process on concurrent parallel launches from several Python threads. Each launch uses as many
-threads as torch does (``torch.get_num_threads()``, which torchrun sets to 1 per process when
-several share a machine): numba's own default is every core, and a parallel kernel in each of
-several processes on the same cores slows down by up to 100x from oversubscription.
+Kernels are compiled on first use (10-20 s of CPU once; ``kernels.warm_up`` does it eagerly)
+and cached on disk (``cache=True``, next to this file or in numba's user cache directory).
+Calls are serialised by a lock, because numba's default ``workqueue`` threading layer aborts
+the process on concurrent parallel launches from several Python threads. Each launch uses as
+many threads as torch does (``torch.get_num_threads()``, which torchrun sets to 1 per process
+when several share a machine): numba's own default is every core, and a parallel kernel in
+each of several processes on the same cores slows down by up to 100x from oversubscription.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
+from commpress.codecs.kernels.common import out32
 from commpress.errors import CommpressError
-
-Backend: TypeAlias = Literal["auto", "numba", "torch"]
-_BACKENDS: tuple[str, ...] = ("auto", "numba", "torch")
-ENV_VAR = "COMMPRESS_KERNELS"
 
 #: Codes handled by one parallel work item (a multiple of 8, so items own whole bytes).
 UNIT = 16384
 #: Longest stretch of one chunk scanned for its min/max by one work item.
 SEGMENT = 16384
 
-_override: str | None = None
 _lock = threading.Lock()
-_load_lock = threading.Lock()
-_compiled: dict[str, Callable[..., Any]] | None = None
-_import_error: str | None = None
 
 
 @contextmanager
@@ -70,100 +60,6 @@ def _launch() -> Iterator[None]:
         if numba.get_num_threads() != wanted:
             numba.set_num_threads(wanted)
         yield
-
-
-# ---------------------------------------------------------------------- backend selection
-def set_backend(name: Backend | None) -> None:
-    """Choose the implementation for CPU tensors: ``"auto"`` (kernels when numba imports),
-    ``"numba"`` (kernels, error if unavailable), ``"torch"`` (plain torch ops) or ``None``
-    (follow the ``COMMPRESS_KERNELS`` environment variable again)."""
-    global _override
-    if name is not None and name not in _BACKENDS:
-        raise CommpressError(
-            f"kernel backend must be one of {', '.join(_BACKENDS)} (or None), got {name!r}"
-        )
-    _override = name
-
-
-@contextmanager
-def use_backend(name: Backend) -> Iterator[None]:
-    """Temporarily choose the implementation (see :func:`set_backend`)."""
-    previous = _override
-    set_backend(name)
-    try:
-        yield
-    finally:
-        set_backend(previous)  # type: ignore[arg-type]
-
-
-def requested_backend() -> str:
-    """The backend asked for: the override, else ``$COMMPRESS_KERNELS``, else ``"auto"``."""
-    if _override is not None:
-        return _override
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value not in _BACKENDS:
-        raise CommpressError(
-            f"environment variable {ENV_VAR}={value!r} is not one of {', '.join(_BACKENDS)}"
-        )
-    return value
-
-
-def available() -> bool:
-    """Whether the numba kernels can be used (numba imports and the kernels compile)."""
-    return _load() is not None
-
-
-def use_kernels(t: torch.Tensor) -> bool:
-    """Whether operations on ``t`` should go through the fused kernels."""
-    if t.device.type != "cpu":
-        return False
-    wanted = requested_backend()
-    if wanted == "torch":
-        return False
-    if _load() is None:
-        if wanted == "numba":
-            raise CommpressError(
-                f"{ENV_VAR}=numba (or set_backend('numba')) but the numba kernels are "
-                f"unavailable: {_import_error}"
-            )
-        return False
-    return True
-
-
-def warm_up() -> bool:
-    """Compile (or load from the on-disk cache) every kernel now instead of at the first
-    encode, for example before timing a training step. Returns :func:`available`."""
-    if not available():
-        return False
-    x = torch.linspace(-1.0, 1.0, 20)
-    for stochastic in (False, True):
-        packed, lo, scale = minmax_encode(x, chunk=8, bits=3, stochastic=stochastic)
-        minmax_decode(packed, lo, scale, chunk=8, bits=3, n=20)
-    signs, total = sign_encode(x)
-    sign_decode(signs, torch.tensor([total / 20]), 20)
-    inv = torch.ones(3)
-    codes = stochastic_encode(x, inv, kind="qsgd", chunk=8, levels=127, bits=8)
-    offset_decode(codes, inv, chunk=8, bits=8, offset=127.0, n=20)
-    codes = stochastic_encode(x, inv, kind="terngrad", chunk=8, levels=1, bits=2)
-    offset_decode(codes, inv, chunk=8, bits=2, offset=1.0, n=20)
-    chunk_norms(x, 8, 1.0)
-    topk_select(x, 3)
-    _kernel("topk_select")(_np(x).view(np.int32), 3, 2, np.empty(3, np.int64))
-    at_least(x, 0.5)[1]()
-    first_distinct(torch.arange(20), 5, 20)
-    return True
-
-
-def _load() -> dict[str, Callable[..., Any]] | None:
-    global _compiled, _import_error
-    if _compiled is None and _import_error is None:
-        with _load_lock:
-            if _compiled is None and _import_error is None:
-                try:
-                    _compiled = _build()
-                except Exception as exc:  # pragma: no cover - depends on the installation
-                    _import_error = f"{type(exc).__name__}: {exc}"
-    return _compiled
 
 
 # ---------------------------------------------------------------------- the kernels
@@ -925,287 +821,198 @@ def _build() -> dict[str, Callable[..., Any]]:
     return compiled
 
 
-def _kernel(name: str) -> Callable[..., Any]:
-    compiled = _load()
-    if compiled is None:  # pragma: no cover - callers check use_kernels first
-        raise CommpressError(f"numba kernels are unavailable: {_import_error}")
-    return compiled[name]
+
+def build() -> NumbaKernels:
+    """Compile (or load from numba's on-disk cache) every kernel; raises when numba is
+    missing or a kernel does not compile."""
+    return NumbaKernels(_build())
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
+    if t.device.type != "cpu":
+        raise CommpressError(f"the numba kernels take CPU tensors, got one on {t.device}")
     return t.detach().numpy()
 
 
-# ---------------------------------------------------------------------- tensor entry points
-def minmax_encode(
-    x: torch.Tensor,
-    *,
-    chunk: int,
-    bits: int,
-    stochastic: bool,
-    seed: int = 0,
-    noise: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize a 1-D contiguous fp32 CPU tensor per chunk to ``bits``-bit codes.
+class NumbaKernels:
+    """The compiled kernels behind tensor entry points (CPU tensors only); one instance,
+    made by the loader of :mod:`commpress.codecs.kernels`."""
 
-    Returns ``(packed codes, per-chunk min, per-chunk scale)``. With ``stochastic`` the noise
-    comes from ``noise`` (``n`` uniforms in [0, 1)) when given, else from the internal
-    generator keyed by ``seed`` (an integer in ``[0, 2**63)``).
-    """
-    n = x.numel()
-    nchunks = -(-n // chunk)
-    packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
-    lo = torch.empty(nchunks, dtype=torch.float32)
-    scale = torch.empty(nchunks, dtype=torch.float32)
-    if noise is not None:
-        mode, noise_np = 2, _np(noise)
-    else:
-        mode, noise_np = (1 if stochastic else 0), np.zeros(1, np.float32)
-    with _launch():
-        _kernel("minmax_encode")(
-            _np(x),
-            chunk,
-            bits,
-            mode,
-            np.uint64(seed),
-            noise_np,
-            _np(packed),
-            _np(lo),
-            _np(scale),
-        )
-    return packed, lo, scale
+    name = "numba"
 
+    def __init__(self, compiled: dict[str, Callable[..., Any]]) -> None:
+        self._compiled = compiled
 
-_scratch = threading.local()
+    def __getitem__(self, name: str) -> Callable[..., Any]:
+        return self._compiled[name]
 
-
-def scratch32(n: int) -> torch.Tensor:
-    """``n`` float32 elements of this thread's scratch buffer (grown on demand, reused).
-
-    Large fresh allocations cost page faults on first touch (glibc maps every block above
-    32 MB afresh), as much as the pass that fills them: the kernel paths widen float16 and
-    bfloat16 inputs, and decode for a narrower ``out=``, through this buffer instead. Its
-    content is valid only until the next call on the same thread, and it never leaves the
-    codec call that asked for it."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < n:
-        buf = torch.empty(max(n, 1), dtype=torch.float32)
-        _scratch.buf = buf
-    return buf[:n]
-
-
-def widen(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (a CPU tensor) as a 1-D contiguous float32 tensor: itself when it already is
-    one, else a copy in :func:`scratch32` (exact for float16 and bfloat16)."""
-    flat = x.reshape(-1)
-    if flat.dtype == torch.float32 and flat.is_contiguous():
-        return flat
-    return scratch32(flat.numel()).copy_(flat)
-
-
-def _out32(out: torch.Tensor | None, n: int) -> torch.Tensor:
-    """``out`` viewed as ``n`` contiguous fp32 values, or a fresh such tensor."""
-    if out is None:
-        return torch.empty(n, dtype=torch.float32)
-    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
-        raise CommpressError(f"kernel output must be {n} contiguous float32 values")
-    return out.view(-1)
-
-
-def minmax_decode(
-    packed: torch.Tensor,
-    lo: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    chunk: int,
-    bits: int,
-    n: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Inverse of :func:`minmax_encode`: ``n`` fp32 values ``code * scale + min`` (written
-    into ``out``, ``n`` contiguous fp32 values, when given)."""
-    out = _out32(out, n)
-    with _launch():
-        _kernel("minmax_decode")(
-            _np(packed.contiguous()),
-            _np(lo.contiguous()),
-            _np(scale.contiguous()),
-            chunk,
-            bits,
-            _np(out),
-        )
-    return out
-
-
-def sign_encode(x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Sign bits (1 for ``x >= 0``) of a 1-D contiguous fp32 CPU tensor, and ``sum |x|``
-    accumulated in fp64."""
-    n = x.numel()
-    packed = torch.empty(-(-n // 8), dtype=torch.uint8)
-    partial = np.zeros(-(-n // UNIT), np.float64)
-    with _launch():
-        _kernel("sign_encode")(_np(x), _np(packed), partial)
-    return packed, float(partial.sum())
-
-
-def sign_decode(
-    packed: torch.Tensor, scale: torch.Tensor, n: int, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``n`` fp32 values: ``+scale`` where the bit is 1, ``-scale`` where it is 0 (written
-    into ``out`` when given)."""
-    out = _out32(out, n)
-    with _launch():
-        _kernel("sign_decode")(_np(packed.contiguous()), np.float32(scale.item()), _np(out))
-    return out
-
-
-def stochastic_encode(
-    x: torch.Tensor,
-    inv: torch.Tensor,
-    *,
-    kind: Literal["qsgd", "terngrad"],
-    chunk: int,
-    levels: int,
-    bits: int,
-    seed: int = 0,
-    noise: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Packed ``bits``-bit codes of QSGD (``kind="qsgd"``: ``levels +- floor(|x| inv + u)``
-    clamped to ``[0, levels]``) or TernGrad (``"terngrad"``: ``1 + sign(x)`` where ``u <
-    |x| inv``, else 1) for a 1-D contiguous fp32 CPU tensor, with ``inv`` per chunk. ``u``
-    comes from ``noise`` when given, else from the internal generator keyed by ``seed``."""
-    n = x.numel()
-    packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
-    if noise is not None:
-        mode, noise_np = 2, _np(noise)
-    else:
-        mode, noise_np = 1, np.zeros(1, np.float32)
-    with _launch():
-        _kernel("stochastic_encode")(
-            _np(x),
-            chunk,
-            0 if kind == "qsgd" else 1,
-            levels,
-            bits,
-            mode,
-            np.uint64(seed),
-            noise_np,
-            _np(inv.contiguous()),
-            _np(packed),
-        )
-    return packed
-
-
-def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
-    """L2 norm of each ``chunk`` of a 1-D contiguous fp32 CPU tensor, summed in float64 and
-    rounded to float32 (norms beyond float32's range clamped to ``clamp``; Inf and NaN
-    propagate). Within one float32 rounding of the torch path's float32 norms."""
-    n = x.numel()
-    norms = torch.empty(-(-n // chunk), dtype=torch.float32)
-    with _launch():
-        _kernel("chunk_norms")(_np(x), chunk, np.float32(clamp), _np(norms))
-    return norms
-
-
-def offset_decode(
-    packed: torch.Tensor,
-    step: torch.Tensor,
-    *,
-    chunk: int,
-    bits: int,
-    offset: float,
-    n: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``n`` fp32 values ``(code - offset) * step[chunk]`` from packed ``bits``-bit codes
-    (written into ``out`` when given)."""
-    out = _out32(out, n)
-    with _launch():
-        _kernel("offset_decode")(
-            _np(packed.contiguous()),
-            _np(step.contiguous()),
-            chunk,
-            bits,
-            np.float32(offset),
-            _np(out),
-        )
-    return out
-
-
-def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D contiguous fp32 CPU
-    tensor (``1 <= k <= n``; NaN ranks as +inf; among equal magnitudes at the threshold the
-    lowest indices are taken), by threshold instead of a sort: a sample of ``max(4096,
-    n/256)`` magnitudes gives a lower bound on the ``k``-th largest, two read passes count
-    and collect the coordinates at or above it (about ``k`` plus a few ``sqrt(k) n /
-    sample``), and a selection (``np.partition``) among those finds the exact threshold;
-    when the bound misses (unlikely; it depends on the data only, never on a seed), a
-    two-digit radix select over the 31-bit magnitude keys (four read passes) does it."""
-    out = torch.empty(k, dtype=torch.int64)
-    with _launch():
-        import numba
-
-        nparts = 4 * numba.get_num_threads()
-        bits = _np(x).view(np.int32)
-        if not _kernel("topk_band")(bits, k, nparts, _np(out)):
-            _kernel("topk_select")(bits, k, nparts, _np(out))
-    return out
-
-
-def at_least(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch.Tensor]]:
-    """How many ``|x| >= threshold`` (NaN counting as +inf) in a 1-D contiguous fp32 CPU
-    tensor, and a function that returns their ascending int64 indices (a second pass, run
-    only when the count is accepted). ``threshold`` is a magnitude (``>= 0``, may be inf)."""
-    bits = _np(x).view(np.int32)
-    key = np.int32(np.array([threshold], np.float32).view(np.int32)[0] & 0x7FFFFFFF)
-    with _launch():
-        import numba
-
-        counts = np.zeros(4 * numba.get_num_threads(), np.int64)
-        if key == 0:
-            counts[0] = bits.size  # every magnitude is >= 0
+    def minmax_encode(
+        self,
+        x: torch.Tensor,
+        *,
+        chunk: int,
+        bits: int,
+        stochastic: bool,
+        seed: int = 0,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """See :func:`commpress.codecs.kernels.minmax_encode`."""
+        n = x.numel()
+        nchunks = -(-n // chunk)
+        packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+        lo = torch.empty(nchunks, dtype=torch.float32)
+        scale = torch.empty(nchunks, dtype=torch.float32)
+        if noise is not None:
+            mode, noise_np = 2, _np(noise)
         else:
-            _kernel("count_at_least")(bits, key, counts)
-    total = int(counts.sum())
-
-    def collect() -> torch.Tensor:
-        if key == 0:
-            return torch.arange(total)
-        out = torch.empty(total, dtype=torch.int64)
+            mode, noise_np = (1 if stochastic else 0), np.zeros(1, np.float32)
         with _launch():
-            _kernel("collect_at_least")(bits, key, counts, _np(out))
+            self["minmax_encode"](
+                _np(x), chunk, bits, mode, np.uint64(seed), noise_np, _np(packed), _np(lo),
+                _np(scale),
+            )
+        return packed, lo, scale
+
+    def minmax_decode(
+        self,
+        packed: torch.Tensor,
+        lo: torch.Tensor,
+        scale: torch.Tensor,
+        *,
+        chunk: int,
+        bits: int,
+        n: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See :func:`commpress.codecs.kernels.minmax_decode`."""
+        out = out32(out, n, packed.device)
+        with _launch():
+            self["minmax_decode"](
+                _np(packed.contiguous()), _np(lo.contiguous()), _np(scale.contiguous()),
+                chunk, bits, _np(out),
+            )
         return out
 
-    return total, collect
+    def sign_encode(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """See :func:`commpress.codecs.kernels.sign_encode`."""
+        n = x.numel()
+        packed = torch.empty(-(-n // 8), dtype=torch.uint8)
+        partial = np.zeros(-(-n // UNIT), np.float64)
+        with _launch():
+            self["sign_encode"](_np(x), _np(packed), partial)
+        return packed, float(partial.sum())
+
+    def sign_encode_scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :func:`commpress.codecs.kernels.sign_encode_scaled`."""
+        packed, total = self.sign_encode(x)
+        return packed, torch.tensor([total / x.numel()], dtype=torch.float64).to(torch.float32)
+
+    def sign_decode(
+        self, packed: torch.Tensor, scale: torch.Tensor, n: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """See :func:`commpress.codecs.kernels.sign_decode`."""
+        out = out32(out, n, packed.device)
+        with _launch():
+            self["sign_decode"](_np(packed.contiguous()), np.float32(scale.item()), _np(out))
+        return out
+
+    def stochastic_encode(
+        self,
+        x: torch.Tensor,
+        inv: torch.Tensor,
+        *,
+        kind: Literal["qsgd", "terngrad"],
+        chunk: int,
+        levels: int,
+        bits: int,
+        seed: int = 0,
+        noise: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See :func:`commpress.codecs.kernels.stochastic_encode`."""
+        n = x.numel()
+        packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+        if noise is not None:
+            mode, noise_np = 2, _np(noise)
+        else:
+            mode, noise_np = 1, np.zeros(1, np.float32)
+        with _launch():
+            self["stochastic_encode"](
+                _np(x), chunk, 0 if kind == "qsgd" else 1, levels, bits, mode, np.uint64(seed),
+                noise_np, _np(inv.contiguous()), _np(packed),
+            )
+        return packed
+
+    def chunk_norms(self, x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
+        """See :func:`commpress.codecs.kernels.chunk_norms`."""
+        norms = torch.empty(-(-x.numel() // chunk), dtype=torch.float32)
+        with _launch():
+            self["chunk_norms"](_np(x), chunk, np.float32(clamp), _np(norms))
+        return norms
+
+    def offset_decode(
+        self,
+        packed: torch.Tensor,
+        step: torch.Tensor,
+        *,
+        chunk: int,
+        bits: int,
+        offset: float,
+        n: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See :func:`commpress.codecs.kernels.offset_decode`."""
+        out = out32(out, n, packed.device)
+        with _launch():
+            self["offset_decode"](
+                _np(packed.contiguous()), _np(step.contiguous()), chunk, bits,
+                np.float32(offset), _np(out),
+            )
+        return out
+
+    def topk_select(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """See :func:`commpress.codecs.kernels.topk_select`."""
+        out = torch.empty(k, dtype=torch.int64)
+        with _launch():
+            import numba
+
+            nparts = 4 * numba.get_num_threads()
+            bits = _np(x).view(np.int32)
+            if not self["topk_band"](bits, k, nparts, _np(out)):
+                self["topk_select"](bits, k, nparts, _np(out))
+        return out
+
+    def at_least(
+        self, x: torch.Tensor, threshold: float
+    ) -> tuple[int, Callable[[], torch.Tensor]]:
+        """See :func:`commpress.codecs.kernels.at_least`."""
+        bits = _np(x).view(np.int32)
+        key = np.int32(np.array([threshold], np.float32).view(np.int32)[0] & 0x7FFFFFFF)
+        with _launch():
+            import numba
+
+            counts = np.zeros(4 * numba.get_num_threads(), np.int64)
+            if key == 0:
+                counts[0] = bits.size  # every magnitude is >= 0
+            else:
+                self["count_at_least"](bits, key, counts)
+        total = int(counts.sum())
+
+        def collect() -> torch.Tensor:
+            if key == 0:
+                return torch.arange(total)
+            out = torch.empty(total, dtype=torch.int64)
+            with _launch():
+                self["collect_at_least"](bits, key, counts, _np(out))
+            return out
+
+        return total, collect
+
+    def first_distinct(self, draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
+        """See :func:`commpress.codecs.kernels.first_distinct`."""
+        out = torch.empty(k, dtype=torch.int64)
+        with _launch():
+            found = self["first_distinct"](_np(draws.contiguous()), k, d, _np(out))
+        return out if found >= k else None
 
 
-def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
-    """The first ``k`` distinct values of ``draws`` (int64 in ``[0, d)``, CPU), sorted
-    ascending; ``None`` when ``draws`` holds fewer than ``k`` distinct values."""
-    out = torch.empty(k, dtype=torch.int64)
-    with _launch():
-        found = _kernel("first_distinct")(_np(draws.contiguous()), k, d, _np(out))
-    return out if found >= k else None
-
-
-__all__ = [
-    "ENV_VAR",
-    "at_least",
-    "chunk_norms",
-    "first_distinct",
-    "offset_decode",
-    "stochastic_encode",
-    "topk_select",
-    "available",
-    "minmax_decode",
-    "minmax_encode",
-    "requested_backend",
-    "set_backend",
-    "sign_decode",
-    "sign_encode",
-    "use_backend",
-    "scratch32",
-    "use_kernels",
-    "warm_up",
-    "widen",
-]
+__all__ = ["SEGMENT", "UNIT", "NumbaKernels", "build"]

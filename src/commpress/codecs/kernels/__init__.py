@@ -1,0 +1,433 @@
+"""Fused kernels for the codecs: one switch, one loader, two backends.
+
+Two kernel backends implement the hot loops of the single-pass codecs (``minmax``, ``sign``,
+``qsgd``, ``terngrad``) and a few selections (top-k, DGC, Random-K):
+
+* :mod:`.numba_cpu`: numba kernels for CPU tensors (every entry point below);
+* :mod:`.triton_gpu`: Triton kernels for CUDA tensors (the quantizers' entry points; the
+  selections keep their torch paths on a GPU). Under Triton's interpreter
+  (``TRITON_INTERPRET=1`` set before this package first loads Triton) they also run on CPU
+  tensors, which is how they are tested without a GPU.
+
+The plain-torch implementations in the codec modules are the reference and the fallback.
+
+**The switch** is ``COMMPRESS_KERNELS`` in the environment, read by :func:`requested_backend`
+only (on each call, so a test or a process may change it), overridden from Python by
+:func:`set_backend` / :func:`use_backend`:
+
+============  =============================  ======================================
+value         CPU tensors                     CUDA tensors
+============  =============================  ======================================
+``auto``      numba (torch if it is missing)  Triton (torch if it does not import)
+``numba``     numba (error if missing)        torch
+``triton``    torch (Triton if interpreted)   Triton (error if it does not import)
+``torch``     torch                           torch
+============  =============================  ======================================
+
+:func:`backend_for` says which one a tensor gets; codecs ask ``use_kernels(t, op)`` (the
+chosen backend implements entry point ``op``; without ``op``: ``t`` gets the numba kernels)
+and then call the entry points below, which dispatch on the tensor's device. The lossless
+codec's numba kernels follow the same switch through :func:`requested_backend` (anything but
+``torch`` lets them run).
+
+Both backends give the torch path's payloads bit for bit for deterministic rounding; for
+stochastic rounding they draw their noise from the same counter-based generator, so numba and
+Triton payloads are identical for the same seed, while the torch path draws ``torch.rand``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any, Literal, TypeAlias
+
+import numpy as np
+import torch
+
+from commpress.codecs.kernels import numba_cpu
+from commpress.codecs.kernels.common import scratch32, widen
+from commpress.errors import CommpressError
+
+Backend: TypeAlias = Literal["auto", "numba", "triton", "torch"]
+_BACKENDS: tuple[str, ...] = ("auto", "numba", "triton", "torch")
+ENV_VAR = "COMMPRESS_KERNELS"
+
+#: Re-exported numba work sizes (see :mod:`.numba_cpu`).
+UNIT = numba_cpu.UNIT
+SEGMENT = numba_cpu.SEGMENT
+
+#: Operations the Triton backend implements; the others run on the torch path on a GPU.
+TRITON_OPS = frozenset(
+    {
+        "minmax_encode",
+        "minmax_decode",
+        "sign_encode_scaled",
+        "sign_decode",
+        "stochastic_encode",
+        "offset_decode",
+        "chunk_norms",
+    }
+)
+
+_override: str | None = None
+_load_lock = threading.Lock()
+# numba backend: the compiled kernels, or why they are unavailable (tests patch these two)
+_compiled: numba_cpu.NumbaKernels | None = None
+_import_error: str | None = None
+# Triton backend: the module, or why it is unavailable
+_triton: ModuleType | None = None
+_triton_error: str | None = None
+
+
+# ---------------------------------------------------------------------- the switch
+def set_backend(name: Backend | None) -> None:
+    """Choose the kernel backend (see the table in the module docs): ``"auto"``,
+    ``"numba"``, ``"triton"``, ``"torch"``, or ``None`` to follow ``COMMPRESS_KERNELS``
+    again."""
+    global _override
+    if name is not None and name not in _BACKENDS:
+        raise CommpressError(
+            f"kernel backend must be one of {', '.join(_BACKENDS)} (or None), got {name!r}"
+        )
+    _override = name
+
+
+@contextmanager
+def use_backend(name: Backend) -> Iterator[None]:
+    """Temporarily choose the kernel backend (see :func:`set_backend`)."""
+    previous = _override
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)  # type: ignore[arg-type]
+
+
+def requested_backend() -> str:
+    """The backend asked for: the override, else ``$COMMPRESS_KERNELS``, else ``"auto"``.
+    The only place the environment variable is read."""
+    if _override is not None:
+        return _override
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in _BACKENDS:
+        raise CommpressError(
+            f"environment variable {ENV_VAR}={value!r} is not one of {', '.join(_BACKENDS)}"
+        )
+    return value
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """Which implementation runs for ``t``: ``"numba"``, ``"triton"`` or ``"torch"`` (the
+    table in the module docs). Raises when a forced backend is unavailable."""
+    wanted = requested_backend()
+    if wanted == "torch":
+        return "torch"
+    device = t.device.type
+    if device == "cpu" and wanted in ("auto", "numba"):
+        if _load() is not None:
+            return "numba"
+        if wanted == "numba":
+            raise CommpressError(
+                f"{ENV_VAR}=numba (or set_backend('numba')) but the numba kernels are "
+                f"unavailable: {_import_error}"
+            )
+        return "torch"
+    if (device == "cuda" and wanted in ("auto", "triton")) or (
+        device == "cpu" and wanted == "triton" and triton_interpreted()
+    ):
+        if _load_triton() is not None:
+            return "triton"
+        if wanted == "triton":
+            raise CommpressError(
+                f"{ENV_VAR}=triton (or set_backend('triton')) but the Triton kernels are "
+                f"unavailable: {_triton_error}"
+            )
+    return "torch"
+
+
+def use_kernels(t: torch.Tensor, op: str | None = None) -> bool:
+    """Whether operation ``op`` (an entry point's name) on ``t`` should go through a kernel
+    backend: the backend :func:`backend_for` picks implements it. Without ``op``: whether
+    ``t`` gets the numba kernels (CPU code; the meaning callers had before the Triton
+    backend, so that numba-only code never receives a CUDA tensor)."""
+    backend = backend_for(t)
+    if op is None:
+        return backend == "numba"
+    return backend == "numba" or (backend == "triton" and op in TRITON_OPS)
+
+
+def available(backend: Literal["numba", "triton"] = "numba") -> bool:
+    """Whether a backend's kernels can be used: numba imports and the kernels compile
+    (``"numba"``, the default), or Triton imports (``"triton"``)."""
+    if backend == "triton":
+        return _load_triton() is not None
+    return _load() is not None
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET=1``), which runs the Triton
+    kernels on CPU tensors. Triton reads the variable when a kernel is defined, so it must
+    be set before this package first loads :mod:`.triton_gpu`; once loaded, the mode is
+    the one it was loaded in."""
+    if _triton is not None:
+        return bool(_triton.INTERPRETED)
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def warm_up() -> bool:
+    """Compile (or load from the on-disk cache) every numba kernel now instead of at the
+    first encode, for example before timing a training step. Returns :func:`available`.
+    (Triton compiles each kernel at its first launch for a new set of constants.)"""
+    if not available():
+        return False
+    x = torch.linspace(-1.0, 1.0, 20)
+    with use_backend("numba"):
+        for stochastic in (False, True):
+            packed, lo, scale = minmax_encode(x, chunk=8, bits=3, stochastic=stochastic)
+            minmax_decode(packed, lo, scale, chunk=8, bits=3, n=20)
+        signs, total = sign_encode(x)
+        sign_decode(signs, torch.tensor([total / 20]), 20)
+        inv = torch.ones(3)
+        codes = stochastic_encode(x, inv, kind="qsgd", chunk=8, levels=127, bits=8)
+        offset_decode(codes, inv, chunk=8, bits=8, offset=127.0, n=20)
+        codes = stochastic_encode(x, inv, kind="terngrad", chunk=8, levels=1, bits=2)
+        offset_decode(codes, inv, chunk=8, bits=2, offset=1.0, n=20)
+        chunk_norms(x, 8, 1.0)
+        topk_select(x, 3)
+        at_least(x, 0.5)[1]()
+        first_distinct(torch.arange(20), 5, 20)
+    _kernel("topk_select")(x.numpy().view(np.int32), 3, 2, np.empty(3, np.int64))
+    return True
+
+
+# ---------------------------------------------------------------------- the loader
+def _load() -> numba_cpu.NumbaKernels | None:
+    """The numba backend, compiled on first use; ``None`` (reason in ``_import_error``) when
+    numba is missing or a kernel does not compile."""
+    global _compiled, _import_error
+    if _compiled is None and _import_error is None:
+        with _load_lock:
+            if _compiled is None and _import_error is None:
+                try:
+                    _compiled = numba_cpu.build()
+                except Exception as exc:  # pragma: no cover - depends on the installation
+                    _import_error = f"{type(exc).__name__}: {exc}"
+    return _compiled
+
+
+def _load_triton() -> ModuleType | None:
+    """The Triton backend module, imported on first use (importing Triton costs ~1 s);
+    ``None`` (reason in ``_triton_error``) when Triton does not import."""
+    global _triton, _triton_error
+    if _triton is None and _triton_error is None:
+        with _load_lock:
+            if _triton is None and _triton_error is None:
+                try:
+                    from commpress.codecs.kernels import triton_gpu  # deferred: heavy import
+
+                    _triton = triton_gpu
+                except Exception as exc:  # pragma: no cover - depends on the installation
+                    _triton_error = f"{type(exc).__name__}: {exc}"
+    return _triton
+
+
+def _kernel(name: str) -> Callable[..., Any]:
+    """One compiled numba kernel by name (tests call them directly)."""
+    compiled = _load()
+    if compiled is None:
+        raise CommpressError(f"numba kernels are unavailable: {_import_error}")
+    return compiled[name]
+
+
+_dispatched: dict[str, int] = {"numba": 0, "triton": 0}
+
+
+def dispatch_counts() -> dict[str, int]:
+    """How many kernel calls each backend has run in this process (``commpress bench
+    codecs`` labels its rows with the backends whose counts moved)."""
+    return dict(_dispatched)
+
+
+def note_dispatch(backend: Literal["numba", "triton"]) -> None:
+    """Count one kernel call run outside the entry points below (for other kernel modules
+    of the library, so that :func:`dispatch_counts` sees them too)."""
+    _dispatched[backend] += 1
+
+
+def _impl(t: torch.Tensor, op: str) -> Any:
+    """The backend object (numba kernels or the Triton module) that runs ``op`` on ``t``."""
+    backend = backend_for(t)
+    if backend == "numba":
+        note_dispatch("numba")
+        return _load()
+    if backend == "triton" and op in TRITON_OPS:
+        note_dispatch("triton")
+        return _load_triton()
+    raise CommpressError(
+        f"no kernel for {op} on a {t.device.type} tensor with backend {requested_backend()!r} "
+        f"(check use_kernels(t, {op!r}) first)"
+    )
+
+
+# ---------------------------------------------------------------------- tensor entry points
+def minmax_encode(
+    x: torch.Tensor,
+    *,
+    chunk: int,
+    bits: int,
+    stochastic: bool,
+    seed: int = 0,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a 1-D contiguous fp32 tensor per chunk to ``bits``-bit codes.
+
+    Returns ``(packed codes, per-chunk min, per-chunk scale)``. With ``stochastic`` the noise
+    comes from ``noise`` (``n`` uniforms in [0, 1)) when given, else from the kernels'
+    generator keyed by ``seed`` (an integer in ``[0, 2**63)``).
+    """
+    return _impl(x, "minmax_encode").minmax_encode(
+        x, chunk=chunk, bits=bits, stochastic=stochastic, seed=seed, noise=noise
+    )
+
+
+def minmax_decode(
+    packed: torch.Tensor,
+    lo: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    chunk: int,
+    bits: int,
+    n: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`minmax_encode`: ``n`` fp32 values ``code * scale + min`` (written
+    into ``out``, ``n`` contiguous fp32 values on the codes' device, when given)."""
+    return _impl(packed, "minmax_decode").minmax_decode(
+        packed, lo, scale, chunk=chunk, bits=bits, n=n, out=out
+    )
+
+
+def sign_encode(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Sign bits (1 for ``x >= 0``) of a 1-D contiguous fp32 CPU tensor, and ``sum |x|``
+    accumulated in fp64 (numba only; codecs use :func:`sign_encode_scaled`)."""
+    return _impl(x, "sign_encode").sign_encode(x)
+
+
+def sign_encode_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sign bits (1 for ``x >= 0``) of a 1-D contiguous fp32 tensor, and ``sign``'s scale:
+    ``sum |x|`` accumulated in fp64, divided by ``n`` and rounded to fp32 (a 1-element
+    tensor on ``x``'s device)."""
+    return _impl(x, "sign_encode_scaled").sign_encode_scaled(x)
+
+
+def sign_decode(
+    packed: torch.Tensor, scale: torch.Tensor, n: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``n`` fp32 values: ``+scale`` where the bit is 1, ``-scale`` where it is 0 (written
+    into ``out`` when given)."""
+    return _impl(packed, "sign_decode").sign_decode(
+        packed, scale, n, out=out
+    )
+
+
+def stochastic_encode(
+    x: torch.Tensor,
+    inv: torch.Tensor,
+    *,
+    kind: Literal["qsgd", "terngrad"],
+    chunk: int,
+    levels: int,
+    bits: int,
+    seed: int = 0,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed ``bits``-bit codes of QSGD (``kind="qsgd"``: ``levels +- floor(|x| inv + u)``
+    clamped to ``[0, levels]``) or TernGrad (``"terngrad"``: ``1 + sign(x)`` where ``u <
+    |x| inv``, else 1) for a 1-D contiguous fp32 tensor, with ``inv`` per chunk. ``u``
+    comes from ``noise`` when given, else from the kernels' generator keyed by ``seed``."""
+    return _impl(x, "stochastic_encode").stochastic_encode(
+        x, inv, kind=kind, chunk=chunk, levels=levels, bits=bits, seed=seed, noise=noise
+    )
+
+
+def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
+    """L2 norm of each ``chunk`` of a 1-D contiguous fp32 tensor, summed in float64 and
+    rounded to float32 (norms beyond float32's range clamped to ``clamp``; Inf and NaN
+    propagate). Within one float32 rounding of the torch path's float32 norms."""
+    return _impl(x, "chunk_norms").chunk_norms(x, chunk, clamp)
+
+
+def offset_decode(
+    packed: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    chunk: int,
+    bits: int,
+    offset: float,
+    n: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``n`` fp32 values ``(code - offset) * step[chunk]`` from packed ``bits``-bit codes
+    (written into ``out`` when given)."""
+    return _impl(packed, "offset_decode").offset_decode(
+        packed, step, chunk=chunk, bits=bits, offset=offset, n=n, out=out
+    )
+
+
+def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D contiguous fp32 CPU
+    tensor (``1 <= k <= n``; NaN ranks as +inf; among equal magnitudes at the threshold the
+    lowest indices are taken), by threshold instead of a sort: a sample of ``max(4096,
+    n/256)`` magnitudes gives a lower bound on the ``k``-th largest, two read passes count
+    and collect the coordinates at or above it (about ``k`` plus a few ``sqrt(k) n /
+    sample``), and a selection (``np.partition``) among those finds the exact threshold;
+    when the bound misses (unlikely; it depends on the data only, never on a seed), a
+    two-digit radix select over the 31-bit magnitude keys (four read passes) does it."""
+    return _impl(x, "topk_select").topk_select(x, k)
+
+
+def at_least(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch.Tensor]]:
+    """How many ``|x| >= threshold`` (NaN counting as +inf) in a 1-D contiguous fp32 CPU
+    tensor, and a function that returns their ascending int64 indices (a second pass, run
+    only when the count is accepted). ``threshold`` is a magnitude (``>= 0``, may be inf)."""
+    return _impl(x, "at_least").at_least(x, threshold)
+
+
+def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
+    """The first ``k`` distinct values of ``draws`` (int64 in ``[0, d)``, CPU), sorted
+    ascending; ``None`` when ``draws`` holds fewer than ``k`` distinct values."""
+    return _impl(draws, "first_distinct").first_distinct(
+        draws, k, d
+    )
+
+
+__all__ = [
+    "ENV_VAR",
+    "TRITON_OPS",
+    "at_least",
+    "available",
+    "backend_for",
+    "chunk_norms",
+    "dispatch_counts",
+    "first_distinct",
+    "minmax_decode",
+    "minmax_encode",
+    "note_dispatch",
+    "offset_decode",
+    "requested_backend",
+    "scratch32",
+    "set_backend",
+    "sign_decode",
+    "sign_encode",
+    "sign_encode_scaled",
+    "stochastic_encode",
+    "topk_select",
+    "triton_interpreted",
+    "use_backend",
+    "use_kernels",
+    "warm_up",
+    "widen",
+]
