@@ -312,7 +312,7 @@ def _golden() -> dict[str, str]:
 #: generator when the numba kernels run (the default: numba is a dependency), and from torch's
 #: generator on the plain torch path: same distribution, different draws. The golden file is
 #: recorded with the kernels; under ``COMMPRESS_KERNELS=torch`` these cases are not compared.
-KERNEL_NOISE_CODECS = ("qsgd", "terngrad")
+KERNEL_NOISE_CODECS = ("qsgd", "terngrad", "thc")
 
 
 def _kernel_noise_differs() -> bool:

@@ -419,7 +419,8 @@ def test_saturation_equals_one_final_clamp_for_identical_workers() -> None:
     ctxs = [CodecContext(rank=r, world_size=n, key="tensor") for r in range(n)]
     y = codec._wire_rotate(x, ctxs[0], lay)
     ranges = codec.block_ranges(y, lay)
-    codes = [codec.quantize(y, ranges, lay, c, torch.int8).long() for c in ctxs]
+    # _quantize: the quantizer reduce() uses (the CPU kernel, with its own noise, by default)
+    codes = [codec._quantize(y, ranges, lay, c, torch.int8).long() for c in ctxs]
     clamped = torch.stack(codes).sum(dim=0).clamp(-codec.levels, codec.levels)
     want = codec._reconstruct(clamped, ranges, lay, ctxs[0], summed=n, divide=1,
                               work=torch.float32)

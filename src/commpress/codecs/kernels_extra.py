@@ -50,6 +50,7 @@ u64 = np.uint64
 f32 = np.float32
 f64 = np.float64
 _BF16_MAX = f32(torch.finfo(torch.bfloat16).max)
+_U24 = f32(2.0**-24)  # 24 random bits times this: a uniform in [0, 1)
 prange = range  # replaced by numba.prange in _build()
 
 
@@ -273,10 +274,10 @@ def _nb_quant(
         half = m // 2
         for k in range(half):
             z = _nb_word(seed, start + k)
-            ubuf[k] = f32(z >> u64(40)) * f32(5.9604644775390625e-08)
-            ubuf[half + k] = f32((z >> u64(16)) & u64(0xFFFFFF)) * f32(5.9604644775390625e-08)
+            ubuf[k] = f32(z >> u64(40)) * _U24
+            ubuf[half + k] = f32((z >> u64(16)) & u64(0xFFFFFF)) * _U24
         if m % 2:  # a block of one coordinate
-            ubuf[m - 1] = f32(_nb_word(seed, start + m - 1) >> u64(40)) * f32(5.9604644775390625e-08)
+            ubuf[m - 1] = f32(_nb_word(seed, start + m - 1) >> u64(40)) * _U24
     else:
         given = noise[start : start + m]
         for k in range(m):
@@ -416,11 +417,89 @@ def _nb_chunk_squares(xi: Any, xb: Any, mode: Any, n: Any, chunk: Any, out: Any)
             out[c] = r * r
 
 
-_HELPERS = ("_nb_word", "_nb_first3", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_peak", "_nb_step",
-            "_nb_quant")
+def _nb_top_keys(keys: Any, count: Any, out: Any) -> None:
+    # out = ascending indices of the ``count`` largest 16-bit keys (ties to the lowest
+    # indices): a histogram finds the threshold key, one more pass collects
+    hist = np.zeros(65536, np.int64)
+    for i in range(keys.size):
+        hist[keys[i]] += 1
+    above = 0
+    threshold = 65535
+    while above + hist[threshold] < count:
+        above += hist[threshold]
+        threshold -= 1
+    ties = count - above
+    j = 0
+    for i in range(keys.size):
+        key = keys[i]
+        if key > threshold:
+            out[j] = i
+            j += 1
+        elif key == threshold and ties > 0:
+            out[j] = i
+            j += 1
+            ties -= 1
+
+
+def _nb_top16(xb: Any, inf_key: Any, k: Any, nparts: Any, out: Any) -> None:
+    # out = ascending indices of the k largest magnitudes of 16-bit floats given as their
+    # bits (key = bits & 0x7FFF, NaN keys clamped to inf_key: NaN ranks as +Inf), ties to
+    # the lowest indices: per-part histograms of the 32768 keys, then one collecting pass
+    n = xb.size
+    per = (n + nparts - 1) // nparts
+    hist = np.zeros((nparts, 32768), np.int64)
+    for p in prange(nparts):
+        src = xb[min(p * per, n) : min((p + 1) * per, n)]
+        h = hist[p]
+        for i in range(src.size):
+            key = src[i] & u16(0x7FFF)
+            h[key if key <= inf_key else inf_key] += 1
+    above = 0
+    threshold = 32767
+    while True:
+        c = 0
+        for p in range(nparts):
+            c += hist[p, threshold]
+        if above + c >= k:
+            break
+        above += c
+        threshold -= 1
+    ties = k - above
+    start = np.zeros(nparts, np.int64)
+    take = np.zeros(nparts, np.int64)
+    pos = 0
+    for p in range(nparts):
+        gt = 0
+        for key in range(threshold + 1, 32768):
+            gt += hist[p, key]
+        take[p] = min(hist[p, threshold], ties)
+        ties -= take[p]
+        start[p] = pos
+        pos += gt + take[p]
+    for p in prange(nparts):
+        a = min(p * per, n)
+        src = xb[a : min((p + 1) * per, n)]
+        j = start[p]
+        left = take[p]
+        for i in range(src.size):
+            key = src[i] & u16(0x7FFF)
+            key = key if key <= inf_key else inf_key
+            if key > threshold:
+                out[j] = a + i
+                j += 1
+            elif key == threshold and left > 0:
+                out[j] = a + i
+                j += 1
+                left -= 1
+
+
+_HELPERS = (
+    "_nb_word", "_nb_first3", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_peak", "_nb_step",
+    "_nb_quant",
+)
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
-    "_nb_chunk_squares",
+    "_nb_chunk_squares", "_nb_top16",
 )
 
 
@@ -432,10 +511,12 @@ def _build() -> dict[str, Callable[..., Any]]:
     opts: dict[str, Any] = {"cache": True, "fastmath": False, "error_model": "numpy"}
     for name in _HELPERS:
         module[name] = numba.njit(**opts)(module[name])
-    return {
+    compiled = {
         name[len("_nb_") :]: numba.njit(parallel=True, **opts)(module[name])
         for name in _KERNELS
     }
+    compiled["top_keys"] = numba.njit(**opts)(module["_nb_top_keys"])
+    return compiled
 
 
 # ---------------------------------------------------------------------- tensor entry points
@@ -548,6 +629,34 @@ def chunk_squares(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return out
 
 
+def top_keys(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """Ascending int64 indices of the ``count`` largest of ``keys`` (a 1-D CPU tensor of
+    integers in ``[0, 65535]``, any integer dtype; ``0 <= count <= len(keys)``), ties going
+    to the lowest indices: two serial passes, no sort."""
+    out = torch.empty(count, dtype=torch.int64)
+    if count:
+        flat = keys.reshape(-1).to(torch.int32).contiguous()
+        _kernel("top_keys")(_np(flat), count, _np(out))
+    return out
+
+
+def top16(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D contiguous float16 or
+    bfloat16 CPU tensor (``1 <= k <= len(x)``; NaN ranks as +Inf; ties at the threshold go
+    to the lowest indices): :func:`kernels.topk_select` of the widened tensor, read in place
+    (16-bit keys: two parallel passes, no float32 copy)."""
+    inf_key = 0x7F80 if x.dtype == torch.bfloat16 else 0x7C00
+    out = torch.empty(k, dtype=torch.int64)
+    with kernels._launch():
+        import numba
+
+        nparts = numba.get_num_threads()
+        _kernel("top16")(
+            _np(x.view(torch.int16)).view(np.uint16), np.uint16(inf_key), k, nparts, _np(out)
+        )
+    return out
+
+
 __all__ = [
     "LOCAL_BLOCK",
     "chunk_squares",
@@ -557,5 +666,7 @@ __all__ = [
     "thc_encode",
     "thc_quantize",
     "thc_rotate",
+    "top16",
+    "top_keys",
     "use_kernels",
 ]

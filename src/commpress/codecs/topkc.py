@@ -16,7 +16,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from commpress.codecs import kernels, kernels_extra
+from commpress.codecs import kernels_extra
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -83,12 +83,14 @@ def select_chunks(norms: torch.Tensor, count: int) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int64, device=norms.device)
     if count >= norms.numel():
         return torch.arange(norms.numel(), device=norms.device)
-    v = norms.to(torch.float32).abs()
-    if kernels.use_kernels(v):
-        # threshold selection (no sort) on magnitudes, ties to the lowest index; it ranks
-        # NaN as +Inf, so +Inf moves just above every finite 16-bit norm (float32's largest)
-        v = torch.where(v == math.inf, torch.full_like(v, torch.finfo(torch.float32).max), v)
-        return kernels.topk_select(v, count)  # squared norms are >= 0; abs maps -0.0 to +0.0
+    if norms.dtype in (torch.float16, torch.bfloat16) and kernels_extra.use_kernels(norms):
+        # 16-bit norms: their magnitude bits order like the values (NaNs above +Inf, moved to
+        # the top key); a histogram selects them with the same ties, without a sort
+        mag = norms.contiguous().view(torch.int16).to(torch.int32) & 0x7FFF
+        inf_bits = 0x7F80 if norms.dtype == torch.bfloat16 else 0x7C00
+        keys = torch.where(mag > inf_bits, 0xFFFF, mag)
+        return kernels_extra.top_keys(keys, count)
+    v = norms.to(torch.float32).abs()  # squared norms are >= 0; abs maps -0.0 to +0.0
     bits = v.view(torch.int32).to(torch.int64)
     bits = torch.where(torch.isnan(v), torch.full_like(bits, _NAN_KEY), bits)
     index = torch.arange(v.numel(), device=v.device, dtype=torch.int64)
@@ -349,7 +351,11 @@ class TopKC(Codec):
         chosen = select_chunks(norms, lay.selected)
         work = torch.float64 if payload.dtype == torch.float64 else torch.float32
         e = self.exponent(bound, payload.dtype)
-        chosen_values = saturating_cast(unscale_values(values, e, work), payload.dtype)
+        if values.device.type == "cpu" and not bool(e):
+            wide = values.to(work)  # 2^0: nothing to scale, nothing can overflow
+        else:
+            wide = unscale_values(values, e, work)
+        chosen_values = saturating_cast(wide, payload.dtype)
         if out is None or lay.chunks * lay.chunk != lay.numel:
             full = torch.zeros(lay.chunks, lay.chunk, dtype=payload.dtype, device=values.device)
             target = full.view(-1)
