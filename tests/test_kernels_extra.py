@@ -165,18 +165,40 @@ def test_topkc_kernel_payloads_and_decode_match_torch(
     assert codec.decode(fused, ctx, out=out) is out and _same(out, want)
 
 
-def test_top_keys_ties_go_to_the_lowest_indices() -> None:
-    keys = torch.tensor([3, 7, 7, 1, 7, 65535, 0, 7], dtype=torch.int32)
-    assert kernels_extra.top_keys(keys, 3).tolist() == [1, 2, 5]
-    assert kernels_extra.top_keys(keys, 0).tolist() == []
-    assert kernels_extra.top_keys(keys, 8).tolist() == list(range(8))
+def test_top_keys_ties_go_to_the_lowest_indices_and_nan_ranks_first() -> None:
+    for dtype in (torch.bfloat16, torch.float16):
+        norms = torch.tensor([3, 7, 7, 1, 7, math.inf, 0, 7, math.nan], dtype=dtype)
+        assert kernels_extra.top_keys(norms, 3).tolist() == [1, 5, 8]
+        assert kernels_extra.top_keys(norms, 1).tolist() == [8]
+        assert kernels_extra.top_keys(norms, 0).tolist() == []
+        assert kernels_extra.top_keys(norms, 9).tolist() == list(range(9))
 
 
-def test_chunk_squares_match_float64_sums() -> None:
+def test_chunk_norms_match_float64_sums() -> None:
     x = torch.randn(1001) * 1e30
+    x[70] = math.inf
     for dtype in (torch.float32, torch.bfloat16):
         v = x.to(dtype)
-        got = kernels_extra.chunk_squares(v, 64)
+        got, largest = kernels_extra.chunk_norms(v, 64, 3e38)
         want = torch.nn.functional.pad(v.double(), (0, 1024 - 1001)).view(16, 64)
         want = want.square().sum(dim=1)
-        assert torch.allclose(got, want, rtol=1e-14, atol=0)
+        assert torch.isnan(got[1]) and not torch.isnan(got[[0, *range(2, 16)]]).any()
+        finite = torch.isfinite(want)
+        assert torch.equal(got[finite], want[finite].clamp(max=3e38).float())
+        assert math.isclose(float(largest), float(want[finite].max()), rel_tol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 5, 1001, 70001])
+def test_top16_matches_the_torch_selection(dtype: torch.dtype, n: int) -> None:
+    """16-bit keys read in place select what the torch path selects: NaN ranks as +Inf,
+    ties (many, from repeated values) go to the lowest indices."""
+    from commpress.codecs.sparse import exact_top, magnitudes, top_magnitudes
+
+    x = _input(n, dtype, seed=n)
+    if n > 10:
+        x[: n // 3] = x[n // 3 : 2 * (n // 3)]
+        x[2], x[7], x[9] = math.nan, -math.inf, math.inf
+    for k in sorted({1, max(1, n // 100), n // 2, n - 1}):
+        if 0 < k < n:
+            assert torch.equal(top_magnitudes(x, k), exact_top(magnitudes(x), k))

@@ -381,9 +381,12 @@ def _nb_thc_decode(
                     dstb[k] = u16(0x7FC0) if (w & u32(0x7FFFFFFF)) > u32(0x7F800000) else u16(r)
 
 
-def _nb_chunk_squares(xi: Any, xb: Any, mode: Any, n: Any, chunk: Any, out: Any) -> None:
-    # out[c] = (sqrt(sum of squares of chunk c, in float64))^2, as torch's float64
-    # vector_norm(...).square() gives it (up to the summation order)
+def _nb_chunk_squares(
+    xi: Any, xb: Any, mode: Any, n: Any, chunk: Any, top: Any, out: Any, largest: Any
+) -> None:
+    # out[c] = float32(min(q, top)) with q = (sqrt(sum of squares of chunk c in float64))^2
+    # (as torch's float64 vector_norm(...).square(), up to the summation order), NaN when q
+    # is not finite; largest[item] = the largest finite q of the item's chunks (0 if none)
     nchunks = out.size
     per = max(1, _ITEM // chunk)
     xf = xi.view(np.float32)
@@ -391,6 +394,7 @@ def _nb_chunk_squares(xi: Any, xb: Any, mode: Any, n: Any, chunk: Any, out: Any)
         wide = np.empty(chunk, np.uint32)
         vals = wide.view(np.float32)
         lanes = np.empty(8, np.float64)
+        big = 0.0
         for c in range(item * per, min((item + 1) * per, nchunks)):
             s = c * chunk
             cnt = min(s + chunk, n) - s
@@ -414,24 +418,33 @@ def _nb_chunk_squares(xi: Any, xb: Any, mode: Any, n: Any, chunk: Any, out: Any)
                 v = f64(src[k])
                 acc += v * v
             r = np.sqrt(acc)
-            out[c] = r * r
+            q = r * r
+            if q < np.inf:  # finite (q >= 0; NaN compares false)
+                big = q if q > big else big
+                out[c] = f32(q if q < top else top)
+            else:
+                out[c] = f32(np.nan)
+        largest[item] = big
 
 
-def _nb_top_keys(keys: Any, count: Any, out: Any) -> None:
-    # out = ascending indices of the ``count`` largest 16-bit keys (ties to the lowest
-    # indices): a histogram finds the threshold key, one more pass collects
-    hist = np.zeros(65536, np.int64)
-    for i in range(keys.size):
-        hist[keys[i]] += 1
+def _nb_top_keys(bits: Any, inf_key: Any, count: Any, out: Any) -> None:
+    # out = ascending indices of the ``count`` largest magnitudes of 16-bit floats given as
+    # their bits (NaN above +Inf; ties to the lowest indices): a histogram of the keys
+    # finds the threshold, one more pass collects
+    hist = np.zeros(32769, np.int64)
+    for i in range(bits.size):
+        key = np.int64(bits[i] & u16(0x7FFF))
+        hist[key if key <= inf_key else 32768] += 1
     above = 0
-    threshold = 65535
+    threshold = 32768
     while above + hist[threshold] < count:
         above += hist[threshold]
         threshold -= 1
     ties = count - above
     j = 0
-    for i in range(keys.size):
-        key = keys[i]
+    for i in range(bits.size):
+        key = np.int64(bits[i] & u16(0x7FFF))
+        key = key if key <= inf_key else 32768
         if key > threshold:
             out[j] = i
             j += 1
@@ -617,26 +630,32 @@ def thc_decode(
     return out
 
 
-def chunk_squares(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Squared L2 norm of every ``chunk`` consecutive elements of a CPU tensor (float32,
-    bfloat16 or float16; the last chunk may be short), summed in float64: one pass, no
-    float64 copy of the input."""
+def chunk_norms(
+    x: torch.Tensor, chunk: int, top: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TopKC's squared chunk norms of a CPU tensor (float32, bfloat16 or float16; the last
+    chunk may be short) in one pass, no float64 copy of the input: ``(norms, largest)``,
+    the float64 sums of squares clamped to ``top`` and rounded to float32 (NaN where not
+    finite), and the largest finite sum (float64, 0-d; 0 when there is none)."""
     xi, xb, mode = _source(x)
     n = x.numel()
-    out = torch.empty(-(-n // chunk), dtype=torch.float64)
+    nchunks = -(-n // chunk)
+    out = torch.empty(nchunks, dtype=torch.float32)
+    largest = np.zeros(-(-nchunks // max(1, _ITEM // chunk)), np.float64)
     with kernels._launch():
-        _kernel("chunk_squares")(xi, xb, mode, n, chunk, _np(out))
-    return out
+        _kernel("chunk_squares")(xi, xb, mode, n, chunk, np.float64(top), _np(out), largest)
+    return out, torch.tensor(float(largest.max(initial=0.0)), dtype=torch.float64)
 
 
-def top_keys(keys: torch.Tensor, count: int) -> torch.Tensor:
-    """Ascending int64 indices of the ``count`` largest of ``keys`` (a 1-D CPU tensor of
-    integers in ``[0, 65535]``, any integer dtype; ``0 <= count <= len(keys)``), ties going
-    to the lowest indices: two serial passes, no sort."""
+def top_keys(norms: torch.Tensor, count: int) -> torch.Tensor:
+    """Ascending int64 indices of the ``count`` largest of a 1-D float16 or bfloat16 CPU
+    tensor of non-negative values (``0 <= count <= len``), NaN above ``+Inf``, ties to the
+    lowest indices: a histogram of the 16-bit keys, two serial passes, no sort."""
+    inf_key = 0x7F80 if norms.dtype == torch.bfloat16 else 0x7C00
     out = torch.empty(count, dtype=torch.int64)
     if count:
-        flat = keys.reshape(-1).to(torch.int32).contiguous()
-        _kernel("top_keys")(_np(flat), count, _np(out))
+        raw = _np(norms.contiguous().view(torch.int16)).view(np.uint16)
+        _kernel("top_keys")(raw, inf_key, count, _np(out))
     return out
 
 
@@ -659,7 +678,7 @@ def top16(x: torch.Tensor, k: int) -> torch.Tensor:
 
 __all__ = [
     "LOCAL_BLOCK",
-    "chunk_squares",
+    "chunk_norms",
     "sign_bytes",
     "splitmix_words",
     "thc_decode",

@@ -84,12 +84,9 @@ def select_chunks(norms: torch.Tensor, count: int) -> torch.Tensor:
     if count >= norms.numel():
         return torch.arange(norms.numel(), device=norms.device)
     if norms.dtype in (torch.float16, torch.bfloat16) and kernels_extra.use_kernels(norms):
-        # 16-bit norms: their magnitude bits order like the values (NaNs above +Inf, moved to
-        # the top key); a histogram selects them with the same ties, without a sort
-        mag = norms.contiguous().view(torch.int16).to(torch.int32) & 0x7FFF
-        inf_bits = 0x7F80 if norms.dtype == torch.bfloat16 else 0x7C00
-        keys = torch.where(mag > inf_bits, 0xFFFF, mag)
-        return kernels_extra.top_keys(keys, count)
+        # 16-bit norms: their magnitude bits order like the values (NaNs put above +Inf); a
+        # histogram selects them with the same ties, without a sort
+        return kernels_extra.top_keys(norms.reshape(-1), count)
     v = norms.to(torch.float32).abs()  # squared norms are >= 0; abs maps -0.0 to +0.0
     bits = v.view(torch.int32).to(torch.int64)
     bits = torch.where(torch.isnan(v), torch.full_like(bits, _NAN_KEY), bits)
@@ -243,17 +240,17 @@ class TopKC(Codec):
         ``source`` (the flat input, for the CPU kernels) one fused pass computes the sums of
         squares instead (the same float64 values up to summation order, so the 16-bit norms
         agree unless a sum lies within a float64 rounding of a 16-bit rounding boundary)."""
-        rows = max(1, _NORM_SLICE // max(1, chunks.shape[1]))
+        top = torch.finfo(self._norm_dtype).max
         if source is not None:
-            sq = kernels_extra.chunk_squares(source, chunks.shape[1])
-        else:
-            sq = self._torch_squares(chunks, rows)
+            clamped, largest = kernels_extra.chunk_norms(source, chunks.shape[1], top)
+            return clamped.to(self._norm_dtype), largest
+        rows = max(1, _NORM_SLICE // max(1, chunks.shape[1]))
+        sq = self._torch_squares(chunks, rows)
         finite = torch.isfinite(sq)
         largest = (
             torch.where(finite, sq, torch.zeros_like(sq)).amax()
             if sq.numel() else sq.new_zeros(())
         )
-        top = torch.finfo(self._norm_dtype).max
         sq = torch.where(finite, sq.clamp(max=top), torch.full_like(sq, math.nan))
         return sq.to(torch.float32).to(self._norm_dtype), largest
 
