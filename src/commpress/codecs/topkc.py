@@ -324,7 +324,8 @@ class TopKC(Codec):
         bound = self._bound(x, largest_sq)
         chosen = select_chunks(norms, lay.selected)
         e = self.exponent(bound, x.dtype)
-        values = scale_values(chunks[chosen].reshape(-1), self._value_dtype, e)
+        picked = chunks.index_select(0, chosen).reshape(-1)
+        values = scale_values(picked, self._value_dtype, e)
         return self._payload(x, norms, values, bound)
 
     @staticmethod
@@ -387,7 +388,8 @@ class TopKC(Codec):
         with error_context(f"{self.codec_id}.reduce"):
             chosen = select_chunks(norms, lay.selected)
             e = self.exponent(bound, x.dtype)
-            values = scale_values(chunks[chosen].reshape(-1), self._value_dtype, e)
+            picked = chunks.index_select(0, chosen).reshape(-1)
+            values = scale_values(picked, self._value_dtype, e)
             averaging = ctx.average and ctx.world_size > 1
             sent = values / ctx.world_size if averaging else values
         reply = yield AllReduce(tensors={"values": sent})
