@@ -166,9 +166,9 @@ class Thc(Codec):
        holding the same tensor the saturated aggregate is about ``clamp(n v, -L, L)`` in code
        units (``v`` one worker's scaled value), an NMSE of ``2 ((1 + a^2) Q(a) - a phi(a))``
        with ``a = L / (n sigma_v)`` for Gaussian-like codes (``Q``, ``phi``: the standard
-       normal tail and density). Measured with ``q = b = 4``, ``d = 4096``: 0.04, 0.24 and
-       0.42 for 2, 5 and 8 identical workers, 0.23 at 5 workers holding ``g + 0.3 noise``,
-       against 0.03, 0.011 and 0.007 without saturation; it grows towards 1 with ``n``. Use
+       normal tail and density). Measured with ``q = b = 4``, ``d = 4096``: 0.04, 0.25 and
+       0.44 for 2, 5 and 8 identical workers, 0.25 at 5 workers holding ``g + 0.3 noise``,
+       against 0.03, 0.010 and 0.006 without saturation; it grows towards 1 with ``n``. Use
        it only for nearly independent gradients, or buy headroom with ``lane_bits``.
 
     Range of inputs: finite inputs never decode to NaN. Float16 and bfloat16 outputs are cast
