@@ -315,7 +315,7 @@ def _golden() -> dict[str, str]:
 #: or ``triton`` without Triton's interpreter) these cases are not compared. The Triton kernels
 #: draw the same noise as numba, so under ``COMMPRESS_KERNELS=triton TRITON_INTERPRET=1`` they
 #: are.
-KERNEL_NOISE_CODECS = ("qsgd", "terngrad")
+KERNEL_NOISE_CODECS = ("qsgd", "terngrad", "thc")
 
 
 def _kernel_noise_differs() -> bool:

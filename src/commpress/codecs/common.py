@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from commpress.codecs.base import require
+from commpress.codecs.base import CodecContext, require
 from commpress.errors import CommpressError
 
 #: Seeds of every seeded codec are integers in ``[0, 2**63)``: they fit a signed 64-bit integer
@@ -20,6 +20,13 @@ def require_seed(seed: int) -> None:
     """Refuse a codec ``seed`` outside ``[0, 2**63)`` (the one rule for every seeded codec:
     ``minmax``, ``qsgd``, ``terngrad``, ``thc``, ``randomk``, ``powersgd``, ``dgc``)."""
     require(0 <= seed < SEED_LIMIT, "seed must be in [0, 2**63)", seed)
+
+
+def kernel_seed(ctx: CodecContext, seed: int) -> int:
+    """A 63-bit seed for the CPU kernels' own counter-based generator, drawn from this
+    worker's stream (quantizers' and THC's rounding noise)."""
+    g = ctx.generator(seed, shared=False, device=torch.device("cpu"))
+    return int(torch.randint(0, SEED_LIMIT - 1, (1,), generator=g).item())
 
 
 def reply_part(reply: Any, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -81,6 +88,7 @@ def scatter_into(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor
 
 __all__ = [
     "SEED_LIMIT",
+    "kernel_seed",
     "finite_max_abs",
     "reply_part",
     "require_seed",

@@ -36,7 +36,7 @@ from commpress.codecs.base import (
     saturating_cast,
 )
 from commpress.codecs.bitpack import pack_bits, unpack_bits
-from commpress.codecs.common import SEED_LIMIT, require_seed
+from commpress.codecs.common import kernel_seed, require_seed
 from commpress.codecs.registry import register_codec
 
 #: float32 constants of ``minmax``'s exact power-of-two pre-scaling (see :func:`minmax_params`).
@@ -161,10 +161,6 @@ def _uniform(ctx: CodecContext, seed: int, n: int, device: torch.device) -> torc
     return torch.rand(n, generator=g, device=device, dtype=torch.float32)
 
 
-def _kernel_seed(ctx: CodecContext, seed: int) -> int:
-    """A 63-bit seed for the CPU kernels' own generator, from this worker's stream."""
-    g = ctx.generator(seed, shared=False, device=torch.device("cpu"))
-    return int(torch.randint(0, SEED_LIMIT - 1, (1,), generator=g).item())
 
 
 def _into(
@@ -395,7 +391,7 @@ class MinMax(Codec):
         chunk = chunk_length(n, self.chunk_size)
         stochastic = self.rounding == "stochastic"
         if kernels.use_kernels(flat, "minmax_encode"):
-            seed = _kernel_seed(ctx, self.seed) if stochastic else 0
+            seed = kernel_seed(ctx, self.seed) if stochastic else 0
             packed, lo, scale = kernels.minmax_encode(
                 flat, chunk=chunk, bits=self.bits, stochastic=stochastic, seed=seed
             )
@@ -526,7 +522,7 @@ class QSGD(Codec):
             inv = torch.where(valid, s / norm, torch.zeros_like(norm))
             packed = kernels.stochastic_encode(
                 flat, inv, kind="qsgd", chunk=chunk, levels=self.levels, bits=self.code_bits,
-                seed=_kernel_seed(ctx, self.seed),
+                seed=kernel_seed(ctx, self.seed),
             )
             return self.make_payload(x, {"codes": packed, "norm": norm})
         noise = _uniform(ctx, self.seed, n, flat.device)
@@ -641,7 +637,7 @@ class TernGrad(Codec):
             m = _per_chunk(flat, chunk, _max_abs)
             packed = kernels.stochastic_encode(
                 flat, _safe_reciprocal(m), kind="terngrad", chunk=chunk, levels=1, bits=2,
-                seed=_kernel_seed(ctx, self.seed),
+                seed=kernel_seed(ctx, self.seed),
             )
             return self.make_payload(x, {"codes": packed, "scale": m})
         noise = _uniform(ctx, self.seed, n, flat.device)

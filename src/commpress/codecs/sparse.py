@@ -37,7 +37,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from commpress.codecs import kernels
+from commpress.codecs import kernels, kernels_extra
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -115,11 +115,13 @@ def exact_top(importance: torch.Tensor, k: int) -> torch.Tensor:
 def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D tensor (NaN ranks as
     +inf; ties at the threshold go to the lowest indices). On CPU with the numba kernels a
-    radix select over the fp32 bit patterns (float16/bfloat16 are widened to float32 first,
-    which keeps every order); else :func:`exact_top` of :func:`magnitudes`. Both give the
-    same indices."""
+    radix select over the fp32 bit patterns (float16/bfloat16: a histogram of their 16-bit
+    magnitude keys, read in place, which orders and ties them as float32 would); else
+    :func:`exact_top` of :func:`magnitudes`. All give the same indices."""
     d = flat.numel()
     if 0 < k < d and flat.dtype != torch.float64 and kernels.use_kernels(flat, "topk_select"):
+        if flat.dtype in (torch.float16, torch.bfloat16) and kernels_extra.use_kernels(flat):
+            return kernels_extra.top16(flat.contiguous(), k)
         return kernels.topk_select(kernels.widen(flat), k)
     return exact_top(magnitudes(flat), k)
 

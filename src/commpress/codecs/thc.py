@@ -21,6 +21,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from commpress.codecs import kernels_extra
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -29,7 +30,7 @@ from commpress.codecs.base import (
     require,
     saturating_cast,
 )
-from commpress.codecs.common import reply_part, require_seed, work_dtype
+from commpress.codecs.common import SEED_LIMIT, kernel_seed, reply_part, require_seed, work_dtype
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.registry import register_codec
 from commpress.errors import ConfigError, PayloadError, error_context
@@ -160,9 +161,9 @@ class Thc(Codec):
        holding the same tensor the saturated aggregate is about ``clamp(n v, -L, L)`` in code
        units (``v`` one worker's scaled value), an NMSE of ``2 ((1 + a^2) Q(a) - a phi(a))``
        with ``a = L / (n sigma_v)`` for Gaussian-like codes (``Q``, ``phi``: the standard
-       normal tail and density). Measured with ``q = b = 4``, ``d = 4096``: 0.04, 0.24 and
-       0.42 for 2, 5 and 8 identical workers, 0.23 at 5 workers holding ``g + 0.3 noise``,
-       against 0.03, 0.011 and 0.007 without saturation; it grows towards 1 with ``n``. Use
+       normal tail and density). Measured with ``q = b = 4``, ``d = 4096``: 0.04, 0.25 and
+       0.44 for 2, 5 and 8 identical workers, 0.25 at 5 workers holding ``g + 0.3 noise``,
+       against 0.03, 0.010 and 0.006 without saturation; it grows towards 1 with ``n``. Use
        it only for nearly independent gradients, or buy headroom with ``lane_bits``.
 
     Range of inputs: finite inputs never decode to NaN. Float16 and bfloat16 outputs are cast
@@ -289,6 +290,12 @@ class Thc(Codec):
         return width
 
     # ------------------------------------------------------------------ rotation
+    def _sign_seed(self, ctx: CodecContext) -> int:
+        """Seed of the shared signs, drawn from the shared stream on the CPU (so that every
+        device and both implementations draw the same signs)."""
+        g = ctx.generator(self.seed + _SIGN_STREAM, shared=True, device=torch.device("cpu"))
+        return int(torch.randint(0, SEED_LIMIT - 1, (1,), generator=g).item())
+
     def _signs(
         self,
         ctx: CodecContext,
@@ -297,12 +304,11 @@ class Thc(Codec):
         dtype: torch.dtype,
         scale: float | torch.Tensor,
     ) -> torch.Tensor:
-        """Shared random signs times ``scale`` (a number, or one value per block)."""
-        g = ctx.generator(self.seed + _SIGN_STREAM, shared=True, device=device)
-        # one random byte gives 8 signs: an eighth of the generator work of one draw per sign
-        raw = torch.randint(
-            0, 256, (-(-lay.padded // 8),), generator=g, device=device, dtype=torch.uint8
-        )
+        """Shared random signs times ``scale`` (a number, or one value per block).
+
+        The sign bits are SplitMix64 words of a seed from the shared stream (64 signs per
+        word, :func:`kernels_extra.sign_bytes`), which the CPU kernels compute on the fly."""
+        raw = kernels_extra.sign_bytes(self._sign_seed(ctx), lay.padded, device)
         shifts = torch.arange(8, device=device, dtype=torch.uint8)
         bits = ((raw.unsqueeze(1) >> shifts) & 1).reshape(-1)[: lay.padded].to(dtype)
         if isinstance(scale, torch.Tensor):  # per block
@@ -310,6 +316,19 @@ class Thc(Codec):
             out = bits.view(lay.blocks, lay.block).mul_(-2 * s).add_(s)
             return out.view(-1)
         return bits.mul_(-2 * scale).add_(scale)  # bit 0 -> +scale, 1 -> -scale
+
+    def _fused(self, x: torch.Tensor, lay: ThcLayout) -> bool:
+        """Whether the CPU kernels handle ``x`` (float32/bfloat16/float16 on the CPU, blocks
+        that fit in cache; float64 and larger blocks take the torch path)."""
+        return (
+            lay.padded > 0
+            and x.dtype != torch.float64
+            and lay.block <= kernels_extra.LOCAL_BLOCK
+            and kernels_extra.use_kernels(x)
+        )
+
+    def _wire_scale(self, lay: ThcLayout) -> float:
+        return 2.0**-lay.headroom_log2 / math.sqrt(lay.block)
 
     def _rotate(
         self, x: torch.Tensor, ctx: CodecContext, lay: ThcLayout, scale: float
@@ -349,7 +368,7 @@ class Thc(Codec):
     def _wire_rotate(self, x: torch.Tensor, ctx: CodecContext, lay: ThcLayout) -> torch.Tensor:
         """The rotation the codec quantizes: :meth:`rotate` times ``2^-E`` (see
         :attr:`ThcLayout.headroom_log2`); exact scaling, so no stage can overflow."""
-        return self._rotate(x, ctx, lay, 2.0**-lay.headroom_log2 / math.sqrt(lay.block))
+        return self._rotate(x, ctx, lay, self._wire_scale(lay))
 
     # ------------------------------------------------------------------ quantization
     @staticmethod
@@ -387,17 +406,56 @@ class Thc(Codec):
 
         Dividing by the step (rather than multiplying by ``L / M_b``, which overflows float32
         for ranges below ``~L * 2^-128``) keeps tiny blocks exact; a zero or non-finite step
-        gives code 0.
+        gives code 0. The noise is ``torch.rand`` of this worker's stream (the torch path;
+        the CPU kernels draw their own, see :meth:`_quantize`).
         """
         if lay.padded == 0:
             return torch.zeros(0, dtype=lane, device=y.device)
-        L = self.levels
-        step = self.steps(ranges).to(y.dtype)
         g = ctx.generator(self.seed + _ROUND_STREAM, shared=False, device=y.device)
         noise = torch.rand(lay.padded, generator=g, device=y.device, dtype=y.dtype)
+        return self.quantize_with(y, ranges, lay, noise, lane)
+
+    def quantize_with(
+        self, y: torch.Tensor, ranges: torch.Tensor, lay: ThcLayout, noise: torch.Tensor,
+        lane: torch.dtype,
+    ) -> torch.Tensor:
+        """:meth:`quantize` with the given uniform ``noise`` (``lay.padded`` values)."""
+        L = self.levels
+        step = self.steps(ranges).to(y.dtype)
         v = (y.view(lay.blocks, lay.block) / step.unsqueeze(1)).view(-1)
         codes = v.add_(noise).floor_().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         return codes.clamp_(-L, L).to(lane)
+
+    def _quantize(
+        self, y: torch.Tensor, ranges: torch.Tensor, lay: ThcLayout, ctx: CodecContext,
+        lane: torch.dtype,
+    ) -> torch.Tensor:
+        """:meth:`quantize`, by the CPU kernel (its own noise) for a float32 CPU ``y``."""
+        if lay.padded and y.dtype == torch.float32 and kernels_extra.use_kernels(y):
+            return kernels_extra.thc_quantize(
+                y, self.steps(ranges), block=lay.block, levels=self.levels,
+                seed=kernel_seed(ctx, self.seed + _ROUND_STREAM), lane=lane,
+            )
+        return self.quantize(y, ranges, lay, ctx, lane)
+
+    def _decode_params(
+        self, ranges: torch.Tensor, lay: ThcLayout, *, summed: int, divide: int,
+        work: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per block: the step to multiply the codes by (``work`` dtype) and the factor of
+        the final signs (float64), see :meth:`_reconstruct`."""
+        step = self.steps(ranges).double()
+        worst = lay.block * summed * self.levels * step
+        limit = torch.finfo(work).max / 2
+        k = torch.ceil(torch.log2(worst / limit)).clamp_(min=0)
+        k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))
+        scaled_step = torch.ldexp(step, -k).to(work)
+        # inverse of the wire rotation x -> H(D x 2^-E / sqrt(B)): x = D H(y) 2^E / sqrt(B)
+        factor = torch.ldexp(
+            torch.full_like(step, 1.0 / (math.sqrt(lay.block) * divide)),
+            k + lay.headroom_log2,
+        )
+        return scaled_step, factor
 
     def _reconstruct(
         self,
@@ -420,20 +478,54 @@ class Thc(Codec):
         """
         if lay.padded == 0:
             return torch.zeros(0, dtype=work, device=codes.device)
-        step = self.steps(ranges).double()
-        worst = lay.block * summed * self.levels * step
-        limit = torch.finfo(work).max / 2
-        k = torch.ceil(torch.log2(worst / limit)).clamp_(min=0)
-        k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))
-        scaled_step = torch.ldexp(step, -k).to(work)
-        y = (codes.to(work).view(lay.blocks, lay.block) * scaled_step.unsqueeze(1)).view(-1)
-        # inverse of the wire rotation x -> H(D x 2^-E / sqrt(B)): x = D H(y) 2^E / sqrt(B)
-        factor = torch.ldexp(
-            torch.full_like(step, 1.0 / (math.sqrt(lay.block) * divide)),
-            k + lay.headroom_log2,
+        scaled_step, factor = self._decode_params(
+            ranges, lay, summed=summed, divide=divide, work=work
         )
+        y = (codes.to(work).view(lay.blocks, lay.block) * scaled_step.unsqueeze(1)).view(-1)
         signs = self._signs(ctx, lay, codes.device, work, factor)
         return (hadamard_transform(y, lay.block) * signs)[: lay.numel]
+
+    def _output(
+        self,
+        codes: torch.Tensor,
+        ranges: torch.Tensor,
+        lay: ThcLayout,
+        ctx: CodecContext,
+        *,
+        summed: int,
+        divide: int,
+        dtype: torch.dtype,
+        shape: tuple[int, ...] | torch.Size,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decoding as a ``dtype`` tensor of ``shape`` (written into ``out`` when given):
+        :meth:`_reconstruct` and a saturating cast, fused in the CPU kernel."""
+        if self._fused(codes, lay) and dtype != torch.float64:
+            step, factor = self._decode_params(
+                ranges, lay, summed=summed, divide=divide, work=torch.float32
+            )
+            direct = dtype in (torch.float32, torch.bfloat16)
+            if out is not None and direct:
+                target = out
+            else:
+                target = torch.empty(
+                    lay.numel, dtype=dtype if direct else torch.float32
+                )
+            kernels_extra.thc_decode(
+                codes, block=lay.block, numel=lay.numel, sign_seed=self._sign_seed(ctx),
+                steps=step, factors=factor.to(torch.float32), out=target,
+            )
+            result = target if direct else saturating_cast(target, dtype)
+        else:
+            flat = self._reconstruct(
+                codes, ranges, lay, ctx, summed=summed, divide=divide, work=work_dtype(dtype)
+            )
+            result = saturating_cast(flat, dtype)
+        if out is None:
+            return result.reshape(shape)
+        if result.data_ptr() != out.data_ptr():
+            out.view(-1).copy_(result.reshape(-1))
+        return out
 
     # ------------------------------------------------------------------ codec hooks
     def _payload(
@@ -445,15 +537,39 @@ class Thc(Codec):
         )
         return payload if summed == 1 else payload.replace(summed=summed)
 
+    def _rotation(
+        self, x: torch.Tensor, ctx: CodecContext, lay: ThcLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The wire rotation of ``x`` and its local per-block ranges."""
+        if self._fused(x, lay):
+            return kernels_extra.thc_rotate(
+                x, block=lay.block, padded=lay.padded, sign_seed=self._sign_seed(ctx),
+                scale=self._wire_scale(lay),
+            )
+        y = self._wire_rotate(x, ctx, lay)
+        return y, self.block_ranges(y, lay)
+
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         lay = self.layout(x.numel())
         width = self.wire_lane_bits(ctx.world_size)
-        y = self._wire_rotate(x, ctx, lay)
-        ranges = self.block_ranges(y, lay)
-        codes = self.quantize(y, ranges, lay, ctx, _lane_dtype(width))
+        lane = _lane_dtype(width)
+        if self._fused(x, lay):
+            ranges, codes = kernels_extra.thc_encode(
+                x, block=lay.block, padded=lay.padded, sign_seed=self._sign_seed(ctx),
+                scale=self._wire_scale(lay), levels=self.levels,
+                seed=kernel_seed(ctx, self.seed + _ROUND_STREAM), lane=lane,
+            )
+        else:
+            y = self._wire_rotate(x, ctx, lay)
+            ranges = self.block_ranges(y, lay)
+            codes = self.quantize(y, ranges, lay, ctx, lane)
         return self._payload(x, ranges, codes, width)
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         lay = self.layout(payload.numel)
         ranges = self.part(payload, "range", numel=lay.blocks, dtype=torch.float32)
         codes = self.part(payload, "codes", numel=lay.padded)
@@ -461,11 +577,10 @@ class Thc(Codec):
             raise PayloadError(
                 f"payload part 'codes' is {codes.dtype}, expected an integer lane dtype"
             )
-        work = work_dtype(payload.dtype)
-        flat = self._reconstruct(
-            codes, ranges, lay, ctx, summed=payload.summed, divide=1, work=work
+        return self._output(
+            codes, ranges, lay, ctx, summed=payload.summed, divide=1, dtype=payload.dtype,
+            shape=payload.shape, out=out,
         )
-        return saturating_cast(flat, payload.dtype).reshape(payload.shape)
 
     def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
         """Two rounds: ``max`` of per-block ranges, then an exact (or saturating) integer sum."""
@@ -473,12 +588,11 @@ class Thc(Codec):
         with error_context(f"{self.codec_id}.reduce"):
             lay = self.layout(x.numel())
             width = self.wire_lane_bits(ctx.world_size)
-            y = self._wire_rotate(x, ctx, lay)
-            local_ranges = self.block_ranges(y, lay)
+            y, local_ranges = self._rotation(x, ctx, lay)
         reply = yield AllReduce(tensors={"range": local_ranges}, op="max")
         ranges = reply_part(reply, "range", local_ranges)
         with error_context(f"{self.codec_id}.reduce"):
-            codes = self.quantize(y, ranges, lay, ctx, _lane_dtype(width))
+            codes = self._quantize(y, ranges, lay, ctx, _lane_dtype(width))
         reply = yield AllReduce(
             tensors={"codes": codes}, op="sum", int_bits=width, saturate=self.saturate
         )
@@ -486,11 +600,10 @@ class Thc(Codec):
         with error_context(f"{self.codec_id}.reduce"):
             # the mean is divided inside the decode, so a representable mean never overflows
             divide = ctx.world_size if ctx.average and ctx.world_size > 1 else 1
-            flat = self._reconstruct(
+            total = self._output(
                 summed, ranges, lay, ctx, summed=ctx.world_size, divide=divide,
-                work=work_dtype(x.dtype),
+                dtype=x.dtype, shape=x.shape,
             )
-            total = saturating_cast(flat, x.dtype).reshape(x.shape)
         local = self.decode(self._payload(x, ranges, codes, width), ctx) if ctx.need_local else None
         return Reduced(total=total, local=local)
 

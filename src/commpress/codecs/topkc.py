@@ -16,6 +16,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from commpress.codecs import kernels_extra
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -81,6 +82,10 @@ def select_chunks(norms: torch.Tensor, count: int) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int64, device=norms.device)
     if count >= norms.numel():
         return torch.arange(norms.numel(), device=norms.device)
+    if norms.dtype in (torch.float16, torch.bfloat16) and kernels_extra.use_kernels(norms):
+        # 16-bit norms: their magnitude bits order like the values (NaNs put above +Inf); a
+        # histogram selects them with the same ties, without a sort
+        return kernels_extra.top_keys(norms.reshape(-1), count)
     v = norms.to(torch.float32).abs()  # squared norms are >= 0; abs maps -0.0 to +0.0
     bits = v.view(torch.int32).to(torch.int64)
     bits = torch.where(torch.isnan(v), torch.full_like(bits, _NAN_KEY), bits)
@@ -220,7 +225,9 @@ class TopKC(Codec):
             flat = torch.cat([flat, flat.new_zeros(pad)])
         return flat.view(lay.chunks, lay.chunk)
 
-    def _norms(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norms(
+        self, chunks: torch.Tensor, source: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Squared chunk norms in the wire type: float64 arithmetic (|x| up to 3.4e38 squared
         and summed over a chunk stays far inside float64's range), finite values clamped to
         the wire type's largest finite value, NaN for chunks holding a NaN or Inf. Also the
@@ -228,22 +235,32 @@ class TopKC(Codec):
         whose square root bounds every finite ``|x|`` (see :meth:`_bound`).
 
         ``vector_norm(dtype=float64)`` converts its input to float64 first, so rows are taken
-        in slices of about ``_NORM_SLICE`` elements to bound that temporary (32 MiB)."""
+        in slices of about ``_NORM_SLICE`` elements to bound that temporary (32 MiB). With
+        ``source`` (the flat input, for the CPU kernels) one fused pass computes the sums of
+        squares instead (the same float64 values up to summation order, so the 16-bit norms
+        agree unless a sum lies within a float64 rounding of a 16-bit rounding boundary)."""
+        top = torch.finfo(self._norm_dtype).max
+        if source is not None:
+            clamped, largest = kernels_extra.chunk_norms(source, chunks.shape[1], top)
+            return clamped.to(self._norm_dtype), largest
         rows = max(1, _NORM_SLICE // max(1, chunks.shape[1]))
-        sq = torch.cat(
-            [
-                torch.linalg.vector_norm(part, ord=2, dim=1, dtype=torch.float64).square()
-                for part in chunks.split(rows)
-            ]
-        ) if chunks.shape[0] else chunks.new_zeros(0, dtype=torch.float64)
+        sq = self._torch_squares(chunks, rows)
         finite = torch.isfinite(sq)
         largest = (
             torch.where(finite, sq, torch.zeros_like(sq)).amax()
             if sq.numel() else sq.new_zeros(())
         )
-        top = torch.finfo(self._norm_dtype).max
         sq = torch.where(finite, sq.clamp(max=top), torch.full_like(sq, math.nan))
         return sq.to(torch.float32).to(self._norm_dtype), largest
+
+    @staticmethod
+    def _torch_squares(chunks: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.cat(
+            [
+                torch.linalg.vector_norm(part, ord=2, dim=1, dtype=torch.float64).square()
+                for part in chunks.split(rows)
+            ]
+        ) if chunks.shape[0] else chunks.new_zeros(0, dtype=torch.float64)
 
     def bound_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Wire type of the ``bound`` part for an input of ``dtype``: the norms' type when it
@@ -302,14 +319,26 @@ class TopKC(Codec):
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         lay = self.layout(x.numel())
         chunks = self._chunked(x, lay)
-        norms, largest_sq = self._norms(chunks)
+        norms, largest_sq = self._norms(chunks, self._kernel_source(x))
         bound = self._bound(x, largest_sq)
         chosen = select_chunks(norms, lay.selected)
         e = self.exponent(bound, x.dtype)
-        values = scale_values(chunks[chosen].reshape(-1), self._value_dtype, e)
+        picked = chunks.index_select(0, chosen).reshape(-1)
+        values = scale_values(picked, self._value_dtype, e)
         return self._payload(x, norms, values, bound)
 
-    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+    @staticmethod
+    def _kernel_source(x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` when the CPU kernels compute its chunk norms, else ``None``."""
+        if x.numel() and x.dtype != torch.float64 and kernels_extra.use_kernels(x):
+            return x
+        return None
+
+    decodes_into: ClassVar[bool] = True
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         lay = self.layout(payload.numel)
         norms = self.part(payload, "norms", numel=lay.chunks, dtype=self._norm_dtype)
         values = self.part(
@@ -319,10 +348,30 @@ class TopKC(Codec):
         chosen = select_chunks(norms, lay.selected)
         work = torch.float64 if payload.dtype == torch.float64 else torch.float32
         e = self.exponent(bound, payload.dtype)
-        out = torch.zeros(lay.chunks, lay.chunk, dtype=work, device=values.device)
-        out[chosen] = unscale_values(values, e, work).view(lay.selected, lay.chunk)
-        flat = out.reshape(-1)[: lay.numel]
-        return saturating_cast(flat, payload.dtype).reshape(payload.shape)
+        if values.device.type == "cpu" and not bool(e):
+            wide = values.to(work)  # 2^0: nothing to scale, nothing can overflow
+        else:
+            wide = unscale_values(values, e, work)
+        chosen_values = saturating_cast(wide, payload.dtype)
+        if out is None or lay.chunks * lay.chunk != lay.numel:
+            full = torch.zeros(lay.chunks, lay.chunk, dtype=payload.dtype, device=values.device)
+            target = full.view(-1)
+        else:
+            # zero the buffer (a hot memset) and copy the chosen chunks in place
+            target = out.view(-1)
+            target.zero_()
+        rows = target.view(lay.chunks, lay.chunk)
+        if payload.dtype in (torch.float16, torch.bfloat16):
+            # the same bits as int16: torch's CPU index_copy_ is much slower on 16-bit floats
+            rows = rows.view(torch.int16)
+            chosen_values = chosen_values.view(torch.int16)
+        rows.index_copy_(0, chosen, chosen_values.view(lay.selected, lay.chunk))
+        result = target[: lay.numel]
+        if out is None:
+            return result.reshape(payload.shape)
+        if result.data_ptr() != out.data_ptr():
+            out.view(-1).copy_(result)
+        return out
 
     def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
         """Two all-reduces: chunk norms and the bound, then the agreed top-J chunks' values."""
@@ -330,7 +379,7 @@ class TopKC(Codec):
         with error_context(f"{self.codec_id}.reduce"):
             lay = self.layout(x.numel())
             chunks = self._chunked(x, lay)
-            local_norms, largest_sq = self._norms(chunks)
+            local_norms, largest_sq = self._norms(chunks, self._kernel_source(x))
             local_bound = self._bound(x, largest_sq)
         reply = yield AllReduce(tensors={"norms": local_norms, "bound": local_bound})
         norms = reply_part(reply, "norms", local_norms)
@@ -338,7 +387,8 @@ class TopKC(Codec):
         with error_context(f"{self.codec_id}.reduce"):
             chosen = select_chunks(norms, lay.selected)
             e = self.exponent(bound, x.dtype)
-            values = scale_values(chunks[chosen].reshape(-1), self._value_dtype, e)
+            picked = chunks.index_select(0, chosen).reshape(-1)
+            values = scale_values(picked, self._value_dtype, e)
             averaging = ctx.average and ctx.world_size > 1
             sent = values / ctx.world_size if averaging else values
         reply = yield AllReduce(tensors={"values": sent})

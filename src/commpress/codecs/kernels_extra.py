@@ -1,0 +1,691 @@
+"""Fused CPU kernels (numba) for THC's blocked Hadamard rotation and TopKC's chunk norms.
+
+They follow :mod:`commpress.codecs.kernels`' switch (``COMMPRESS_KERNELS``,
+:func:`kernels.use_backend`) and launch rules (torch's thread count, one launch at a time),
+and are compiled on first use and cached on disk the same way. The plain-torch code in
+:mod:`commpress.codecs.thc` and :mod:`commpress.codecs.topkc` stays the tested fallback.
+
+THC: each rotation block of ``B <= LOCAL_BLOCK`` coordinates is loaded once (float32, or
+bfloat16 widened in registers: ``bits << 16``), its shared signs applied (a sign-bit flip, then
+the multiplication by the scale: the same float32 product as the torch path's multiplication
+by ``+-scale``), transformed entirely in cache (the butterfly stages ``h = 1, 2, 4, ...`` in
+the torch path's order, so every sum is the same float32 operation: bit-identical), and, for
+an encode, its range taken and its coordinates quantized before the next block is touched:
+one pass over memory instead of ``log2(B)`` passes of torch ops. The signs come from a
+counter-based generator (SplitMix64 of the 64-coordinate word index), which the torch path
+computes too (:func:`sign_bytes`), so both paths rotate alike. The stochastic-rounding noise
+is drawn by the kernel itself (as the QSGD kernels do); given the torch path's noise tensor it
+reproduces the torch path bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from commpress.codecs import kernels
+from commpress.errors import CommpressError
+
+#: Largest rotation block the kernels transform in cache (128 KiB of float32, in L2).
+LOCAL_BLOCK = 1 << 15
+#: Coordinates handled by one parallel work item (whole blocks; at least one).
+_ITEM = 1 << 16
+
+_GAMMA = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+_load_lock = threading.Lock()
+_compiled: dict[str, Callable[..., Any]] | None = None
+_import_error: str | None = None
+
+u8 = np.uint8
+u16 = np.uint16
+u32 = np.uint32
+u64 = np.uint64
+f32 = np.float32
+f64 = np.float64
+_BF16_MAX = f32(torch.finfo(torch.bfloat16).max)
+_U24 = f32(2.0**-24)  # 24 random bits times this: a uniform in [0, 1)
+prange = range  # replaced by numba.prange in _build()
+
+
+# ---------------------------------------------------------------------- torch-side generator
+def _to_signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix_words(seed: int, count: int, device: torch.device) -> torch.Tensor:
+    """``count`` 64-bit words (int64 bit patterns): SplitMix64's output for counters
+    ``1..count`` from ``seed``, exactly what the kernels compute (wrapping int64 arithmetic
+    gives the same bits as unsigned)."""
+    i = torch.arange(1, count + 1, dtype=torch.int64, device=device)
+    z = i * _to_signed(_GAMMA) + _to_signed(seed)
+    z = (z ^ _srl(z, 30)) * _to_signed(_MIX1)
+    z = (z ^ _srl(z, 27)) * _to_signed(_MIX2)
+    return z ^ _srl(z, 31)
+
+
+def sign_bytes(seed: int, count: int, device: torch.device) -> torch.Tensor:
+    """``ceil(count / 8)`` uint8 bytes of sign bits (bit ``i % 8`` of byte ``i // 8`` is
+    coordinate ``i``'s; 1 means negative): the little-endian bytes of
+    :func:`splitmix_words`, independent of the machine's byte order."""
+    words = splitmix_words(seed, -(-count // 64), device)
+    shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=device)
+    return ((words.unsqueeze(1) >> shifts) & 0xFF).to(torch.uint8).reshape(-1)[: -(-count // 8)]
+
+
+# ---------------------------------------------------------------------- loader
+def _load() -> dict[str, Callable[..., Any]] | None:
+    global _compiled, _import_error
+    if _compiled is None and _import_error is None:
+        with _load_lock:
+            if _compiled is None and _import_error is None:
+                try:
+                    _compiled = _build()
+                except Exception as exc:  # pragma: no cover - depends on the installation
+                    _import_error = f"{type(exc).__name__}: {exc}"
+    return _compiled
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes through these kernels: :func:`kernels.use_kernels` says so and
+    they compiled (``COMMPRESS_KERNELS=numba`` makes a failure to compile an error)."""
+    if not kernels.use_kernels(t):
+        return False
+    if _load() is None:
+        if kernels.requested_backend() == "numba":
+            raise CommpressError(f"numba kernels are unavailable: {_import_error}")
+        return False
+    return True
+
+
+def _kernel(name: str) -> Callable[..., Any]:
+    compiled = _load()
+    if compiled is None:  # pragma: no cover - callers check use_kernels first
+        raise CommpressError(f"numba kernels are unavailable: {_import_error}")
+    return compiled[name]
+
+
+# ---------------------------------------------------------------------- numba code
+def _nb_word(seed: Any, w: Any) -> Any:
+    z = seed + u64(w + 1) * u64(_GAMMA)
+    z = (z ^ (z >> u64(30))) * u64(_MIX1)
+    z = (z ^ (z >> u64(27))) * u64(_MIX2)
+    return z ^ (z >> u64(31))
+
+
+def _nb_first3(src: Any, scale: Any, buf: Any) -> None:
+    # buf = the first three butterfly stages (h = 1, 2, 4) of f32(src) * scale, written out
+    # for groups of 8 (constant strides vectorize; a generic loop over h = 1 does not)
+    for g in range(buf.size // 8):
+        s = 8 * g
+        x0 = f32(src[s]) * scale
+        x1 = f32(src[s + 1]) * scale
+        x2 = f32(src[s + 2]) * scale
+        x3 = f32(src[s + 3]) * scale
+        x4 = f32(src[s + 4]) * scale
+        x5 = f32(src[s + 5]) * scale
+        x6 = f32(src[s + 6]) * scale
+        x7 = f32(src[s + 7]) * scale
+        a0 = x0 + x1
+        a1 = x0 - x1
+        a2 = x2 + x3
+        a3 = x2 - x3
+        a4 = x4 + x5
+        a5 = x4 - x5
+        a6 = x6 + x7
+        a7 = x6 - x7
+        b0 = a0 + a2
+        b2 = a0 - a2
+        b1 = a1 + a3
+        b3 = a1 - a3
+        b4 = a4 + a6
+        b6 = a4 - a6
+        b5 = a5 + a7
+        b7 = a5 - a7
+        buf[s] = b0 + b4
+        buf[s + 4] = b0 - b4
+        buf[s + 1] = b1 + b5
+        buf[s + 5] = b1 - b5
+        buf[s + 2] = b2 + b6
+        buf[s + 6] = b2 - b6
+        buf[s + 3] = b3 + b7
+        buf[s + 7] = b3 - b7
+
+
+def _nb_fwht(src: Any, scale: Any, buf: Any) -> None:
+    # buf = unnormalized Walsh-Hadamard transform of f32(src) * scale (a power-of-two
+    # length; src may be buf itself), stages h = 1, 2, 4, ... in that order, as the torch
+    # path: the first three in one sweep, then two per sweep (the same sums, fewer loads)
+    m = buf.size
+    h = 1
+    if m >= 8:
+        _nb_first3(src, scale, buf)
+        h = 8
+    else:
+        for k in range(m):
+            buf[k] = f32(src[k]) * scale
+    while 4 * h <= m:
+        for g in range(0, m, 4 * h):
+            p = buf[g : g + h]
+            q = buf[g + h : g + 2 * h]
+            r = buf[g + 2 * h : g + 3 * h]
+            s4 = buf[g + 3 * h : g + 4 * h]
+            for j in range(h):
+                a = p[j] + q[j]
+                b = p[j] - q[j]
+                c = r[j] + s4[j]
+                d = r[j] - s4[j]
+                p[j] = a + c
+                r[j] = a - c
+                q[j] = b + d
+                s4[j] = b - d
+        h *= 4
+    while h < m:
+        for g in range(0, m, 2 * h):
+            p = buf[g : g + h]
+            q = buf[g + h : g + 2 * h]
+            for j in range(h):
+                a = p[j]
+                b = q[j]
+                p[j] = a + b
+                q[j] = a - b
+        h *= 2
+
+
+def _nb_load_signed(xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any, bits: Any) -> None:
+    # bits[k] = fp32 bit pattern of x[start + k] (0 past n; bfloat16 widened), its sign bit
+    # flipped where the shared sign of coordinate start + k is negative
+    m = bits.size
+    end = min(start + m, n)
+    cnt = max(0, end - start)
+    if mode == 0:
+        src = xi[start : start + cnt]
+        for k in range(cnt):
+            bits[k] = u32(src[k])
+    else:
+        srcb = xb[start : start + cnt]
+        for k in range(cnt):
+            bits[k] = u32(srcb[k]) << u32(16)
+    for k in range(cnt, m):
+        bits[k] = u32(0)
+    _nb_flip(bits, start, sseed)
+
+
+def _nb_flip(bits: Any, start: Any, sseed: Any) -> None:
+    # flip the sign bit of bits[k] where coordinate start + k has a negative shared sign
+    m = bits.size
+    if m >= 64 and start % 64 == 0:
+        for g in range(0, m, 64):
+            word = _nb_word(sseed, (start + g) >> 6)
+            v = bits[g : g + 64]
+            for t in range(64):
+                v[t] ^= u32((word >> u64(t)) & u64(1)) << u32(31)
+    else:
+        for k in range(m):
+            i = start + k
+            word = _nb_word(sseed, i >> 6)
+            bits[k] ^= u32((word >> u64(i & 63)) & u64(1)) << u32(31)
+
+
+def _nb_peak(bits: Any, scratch: Any) -> Any:
+    # max |v| of the float32 values whose bit patterns are ``bits``, +inf when one is NaN:
+    # an integer max of the magnitude bits (it vectorizes; NaNs are the keys above +inf's)
+    top = u32(0)
+    for k in range(bits.size):
+        key = bits[k] & u32(0x7FFFFFFF)
+        top = key if key > top else top
+    if top > u32(0x7F800000):
+        return f32(np.inf)
+    scratch[0] = np.int32(top)
+    return scratch.view(np.float32)[0]
+
+
+def _nb_step(rng: Any, levels: Any, scratch: Any) -> Any:
+    # the range over levels in float64, rounded up to float32 (Thc.steps)
+    exact = f64(rng) / f64(levels)
+    step = f32(exact)
+    if f64(step) < exact:
+        as_float = scratch.view(np.float32)
+        as_float[0] = step
+        scratch[0] += np.int32(1)
+        step = as_float[0]
+    return step
+
+
+def _nb_quant(
+    buf: Any, start: Any, step: Any, levels: Any, nmode: Any, seed: Any, noise: Any,
+    ubuf: Any, codes: Any,
+) -> None:
+    # codes[start + k] = clamp(floor(buf[k] / step + u), -L, L), non-finite -> 0
+    m = buf.size
+    if nmode == 1:
+        # one SplitMix64 output gives two 24-bit uniforms: element k and k + half
+        half = m // 2
+        for k in range(half):
+            z = _nb_word(seed, start + k)
+            ubuf[k] = f32(z >> u64(40)) * _U24
+            ubuf[half + k] = f32((z >> u64(16)) & u64(0xFFFFFF)) * _U24
+        if m % 2:  # a block of one coordinate
+            ubuf[m - 1] = f32(_nb_word(seed, start + m - 1) >> u64(40)) * _U24
+    else:
+        given = noise[start : start + m]
+        for k in range(m):
+            ubuf[k] = given[k]
+    dst = codes[start : start + m]
+    top = f32(levels)
+    for k in range(m):
+        t = np.floor(buf[k] / step + ubuf[k])
+        t = t if abs(t) < f32(np.inf) else f32(0.0)  # NaN and +-Inf -> 0
+        t = t if t <= top else top
+        t = t if t >= -top else -top
+        dst[k] = t
+
+
+def _nb_thc_encode(
+    xi: Any, xb: Any, mode: Any, n: Any, block: Any, sseed: Any, scale: Any, levels: Any,
+    nmode: Any, seed: Any, noise: Any, ranges: Any, codes: Any,
+) -> None:
+    # one pass: per block, load + signs + scale, transform, range, quantize
+    nblocks = ranges.size
+    per = max(1, _ITEM // block)
+    for item in prange((nblocks + per - 1) // per):
+        bits = np.empty(block, np.uint32)
+        buf = bits.view(np.float32)
+        ubuf = np.empty(block, np.float32)
+        scratch = np.empty(1, np.int32)
+        for b in range(item * per, min((item + 1) * per, nblocks)):
+            start = b * block
+            _nb_load_signed(xi, xb, mode, n, start, sseed, bits)
+            _nb_fwht(buf, scale, buf)
+            rng = _nb_peak(bits, scratch)
+            ranges[b] = rng
+            _nb_quant(buf, start, _nb_step(rng, levels, scratch), levels, nmode, seed, noise,
+                      ubuf, codes)
+
+
+def _nb_thc_rotate(
+    xi: Any, xb: Any, mode: Any, n: Any, block: Any, sseed: Any, scale: Any, y: Any,
+    ranges: Any,
+) -> None:
+    nblocks = ranges.size
+    per = max(1, _ITEM // block)
+    yi = y.view(np.uint32)
+    for item in prange((nblocks + per - 1) // per):
+        scratch = np.empty(1, np.int32)
+        for b in range(item * per, min((item + 1) * per, nblocks)):
+            start = b * block
+            bits = yi[start : start + block]
+            buf = y[start : start + block]
+            _nb_load_signed(xi, xb, mode, n, start, sseed, bits)
+            _nb_fwht(buf, scale, buf)
+            ranges[b] = _nb_peak(bits, scratch)
+
+
+def _nb_thc_quantize(
+    y: Any, block: Any, steps: Any, levels: Any, nmode: Any, seed: Any, noise: Any, codes: Any
+) -> None:
+    nblocks = steps.size
+    per = max(1, _ITEM // block)
+    for item in prange((nblocks + per - 1) // per):
+        ubuf = np.empty(block, np.float32)
+        for b in range(item * per, min((item + 1) * per, nblocks)):
+            start = b * block
+            _nb_quant(y[start : start + block], start, steps[b], levels, nmode, seed, noise,
+                      ubuf, codes)
+
+
+def _nb_thc_decode(
+    codes: Any, block: Any, n: Any, sseed: Any, steps: Any, factors: Any, omode: Any,
+    outf: Any, outb: Any,
+) -> None:
+    # out = signs * factor * H(codes * step) per block, first n coordinates; omode 0 writes
+    # float32 into outf, 1 bfloat16 bits into outb (saturating, round to nearest even)
+    nblocks = steps.size
+    per = max(1, _ITEM // block)
+    for item in prange((nblocks + per - 1) // per):
+        bits = np.empty(block, np.uint32)
+        buf = bits.view(np.float32)
+        for b in range(item * per, min((item + 1) * per, nblocks)):
+            start = b * block
+            _nb_fwht(codes[start : start + block], steps[b], buf)
+            _nb_flip(bits, start, sseed)
+            factor = factors[b]
+            cnt = max(0, min(start + block, n) - start)
+            if omode == 0:
+                dst = outf[start : start + cnt]
+                for k in range(cnt):
+                    dst[k] = buf[k] * factor
+            else:
+                for k in range(cnt):
+                    v = buf[k] * factor
+                    if v > _BF16_MAX and v < f32(np.inf):
+                        v = _BF16_MAX
+                    elif v < -_BF16_MAX and v > f32(-np.inf):
+                        v = -_BF16_MAX
+                    buf[k] = v
+                dstb = outb[start : start + cnt]
+                for k in range(cnt):
+                    w = bits[k]
+                    r = (w + u32(0x7FFF) + ((w >> u32(16)) & u32(1))) >> u32(16)
+                    dstb[k] = u16(0x7FC0) if (w & u32(0x7FFFFFFF)) > u32(0x7F800000) else u16(r)
+
+
+def _nb_chunk_squares(
+    xi: Any, xb: Any, mode: Any, n: Any, chunk: Any, top: Any, out: Any, largest: Any
+) -> None:
+    # out[c] = float32(min(q, top)) with q = (sqrt(sum of squares of chunk c in float64))^2
+    # (as torch's float64 vector_norm(...).square(), up to the summation order), NaN when q
+    # is not finite; largest[item] = the largest finite q of the item's chunks (0 if none)
+    nchunks = out.size
+    per = max(1, _ITEM // chunk)
+    xf = xi.view(np.float32)
+    for item in prange((nchunks + per - 1) // per):
+        wide = np.empty(chunk, np.uint32)
+        vals = wide.view(np.float32)
+        lanes = np.empty(8, np.float64)
+        big = 0.0
+        for c in range(item * per, min((item + 1) * per, nchunks)):
+            s = c * chunk
+            cnt = min(s + chunk, n) - s
+            if mode == 0:
+                src = xf[s : s + cnt]
+            else:
+                srcb = xb[s : s + cnt]
+                for k in range(cnt):
+                    wide[k] = u32(srcb[k]) << u32(16)
+                src = vals[:cnt]
+            lanes[:] = 0.0
+            full = cnt // 8 * 8
+            for g in range(0, full, 8):
+                for j in range(8):
+                    v = f64(src[g + j])
+                    lanes[j] += v * v
+            acc = 0.0
+            for j in range(8):
+                acc += lanes[j]
+            for k in range(full, cnt):
+                v = f64(src[k])
+                acc += v * v
+            r = np.sqrt(acc)
+            q = r * r
+            if q < np.inf:  # finite (q >= 0; NaN compares false)
+                big = q if q > big else big
+                out[c] = f32(q if q < top else top)
+            else:
+                out[c] = f32(np.nan)
+        largest[item] = big
+
+
+def _nb_top_keys(bits: Any, inf_key: Any, count: Any, out: Any) -> None:
+    # out = ascending indices of the ``count`` largest magnitudes of 16-bit floats given as
+    # their bits (NaN above +Inf; ties to the lowest indices): a histogram of the keys
+    # finds the threshold, one more pass collects
+    hist = np.zeros(32769, np.int64)
+    for i in range(bits.size):
+        key = np.int64(bits[i] & u16(0x7FFF))
+        hist[key if key <= inf_key else 32768] += 1
+    above = 0
+    threshold = 32768
+    while above + hist[threshold] < count:
+        above += hist[threshold]
+        threshold -= 1
+    ties = count - above
+    j = 0
+    for i in range(bits.size):
+        key = np.int64(bits[i] & u16(0x7FFF))
+        key = key if key <= inf_key else 32768
+        if key > threshold:
+            out[j] = i
+            j += 1
+        elif key == threshold and ties > 0:
+            out[j] = i
+            j += 1
+            ties -= 1
+
+
+def _nb_top16(xb: Any, inf_key: Any, k: Any, nparts: Any, out: Any) -> None:
+    # out = ascending indices of the k largest magnitudes of 16-bit floats given as their
+    # bits (key = bits & 0x7FFF, NaN keys clamped to inf_key: NaN ranks as +Inf), ties to
+    # the lowest indices: per-part histograms of the 32768 keys, then one collecting pass
+    n = xb.size
+    per = (n + nparts - 1) // nparts
+    hist = np.zeros((nparts, 32768), np.int64)
+    for p in prange(nparts):
+        src = xb[min(p * per, n) : min((p + 1) * per, n)]
+        h = hist[p]
+        for i in range(src.size):
+            key = src[i] & u16(0x7FFF)
+            h[key if key <= inf_key else inf_key] += 1
+    above = 0
+    threshold = 32767
+    while True:
+        c = 0
+        for p in range(nparts):
+            c += hist[p, threshold]
+        if above + c >= k:
+            break
+        above += c
+        threshold -= 1
+    ties = k - above
+    start = np.zeros(nparts, np.int64)
+    take = np.zeros(nparts, np.int64)
+    pos = 0
+    for p in range(nparts):
+        gt = 0
+        for key in range(threshold + 1, 32768):
+            gt += hist[p, key]
+        take[p] = min(hist[p, threshold], ties)
+        ties -= take[p]
+        start[p] = pos
+        pos += gt + take[p]
+    for p in prange(nparts):
+        a = min(p * per, n)
+        src = xb[a : min((p + 1) * per, n)]
+        j = start[p]
+        left = take[p]
+        for i in range(src.size):
+            key = src[i] & u16(0x7FFF)
+            key = key if key <= inf_key else inf_key
+            if key > threshold:
+                out[j] = a + i
+                j += 1
+            elif key == threshold and left > 0:
+                out[j] = a + i
+                j += 1
+                left -= 1
+
+
+_HELPERS = (
+    "_nb_word", "_nb_first3", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_peak", "_nb_step",
+    "_nb_quant",
+)
+_KERNELS = (
+    "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
+    "_nb_chunk_squares", "_nb_top16",
+)
+
+
+def _build() -> dict[str, Callable[..., Any]]:
+    import numba
+
+    module = globals()
+    module["prange"] = numba.prange
+    opts: dict[str, Any] = {"cache": True, "fastmath": False, "error_model": "numpy"}
+    for name in _HELPERS:
+        module[name] = numba.njit(**opts)(module[name])
+    compiled = {
+        name[len("_nb_") :]: numba.njit(parallel=True, **opts)(module[name])
+        for name in _KERNELS
+    }
+    compiled["top_keys"] = numba.njit(**opts)(module["_nb_top_keys"])
+    return compiled
+
+
+# ---------------------------------------------------------------------- tensor entry points
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+_DUMMY_I32 = np.zeros(1, np.int32)
+_DUMMY_U16 = np.zeros(1, np.uint16)
+_DUMMY_F32 = np.zeros(1, np.float32)
+
+
+def _source(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
+    """(float32 bits, bfloat16 bits, mode) of a flat CPU tensor: bfloat16 is read as it is,
+    float32 as its bits, anything else (float16) widened into kernels' scratch buffer."""
+    flat = x.reshape(-1)
+    if flat.dtype == torch.bfloat16:
+        return _DUMMY_I32, _np(flat.contiguous().view(torch.int16)).view(np.uint16), 1
+    return _np(kernels.widen(flat)).view(np.int32), _DUMMY_U16, 0
+
+
+def _noise_args(seed: int, noise: torch.Tensor | None) -> tuple[int, np.uint64, np.ndarray]:
+    if noise is not None:
+        return 2, np.uint64(0), _np(noise.contiguous())
+    return 1, np.uint64(seed), _DUMMY_F32
+
+
+def thc_encode(
+    x: torch.Tensor, *, block: int, padded: int, sign_seed: int, scale: float, levels: int,
+    seed: int, lane: torch.dtype, noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """THC's local encode of a CPU tensor (float32, bfloat16 or float16; ``block <=``
+    :data:`LOCAL_BLOCK`): ``(ranges, codes)`` of the rotation ``H(signs * scale * x)``
+    quantized with its own per-block ranges; noise from ``noise`` when given, else from the
+    kernel's generator keyed by ``seed``."""
+    xi, xb, mode = _source(x)
+    blocks = padded // block
+    ranges = torch.empty(blocks, dtype=torch.float32)
+    codes = torch.empty(padded, dtype=lane)
+    nmode, nseed, nz = _noise_args(seed, noise)
+    with kernels._launch():
+        _kernel("thc_encode")(
+            xi, xb, mode, x.numel(), block, np.uint64(sign_seed), np.float32(scale),
+            np.float32(levels), nmode, nseed, nz, _np(ranges), _np(codes),
+        )
+    return ranges, codes
+
+
+def thc_rotate(
+    x: torch.Tensor, *, block: int, padded: int, sign_seed: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, ranges)``: the padded rotation ``H(signs * scale * x)`` (float32) and its
+    per-block ``max |y|`` (``+inf`` for a block holding NaN)."""
+    xi, xb, mode = _source(x)
+    y = torch.empty(padded, dtype=torch.float32)
+    ranges = torch.empty(padded // block, dtype=torch.float32)
+    with kernels._launch():
+        _kernel("thc_rotate")(
+            xi, xb, mode, x.numel(), block, np.uint64(sign_seed), np.float32(scale), _np(y),
+            _np(ranges),
+        )
+    return y, ranges
+
+
+def thc_quantize(
+    y: torch.Tensor, steps: torch.Tensor, *, block: int, levels: int, seed: int,
+    lane: torch.dtype, noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Codes ``clamp(floor(y / step + u), -L, L)`` (non-finite quotients give 0)."""
+    codes = torch.empty(y.numel(), dtype=lane)
+    nmode, nseed, nz = _noise_args(seed, noise)
+    with kernels._launch():
+        _kernel("thc_quantize")(
+            _np(y), block, _np(steps.contiguous()), np.float32(levels), nmode, nseed, nz,
+            _np(codes),
+        )
+    return codes
+
+
+def thc_decode(
+    codes: torch.Tensor, *, block: int, numel: int, sign_seed: int, steps: torch.Tensor,
+    factors: torch.Tensor, out: torch.Tensor,
+) -> torch.Tensor:
+    """``out`` (``numel`` contiguous float32 or bfloat16 values) = the first ``numel``
+    coordinates of ``signs * factor * H(codes * step)``, block by block."""
+    flat = out.view(-1)
+    if flat.dtype == torch.float32:
+        omode, outf, outb = 0, _np(flat), _DUMMY_U16
+    elif flat.dtype == torch.bfloat16:
+        omode, outf, outb = 1, _DUMMY_F32, _np(flat.view(torch.int16)).view(np.uint16)
+    else:  # pragma: no cover - thc.py passes float32 or bfloat16
+        raise CommpressError(f"thc_decode writes float32 or bfloat16, not {flat.dtype}")
+    with kernels._launch():
+        _kernel("thc_decode")(
+            _np(codes.contiguous()), block, numel, np.uint64(sign_seed),
+            _np(steps.contiguous()), _np(factors.contiguous()), omode, outf, outb,
+        )
+    return out
+
+
+def chunk_norms(
+    x: torch.Tensor, chunk: int, top: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TopKC's squared chunk norms of a CPU tensor (float32, bfloat16 or float16; the last
+    chunk may be short) in one pass, no float64 copy of the input: ``(norms, largest)``,
+    the float64 sums of squares clamped to ``top`` and rounded to float32 (NaN where not
+    finite), and the largest finite sum (float64, 0-d; 0 when there is none)."""
+    xi, xb, mode = _source(x)
+    n = x.numel()
+    nchunks = -(-n // chunk)
+    out = torch.empty(nchunks, dtype=torch.float32)
+    largest = np.zeros(-(-nchunks // max(1, _ITEM // chunk)), np.float64)
+    with kernels._launch():
+        _kernel("chunk_squares")(xi, xb, mode, n, chunk, np.float64(top), _np(out), largest)
+    return out, torch.tensor(float(largest.max(initial=0.0)), dtype=torch.float64)
+
+
+def top_keys(norms: torch.Tensor, count: int) -> torch.Tensor:
+    """Ascending int64 indices of the ``count`` largest of a 1-D float16 or bfloat16 CPU
+    tensor of non-negative values (``0 <= count <= len``), NaN above ``+Inf``, ties to the
+    lowest indices: a histogram of the 16-bit keys, two serial passes, no sort."""
+    inf_key = 0x7F80 if norms.dtype == torch.bfloat16 else 0x7C00
+    out = torch.empty(count, dtype=torch.int64)
+    if count:
+        raw = _np(norms.contiguous().view(torch.int16)).view(np.uint16)
+        _kernel("top_keys")(raw, inf_key, count, _np(out))
+    return out
+
+
+def top16(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D contiguous float16 or
+    bfloat16 CPU tensor (``1 <= k <= len(x)``; NaN ranks as +Inf; ties at the threshold go
+    to the lowest indices): :func:`kernels.topk_select` of the widened tensor, read in place
+    (16-bit keys: two parallel passes, no float32 copy)."""
+    inf_key = 0x7F80 if x.dtype == torch.bfloat16 else 0x7C00
+    out = torch.empty(k, dtype=torch.int64)
+    with kernels._launch():
+        import numba
+
+        nparts = numba.get_num_threads()
+        _kernel("top16")(
+            _np(x.view(torch.int16)).view(np.uint16), np.uint16(inf_key), k, nparts, _np(out)
+        )
+    return out
+
+
+__all__ = [
+    "LOCAL_BLOCK",
+    "chunk_norms",
+    "sign_bytes",
+    "splitmix_words",
+    "thc_decode",
+    "thc_encode",
+    "thc_quantize",
+    "thc_rotate",
+    "top16",
+    "top_keys",
+    "use_kernels",
+]

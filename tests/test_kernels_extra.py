@@ -1,0 +1,204 @@
+"""The fused CPU kernels of THC and TopKC (commpress.codecs.kernels_extra) against the plain
+torch path: bit for bit where the arithmetic is the same (THC's rotation, quantization given
+the same noise and decoding; TopKC's payloads and decodings), on odd sizes, empty tensors,
+every float dtype and non-contiguous inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from commpress.codecs import get_codec, kernels, kernels_extra
+from commpress.codecs.base import CodecContext
+from commpress.codecs.thc import Thc, _lane_dtype
+
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason="numba kernels unavailable"
+)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SIZES = (0, 1, 7, 100, 1000, 4096, 5000, 70001)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality, NaNs included (any NaN payload counts as the same NaN)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        nan = torch.isnan(a)
+        if not torch.equal(nan, torch.isnan(b)):
+            return False
+        a, b = a[~nan], b[~nan]
+        ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}[a.element_size()]
+        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    return torch.equal(a, b)
+
+
+def _input(n: int, dtype: torch.dtype, seed: int, *, strided: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2 * n if strided else n, generator=g) * 3).to(dtype)
+    return x[::2] if strided else x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("block_log2", [0, 3, 8, 12, "full"])
+def test_thc_kernel_rotation_quantization_and_decode_match_torch(
+    dtype: torch.dtype, n: int, block_log2: int | str
+) -> None:
+    codec = Thc(block_log2=block_log2)  # type: ignore[arg-type]
+    x = _input(n, dtype, seed=n, strided=n % 2 == 1)
+    ctx = CodecContext(key="k", step=3)
+    lay = codec.layout(n)
+    with kernels.use_backend("torch"):
+        y = codec._wire_rotate(x, ctx, lay)
+        ranges = codec.block_ranges(y, lay)
+    if n == 0:
+        assert codec.decode(codec.encode(x, ctx), ctx).shape == (0,)
+        return
+    seed = codec._sign_seed(ctx)
+    y2, r2 = kernels_extra.thc_rotate(
+        x, block=lay.block, padded=lay.padded, sign_seed=seed, scale=codec._wire_scale(lay)
+    )
+    assert _same(y, y2) and _same(ranges, r2)
+    noise = torch.rand(lay.padded, generator=torch.Generator().manual_seed(1))
+    want = codec.quantize_with(y, ranges, lay, noise, torch.int8)
+    got = kernels_extra.thc_quantize(
+        y2, codec.steps(r2), block=lay.block, levels=codec.levels, seed=0, lane=torch.int8,
+        noise=noise,
+    )
+    assert torch.equal(want, got)
+    r3, c3 = kernels_extra.thc_encode(
+        x, block=lay.block, padded=lay.padded, sign_seed=seed, scale=codec._wire_scale(lay),
+        levels=codec.levels, seed=0, lane=torch.int8, noise=noise,
+    )
+    assert _same(r3, ranges) and torch.equal(c3, want)
+    payload = codec.encode(x, ctx)
+    fused = codec.decode(payload, ctx)
+    with kernels.use_backend("torch"):
+        plain = codec.decode(payload, ctx)
+    assert fused.dtype == dtype and _same(fused, plain)
+    out = torch.full_like(x.contiguous(), math.nan)
+    assert codec.decode(payload, ctx, out=out) is out and _same(out, fused)
+
+
+def test_thc_signs_are_the_same_on_both_paths_and_per_key() -> None:
+    """The torch path's sign bytes are the kernels' SplitMix64 words: a rotation by the
+    kernel and by torch agree, and another key draws other signs."""
+    codec = Thc(block_log2=6)
+    x = torch.randn(1000)
+    a, b = CodecContext(key="a"), CodecContext(key="b")
+    with kernels.use_backend("torch"):
+        ya = codec.rotate(x, a)
+        yb = codec.rotate(x, b)
+    lay = codec.layout(1000)
+    scale = 1.0 / math.sqrt(lay.block)
+    y, _ = kernels_extra.thc_rotate(
+        x, block=lay.block, padded=lay.padded, sign_seed=codec._sign_seed(a), scale=scale
+    )
+    assert _same(y, ya) and not torch.equal(ya, yb)
+
+
+def test_thc_kernel_noise_is_unbiased_and_bounded() -> None:
+    """The kernel's own noise: codes in [-L, L] and mean code / (y / step) close to 1."""
+    codec = Thc(bits=3, block_log2=10)
+    x = torch.randn(1 << 16)
+    lay = codec.layout(x.numel())
+    y, ranges = kernels_extra.thc_rotate(
+        x, block=lay.block, padded=lay.padded, sign_seed=1, scale=codec._wire_scale(lay)
+    )
+    step = codec.steps(ranges).repeat_interleave(lay.block)
+    codes = kernels_extra.thc_quantize(
+        y, codec.steps(ranges), block=lay.block, levels=codec.levels, seed=99,
+        lane=_lane_dtype(3),
+    )
+    assert int(codes.abs().max()) <= codec.levels
+    err = codes.double() - (y / step).double()
+    assert float(err.abs().max()) < 1.0
+    # unbiased: the mean error of 65536 draws is ~N(0, 0.29 / 256); 6 sigma
+    assert abs(float(err.mean())) < 6 * 0.29 / 256
+    again = kernels_extra.thc_quantize(
+        y, codec.steps(ranges), block=lay.block, levels=codec.levels, seed=99,
+        lane=_lane_dtype(3),
+    )
+    assert torch.equal(codes, again)
+
+
+def test_thc_kernel_nonfinite_block_decodes_to_nan() -> None:
+    codec = Thc(block_log2=4)
+    x = torch.randn(64)
+    x[20] = math.inf
+    ctx = CodecContext()
+    out = codec.decode(codec.encode(x, ctx), ctx)
+    assert torch.isnan(out[16:32]).all() and torch.isfinite(out[:16]).all()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["topkc", "topkc:chunk_size=7,chunk_ratio=0.3", "topkc:norm_dtype=float16",
+     "topkc:value_dtype=bfloat16"],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_topkc_kernel_payloads_and_decode_match_torch(
+    spec: str, dtype: torch.dtype, n: int
+) -> None:
+    codec = get_codec(spec)
+    x = _input(n, dtype, seed=n + 7, strided=n % 2 == 1)
+    if n > 10:
+        x[3] = math.nan
+        x[5] = -math.inf
+    ctx = CodecContext(key="k")
+    fused = codec.encode(x, ctx)
+    with kernels.use_backend("torch"):
+        plain = codec.encode(x, ctx)
+    assert sorted(fused.parts) == sorted(plain.parts)
+    for name, part in fused.parts.items():
+        assert _same(part, plain.parts[name]), name
+    got = codec.decode(fused, ctx)
+    with kernels.use_backend("torch"):
+        want = codec.decode(fused, ctx)
+    assert _same(got, want)
+    out = torch.full_like(x.contiguous(), 5.0)
+    assert codec.decode(fused, ctx, out=out) is out and _same(out, want)
+
+
+def test_top_keys_ties_go_to_the_lowest_indices_and_nan_ranks_first() -> None:
+    for dtype in (torch.bfloat16, torch.float16):
+        norms = torch.tensor([3, 7, 7, 1, 7, math.inf, 0, 7, math.nan], dtype=dtype)
+        assert kernels_extra.top_keys(norms, 3).tolist() == [1, 5, 8]
+        assert kernels_extra.top_keys(norms, 1).tolist() == [8]
+        assert kernels_extra.top_keys(norms, 0).tolist() == []
+        assert kernels_extra.top_keys(norms, 9).tolist() == list(range(9))
+
+
+def test_chunk_norms_match_float64_sums() -> None:
+    x = torch.randn(1001) * 1e30
+    x[70] = math.inf
+    for dtype in (torch.float32, torch.bfloat16):
+        v = x.to(dtype)
+        got, largest = kernels_extra.chunk_norms(v, 64, 3e38)
+        want = torch.nn.functional.pad(v.double(), (0, 1024 - 1001)).view(16, 64)
+        want = want.square().sum(dim=1)
+        assert torch.isnan(got[1]) and not torch.isnan(got[[0, *range(2, 16)]]).any()
+        finite = torch.isfinite(want)
+        assert torch.equal(got[finite], want[finite].clamp(max=3e38).float())
+        assert math.isclose(float(largest), float(want[finite].max()), rel_tol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 5, 1001, 70001])
+def test_top16_matches_the_torch_selection(dtype: torch.dtype, n: int) -> None:
+    """16-bit keys read in place select what the torch path selects: NaN ranks as +Inf,
+    ties (many, from repeated values) go to the lowest indices."""
+    from commpress.codecs.sparse import exact_top, magnitudes, top_magnitudes
+
+    x = _input(n, dtype, seed=n)
+    if n > 10:
+        x[: n // 3] = x[n // 3 : 2 * (n // 3)]
+        x[2], x[7], x[9] = math.nan, -math.inf, math.inf
+    for k in sorted({1, max(1, n // 100), n // 2, n - 1}):
+        if 0 < k < n:
+            assert torch.equal(top_magnitudes(x, k), exact_top(magnitudes(x), k))
