@@ -1,4 +1,4 @@
-"""The fused CPU kernels of THC and TopKC (commpress.codecs.kernels_extra) against the plain
+"""The fused CPU kernels of THC and TopKC (codecs/kernels/numba_transforms.py) against the plain
 torch path: bit for bit where the arithmetic is the same (THC's rotation, quantization given
 the same noise and decoding; TopKC's payloads and decodings), on odd sizes, empty tensors,
 every float dtype and non-contiguous inputs."""
@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from commpress.codecs import get_codec, kernels, kernels_extra
+from commpress.codecs import get_codec, kernels
 from commpress.codecs.base import CodecContext
+from commpress.codecs.kernels import numba_transforms as kernels_extra
 from commpress.codecs.thc import Thc, _lane_dtype
 
 pytestmark = pytest.mark.skipif(

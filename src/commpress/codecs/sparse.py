@@ -37,7 +37,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from commpress.codecs import kernels, kernels_extra
+from commpress.codecs import kernels
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -54,6 +54,7 @@ from commpress.codecs.common import (
     unscale_values,
     work_dtype,
 )
+from commpress.codecs.kernels import numba_transforms as kernels_extra
 from commpress.codecs.registry import register_codec
 from commpress.errors import PayloadError
 

@@ -21,7 +21,6 @@ from typing import ClassVar, Literal
 
 import torch
 
-from commpress.codecs import kernels_extra
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -31,6 +30,7 @@ from commpress.codecs.base import (
     saturating_cast,
 )
 from commpress.codecs.common import SEED_LIMIT, kernel_seed, reply_part, require_seed, work_dtype
+from commpress.codecs.kernels import numba_transforms as kernels_extra
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.registry import register_codec
 from commpress.errors import ConfigError, PayloadError, error_context

@@ -16,7 +16,6 @@ from typing import ClassVar, Literal
 
 import torch
 
-from commpress.codecs import kernels_extra
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -26,6 +25,7 @@ from commpress.codecs.base import (
     saturating_cast,
 )
 from commpress.codecs.common import finite_max_abs, reply_part, scale_values, unscale_values
+from commpress.codecs.kernels import numba_transforms as kernels_extra
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.registry import register_codec
 from commpress.errors import error_context

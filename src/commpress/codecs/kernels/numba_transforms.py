@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from commpress.codecs import kernels
+from commpress.codecs.kernels import numba_cpu
 from commpress.errors import CommpressError
 
 #: Largest rotation block the kernels transform in cache (128 KiB of float32, in L2).
@@ -570,7 +571,7 @@ def thc_encode(
     ranges = torch.empty(blocks, dtype=torch.float32)
     codes = torch.empty(padded, dtype=lane)
     nmode, nseed, nz = _noise_args(seed, noise)
-    with kernels._launch():
+    with numba_cpu._launch():
         _kernel("thc_encode")(
             xi, xb, mode, x.numel(), block, np.uint64(sign_seed), np.float32(scale),
             np.float32(levels), nmode, nseed, nz, _np(ranges), _np(codes),
@@ -586,7 +587,7 @@ def thc_rotate(
     xi, xb, mode = _source(x)
     y = torch.empty(padded, dtype=torch.float32)
     ranges = torch.empty(padded // block, dtype=torch.float32)
-    with kernels._launch():
+    with numba_cpu._launch():
         _kernel("thc_rotate")(
             xi, xb, mode, x.numel(), block, np.uint64(sign_seed), np.float32(scale), _np(y),
             _np(ranges),
@@ -601,7 +602,7 @@ def thc_quantize(
     """Codes ``clamp(floor(y / step + u), -L, L)`` (non-finite quotients give 0)."""
     codes = torch.empty(y.numel(), dtype=lane)
     nmode, nseed, nz = _noise_args(seed, noise)
-    with kernels._launch():
+    with numba_cpu._launch():
         _kernel("thc_quantize")(
             _np(y), block, _np(steps.contiguous()), np.float32(levels), nmode, nseed, nz,
             _np(codes),
@@ -622,7 +623,7 @@ def thc_decode(
         omode, outf, outb = 1, _DUMMY_F32, _np(flat.view(torch.int16)).view(np.uint16)
     else:  # pragma: no cover - thc.py passes float32 or bfloat16
         raise CommpressError(f"thc_decode writes float32 or bfloat16, not {flat.dtype}")
-    with kernels._launch():
+    with numba_cpu._launch():
         _kernel("thc_decode")(
             _np(codes.contiguous()), block, numel, np.uint64(sign_seed),
             _np(steps.contiguous()), _np(factors.contiguous()), omode, outf, outb,
@@ -642,7 +643,7 @@ def chunk_norms(
     nchunks = -(-n // chunk)
     out = torch.empty(nchunks, dtype=torch.float32)
     largest = np.zeros(-(-nchunks // max(1, _ITEM // chunk)), np.float64)
-    with kernels._launch():
+    with numba_cpu._launch():
         _kernel("chunk_squares")(xi, xb, mode, n, chunk, np.float64(top), _np(out), largest)
     return out, torch.tensor(float(largest.max(initial=0.0)), dtype=torch.float64)
 
@@ -666,7 +667,7 @@ def top16(x: torch.Tensor, k: int) -> torch.Tensor:
     (16-bit keys: two parallel passes, no float32 copy)."""
     inf_key = 0x7F80 if x.dtype == torch.bfloat16 else 0x7C00
     out = torch.empty(k, dtype=torch.int64)
-    with kernels._launch():
+    with numba_cpu._launch():
         import numba
 
         nparts = numba.get_num_threads()
