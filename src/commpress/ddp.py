@@ -22,6 +22,7 @@ buffer and completes the future DDP waits for.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,7 +39,7 @@ from commpress.collectives import engine
 from commpress.collectives.api import Strategy
 from commpress.collectives.checks import agree
 from commpress.collectives.driver import Exchange, Pending, require_initialized
-from commpress.collectives.feedback import Schedule, feedback_applies
+from commpress.collectives.feedback import ChoiceReason, Schedule, feedback_applies
 from commpress.collectives.policy import (
     CodecPolicy,
     CompressionState,
@@ -46,7 +47,7 @@ from commpress.collectives.policy import (
     Plan,
     load_policy_file,
 )
-from commpress.collectives.queue import queue_for
+from commpress.collectives.queue import OrderedQueue, queue_for
 from commpress.collectives.strategies import (
     check_in,
     get_strategy,
@@ -92,9 +93,10 @@ class DDPCompressionState(CompressionState):
     """
 
     __slots__ = ("granularity", "strategy", "local_size", "param_names", "layouts", "plans",
-                 "_verified", "_failed", "_settings")
+                 "_verified", "_failed", "_settings", "_names", "_buckets", "_group", "_route",
+                 "_queue")
     _TRANSIENT = (*CompressionState._TRANSIENT, "param_names", "_verified", "_failed",
-                  "_settings")
+                  "_settings", "_names", "_buckets", "_group", "_route", "_queue")
 
     def __init__(
         self,
@@ -130,6 +132,18 @@ class DDPCompressionState(CompressionState):
         self._verified: dict[int, int] = {}
         self._failed: str | None = None
         self._settings: int | None = None
+        self._forget_caches()
+
+    def _forget_caches(self) -> None:
+        """Drop what the hook caches between steps (rebuilt at the next bucket)."""
+        #: (bucket index, parameter ids) -> the bucket's names (see :meth:`names_of`).
+        self._names: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+        #: bucket index -> its plan, reused while the tensors and the plan epoch stay.
+        self._buckets: dict[int, _BucketPlan] = {}
+        #: (rank, world size, backend) of the process group, read once.
+        self._group: tuple[int, int, str] | None = None
+        self._route: engine.Route | None = None
+        self._queue: OrderedQueue | None = None
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         super().__setstate__(state)
@@ -137,6 +151,7 @@ class DDPCompressionState(CompressionState):
         self._verified = {}
         self._failed = None
         self._settings = None
+        self._forget_caches()
         if not hasattr(self, "layouts"):
             self.layouts = {}
         if not hasattr(self, "strategy"):  # pickled before strategies existed
@@ -149,6 +164,7 @@ class DDPCompressionState(CompressionState):
         unpickling the state for a model whose bucket layout differs from the pickled one."""
         module = getattr(model, "module", model)
         self.param_names = {id(p): n for n, p in module.named_parameters()}
+        self._names = {}
 
     def names_of(self, bucket_index: int, params: Sequence[torch.Tensor]) -> list[str]:
         """The names of a bucket's parameters, in bucket order.
@@ -157,6 +173,10 @@ class DDPCompressionState(CompressionState):
         :attr:`layouts`; for parameters the state does not know (a state unpickled and
         registered on a fresh model) they are looked up there.
         """
+        ids = (bucket_index, tuple(map(id, params)))
+        cached = self._names.get(ids)
+        if cached is not None:  # the same parameters as at an earlier step
+            return cached
         layout = _layout_key(bucket_index, params)
         found = [self.param_names.get(id(p)) for p in params]
         if all(n is not None for n in found):
@@ -166,6 +186,7 @@ class DDPCompressionState(CompressionState):
                     self.layouts[layout] = names
                 elif self.layouts[layout] not in (None, names):
                     self.layouts[layout] = None  # ambiguous: never guess from it
+                self._names[ids] = names
             return names
         known = self.layouts.get(layout)
         if known is None:
@@ -235,13 +256,107 @@ def _bucket_key(names: Sequence[str]) -> str:
 
 def _route(state: DDPCompressionState, ex: Exchange) -> engine.Route:
     """How the hook's exchanges run: its strategy, two in flight (one for the hierarchical
-    strategies), codec work on the queue's thread."""
-    strategy = get_strategy(state.strategy)
-    if strategy.needs_local_size and state.local_size is None:
-        # A state built directly (not by ``register``) or unpickled without one: torchrun's
-        # LOCAL_WORLD_SIZE, checked against the group by node_groups.
-        state.local_size = local_size_from_env(ex.world_size)
-    return engine.Route.of(strategy, ex, local_size=state.local_size, pipeline_depth=2)
+    strategies), codec work on the queue's thread. Worked out at the first bucket."""
+    if state._route is None:
+        strategy = get_strategy(state.strategy)
+        if strategy.needs_local_size and state.local_size is None:
+            # A state built directly (not by ``register``) or unpickled without one:
+            # torchrun's LOCAL_WORLD_SIZE, checked against the group by node_groups.
+            state.local_size = local_size_from_env(ex.world_size)
+        state._route = engine.Route.of(
+            strategy, ex, local_size=state.local_size, pipeline_depth=2
+        )
+    return state._route
+
+
+def _exchange(state: DDPCompressionState, bucket_index: int) -> Exchange:
+    """A fresh exchange (its own byte counters) over the hook's group for one bucket; the
+    group's rank, size and backend are read at the first bucket."""
+    if state._group is None:
+        ex = Exchange.of(state.process_group, timeout=state.timeout)
+        state._group = (ex.rank, ex.world_size, ex.backend)
+    rank, world, backend = state._group
+    return Exchange(state.process_group, rank, world, state.timeout,
+                    f"DDP bucket {bucket_index}", _backend=backend)
+
+
+@dataclasses.dataclass(slots=True)
+class _BucketPlan:
+    """A bucket's plan as decided, checked across ranks and refused or accepted at a step:
+    reused at later steps while the bucket holds the same tensors and the state's
+    :meth:`~CompressionState.plan_epoch` is the same (plans then differ in their step only).
+
+    Attributes:
+        signature: the tensors' names, shapes and dtypes.
+        epoch: the plan epoch it was made in.
+        choices: per tensor, its plan's codec, reason and feedback.
+        dense: the element-wise groups: the indices of their tensors and the group's key.
+        single: indices of the tensors reduced one by one.
+    """
+
+    signature: tuple[tuple[str, torch.Size, torch.dtype], ...]
+    epoch: tuple[bool, bool]
+    choices: list[tuple[Codec, ChoiceReason, bool]]
+    dense: list[tuple[list[int], str]]
+    single: list[int]
+
+    @classmethod
+    def of(cls, signature: tuple[tuple[str, torch.Size, torch.dtype], ...],
+           epoch: tuple[bool, bool], plans: list[Plan], bucket_index: int) -> _BucketPlan:
+        """Group ``plans``: element-wise casts into one flat reduction per (codec, feedback,
+        dtype), in order of first appearance; every other tensor on its own."""
+        groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
+        single: list[int] = []
+        for i, plan in enumerate(plans):
+            if plan.codec.elementwise:
+                key = (plan.codec.fingerprint(), plan.feedback, signature[i][2])
+                groups.setdefault(key, []).append(i)
+            else:
+                single.append(i)
+        dense = [
+            (indices, f"bucket{bucket_index}/{plans[indices[0]].codec.codec_id}/{n}")
+            for n, indices in enumerate(groups.values())
+        ]
+        choices = [(p.codec, p.reason, p.feedback) for p in plans]
+        return cls(signature, epoch, choices, dense, single)
+
+
+def _bucket_plans(
+    state: DDPCompressionState,
+    ex: Exchange,
+    items: list[tuple[str, torch.Tensor]],
+    step: int,
+    bucket_index: int,
+) -> tuple[_BucketPlan, list[Plan]]:
+    """This step's plans of a bucket's tensors (and the bucket's grouping).
+
+    When the bucket holds other tensors than at its last plan, or the plan epoch changed
+    (warm-up ended, the guard tripped or released), every tensor is planned again, the plan is
+    compared across ranks when it changed (:func:`_check_bucket`) and its codecs are checked
+    against the strategy; otherwise the cached decisions are reused for this step. Every rank
+    takes the same branch: both depend only on the tensors and the step, which all ranks share.
+    """
+    signature = tuple((key, t.shape, t.dtype) for key, t in items)
+    epoch = state.plan_epoch(step)
+    cached = state._buckets.get(bucket_index)
+    if cached is not None and cached.epoch == epoch and cached.signature == signature:
+        plans = [
+            Plan(key, codec, reason, feedback, step)
+            for (key, _, _), (codec, reason, feedback) in zip(
+                signature, cached.choices, strict=True
+            )
+        ]
+    else:
+        state._buckets.pop(bucket_index, None)
+        plans = [state.plan(key, t.shape, t.dtype, step=step) for key, t in items]
+        _check_bucket(state, ex, items, plans, bucket_index)
+        for plan in plans:
+            state.check_codec(plan.codec, f"{plan.key!r} ({plan.reason})")
+        cached = _BucketPlan.of(signature, epoch, plans, bucket_index)
+        state._buckets[bucket_index] = cached
+    for plan in plans:
+        state.plans[plan.key] = plan
+    return cached, plans
 
 
 def _single_task(
@@ -348,31 +463,26 @@ def _reduce_bucket_now(
 ) -> torch.Tensor:
     ctx_mgr = torch.cuda.stream(stream) if stream is not None else nullcontext()
     with ctx_mgr, error_context(f"DDP comm hook, bucket {bucket_index} at step {step}"):
-        ex = Exchange.of(
-            state.process_group, timeout=state.timeout, label=f"DDP bucket {bucket_index}"
-        )
-        plans = [state.plan(key, t.shape, t.dtype, step=step) for key, t in items]
-        _check_bucket(state, ex, items, plans, bucket_index)
-        for plan in plans:
-            state.check_codec(plan.codec, f"{plan.key!r} ({plan.reason})")
-            state.plans[plan.key] = plan
+        ex = _exchange(state, bucket_index)
+        bucket, plans = _bucket_plans(state, ex, items, step, bucket_index)
         # Element-wise casts: one flat exchange per (codec, feedback, dtype), first; every
         # other tensor on its own.
-        groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
-        jobs: list[Callable[[engine.Exchanger], Generator[Pending, None, None]]] = []
-        for i, plan in enumerate(plans):
-            if plan.codec.elementwise:
-                group_key = (plan.codec.fingerprint(), plan.feedback, items[i][1].dtype)
-                groups.setdefault(group_key, []).append(i)
-            else:
-                jobs.append(partial(_single_task, state, ex, *items[i], plan, step))
-        for n, indices in enumerate(groups.values()):
-            codec_id = plans[indices[0]].codec.codec_id
-            jobs.insert(n, partial(
+        jobs: list[Callable[[engine.Exchanger], Generator[Pending, None, None]]] = [
+            partial(
                 engine.dense_with_feedback, state, [items[i] for i in indices],
                 [plans[i] for i in indices], rank=ex.rank, world_size=ex.world_size, step=step,
-                key=f"bucket{bucket_index}/{codec_id}/{n}",
-            ))
+                key=key,
+            )
+            for indices, key in bucket.dense
+        ]
+        jobs += [partial(_single_task, state, ex, *items[i], plans[i], step) for i in bucket.single]
+        for indices, _ in bucket.dense:
+            if not plans[indices[0]].feedback:
+                # The group's gradients lie back to back in the bucket buffer, which receives
+                # the means anyway: a codec whose payload is that memory (identity) is summed
+                # in it, without a copy (see Exchange.writable).
+                ex.writable = engine.flat_view([items[i][1] for i in indices])
+                break
         # Pipelined with distinct point-to-point tags; buckets run one after the other on the
         # queue.
         engine.run_jobs(ex, _route(state, ex), jobs)
@@ -438,9 +548,10 @@ def comm_hook(
     else:
         items = list(zip(names, bucket.gradients(), strict=True))
     stream = torch.cuda.current_stream(buffer.device) if buffer.is_cuda else None
-    fut = queue_for(state.process_group).submit(
-        _reduce_bucket, state, items, buffer, step, bucket.index(), stream, last
-    )
+    q = state._queue
+    if q is None or not q.alive:
+        q = state._queue = queue_for(state.process_group)
+    fut = q.submit(_reduce_bucket, state, items, buffer, step, bucket.index(), stream, last)
     # A failed job's future holds the exception as its *value* (Python's set_exception); DDP
     # reads the value in C++ and would report "Unable to cast ... to Tensor". Chaining turns
     # the failure into a real error of the returned future, whose message DDP shows.

@@ -336,6 +336,29 @@ def with_feedback(
     return state.finish(key, tensor, x, plan, result)
 
 
+def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat tensor over the memory of ``tensors`` when they lie back to back, in order,
+    contiguous, in one storage (the gradients of a DDP bucket are such views of its buffer);
+    ``None`` otherwise. Reading or writing it reads or writes the tensors, without a copy."""
+    first = tensors[0]
+    if not first.is_contiguous():
+        return None
+    if len(tensors) == 1:
+        return first.detach().view(-1)
+    dtype, device, size = first.dtype, first.device, first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    pos = first.data_ptr()
+    for t in tensors:
+        if (
+            t.data_ptr() != pos or t.dtype != dtype or t.device != device
+            or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage
+        ):
+            return None
+        pos += t.numel() * size
+    numel = (pos - first.data_ptr()) // size
+    return first.detach().as_strided((numel,), (1,), first.storage_offset())
+
+
 def dense_with_feedback(
     state: CompressionState,
     items: list[tuple[str, torch.Tensor]],
@@ -353,25 +376,40 @@ def dense_with_feedback(
 
     Element-wise casts give the same values whether tensors are reduced one by one or
     concatenated (and the same as PyTorch's fp16 hook on the whole bucket), at the cost of one
-    collective.
+    collective. Tensors that lie back to back in memory (:func:`flat_view`, a DDP bucket's
+    gradients) are sent from and written back to that memory as one piece, without
+    concatenating or copying them one by one.
     """
     codec, feedback = plans[0].codec, plans[0].feedback
-    xs = [state.compensate(plan, t) for (_, t), plan in zip(items, plans, strict=True)]
-    flat = xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
+    tensors = [t for _, t in items]
+    xs = [state.compensate(plan, t) for t, plan in zip(tensors, plans, strict=True)]
+    dest = flat_view(tensors)
+    flat = dest if not feedback and dest is not None else _concat(xs)
     ctx = CodecContext(
         rank=rank, world_size=world_size, step=step, key=key, need_local=feedback,
         average=True,
     )
     reduced = yield from exchange(codec, flat, ctx)
+    totals = reduced.total
+    if dest is not None:
+        if totals.data_ptr() != dest.data_ptr() or totals.dtype != dest.dtype:
+            dest.copy_(totals)  # the means, in the tensors' dtype, in their memory
+        totals = dest
     offset = 0
     for (k, t), x, plan in zip(items, xs, plans, strict=True):
         n = t.numel()
         local = None
         if feedback:
             local = reduced.local[offset : offset + n].view(t.shape)  # type: ignore[index]
-        total = reduced.total[offset : offset + n].view(t.shape)
-        t.copy_(state.finish(k, t, x, plan, Reduced(total=total, local=local)).total)
+        total = totals[offset : offset + n].view(t.shape)
+        done = state.finish(k, t, x, plan, Reduced(total=total, local=local)).total
+        if dest is None:
+            t.copy_(done)
         offset += n
+
+
+def _concat(xs: list[torch.Tensor]) -> torch.Tensor:
+    return xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
 
 
 __all__ = [
@@ -382,6 +420,7 @@ __all__ = [
     "call_label",
     "dense_with_feedback",
     "finish_inplace",
+    "flat_view",
     "forget",
     "offload_pool",
     "reduce",

@@ -641,6 +641,14 @@ class CompressionState:
             choice = self.schedule.choose(policy_codec, shape, dtype, step=step)
         return Plan(key, choice.codec, choice.reason, self.uses_feedback(policy_codec), step)
 
+    def plan_epoch(self, step: int) -> tuple[bool, bool]:
+        """What :meth:`plan` reads of ``step``: whether it is a warm-up step and whether the
+        guard sends it with the fallback codec. Everything else a plan depends on is the
+        tensor's name, shape and dtype and settings fixed at construction, so two steps of the
+        same epoch give a tensor the same codec, reason and feedback (callers such as the DDP
+        hook reuse plans while the epoch and the tensors stay the same)."""
+        return step < self.schedule.warmup_steps, step < self._guard_until
+
     def codec_state(self, plan: Plan, device: torch.device) -> dict[str, Any]:
         """The persistent codec state dict for ``plan`` (fresh for dense fallbacks).
 
