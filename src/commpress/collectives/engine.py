@@ -34,13 +34,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from commpress.codecs.base import Codec, CodecContext
-from commpress.codecs.cast import Identity
 from commpress.codecs.protocol import Reduced
 from commpress.collectives import checks
 from commpress.collectives.driver import (
     Exchange,
     Pending,
+    direct_path_applies,
+    plain_sum_task,
     run_tasks,
+    sums_plainly,
     uncompressed_all_reduce,
 )
 from commpress.collectives.strategies import (
@@ -117,6 +119,10 @@ class Route:
     local_size: int = 0
     pool: ThreadPoolExecutor | None = None
     depth: int = 2
+    #: A codec whose reduction is a plain sum (:func:`sums_plainly`) may take one all-reduce
+    #: instead of the strategy task: the strategy runs the codec's own protocol, and no
+    #: offload pool takes the codec work.
+    plain: bool = False
 
     @classmethod
     def of(
@@ -134,12 +140,19 @@ class Route:
             size = local_size_from_env(ex.world_size) if local_size is None else local_size
         else:
             size = 0
-        return cls(strategy, size, pool, strategy.depth(pipeline_depth))
+        plain = strategy.runs_codec_protocol and pool is None
+        return cls(strategy, size, pool, strategy.depth(pipeline_depth), plain)
 
     def exchange(
         self, ex: Exchange, codec: Codec, x: torch.Tensor, ctx: CodecContext, *, tag: int
     ) -> Generator[Pending, None, Reduced]:
-        """The strategy's task exchanging ``x`` on ``ex``."""
+        """The strategy's task exchanging ``x`` on ``ex``; for a codec whose reduction is a
+        plain sum (the identity), when the route allows it and no local contribution is asked
+        for, one all-reduce of ``x`` (:func:`~commpress.collectives.driver.plain_sum_task`:
+        the same result, without the codec and protocol layers)."""
+        if (self.plain and not ctx.need_local and sums_plainly(codec)
+                and direct_path_applies(x, ex)):
+            return plain_sum_task(x, ex, average=ctx.average)
         return self.strategy.task(
             codec, x, ctx, ex, tag=tag, pool=self.pool, local_size=self.local_size
         )
@@ -266,7 +279,7 @@ def reduce(tensor: torch.Tensor, codec: checks.CodecSpec, options: ReduceOptions
         )
     slices, unit = bucket_slices(tuple(x.shape), bucket_elems)
     many = len(slices) > 1
-    plain_ok = plan.runs_codec_protocol and type(codec) is Identity
+    plain_ok = plan.runs_codec_protocol and sums_plainly(codec)
     if plain_ok and not many and not need_local and not route.pool:
         # No codec work to schedule: one plain all-reduce (same result as the protocol).
         plain = uncompressed_all_reduce(x, ex, average=op == "mean")
