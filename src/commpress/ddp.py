@@ -39,23 +39,30 @@ from commpress.collectives import engine
 from commpress.collectives.api import Strategy
 from commpress.collectives.checks import agree
 from commpress.collectives.driver import Exchange, Pending, require_initialized
-from commpress.collectives.feedback import ChoiceReason, Schedule, feedback_applies
+from commpress.collectives.feedback import (
+    ChoiceReason,
+    FeedbackConfig,
+    Schedule,
+    feedback_applies,
+)
 from commpress.collectives.policy import (
     CodecPolicy,
     CompressionState,
     Guard,
     Plan,
+    checked_options,
     load_policy_file,
 )
 from commpress.collectives.queue import OrderedQueue, queue_for
 from commpress.collectives.strategies import (
+    ExchangeStrategy,
     check_in,
     get_strategy,
     local_size_from_env,
     new_group_of,
     prepare_node_groups,
 )
-from commpress.errors import CommpressError, error_context
+from commpress.errors import CommpressError, ConfigError, error_context
 
 if TYPE_CHECKING:
     from torch.distributed import GradBucket, ProcessGroup
@@ -109,17 +116,7 @@ class DDPCompressionState(CompressionState):
         **kwargs: Any,
     ) -> None:
         super().__init__(policy, **kwargs)
-        if granularity not in ("parameter", "bucket"):
-            raise CommpressError(
-                f"granularity must be 'parameter' or 'bucket', got {granularity!r}"
-            )
-        found = get_strategy(strategy)
-        if local_size is not None and (
-            isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1
-        ):
-            raise CommpressError(
-                f"local_size must be an int >= 1 (ranks per node) or None, got {local_size!r}"
-            )
+        found = _checked_layout(granularity, strategy, local_size)
         self.granularity: Granularity = granularity
         self.strategy: Strategy = strategy
         #: Ranks per node for the hierarchical strategies (``None`` for the others).
@@ -237,6 +234,22 @@ class DDPCompressionState(CompressionState):
             raise CommpressError(
                 f"DDP hook strategy {self.strategy!r} cannot send {what}: {why}"
             )
+
+
+def _checked_layout(granularity: Any, strategy: Any, local_size: Any) -> ExchangeStrategy:
+    """Check the hook's granularity, strategy name and node size; returns the strategy."""
+    if granularity not in ("parameter", "bucket"):
+        raise CommpressError(
+            f"granularity must be 'parameter' or 'bucket', got {granularity!r}"
+        )
+    found = get_strategy(strategy)
+    if local_size is not None and (
+        isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1
+    ):
+        raise CommpressError(
+            f"local_size must be an int >= 1 (ranks per node) or None, got {local_size!r}"
+        )
+    return found
 
 
 def _hash63(text: str) -> int:
@@ -571,10 +584,140 @@ comm_hook.__annotations__ = {
 }
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "'powersgd'"
+
+
+_UNSET: Any = _Unset()
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HookConfig:
+    """Everything :func:`register` takes besides the model, checked once when built.
+
+    ``register(model, codec, **kwargs)`` builds one of these from its arguments;
+    ``register(model, config=HookConfig(...))`` takes a ready one (keep it in your own run
+    configuration, compare it, log it). The fields are :func:`register`'s arguments, with
+    the same defaults and meanings; ``codec_params`` are the codec parameters that
+    ``register`` takes as extra keywords (``register(model, "powersgd", rank=2)`` is
+    ``HookConfig(codec="powersgd", codec_params={"rank": 2})``).
+
+    Building it checks every field that can be checked without a process group (codec specs,
+    policy files and rules, the schedule, error feedback against each codec, the strategy
+    against each codec, the node size's type, the timeout and the guard); a bad value is a
+    :class:`~commpress.errors.ConfigError` (a ``ValueError``) naming it. Whether
+    ``local_size`` divides the group's size is checked by :func:`register`.
+
+    Attributes beyond the fields (derived once, not compared): ``codec_policy`` (the
+    :class:`~commpress.collectives.policy.CodecPolicy` the hook uses) and ``schedule`` (the
+    :class:`~commpress.collectives.feedback.Schedule` of the warm-up and fallback settings).
+    """
+
+    codec: Any = "powersgd"
+    codec_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    policy: PolicySpec | None = None
+    by_size: Mapping[int, Any] | None = None
+    group: ProcessGroup | None = None
+    error_feedback: bool | None = None
+    momentum: float = 0.0
+    momentum_masking: bool = True
+    warmup_steps: int = 0
+    warmup_codec: str = "identity"
+    min_numel: int = 0
+    min_compression_rate: float = 0.0
+    fallback_codec: str = "fp16"
+    granularity: Granularity = "parameter"
+    strategy: Strategy = "auto"
+    local_size: int | None = None
+    timeout: float | None = None
+    own_group: bool = True
+    guard: Guard | bool | None = None
+    codec_policy: CodecPolicy = dataclasses.field(init=False, repr=False, compare=False)
+    schedule: Schedule = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            self._check()
+        except CommpressError as exc:
+            raise ConfigError(f"commpress.ddp.HookConfig: {exc}") from exc
+
+    def _check(self) -> None:
+        if not isinstance(self.codec, (str, Mapping, Codec)):
+            raise ConfigError(
+                "codec must be a codec id or spec string, a config "
+                f"mapping or a Codec, got {type(self.codec).__name__}"
+            )
+        if not isinstance(self.codec_params, Mapping) or not all(
+            isinstance(k, str) for k in self.codec_params
+        ):
+            raise ConfigError(
+                "codec_params must be a mapping of parameter names "
+                f"to values, got {self.codec_params!r}"
+            )
+        object.__setattr__(self, "codec_params", dict(self.codec_params))
+        if not isinstance(self.own_group, bool):
+            raise ConfigError(
+                f"own_group must be a bool, got {self.own_group!r}"
+            )
+        checked_options(error_feedback=self.error_feedback, timeout=self.timeout,
+                        guard=self.guard)
+        FeedbackConfig(error_feedback=self.error_feedback is not False,
+                       momentum=self.momentum, momentum_masking=self.momentum_masking)
+        object.__setattr__(self, "schedule", Schedule(
+            warmup_steps=self.warmup_steps, warmup_codec=self.warmup_codec,
+            min_numel=self.min_numel, min_compression_rate=self.min_compression_rate,
+            fallback_codec=self.fallback_codec,
+        ))
+        exchange = _checked_layout(self.granularity, self.strategy, self.local_size)
+        built = self._build_policy()
+        for what, c in built.codecs():
+            why = exchange.refusal(c)
+            if why is not None:
+                raise ConfigError(f"strategy {self.strategy!r} cannot send {what}: {why}")
+            with error_context(what):
+                feedback_applies(c, self.error_feedback)  # refused before any group is made
+        object.__setattr__(self, "codec_policy", built)
+
+    def _build_policy(self) -> CodecPolicy:
+        policy, params, by_size = self.policy, self.codec_params, self.by_size
+        base = _with_params(self.codec, params)
+        if isinstance(policy, (str, os.PathLike)):
+            policy = load_policy_file(policy)  # e.g. written by `commpress advise --emit-policy`
+        if policy is None:
+            return CodecPolicy(base, by_size=by_size)
+        if isinstance(policy, CodecPolicy):
+            if params or by_size:
+                raise ConfigError(
+                    "codec parameters and by_size cannot be combined with a ready CodecPolicy; "
+                    "put them into the policy"
+                )
+            return policy
+        if isinstance(policy, Mapping):
+            rules = dict(policy)
+            default = rules.pop("*", None)
+            return CodecPolicy(base if default is None else default, rules=rules,
+                               by_size=by_size)
+        if callable(policy):
+            return CodecPolicy(base, by_size=by_size, function=policy)
+        raise ConfigError(
+            "policy must be a mapping of name globs to codec specs, a function (name, shape) -> "
+            f"codec spec, or a CodecPolicy; got {type(policy).__name__}"
+        )
+
+
+#: The defaults of :class:`HookConfig`'s fields that :func:`register` takes as keywords.
+_KEYWORD_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(HookConfig)
+    if f.init and f.name not in ("codec", "codec_params")
+}
+
+
 def register(
     model: torch.nn.parallel.DistributedDataParallel,
-    codec: Any = "powersgd",
+    codec: Any = _UNSET,
     *,
+    config: HookConfig | None = None,
     policy: PolicySpec | None = None,
     by_size: Mapping[int, Any] | None = None,
     group: ProcessGroup | None = None,
@@ -598,6 +741,8 @@ def register(
 
     Args:
         model: a ``DistributedDataParallel`` model without a comm hook yet (DDP allows one).
+        config: a :class:`HookConfig` holding every other argument (then pass no other
+            argument); the keyword arguments below build one otherwise.
         codec: the codec for every parameter: an id (``"powersgd"``), a spec string
             (``"topk:ratio=0.01"``), a config mapping or a codec; ``codec_params`` are added
             to it (``register(model, "powersgd", rank=2)``).
@@ -682,44 +827,47 @@ def register(
             "commpress.ddp.register expects a torch.nn.parallel.DistributedDataParallel model, "
             f"got {type(model).__name__}"
         )
-    base = _with_params(codec, codec_params)
-    if isinstance(policy, (str, os.PathLike)):
-        policy = load_policy_file(policy)  # e.g. written by `commpress advise --emit-policy`
-    if policy is None:
-        built = CodecPolicy(base, by_size=by_size)
-    elif isinstance(policy, CodecPolicy):
-        if codec_params or by_size:
-            raise CommpressError(
-                "codec parameters and by_size cannot be combined with a ready CodecPolicy; "
-                "put them into the policy"
-            )
-        built = policy
-    elif isinstance(policy, Mapping):
-        rules = dict(policy)
-        default = rules.pop("*", None)
-        built = CodecPolicy(base if default is None else default, rules=rules, by_size=by_size)
-    elif callable(policy):
-        built = CodecPolicy(base, by_size=by_size, function=policy)
-    else:
-        raise CommpressError(
-            "policy must be a mapping of name globs to codec specs, a function (name, shape) -> "
-            f"codec spec, or a CodecPolicy; got {type(policy).__name__}"
-        )
-    schedule = Schedule(
-        warmup_steps=warmup_steps,
-        warmup_codec=warmup_codec,
-        min_numel=min_numel,
-        min_compression_rate=min_compression_rate,
-        fallback_codec=fallback_codec,
+    keywords = dict(
+        policy=policy, by_size=by_size, group=group, error_feedback=error_feedback,
+        momentum=momentum, momentum_masking=momentum_masking, warmup_steps=warmup_steps,
+        warmup_codec=warmup_codec, min_numel=min_numel,
+        min_compression_rate=min_compression_rate, fallback_codec=fallback_codec,
+        granularity=granularity, strategy=strategy, local_size=local_size, timeout=timeout,
+        own_group=own_group, guard=guard,
     )
+    if config is None:
+        config = HookConfig(codec="powersgd" if codec is _UNSET else codec,
+                            codec_params=codec_params, **keywords)
+    else:
+        if not isinstance(config, HookConfig):
+            raise ConfigError(
+                f"commpress.ddp.register: config must be a HookConfig, got "
+                f"{type(config).__name__}"
+            )
+        given = [k for k, v in keywords.items() if not _same(v, _KEYWORD_DEFAULTS[k])]
+        given += ["codec"] * (codec is not _UNSET) + sorted(codec_params)
+        if given:
+            raise ConfigError(
+                f"commpress.ddp.register: pass either config= or keyword arguments, not both "
+                f"(also given: {', '.join(given)}); put them into the HookConfig"
+            )
+    return _register(model, config)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # a value without a plain truth value of ==: not the default
+        return False
+
+
+def _register(
+    model: torch.nn.parallel.DistributedDataParallel, config: HookConfig
+) -> DDPCompressionState:
+    """:func:`register` with a checked config."""
+    strategy, timeout, local_size = config.strategy, config.timeout, config.local_size
     exchange = get_strategy(strategy)
-    for what, c in built.codecs():
-        why = exchange.refusal(c)
-        if why is not None:
-            raise CommpressError(f"commpress.ddp.register: strategy {strategy!r} cannot send "
-                                 f"{what}: {why}")
-        with error_context(f"commpress.ddp.register: {what}"):
-            feedback_applies(c, error_feedback)  # refused before any group is made
+    group = config.group
     if group is None:
         group = getattr(model, "process_group", None)
     if exchange.needs_local_size:
@@ -730,30 +878,30 @@ def register(
         if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 or (
             world % local_size
         ):
-            raise CommpressError(
+            raise ConfigError(
                 f"strategy {strategy!r} needs local_size (ranks per node) dividing the group "
                 f"size {world}, got {local_size!r}; pass local_size= or set LOCAL_WORLD_SIZE"
             )
-    if own_group or strategy.startswith("hierarchical"):
+    if config.own_group or exchange.needs_local_size:
         # Every rank must have called register before any process group is made: creating
         # one waits for all its members, so a rank that never calls would block the others.
         check_in(group, timeout=timeout, what="commpress.ddp.register")
-    if own_group:
+    if config.own_group:
         group = _own_group(group, timeout)
     names = {p: n for n, p in model.module.named_parameters()}
     state = DDPCompressionState(
-        built,
-        granularity=granularity,
+        config.codec_policy,
+        granularity=config.granularity,
         strategy=strategy,
         local_size=local_size,
         param_names=names,
         process_group=group,
-        schedule=schedule,
-        error_feedback=error_feedback,
-        momentum=momentum,
-        momentum_masking=momentum_masking,
+        schedule=config.schedule,
+        error_feedback=config.error_feedback,
+        momentum=config.momentum,
+        momentum_masking=config.momentum_masking,
         timeout=timeout,
-        guard=guard,
+        guard=config.guard,
     )
     if exchange.needs_local_size and local_size is not None:
         # The node subgroups are made here, on every rank's main thread in the same order (made
@@ -788,4 +936,4 @@ def _with_params(codec: Any, params: Mapping[str, Any]) -> Any:
     return get_codec(codec, **params) if params else codec
 
 
-__all__ = ["DDPCompressionState", "comm_hook", "register"]
+__all__ = ["DDPCompressionState", "HookConfig", "comm_hook", "register"]
