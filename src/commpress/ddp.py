@@ -53,7 +53,7 @@ from commpress.collectives.policy import (
     checked_options,
     load_policy_file,
 )
-from commpress.collectives.queue import OrderedQueue, queue_for
+from commpress.collectives.queue import OrderedQueue, Steps, queue_for
 from commpress.collectives.strategies import (
     ExchangeStrategy,
     check_in,
@@ -397,9 +397,10 @@ def _reduce_bucket(
     bucket_index: int,
     stream: Any,
     last: bool = False,
-) -> torch.Tensor:
-    """The queued job: reduce every tensor of one bucket and write the means into the buffer
-    (after the step's ``last`` bucket, end the step: :meth:`CompressionState.end_step`).
+) -> Steps[torch.Tensor]:
+    """The queued job, as steps (:data:`~commpress.collectives.queue.Steps`): reduce every
+    tensor of one bucket and write the means into the buffer (after the step's ``last``
+    bucket, end the step: :meth:`CompressionState.end_step`).
 
     Tensors whose codec is an element-wise cast (identity, fp16, bf16) are grouped into one
     flat reduction per (codec, feedback, dtype); every other tensor gets its own protocol.
@@ -414,7 +415,10 @@ def _reduce_bucket(
             f"earlier bucket failed: {state._failed}"
         )
     try:
-        return _reduce_bucket_now(state, items, buffer, step, bucket_index, stream, last)
+        return (yield from _reduce_bucket_now(state, items, buffer, step, bucket_index, stream,
+                                              last))
+    except GeneratorExit:  # dropped unfinished (the queue shut down): not a failure of ours
+        raise
     except BaseException as exc:
         state._failed = str(exc) or type(exc).__name__
         raise
@@ -473,7 +477,7 @@ def _reduce_bucket_now(
     bucket_index: int,
     stream: Any,
     last: bool,
-) -> torch.Tensor:
+) -> Steps[torch.Tensor]:
     ctx_mgr = torch.cuda.stream(stream) if stream is not None else nullcontext()
     with ctx_mgr, error_context(f"DDP comm hook, bucket {bucket_index} at step {step}"):
         ex = _exchange(state, bucket_index)
@@ -498,7 +502,7 @@ def _reduce_bucket_now(
                 break
         # Pipelined with distinct point-to-point tags; buckets run one after the other on the
         # queue.
-        engine.run_jobs(ex, _route(state, ex), jobs)
+        yield from engine.schedule_jobs(ex, _route(state, ex), jobs)
         state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
         if last:
             # undo a non-finite step's changes to the codec states, run the guard, record stats
@@ -564,7 +568,11 @@ def comm_hook(
     q = state._queue
     if q is None or not q.alive:
         q = state._queue = queue_for(state.process_group)
-    fut = q.submit(_reduce_bucket, state, items, buffer, step, bucket.index(), stream, last)
+    # On the CPU, an idle queue runs the job's first step (planning, encoding, issuing the
+    # first collective) right here, without a hand-off to its thread; under a CUDA stream the
+    # whole job runs on the queue's thread (the stream context is per thread).
+    steps = _reduce_bucket(state, items, buffer, step, bucket.index(), stream, last)
+    fut = q.submit_steps(steps, start_here=stream is None)
     # A failed job's future holds the exception as its *value* (Python's set_exception); DDP
     # reads the value in C++ and would report "Unable to cast ... to Tensor". Chaining turns
     # the failure into a real error of the returned future, whose message DDP shows.

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from commpress.codecs.base import Codec, Payload
 from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced, Request
 from commpress.codecs.simulate import reduce_tensors
+from commpress.collectives.queue import Steps, run_steps
 from commpress.errors import (
     CommpressError,
     ExchangeError,
@@ -900,6 +901,16 @@ def run_tasks(
         depth: tasks in flight at once; 1 runs them one after the other. Larger values
             overlap more but hold more buffers; 2 suffices to hide encoding behind transfer.
     """
+    return run_steps(schedule(tasks, ex, depth=depth))
+
+
+def schedule(
+    tasks: Sequence[Task | Callable[[], Task]], ex: Exchange, *, depth: int = 2
+) -> Steps[list[Any]]:
+    """:func:`run_tasks` as steps (:data:`~commpress.collectives.queue.Steps`): it yields the
+    waits (``ex.wait`` of each pending operation, in the rotation's order) instead of waiting,
+    so a queue may run its first step on another thread than the rest
+    (:meth:`~commpress.collectives.queue.OrderedQueue.submit_steps`)."""
     if depth < 1:
         raise CommpressError(f"pipeline depth must be >= 1, got {depth}")
     results: list[Any] = [None] * len(tasks)
@@ -926,7 +937,7 @@ def run_tasks(
             i, task, pending = inflight.popleft()
             if len(tasks) > 1:
                 pending = Pending(pending.works, f"part {i}: {pending.what}")
-            ex.wait(pending)
+            yield functools.partial(ex.wait, pending)
             try:
                 pending = task.send(None)
             except StopIteration as stop:
@@ -985,6 +996,7 @@ __all__ = [
     "protocol_task",
     "require_initialized",
     "run_tasks",
+    "schedule",
     "submit_offload",
     "sums_plainly",
     "unpack_bytes",

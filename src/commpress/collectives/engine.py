@@ -41,10 +41,11 @@ from commpress.collectives.driver import (
     Pending,
     direct_path_applies,
     plain_sum_task,
-    run_tasks,
+    schedule,
     sums_plainly,
     uncompressed_all_reduce,
 )
+from commpress.collectives.queue import Steps, run_steps
 from commpress.collectives.strategies import (
     RING_TAG_BASE,
     ExchangeStrategy,
@@ -167,11 +168,20 @@ def run_jobs(
     tag, and returns its task; the results come back in job order. Tasks are created lazily,
     when the scheduler starts them.
     """
+    return run_steps(schedule_jobs(ex, route, jobs))
+
+
+def schedule_jobs(
+    ex: Exchange, route: Route, jobs: Sequence[Callable[[Exchanger], Generator[Pending, None, Y]]]
+) -> Steps[list[Y]]:
+    """:func:`run_jobs` as steps (:func:`~commpress.collectives.driver.schedule`): the waits
+    are yielded to the caller (the DDP hook's queue job runs its first step on the thread that
+    submits it)."""
     tasks = [
         functools.partial(job, functools.partial(route.exchange, ex, tag=ring_tag(i)))
         for i, job in enumerate(jobs)
     ]
-    return run_tasks(tasks, ex, depth=route.depth)
+    return schedule(tasks, ex, depth=route.depth)
 
 
 # ---------------------------------------------------------------------------- all_reduce
@@ -440,5 +450,6 @@ __all__ = [
     "resolve_strategy",
     "ring_tag",
     "run_jobs",
+    "schedule_jobs",
     "with_feedback",
 ]
