@@ -35,6 +35,7 @@ def test_bench_ddp_tiny_run_reports_every_config_and_bit_identity(
         assert row["model"] == "small" and row["params"] == 1_323_018
         assert len(row["repeat_medians_ms"]) == 2
         assert row["ms_min"] <= row["ms_median"] <= row["ms_max"]
+        assert row["cpu_ms_median"] > 0
         assert row["replicas_identical"] is True, name
         if name in REFERENCES:
             assert row["reference"] == REFERENCES[name]
@@ -42,6 +43,7 @@ def test_bench_ddp_tiny_run_reports_every_config_and_bit_identity(
             # the fp16 hook equals PyTorch's fp16 hook: same arithmetic, bit for bit
             assert row["bit_identical"] is True, name
             assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+            assert row["cpu_ratio_min"] <= row["cpu_ratio_median"] <= row["cpu_ratio_max"]
         else:
             assert row["reference"] is None and row["bit_identical"] is None
     # every configuration's line appears in the printed table

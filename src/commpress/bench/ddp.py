@@ -17,6 +17,10 @@ rank's time counts. Per repeat, each configuration's median step time; per confi
 median over repeats and its min-max. Each commpress configuration is compared with its
 reference (identity with no hook, fp16 with PyTorch's fp16 hook) by the paired ratio of the
 medians of one repeat (same load), reported as the median over repeats with its min-max.
+Beside wall-clock time, each step's CPU time of the whole process (``time.process_time``: every
+thread, gloo's and the hook's queue included; the busier rank counts) and the same paired
+ratios: on a shared machine, CPU time is far less disturbed by other jobs than wall-clock
+time, and the hook's overhead is CPU work.
 
 Bit-identity: after the last repeat every configuration has taken the same steps on the same
 data, so the identity hook's parameters must equal those of DDP without a hook and the fp16
@@ -120,32 +124,32 @@ def bench_model(
         runs[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
     done = dict.fromkeys(CONFIGS, 0)
 
-    def step(name: str) -> float:
+    def step(name: str) -> tuple[float, float]:
         ddp, opt = runs[name]
         x, y = data[done[name] % BATCHES]
         done[name] += 1
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(ddp(x), y)
         loss.backward()
         opt.step()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     for name in CONFIGS:
         for _ in range(warmup):
             step(name)
     _progress(rank, f"{model}: {warmup} warm-up steps per configuration done")
     times = {name: [[0.0] * steps for _ in range(repeats)] for name in CONFIGS}
+    cpu = {name: [[0.0] * steps for _ in range(repeats)] for name in CONFIGS}
     for r in range(repeats):
         order = CONFIGS[r % len(CONFIGS):] + CONFIGS[: r % len(CONFIGS)]
         for name in order:
             dist.barrier()
-            row = times[name][r]
             for s in range(steps):
-                row[s] = step(name)
-            slow = torch.tensor(row, dtype=torch.float64)
-            dist.all_reduce(slow, op=dist.ReduceOp.MAX)
-            times[name][r] = slow.tolist()
+                times[name][r][s], cpu[name][r][s] = step(name)
+            both = torch.tensor([times[name][r], cpu[name][r]], dtype=torch.float64)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            times[name][r], cpu[name][r] = both.tolist()
             _progress(rank, f"{model}: repeat {r + 1}/{repeats}, {name}: "
                             f"{1e3 * statistics.median(times[name][r]):.2f} ms/step")
     params = {
@@ -165,6 +169,7 @@ def bench_model(
         "widths": list(widths),
         "params": mlp_params(widths),
         "times_s": times,
+        "cpu_s": cpu,
         "same_as_reference": same_as_reference,
         "replicas_identical": replicas,
     }
@@ -172,16 +177,21 @@ def bench_model(
 
 def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per configuration of one model's :func:`bench_model` result."""
-    times = result["times_s"]
-    medians = {name: [statistics.median(r) for r in times[name]] for name in CONFIGS}
+    medians = {name: [statistics.median(r) for r in result["times_s"][name]]
+               for name in CONFIGS}
+    cpu = {name: [statistics.median(r) for r in result["cpu_s"][name]] for name in CONFIGS}
+
+    def paired(values: dict[str, list[float]], name: str, ref: str | None) -> list[float]:
+        if ref is None:
+            return []
+        return [a / b for a, b in zip(values[name], values[ref], strict=True) if b > 0]
+
     rows = []
     for name in CONFIGS:
         ms = [1e3 * t for t in medians[name]]
         ref = REFERENCES.get(name)
-        ratios = (
-            [a / b for a, b in zip(medians[name], medians[ref], strict=True) if b > 0]
-            if ref else []
-        )
+        ratios = paired(medians, name, ref)
+        cpu_ratios = paired(cpu, name, ref)
         rows.append({
             "model": result["model"],
             "params": result["params"],
@@ -194,6 +204,10 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
             "ratio_median": statistics.median(ratios) if ratios else None,
             "ratio_min": min(ratios) if ratios else None,
             "ratio_max": max(ratios) if ratios else None,
+            "cpu_ms_median": 1e3 * statistics.median(cpu[name]),
+            "cpu_ratio_median": statistics.median(cpu_ratios) if cpu_ratios else None,
+            "cpu_ratio_min": min(cpu_ratios) if cpu_ratios else None,
+            "cpu_ratio_max": max(cpu_ratios) if cpu_ratios else None,
             "bit_identical": result["same_as_reference"].get(name) if ref else None,
             "replicas_identical": result["replicas_identical"][name],
         })
@@ -202,8 +216,11 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     headers = ["model", "params (M)", "config", "ms/step (median)", "min-max over repeats",
-               "vs", "ratio (median)", "ratio min-max", "bit-identical to vs",
-               "replicas identical"]
+               "vs", "ratio (median)", "ratio min-max", "CPU ms/step", "CPU ratio",
+               "CPU ratio min-max", "bit-identical to vs", "replicas identical"]
+
+    def num(value: float | None) -> float:
+        return float("nan") if value is None else value
 
     def span(lo: float | None, hi: float | None, fmt: str) -> str:
         return "-" if lo is None or hi is None else f"{lo:{fmt}}-{hi:{fmt}}"
@@ -211,8 +228,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     body = [
         [r["model"], r["params"] / 1e6, r["config"], r["ms_median"],
          span(r["ms_min"], r["ms_max"], ".2f"), r["reference"] or "-",
-         r["ratio_median"] if r["ratio_median"] is not None else float("nan"),
-         span(r["ratio_min"], r["ratio_max"], ".3f"),
+         num(r["ratio_median"]), span(r["ratio_min"], r["ratio_max"], ".3f"),
+         r["cpu_ms_median"], num(r["cpu_ratio_median"]),
+         span(r["cpu_ratio_min"], r["cpu_ratio_max"], ".3f"),
          "-" if r["bit_identical"] is None else r["bit_identical"], r["replicas_identical"]]
         for r in rows
     ]
