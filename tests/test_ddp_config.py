@@ -51,7 +51,7 @@ def test_bad_values_are_config_errors_naming_them(kwargs: dict[str, Any], messag
 
 def test_config_is_keyword_only_slotted_frozen_and_compares_by_value() -> None:
     with pytest.raises(TypeError):
-        HookConfig("fp16")  # type: ignore[misc]
+        HookConfig("fp16")  # type: ignore[call-arg]
     config = HookConfig(codec="powersgd", codec_params={"rank": 2}, warmup_steps=10)
     assert not hasattr(config, "__dict__")
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -96,7 +96,7 @@ def _kwargs_vs_config_worker(rank: int, world: int) -> dict[str, Any]:
         "plans": ({k: (p.codec.spec(), p.reason) for k, p in s1.plans.items()},
                   {k: (p.codec.spec(), p.reason) for k, p in s2.plans.items()}),
     }
-    errors = []
+    errors: list[str | None] = []
     for call in (
         lambda: commpress.ddp.register(_net(), config=config, warmup_steps=5),
         lambda: commpress.ddp.register(_net(), "fp16", config=config),

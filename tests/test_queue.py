@@ -21,9 +21,15 @@ def _job(log: list[tuple[str, int]], name: str, waits: int = 2,
     if first is not None:
         first()
     for i in range(waits):
-        yield lambda i=i: log.append((f"{name} wait {i}", threading.get_ident()))
+        yield _waiter(log, f"{name} wait {i}")
         log.append((f"{name} resumed {i}", threading.get_ident()))
     return f"{name} done"
+
+
+def _waiter(log: list[tuple[str, int]], what: str) -> Callable[[], None]:
+    def wait() -> None:
+        log.append((what, threading.get_ident()))
+    return wait
 
 
 def test_run_steps_calls_waits_in_order_and_throws_failures_into_the_job() -> None:
@@ -80,7 +86,11 @@ def test_busy_queue_runs_steps_in_submission_order() -> None:
         f1 = q.submit(blocker)
         log: list[tuple[str, int]] = []
         f2 = q.submit_steps(_job(log, "steps"))  # the queue is busy: queued whole
-        f3 = q.submit(lambda: order.append("after") or "after")
+        def after() -> str:
+            order.append("after")
+            return "after"
+
+        f3 = q.submit(after)
         assert log == []  # nothing ran on this thread
         release.set()
         assert [f.wait() for f in (f1, f2, f3)] == ["blocker", "steps done", "after"]

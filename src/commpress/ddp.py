@@ -835,7 +835,7 @@ def register(
             "commpress.ddp.register expects a torch.nn.parallel.DistributedDataParallel model, "
             f"got {type(model).__name__}"
         )
-    keywords = dict(
+    keywords: dict[str, Any] = dict(
         policy=policy, by_size=by_size, group=group, error_feedback=error_feedback,
         momentum=momentum, momentum_masking=momentum_masking, warmup_steps=warmup_steps,
         warmup_codec=warmup_codec, min_numel=min_numel,

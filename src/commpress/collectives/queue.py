@@ -55,7 +55,7 @@ def run_steps(steps: Steps[T], first: Callable[[], Any] | None = None) -> T:
                 continue
             wait = steps.send(None)
     except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
+        return stop.value
 
 
 class OrderedQueue:
@@ -277,7 +277,7 @@ class OrderedQueue:
             return
         fut.set_result(result)
 
-    def _job_error(self, job_id: int, fn: Callable[..., Any], exc: BaseException) -> CommpressError:
+    def _job_error(self, job_id: int, fn: Any, exc: BaseException) -> CommpressError:
         """A :class:`CommpressError` naming the queue, the job and the failure ``exc``."""
         name = getattr(fn, "__qualname__", repr(fn))
         tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
