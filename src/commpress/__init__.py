@@ -35,6 +35,7 @@ __version__ = "0.1.0"
 
 # The DDP comm hook (imported last: it builds on the codecs and the collectives layer).
 from commpress import ddp  # noqa: E402,I001
+from commpress.ddp import HookConfig  # noqa: E402
 
 __all__ = [
     "Codec",
@@ -42,6 +43,7 @@ __all__ = [
     "CommpressError",
     "CompressionState",
     "Guard",
+    "HookConfig",
     "ConfigError",
     "ExchangeError",
     "ExchangeTimeoutError",

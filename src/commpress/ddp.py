@@ -22,6 +22,7 @@ buffer and completes the future DDP waits for.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,23 +39,30 @@ from commpress.collectives import engine
 from commpress.collectives.api import Strategy
 from commpress.collectives.checks import agree
 from commpress.collectives.driver import Exchange, Pending, require_initialized
-from commpress.collectives.feedback import Schedule, feedback_applies
+from commpress.collectives.feedback import (
+    ChoiceReason,
+    FeedbackConfig,
+    Schedule,
+    feedback_applies,
+)
 from commpress.collectives.policy import (
     CodecPolicy,
     CompressionState,
     Guard,
     Plan,
+    checked_options,
     load_policy_file,
 )
-from commpress.collectives.queue import queue_for
+from commpress.collectives.queue import OrderedQueue, Steps, queue_for
 from commpress.collectives.strategies import (
+    ExchangeStrategy,
     check_in,
     get_strategy,
     local_size_from_env,
     new_group_of,
     prepare_node_groups,
 )
-from commpress.errors import CommpressError, error_context
+from commpress.errors import CommpressError, ConfigError, error_context
 
 if TYPE_CHECKING:
     from torch.distributed import GradBucket, ProcessGroup
@@ -92,9 +100,10 @@ class DDPCompressionState(CompressionState):
     """
 
     __slots__ = ("granularity", "strategy", "local_size", "param_names", "layouts", "plans",
-                 "_verified", "_failed", "_settings")
+                 "_verified", "_failed", "_settings", "_names", "_buckets", "_group", "_route",
+                 "_queue")
     _TRANSIENT = (*CompressionState._TRANSIENT, "param_names", "_verified", "_failed",
-                  "_settings")
+                  "_settings", "_names", "_buckets", "_group", "_route", "_queue")
 
     def __init__(
         self,
@@ -107,17 +116,7 @@ class DDPCompressionState(CompressionState):
         **kwargs: Any,
     ) -> None:
         super().__init__(policy, **kwargs)
-        if granularity not in ("parameter", "bucket"):
-            raise CommpressError(
-                f"granularity must be 'parameter' or 'bucket', got {granularity!r}"
-            )
-        found = get_strategy(strategy)
-        if local_size is not None and (
-            isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1
-        ):
-            raise CommpressError(
-                f"local_size must be an int >= 1 (ranks per node) or None, got {local_size!r}"
-            )
+        found = _checked_layout(granularity, strategy, local_size)
         self.granularity: Granularity = granularity
         self.strategy: Strategy = strategy
         #: Ranks per node for the hierarchical strategies (``None`` for the others).
@@ -130,6 +129,18 @@ class DDPCompressionState(CompressionState):
         self._verified: dict[int, int] = {}
         self._failed: str | None = None
         self._settings: int | None = None
+        self._forget_caches()
+
+    def _forget_caches(self) -> None:
+        """Drop what the hook caches between steps (rebuilt at the next bucket)."""
+        #: (bucket index, parameter ids) -> the bucket's names (see :meth:`names_of`).
+        self._names: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+        #: bucket index -> its plan, reused while the tensors and the plan epoch stay.
+        self._buckets: dict[int, _BucketPlan] = {}
+        #: (rank, world size, backend) of the process group, read once.
+        self._group: tuple[int, int, str] | None = None
+        self._route: engine.Route | None = None
+        self._queue: OrderedQueue | None = None
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         super().__setstate__(state)
@@ -137,6 +148,7 @@ class DDPCompressionState(CompressionState):
         self._verified = {}
         self._failed = None
         self._settings = None
+        self._forget_caches()
         if not hasattr(self, "layouts"):
             self.layouts = {}
         if not hasattr(self, "strategy"):  # pickled before strategies existed
@@ -149,6 +161,7 @@ class DDPCompressionState(CompressionState):
         unpickling the state for a model whose bucket layout differs from the pickled one."""
         module = getattr(model, "module", model)
         self.param_names = {id(p): n for n, p in module.named_parameters()}
+        self._names = {}
 
     def names_of(self, bucket_index: int, params: Sequence[torch.Tensor]) -> list[str]:
         """The names of a bucket's parameters, in bucket order.
@@ -157,6 +170,10 @@ class DDPCompressionState(CompressionState):
         :attr:`layouts`; for parameters the state does not know (a state unpickled and
         registered on a fresh model) they are looked up there.
         """
+        ids = (bucket_index, tuple(map(id, params)))
+        cached = self._names.get(ids)
+        if cached is not None:  # the same parameters as at an earlier step
+            return cached
         layout = _layout_key(bucket_index, params)
         found = [self.param_names.get(id(p)) for p in params]
         if all(n is not None for n in found):
@@ -166,6 +183,7 @@ class DDPCompressionState(CompressionState):
                     self.layouts[layout] = names
                 elif self.layouts[layout] not in (None, names):
                     self.layouts[layout] = None  # ambiguous: never guess from it
+                self._names[ids] = names
             return names
         known = self.layouts.get(layout)
         if known is None:
@@ -218,6 +236,22 @@ class DDPCompressionState(CompressionState):
             )
 
 
+def _checked_layout(granularity: Any, strategy: Any, local_size: Any) -> ExchangeStrategy:
+    """Check the hook's granularity, strategy name and node size; returns the strategy."""
+    if granularity not in ("parameter", "bucket"):
+        raise CommpressError(
+            f"granularity must be 'parameter' or 'bucket', got {granularity!r}"
+        )
+    found = get_strategy(strategy)
+    if local_size is not None and (
+        isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1
+    ):
+        raise CommpressError(
+            f"local_size must be an int >= 1 (ranks per node) or None, got {local_size!r}"
+        )
+    return found
+
+
 def _hash63(text: str) -> int:
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
@@ -235,13 +269,107 @@ def _bucket_key(names: Sequence[str]) -> str:
 
 def _route(state: DDPCompressionState, ex: Exchange) -> engine.Route:
     """How the hook's exchanges run: its strategy, two in flight (one for the hierarchical
-    strategies), codec work on the queue's thread."""
-    strategy = get_strategy(state.strategy)
-    if strategy.needs_local_size and state.local_size is None:
-        # A state built directly (not by ``register``) or unpickled without one: torchrun's
-        # LOCAL_WORLD_SIZE, checked against the group by node_groups.
-        state.local_size = local_size_from_env(ex.world_size)
-    return engine.Route.of(strategy, ex, local_size=state.local_size, pipeline_depth=2)
+    strategies), codec work on the queue's thread. Worked out at the first bucket."""
+    if state._route is None:
+        strategy = get_strategy(state.strategy)
+        if strategy.needs_local_size and state.local_size is None:
+            # A state built directly (not by ``register``) or unpickled without one:
+            # torchrun's LOCAL_WORLD_SIZE, checked against the group by node_groups.
+            state.local_size = local_size_from_env(ex.world_size)
+        state._route = engine.Route.of(
+            strategy, ex, local_size=state.local_size, pipeline_depth=2
+        )
+    return state._route
+
+
+def _exchange(state: DDPCompressionState, bucket_index: int) -> Exchange:
+    """A fresh exchange (its own byte counters) over the hook's group for one bucket; the
+    group's rank, size and backend are read at the first bucket."""
+    if state._group is None:
+        ex = Exchange.of(state.process_group, timeout=state.timeout)
+        state._group = (ex.rank, ex.world_size, ex.backend)
+    rank, world, backend = state._group
+    return Exchange(state.process_group, rank, world, state.timeout,
+                    f"DDP bucket {bucket_index}", _backend=backend)
+
+
+@dataclasses.dataclass(slots=True)
+class _BucketPlan:
+    """A bucket's plan as decided, checked across ranks and refused or accepted at a step:
+    reused at later steps while the bucket holds the same tensors and the state's
+    :meth:`~CompressionState.plan_epoch` is the same (plans then differ in their step only).
+
+    Attributes:
+        signature: the tensors' names, shapes and dtypes.
+        epoch: the plan epoch it was made in.
+        choices: per tensor, its plan's codec, reason and feedback.
+        dense: the element-wise groups: the indices of their tensors and the group's key.
+        single: indices of the tensors reduced one by one.
+    """
+
+    signature: tuple[tuple[str, torch.Size, torch.dtype], ...]
+    epoch: tuple[bool, bool]
+    choices: list[tuple[Codec, ChoiceReason, bool]]
+    dense: list[tuple[list[int], str]]
+    single: list[int]
+
+    @classmethod
+    def of(cls, signature: tuple[tuple[str, torch.Size, torch.dtype], ...],
+           epoch: tuple[bool, bool], plans: list[Plan], bucket_index: int) -> _BucketPlan:
+        """Group ``plans``: element-wise casts into one flat reduction per (codec, feedback,
+        dtype), in order of first appearance; every other tensor on its own."""
+        groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
+        single: list[int] = []
+        for i, plan in enumerate(plans):
+            if plan.codec.elementwise:
+                key = (plan.codec.fingerprint(), plan.feedback, signature[i][2])
+                groups.setdefault(key, []).append(i)
+            else:
+                single.append(i)
+        dense = [
+            (indices, f"bucket{bucket_index}/{plans[indices[0]].codec.codec_id}/{n}")
+            for n, indices in enumerate(groups.values())
+        ]
+        choices = [(p.codec, p.reason, p.feedback) for p in plans]
+        return cls(signature, epoch, choices, dense, single)
+
+
+def _bucket_plans(
+    state: DDPCompressionState,
+    ex: Exchange,
+    items: list[tuple[str, torch.Tensor]],
+    step: int,
+    bucket_index: int,
+) -> tuple[_BucketPlan, list[Plan]]:
+    """This step's plans of a bucket's tensors (and the bucket's grouping).
+
+    When the bucket holds other tensors than at its last plan, or the plan epoch changed
+    (warm-up ended, the guard tripped or released), every tensor is planned again, the plan is
+    compared across ranks when it changed (:func:`_check_bucket`) and its codecs are checked
+    against the strategy; otherwise the cached decisions are reused for this step. Every rank
+    takes the same branch: both depend only on the tensors and the step, which all ranks share.
+    """
+    signature = tuple((key, t.shape, t.dtype) for key, t in items)
+    epoch = state.plan_epoch(step)
+    cached = state._buckets.get(bucket_index)
+    if cached is not None and cached.epoch == epoch and cached.signature == signature:
+        plans = [
+            Plan(key, codec, reason, feedback, step)
+            for (key, _, _), (codec, reason, feedback) in zip(
+                signature, cached.choices, strict=True
+            )
+        ]
+    else:
+        state._buckets.pop(bucket_index, None)
+        plans = [state.plan(key, t.shape, t.dtype, step=step) for key, t in items]
+        _check_bucket(state, ex, items, plans, bucket_index)
+        for plan in plans:
+            state.check_codec(plan.codec, f"{plan.key!r} ({plan.reason})")
+        cached = _BucketPlan.of(signature, epoch, plans, bucket_index)
+        state._buckets[bucket_index] = cached
+    for plan in plans:
+        state.plans[plan.key] = plan
+    return cached, plans
 
 
 def _single_task(
@@ -269,9 +397,10 @@ def _reduce_bucket(
     bucket_index: int,
     stream: Any,
     last: bool = False,
-) -> torch.Tensor:
-    """The queued job: reduce every tensor of one bucket and write the means into the buffer
-    (after the step's ``last`` bucket, end the step: :meth:`CompressionState.end_step`).
+) -> Steps[torch.Tensor]:
+    """The queued job, as steps (:data:`~commpress.collectives.queue.Steps`): reduce every
+    tensor of one bucket and write the means into the buffer (after the step's ``last``
+    bucket, end the step: :meth:`CompressionState.end_step`).
 
     Tensors whose codec is an element-wise cast (identity, fp16, bf16) are grouped into one
     flat reduction per (codec, feedback, dtype); every other tensor gets its own protocol.
@@ -286,7 +415,10 @@ def _reduce_bucket(
             f"earlier bucket failed: {state._failed}"
         )
     try:
-        return _reduce_bucket_now(state, items, buffer, step, bucket_index, stream, last)
+        return (yield from _reduce_bucket_now(state, items, buffer, step, bucket_index, stream,
+                                              last))
+    except GeneratorExit:  # dropped unfinished (the queue shut down): not a failure of ours
+        raise
     except BaseException as exc:
         state._failed = str(exc) or type(exc).__name__
         raise
@@ -345,37 +477,32 @@ def _reduce_bucket_now(
     bucket_index: int,
     stream: Any,
     last: bool,
-) -> torch.Tensor:
+) -> Steps[torch.Tensor]:
     ctx_mgr = torch.cuda.stream(stream) if stream is not None else nullcontext()
     with ctx_mgr, error_context(f"DDP comm hook, bucket {bucket_index} at step {step}"):
-        ex = Exchange.of(
-            state.process_group, timeout=state.timeout, label=f"DDP bucket {bucket_index}"
-        )
-        plans = [state.plan(key, t.shape, t.dtype, step=step) for key, t in items]
-        _check_bucket(state, ex, items, plans, bucket_index)
-        for plan in plans:
-            state.check_codec(plan.codec, f"{plan.key!r} ({plan.reason})")
-            state.plans[plan.key] = plan
+        ex = _exchange(state, bucket_index)
+        bucket, plans = _bucket_plans(state, ex, items, step, bucket_index)
         # Element-wise casts: one flat exchange per (codec, feedback, dtype), first; every
         # other tensor on its own.
-        groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
-        jobs: list[Callable[[engine.Exchanger], Generator[Pending, None, None]]] = []
-        for i, plan in enumerate(plans):
-            if plan.codec.elementwise:
-                group_key = (plan.codec.fingerprint(), plan.feedback, items[i][1].dtype)
-                groups.setdefault(group_key, []).append(i)
-            else:
-                jobs.append(partial(_single_task, state, ex, *items[i], plan, step))
-        for n, indices in enumerate(groups.values()):
-            codec_id = plans[indices[0]].codec.codec_id
-            jobs.insert(n, partial(
+        jobs: list[Callable[[engine.Exchanger], Generator[Pending, None, None]]] = [
+            partial(
                 engine.dense_with_feedback, state, [items[i] for i in indices],
                 [plans[i] for i in indices], rank=ex.rank, world_size=ex.world_size, step=step,
-                key=f"bucket{bucket_index}/{codec_id}/{n}",
-            ))
+                key=key,
+            )
+            for indices, key in bucket.dense
+        ]
+        jobs += [partial(_single_task, state, ex, *items[i], plans[i], step) for i in bucket.single]
+        for indices, _ in bucket.dense:
+            if not plans[indices[0]].feedback:
+                # The group's gradients lie back to back in the bucket buffer, which receives
+                # the means anyway: a codec whose payload is that memory (identity) is summed
+                # in it, without a copy (see Exchange.writable).
+                ex.writable = engine.flat_view([items[i][1] for i in indices])
+                break
         # Pipelined with distinct point-to-point tags; buckets run one after the other on the
         # queue.
-        engine.run_jobs(ex, _route(state, ex), jobs)
+        yield from engine.schedule_jobs(ex, _route(state, ex), jobs)
         state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
         if last:
             # undo a non-finite step's changes to the codec states, run the guard, record stats
@@ -438,9 +565,14 @@ def comm_hook(
     else:
         items = list(zip(names, bucket.gradients(), strict=True))
     stream = torch.cuda.current_stream(buffer.device) if buffer.is_cuda else None
-    fut = queue_for(state.process_group).submit(
-        _reduce_bucket, state, items, buffer, step, bucket.index(), stream, last
-    )
+    q = state._queue
+    if q is None or not q.alive:
+        q = state._queue = queue_for(state.process_group)
+    # On the CPU, an idle queue runs the job's first step (planning, encoding, issuing the
+    # first collective) right here, without a hand-off to its thread; under a CUDA stream the
+    # whole job runs on the queue's thread (the stream context is per thread).
+    steps = _reduce_bucket(state, items, buffer, step, bucket.index(), stream, last)
+    fut = q.submit_steps(steps, start_here=stream is None)
     # A failed job's future holds the exception as its *value* (Python's set_exception); DDP
     # reads the value in C++ and would report "Unable to cast ... to Tensor". Chaining turns
     # the failure into a real error of the returned future, whose message DDP shows.
@@ -460,10 +592,140 @@ comm_hook.__annotations__ = {
 }
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "'powersgd'"
+
+
+_UNSET: Any = _Unset()
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HookConfig:
+    """Everything :func:`register` takes besides the model, checked once when built.
+
+    ``register(model, codec, **kwargs)`` builds one of these from its arguments;
+    ``register(model, config=HookConfig(...))`` takes a ready one (keep it in your own run
+    configuration, compare it, log it). The fields are :func:`register`'s arguments, with
+    the same defaults and meanings; ``codec_params`` are the codec parameters that
+    ``register`` takes as extra keywords (``register(model, "powersgd", rank=2)`` is
+    ``HookConfig(codec="powersgd", codec_params={"rank": 2})``).
+
+    Building it checks every field that can be checked without a process group (codec specs,
+    policy files and rules, the schedule, error feedback against each codec, the strategy
+    against each codec, the node size's type, the timeout and the guard); a bad value is a
+    :class:`~commpress.errors.ConfigError` (a ``ValueError``) naming it. Whether
+    ``local_size`` divides the group's size is checked by :func:`register`.
+
+    Attributes beyond the fields (derived once, not compared): ``codec_policy`` (the
+    :class:`~commpress.collectives.policy.CodecPolicy` the hook uses) and ``schedule`` (the
+    :class:`~commpress.collectives.feedback.Schedule` of the warm-up and fallback settings).
+    """
+
+    codec: Any = "powersgd"
+    codec_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    policy: PolicySpec | None = None
+    by_size: Mapping[int, Any] | None = None
+    group: ProcessGroup | None = None
+    error_feedback: bool | None = None
+    momentum: float = 0.0
+    momentum_masking: bool = True
+    warmup_steps: int = 0
+    warmup_codec: str = "identity"
+    min_numel: int = 0
+    min_compression_rate: float = 0.0
+    fallback_codec: str = "fp16"
+    granularity: Granularity = "parameter"
+    strategy: Strategy = "auto"
+    local_size: int | None = None
+    timeout: float | None = None
+    own_group: bool = True
+    guard: Guard | bool | None = None
+    codec_policy: CodecPolicy = dataclasses.field(init=False, repr=False, compare=False)
+    schedule: Schedule = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            self._check()
+        except CommpressError as exc:
+            raise ConfigError(f"commpress.ddp.HookConfig: {exc}") from exc
+
+    def _check(self) -> None:
+        if not isinstance(self.codec, (str, Mapping, Codec)):
+            raise ConfigError(
+                "codec must be a codec id or spec string, a config "
+                f"mapping or a Codec, got {type(self.codec).__name__}"
+            )
+        if not isinstance(self.codec_params, Mapping) or not all(
+            isinstance(k, str) for k in self.codec_params
+        ):
+            raise ConfigError(
+                "codec_params must be a mapping of parameter names "
+                f"to values, got {self.codec_params!r}"
+            )
+        object.__setattr__(self, "codec_params", dict(self.codec_params))
+        if not isinstance(self.own_group, bool):
+            raise ConfigError(
+                f"own_group must be a bool, got {self.own_group!r}"
+            )
+        checked_options(error_feedback=self.error_feedback, timeout=self.timeout,
+                        guard=self.guard)
+        FeedbackConfig(error_feedback=self.error_feedback is not False,
+                       momentum=self.momentum, momentum_masking=self.momentum_masking)
+        object.__setattr__(self, "schedule", Schedule(
+            warmup_steps=self.warmup_steps, warmup_codec=self.warmup_codec,
+            min_numel=self.min_numel, min_compression_rate=self.min_compression_rate,
+            fallback_codec=self.fallback_codec,
+        ))
+        exchange = _checked_layout(self.granularity, self.strategy, self.local_size)
+        built = self._build_policy()
+        for what, c in built.codecs():
+            why = exchange.refusal(c)
+            if why is not None:
+                raise ConfigError(f"strategy {self.strategy!r} cannot send {what}: {why}")
+            with error_context(what):
+                feedback_applies(c, self.error_feedback)  # refused before any group is made
+        object.__setattr__(self, "codec_policy", built)
+
+    def _build_policy(self) -> CodecPolicy:
+        policy, params, by_size = self.policy, self.codec_params, self.by_size
+        base = _with_params(self.codec, params)
+        if isinstance(policy, (str, os.PathLike)):
+            policy = load_policy_file(policy)  # e.g. written by `commpress advise --emit-policy`
+        if policy is None:
+            return CodecPolicy(base, by_size=by_size)
+        if isinstance(policy, CodecPolicy):
+            if params or by_size:
+                raise ConfigError(
+                    "codec parameters and by_size cannot be combined with a ready CodecPolicy; "
+                    "put them into the policy"
+                )
+            return policy
+        if isinstance(policy, Mapping):
+            rules = dict(policy)
+            default = rules.pop("*", None)
+            return CodecPolicy(base if default is None else default, rules=rules,
+                               by_size=by_size)
+        if callable(policy):
+            return CodecPolicy(base, by_size=by_size, function=policy)
+        raise ConfigError(
+            "policy must be a mapping of name globs to codec specs, a function (name, shape) -> "
+            f"codec spec, or a CodecPolicy; got {type(policy).__name__}"
+        )
+
+
+#: The defaults of :class:`HookConfig`'s fields that :func:`register` takes as keywords.
+_KEYWORD_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(HookConfig)
+    if f.init and f.name not in ("codec", "codec_params")
+}
+
+
 def register(
     model: torch.nn.parallel.DistributedDataParallel,
-    codec: Any = "powersgd",
+    codec: Any = _UNSET,
     *,
+    config: HookConfig | None = None,
     policy: PolicySpec | None = None,
     by_size: Mapping[int, Any] | None = None,
     group: ProcessGroup | None = None,
@@ -487,6 +749,8 @@ def register(
 
     Args:
         model: a ``DistributedDataParallel`` model without a comm hook yet (DDP allows one).
+        config: a :class:`HookConfig` holding every other argument (then pass no other
+            argument); the keyword arguments below build one otherwise.
         codec: the codec for every parameter: an id (``"powersgd"``), a spec string
             (``"topk:ratio=0.01"``), a config mapping or a codec; ``codec_params`` are added
             to it (``register(model, "powersgd", rank=2)``).
@@ -571,44 +835,47 @@ def register(
             "commpress.ddp.register expects a torch.nn.parallel.DistributedDataParallel model, "
             f"got {type(model).__name__}"
         )
-    base = _with_params(codec, codec_params)
-    if isinstance(policy, (str, os.PathLike)):
-        policy = load_policy_file(policy)  # e.g. written by `commpress advise --emit-policy`
-    if policy is None:
-        built = CodecPolicy(base, by_size=by_size)
-    elif isinstance(policy, CodecPolicy):
-        if codec_params or by_size:
-            raise CommpressError(
-                "codec parameters and by_size cannot be combined with a ready CodecPolicy; "
-                "put them into the policy"
-            )
-        built = policy
-    elif isinstance(policy, Mapping):
-        rules = dict(policy)
-        default = rules.pop("*", None)
-        built = CodecPolicy(base if default is None else default, rules=rules, by_size=by_size)
-    elif callable(policy):
-        built = CodecPolicy(base, by_size=by_size, function=policy)
-    else:
-        raise CommpressError(
-            "policy must be a mapping of name globs to codec specs, a function (name, shape) -> "
-            f"codec spec, or a CodecPolicy; got {type(policy).__name__}"
-        )
-    schedule = Schedule(
-        warmup_steps=warmup_steps,
-        warmup_codec=warmup_codec,
-        min_numel=min_numel,
-        min_compression_rate=min_compression_rate,
-        fallback_codec=fallback_codec,
+    keywords: dict[str, Any] = dict(
+        policy=policy, by_size=by_size, group=group, error_feedback=error_feedback,
+        momentum=momentum, momentum_masking=momentum_masking, warmup_steps=warmup_steps,
+        warmup_codec=warmup_codec, min_numel=min_numel,
+        min_compression_rate=min_compression_rate, fallback_codec=fallback_codec,
+        granularity=granularity, strategy=strategy, local_size=local_size, timeout=timeout,
+        own_group=own_group, guard=guard,
     )
+    if config is None:
+        config = HookConfig(codec="powersgd" if codec is _UNSET else codec,
+                            codec_params=codec_params, **keywords)
+    else:
+        if not isinstance(config, HookConfig):
+            raise ConfigError(
+                f"commpress.ddp.register: config must be a HookConfig, got "
+                f"{type(config).__name__}"
+            )
+        given = [k for k, v in keywords.items() if not _same(v, _KEYWORD_DEFAULTS[k])]
+        given += ["codec"] * (codec is not _UNSET) + sorted(codec_params)
+        if given:
+            raise ConfigError(
+                f"commpress.ddp.register: pass either config= or keyword arguments, not both "
+                f"(also given: {', '.join(given)}); put them into the HookConfig"
+            )
+    return _register(model, config)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # a value without a plain truth value of ==: not the default
+        return False
+
+
+def _register(
+    model: torch.nn.parallel.DistributedDataParallel, config: HookConfig
+) -> DDPCompressionState:
+    """:func:`register` with a checked config."""
+    strategy, timeout, local_size = config.strategy, config.timeout, config.local_size
     exchange = get_strategy(strategy)
-    for what, c in built.codecs():
-        why = exchange.refusal(c)
-        if why is not None:
-            raise CommpressError(f"commpress.ddp.register: strategy {strategy!r} cannot send "
-                                 f"{what}: {why}")
-        with error_context(f"commpress.ddp.register: {what}"):
-            feedback_applies(c, error_feedback)  # refused before any group is made
+    group = config.group
     if group is None:
         group = getattr(model, "process_group", None)
     if exchange.needs_local_size:
@@ -619,30 +886,30 @@ def register(
         if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 or (
             world % local_size
         ):
-            raise CommpressError(
+            raise ConfigError(
                 f"strategy {strategy!r} needs local_size (ranks per node) dividing the group "
                 f"size {world}, got {local_size!r}; pass local_size= or set LOCAL_WORLD_SIZE"
             )
-    if own_group or strategy.startswith("hierarchical"):
+    if config.own_group or exchange.needs_local_size:
         # Every rank must have called register before any process group is made: creating
         # one waits for all its members, so a rank that never calls would block the others.
         check_in(group, timeout=timeout, what="commpress.ddp.register")
-    if own_group:
+    if config.own_group:
         group = _own_group(group, timeout)
     names = {p: n for n, p in model.module.named_parameters()}
     state = DDPCompressionState(
-        built,
-        granularity=granularity,
+        config.codec_policy,
+        granularity=config.granularity,
         strategy=strategy,
         local_size=local_size,
         param_names=names,
         process_group=group,
-        schedule=schedule,
-        error_feedback=error_feedback,
-        momentum=momentum,
-        momentum_masking=momentum_masking,
+        schedule=config.schedule,
+        error_feedback=config.error_feedback,
+        momentum=config.momentum,
+        momentum_masking=config.momentum_masking,
         timeout=timeout,
-        guard=guard,
+        guard=config.guard,
     )
     if exchange.needs_local_size and local_size is not None:
         # The node subgroups are made here, on every rank's main thread in the same order (made
@@ -677,4 +944,4 @@ def _with_params(codec: Any, params: Mapping[str, Any]) -> Any:
     return get_codec(codec, **params) if params else codec
 
 
-__all__ = ["DDPCompressionState", "comm_hook", "register"]
+__all__ = ["DDPCompressionState", "HookConfig", "comm_hook", "register"]

@@ -37,24 +37,18 @@ more than the network: bandwidth savings pay off on real links, not here.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
-import multiprocessing as mp
-import os
-import queue as _queue
 import random
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
+from commpress.bench.ranks import run_ranks
 from commpress.codecs.registry import codec_ids, get_codec
 from commpress.collectives.api import STRATEGIES, all_reduce, reduce
 from commpress.errors import CommpressError
-from commpress.procs import exit_when_orphaned
 from commpress.report import render_table
 
 DEFAULT_CODECS = "identity,fp16,bf16,qsgd,topk,powersgd,thc"
@@ -137,42 +131,20 @@ def _methods(codecs: list[str], strategies: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def _worker(
+def _measure_all(
     rank: int,
     world: int,
-    store_path: str,
     sizes_mb: list[float],
     methods: list[tuple[str, str]],
     repeats: int,
     warmup: int,
-    threads: int,
-    results: Any,
-) -> None:
-    exit_when_orphaned()
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(threads)
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=300),
-        )
-        local_size = 2 if world % 2 == 0 and world > 2 else 1
-        rows = []
-        for size_mb in sizes_mb:
-            rows += _measure_size(rank, world, size_mb, methods, repeats, warmup, local_size)
-        dist.destroy_process_group()
-        if rank == 0:
-            results.put(("ok", rows))
-    except BaseException as exc:  # reported to the parent
-        import traceback
-
-        results.put(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
+) -> list[dict[str, Any]]:
+    """One rank's measurements of every size (run by :func:`commpress.bench.ranks.run_ranks`)."""
+    local_size = 2 if world % 2 == 0 and world > 2 else 1
+    rows = []
+    for size_mb in sizes_mb:
+        rows += _measure_size(rank, world, size_mb, methods, repeats, warmup, local_size)
+    return rows
 
 
 def _measure_size(
@@ -280,45 +252,11 @@ def measure(
     timeout: float = 1800.0,
 ) -> list[dict[str, Any]]:
     """Run the measurements on ``world`` local gloo processes; returns rank 0's rows."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    tmp = tempfile.mkdtemp(prefix="commpress-bench-")
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(
-                r,
-                world,
-                os.path.join(tmp, "store"),
-                sizes_mb,
-                methods,
-                repeats,
-                warmup,
-                threads,
-                results,
-            ),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        try:
-            status, value = results.get(timeout=timeout)
-        except _queue.Empty:
-            raise CommpressError(
-                f"benchmark with world size {world} did not finish within {timeout:.0f}s"
-            ) from None
-        if status != "ok":
-            raise CommpressError(f"benchmark worker failed: {value}")
-        return list(value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+    rows = run_ranks(
+        world, _measure_all, (sizes_mb, methods, repeats, warmup), threads=threads,
+        timeout=timeout,
+    )
+    return list(rows)
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

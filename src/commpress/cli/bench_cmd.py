@@ -13,11 +13,15 @@ SUITES: list[str] = [
     "codecs",
     "allreduce",
     "lossless",
+    "ddp",
 ]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (codecs, ...) measured side by side in one run")
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks (codecs, allreduce, lossless, ddp) measured side by side in one run",
+    )
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
     for name in SUITES:
         importlib.import_module(f"commpress.bench.{name}").add_parser(suites)

@@ -23,7 +23,6 @@ from typing import Any, Literal, TypeAlias
 import torch
 
 from commpress.codecs.base import Codec, CodecContext
-from commpress.codecs.cast import Identity
 from commpress.codecs.protocol import Reduced
 from commpress.collectives import checks, direct, engine
 from commpress.collectives.checks import (
@@ -35,7 +34,7 @@ from commpress.collectives.checks import (
     check_call_order,
     check_mode,
 )
-from commpress.collectives.driver import Exchange, direct_path_applies
+from commpress.collectives.driver import Exchange, direct_path_applies, sums_plainly
 from commpress.collectives.queue import queue_for
 from commpress.collectives.strategies import strategy_names
 from commpress.errors import CommpressError
@@ -312,7 +311,7 @@ def _open_lane(
     as :func:`reduce` makes for it. ``generation`` is :func:`direct.generation` from before the
     call (a reset since then means its agreement record may be gone, so no lane)."""
     c = _as_codec(codec)
-    if type(c) is not Identity or not _resolve_strategy(c, strategy).runs_codec_protocol:
+    if not sums_plainly(c) or not _resolve_strategy(c, strategy).runs_codec_protocol:
         return
     ex = Exchange.of(group, label=engine.call_label(key, c))
     if not direct_path_applies(tensor, ex):

@@ -21,7 +21,8 @@ Lanes serve only calls that the key describes completely:
 * no ``ctx``, ``timeout``, ``bucket_bytes``, ``stats`` or other option;
 * hashable arguments and a contiguous tensor;
 * a check mode other than ``"every"`` (which exchanges a call-order word at every call);
-* a codec given as a spec string or an :class:`Identity` instance.
+* a codec given as a spec string or as a codec whose reduction is a plain sum (the identity;
+  :func:`~commpress.collectives.driver.sums_plainly`).
 
 A lane whose process group was destroyed or whose queue was shut down is dropped when its key
 next comes up, and :func:`forget` (called by ``reset_state``) drops a group's lanes along with
@@ -37,8 +38,8 @@ from typing import Any
 
 import torch
 
-from commpress.codecs.cast import Identity
-from commpress.collectives.driver import Exchange, sum_in_place
+from commpress.codecs.base import Codec
+from commpress.collectives.driver import Exchange, sum_in_place, sums_plainly
 from commpress.collectives.queue import OrderedQueue, group_alive
 
 #: The ``all_reduce`` options a lane key captures; any other option means no lane
@@ -120,8 +121,8 @@ def lane_key(
         return None
     if type(codec) is str:
         spec: Any = codec
-    elif type(codec) is Identity:
-        spec = Identity
+    elif isinstance(codec, Codec) and sums_plainly(codec):
+        spec = codec
     else:
         return None
     return (

@@ -50,9 +50,10 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 import torch.distributed as dist
 
-from commpress.codecs.base import Payload
+from commpress.codecs.base import Codec, Payload
 from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced, Request
 from commpress.codecs.simulate import reduce_tensors
+from commpress.collectives.queue import Steps, run_steps
 from commpress.errors import (
     CommpressError,
     ExchangeError,
@@ -530,6 +531,40 @@ def _transport_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
     return torch.int64  # int16/uint16/uint32: wider lanes, wrapped back by the cast afterwards
 
 
+def sums_plainly(codec: Codec) -> bool:
+    """Whether ``codec``'s reduction is one plain all-reduce of the tensor as it is (what
+    :func:`uncompressed_all_reduce` and :func:`plain_sum_task` compute): a lossless,
+    element-wise, summable, stateless single-round codec whose payload is the input's own
+    memory (the identity codec). The traits are read, and the last point checked once per
+    codec configuration by encoding a probe (cached)."""
+    known = _SUMS_PLAINLY.get(codec)
+    if known is None:
+        known = False
+        if (codec.lossless and codec.elementwise and codec.summable and not codec.multi_round
+                and not codec.stateful):
+            probe = torch.zeros(2)
+            parts = list(codec.encode(probe).parts.values())
+            known = (
+                len(parts) == 1 and parts[0].dtype == probe.dtype
+                and parts[0].numel() == probe.numel() and parts[0].data_ptr() == probe.data_ptr()
+            )
+        _SUMS_PLAINLY[codec] = known
+    return known
+
+
+_SUMS_PLAINLY: dict[Codec, bool] = {}
+
+
+def _plain_buffer(x: torch.Tensor, ex: Exchange) -> torch.Tensor:
+    """What a plain all-reduce of ``x`` sums in: the caller's memory when it is
+    :attr:`Exchange.writable`, else a copy (counted as wire bytes)."""
+    flat = x.reshape(-1)
+    buf = flat if ex.may_overwrite(flat) else flat.clone()
+    if ex.world_size > 1:
+        ex.count(buf.numel() * buf.element_size())
+    return buf
+
+
 def uncompressed_all_reduce(x: torch.Tensor, ex: Exchange, *, average: bool) -> Reduced | None:
     """The identity codec's reduction as one plain all-reduce; ``None`` where it cannot be.
 
@@ -539,16 +574,41 @@ def uncompressed_all_reduce(x: torch.Tensor, ex: Exchange, *, average: bool) -> 
     the codec and scheduling layers. Those cost about 60 us of Python per call on a warm cache
     and, measured between a rank's calls in a training-like loop, 0.3-0.4 ms: as much as a 1 MB
     all-reduce over loopback. ``None`` (use the general path) for tensors that must first move
-    to the group's device or travel as another dtype.
+    to the group's device or travel as another dtype. :func:`plain_sum_task` is the same as a
+    task, for the scheduler.
     """
     if not direct_path_applies(x, ex):
         return None
-    flat = x.reshape(-1)
-    buf = flat if ex.may_overwrite(flat) else flat.clone()
-    if ex.world_size > 1:
-        ex.count(buf.numel() * buf.element_size())
+    buf = _plain_buffer(x, ex)
     sum_in_place(buf, ex, average=average)
     return Reduced(total=buf.view(x.shape))
+
+
+def plain_sum_task(
+    x: torch.Tensor, ex: Exchange, *, average: bool
+) -> Generator[Pending, None, Reduced]:
+    """Task computing :func:`uncompressed_all_reduce` (``x`` must pass
+    :func:`direct_path_applies`): the all-reduce is issued, yielded to the scheduler, and the
+    mean divided after it (float16: before, as :func:`sum_in_place` does)."""
+    buf = _plain_buffer(x, ex)
+    if ex.world_size > 1:
+        early = _divides_first(buf, average)
+        if early:
+            buf.div_(ex.world_size)
+        if buf.numel():
+            yield Pending(
+                [dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group, async_op=True)],
+                "round 0 (all-reduce)",
+            )
+        if average and not early:
+            buf.div_(ex.world_size)
+    return Reduced(total=buf.view(x.shape))
+
+
+def _divides_first(buf: torch.Tensor, average: bool) -> bool:
+    """float16 means divide before the sum (as the identity codec's protocol and PyTorch's DDP
+    do), so a mean that fits float16 never overflows in the sum; other dtypes divide after."""
+    return average and buf.dtype == torch.float16
 
 
 def direct_path_applies(x: torch.Tensor, ex: Exchange) -> bool:
@@ -568,9 +628,7 @@ def sum_in_place(buf: torch.Tensor, ex: Exchange, *, average: bool) -> None:
     """
     if ex.world_size == 1:
         return
-    # float16: divide first (as the identity codec's protocol and PyTorch's DDP do), so a mean
-    # that fits float16 never overflows in the sum
-    early = average and buf.dtype == torch.float16
+    early = _divides_first(buf, average)
     if early:
         buf.div_(ex.world_size)
     if buf.numel() and ex.timeout is not None:
@@ -843,6 +901,16 @@ def run_tasks(
         depth: tasks in flight at once; 1 runs them one after the other. Larger values
             overlap more but hold more buffers; 2 suffices to hide encoding behind transfer.
     """
+    return run_steps(schedule(tasks, ex, depth=depth))
+
+
+def schedule(
+    tasks: Sequence[Task | Callable[[], Task]], ex: Exchange, *, depth: int = 2
+) -> Steps[list[Any]]:
+    """:func:`run_tasks` as steps (:data:`~commpress.collectives.queue.Steps`): it yields the
+    waits (``ex.wait`` of each pending operation, in the rotation's order) instead of waiting,
+    so a queue may run its first step on another thread than the rest
+    (:meth:`~commpress.collectives.queue.OrderedQueue.submit_steps`)."""
     if depth < 1:
         raise CommpressError(f"pipeline depth must be >= 1, got {depth}")
     results: list[Any] = [None] * len(tasks)
@@ -869,7 +937,7 @@ def run_tasks(
             i, task, pending = inflight.popleft()
             if len(tasks) > 1:
                 pending = Pending(pending.works, f"part {i}: {pending.what}")
-            ex.wait(pending)
+            yield functools.partial(ex.wait, pending)
             try:
                 pending = task.send(None)
             except StopIteration as stop:
@@ -923,10 +991,13 @@ __all__ = [
     "offloaded",
     "pack_bytes",
     "packed_layout",
+    "plain_sum_task",
     "payload_meta",
     "protocol_task",
     "require_initialized",
     "run_tasks",
+    "schedule",
     "submit_offload",
+    "sums_plainly",
     "unpack_bytes",
 ]

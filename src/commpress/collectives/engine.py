@@ -34,15 +34,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from commpress.codecs.base import Codec, CodecContext
-from commpress.codecs.cast import Identity
 from commpress.codecs.protocol import Reduced
 from commpress.collectives import checks
 from commpress.collectives.driver import (
     Exchange,
     Pending,
-    run_tasks,
+    direct_path_applies,
+    plain_sum_task,
+    schedule,
+    sums_plainly,
     uncompressed_all_reduce,
 )
+from commpress.collectives.queue import Steps, run_steps
 from commpress.collectives.strategies import (
     RING_TAG_BASE,
     ExchangeStrategy,
@@ -117,6 +120,10 @@ class Route:
     local_size: int = 0
     pool: ThreadPoolExecutor | None = None
     depth: int = 2
+    #: A codec whose reduction is a plain sum (:func:`sums_plainly`) may take one all-reduce
+    #: instead of the strategy task: the strategy runs the codec's own protocol, and no
+    #: offload pool takes the codec work.
+    plain: bool = False
 
     @classmethod
     def of(
@@ -134,12 +141,19 @@ class Route:
             size = local_size_from_env(ex.world_size) if local_size is None else local_size
         else:
             size = 0
-        return cls(strategy, size, pool, strategy.depth(pipeline_depth))
+        plain = strategy.runs_codec_protocol and pool is None
+        return cls(strategy, size, pool, strategy.depth(pipeline_depth), plain)
 
     def exchange(
         self, ex: Exchange, codec: Codec, x: torch.Tensor, ctx: CodecContext, *, tag: int
     ) -> Generator[Pending, None, Reduced]:
-        """The strategy's task exchanging ``x`` on ``ex``."""
+        """The strategy's task exchanging ``x`` on ``ex``; for a codec whose reduction is a
+        plain sum (the identity), when the route allows it and no local contribution is asked
+        for, one all-reduce of ``x`` (:func:`~commpress.collectives.driver.plain_sum_task`:
+        the same result, without the codec and protocol layers)."""
+        if (self.plain and not ctx.need_local and sums_plainly(codec)
+                and direct_path_applies(x, ex)):
+            return plain_sum_task(x, ex, average=ctx.average)
         return self.strategy.task(
             codec, x, ctx, ex, tag=tag, pool=self.pool, local_size=self.local_size
         )
@@ -154,11 +168,20 @@ def run_jobs(
     tag, and returns its task; the results come back in job order. Tasks are created lazily,
     when the scheduler starts them.
     """
+    return run_steps(schedule_jobs(ex, route, jobs))
+
+
+def schedule_jobs(
+    ex: Exchange, route: Route, jobs: Sequence[Callable[[Exchanger], Generator[Pending, None, Y]]]
+) -> Steps[list[Y]]:
+    """:func:`run_jobs` as steps (:func:`~commpress.collectives.driver.schedule`): the waits
+    are yielded to the caller (the DDP hook's queue job runs its first step on the thread that
+    submits it)."""
     tasks = [
         functools.partial(job, functools.partial(route.exchange, ex, tag=ring_tag(i)))
         for i, job in enumerate(jobs)
     ]
-    return run_tasks(tasks, ex, depth=route.depth)
+    return schedule(tasks, ex, depth=route.depth)
 
 
 # ---------------------------------------------------------------------------- all_reduce
@@ -266,7 +289,7 @@ def reduce(tensor: torch.Tensor, codec: checks.CodecSpec, options: ReduceOptions
         )
     slices, unit = bucket_slices(tuple(x.shape), bucket_elems)
     many = len(slices) > 1
-    plain_ok = plan.runs_codec_protocol and type(codec) is Identity
+    plain_ok = plan.runs_codec_protocol and sums_plainly(codec)
     if plain_ok and not many and not need_local and not route.pool:
         # No codec work to schedule: one plain all-reduce (same result as the protocol).
         plain = uncompressed_all_reduce(x, ex, average=op == "mean")
@@ -336,6 +359,29 @@ def with_feedback(
     return state.finish(key, tensor, x, plan, result)
 
 
+def flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat tensor over the memory of ``tensors`` when they lie back to back, in order,
+    contiguous, in one storage (the gradients of a DDP bucket are such views of its buffer);
+    ``None`` otherwise. Reading or writing it reads or writes the tensors, without a copy."""
+    first = tensors[0]
+    if not first.is_contiguous():
+        return None
+    if len(tensors) == 1:
+        return first.detach().view(-1)
+    dtype, device, size = first.dtype, first.device, first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    pos = first.data_ptr()
+    for t in tensors:
+        if (
+            t.data_ptr() != pos or t.dtype != dtype or t.device != device
+            or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage
+        ):
+            return None
+        pos += t.numel() * size
+    numel = (pos - first.data_ptr()) // size
+    return first.detach().as_strided((numel,), (1,), first.storage_offset())
+
+
 def dense_with_feedback(
     state: CompressionState,
     items: list[tuple[str, torch.Tensor]],
@@ -353,25 +399,40 @@ def dense_with_feedback(
 
     Element-wise casts give the same values whether tensors are reduced one by one or
     concatenated (and the same as PyTorch's fp16 hook on the whole bucket), at the cost of one
-    collective.
+    collective. Tensors that lie back to back in memory (:func:`flat_view`, a DDP bucket's
+    gradients) are sent from and written back to that memory as one piece, without
+    concatenating or copying them one by one.
     """
     codec, feedback = plans[0].codec, plans[0].feedback
-    xs = [state.compensate(plan, t) for (_, t), plan in zip(items, plans, strict=True)]
-    flat = xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
+    tensors = [t for _, t in items]
+    xs = [state.compensate(plan, t) for t, plan in zip(tensors, plans, strict=True)]
+    dest = flat_view(tensors)
+    flat = dest if not feedback and dest is not None else _concat(xs)
     ctx = CodecContext(
         rank=rank, world_size=world_size, step=step, key=key, need_local=feedback,
         average=True,
     )
     reduced = yield from exchange(codec, flat, ctx)
+    totals = reduced.total
+    if dest is not None:
+        if totals.data_ptr() != dest.data_ptr() or totals.dtype != dest.dtype:
+            dest.copy_(totals)  # the means, in the tensors' dtype, in their memory
+        totals = dest
     offset = 0
     for (k, t), x, plan in zip(items, xs, plans, strict=True):
         n = t.numel()
         local = None
         if feedback:
             local = reduced.local[offset : offset + n].view(t.shape)  # type: ignore[index]
-        total = reduced.total[offset : offset + n].view(t.shape)
-        t.copy_(state.finish(k, t, x, plan, Reduced(total=total, local=local)).total)
+        total = totals[offset : offset + n].view(t.shape)
+        done = state.finish(k, t, x, plan, Reduced(total=total, local=local)).total
+        if dest is None:
+            t.copy_(done)
         offset += n
+
+
+def _concat(xs: list[torch.Tensor]) -> torch.Tensor:
+    return xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
 
 
 __all__ = [
@@ -382,11 +443,13 @@ __all__ = [
     "call_label",
     "dense_with_feedback",
     "finish_inplace",
+    "flat_view",
     "forget",
     "offload_pool",
     "reduce",
     "resolve_strategy",
     "ring_tag",
     "run_jobs",
+    "schedule_jobs",
     "with_feedback",
 ]

@@ -473,6 +473,31 @@ def _codec_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext) -> Protoco
     return codec.reduce(x, ctx)
 
 
+def checked_options(
+    *, error_feedback: Any, timeout: Any, guard: Any
+) -> Guard | None:
+    """Check the ``error_feedback``, ``timeout`` and ``guard`` settings of a
+    :class:`CompressionState` (or of a DDP hook's config); returns the guard (``True``:
+    ``Guard()``; ``None``/``False``: ``None``)."""
+    if error_feedback not in (True, False, None):
+        raise CommpressError(
+            f"error_feedback must be True, False or None (automatic), got {error_feedback!r}"
+        )
+    if timeout is not None and not (
+        isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+    ):
+        raise CommpressError(
+            f"timeout must be a number of seconds > 0 or None, got {timeout!r}"
+        )
+    if guard is True:
+        return Guard()
+    if guard is not None and guard is not False and not isinstance(guard, Guard):
+        raise CommpressError(
+            f"guard must be a Guard, True, False or None, got {type(guard).__name__}"
+        )
+    return guard or None
+
+
 class CompressionState:
     """What compressed gradient reduction keeps between steps; checkpointable, group-free.
 
@@ -567,24 +592,9 @@ class CompressionState:
         timeout: float | None = None,
         guard: Guard | bool | None = None,
     ) -> None:
-        if error_feedback not in (True, False, None):
-            raise CommpressError(
-                f"error_feedback must be True, False or None (automatic), got {error_feedback!r}"
-            )
-        if timeout is not None and not (
-            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
-        ):
-            raise CommpressError(
-                f"timeout must be a number of seconds > 0 or None, got {timeout!r}"
-            )
+        guard = checked_options(error_feedback=error_feedback, timeout=timeout, guard=guard)
         if schedule is not None and not isinstance(schedule, Schedule):
             raise CommpressError(f"schedule must be a Schedule, got {type(schedule).__name__}")
-        if guard is True:
-            guard = Guard()
-        if guard is not None and guard is not False and not isinstance(guard, Guard):
-            raise CommpressError(
-                f"guard must be a Guard, True, False or None, got {type(guard).__name__}"
-            )
         self.process_group = process_group
         self.policy = CodecPolicy.build(policy)
         self.schedule = schedule if schedule is not None else Schedule()
@@ -640,6 +650,14 @@ class CompressionState:
         else:
             choice = self.schedule.choose(policy_codec, shape, dtype, step=step)
         return Plan(key, choice.codec, choice.reason, self.uses_feedback(policy_codec), step)
+
+    def plan_epoch(self, step: int) -> tuple[bool, bool]:
+        """What :meth:`plan` reads of ``step``: whether it is a warm-up step and whether the
+        guard sends it with the fallback codec. Everything else a plan depends on is the
+        tensor's name, shape and dtype and settings fixed at construction, so two steps of the
+        same epoch give a tensor the same codec, reason and feedback (callers such as the DDP
+        hook reuse plans while the epoch and the tensors stay the same)."""
+        return step < self.schedule.warmup_steps, step < self._guard_until
 
     def codec_state(self, plan: Plan, device: torch.device) -> dict[str, Any]:
         """The persistent codec state dict for ``plan`` (fresh for dense fallbacks).
@@ -1018,5 +1036,6 @@ __all__ = [
     "POLICY_FILE_VERSION",
     "Plan",
     "StepStats",
+    "checked_options",
     "load_policy_file",
 ]
