@@ -33,6 +33,7 @@ from commpress.codecs.base import (
     param,
     require,
     saturating_cast,
+    shape_numel,
 )
 from commpress.codecs.bitpack import pack_bits, unpack_bits
 from commpress.codecs.registry import register_codec
@@ -52,6 +53,18 @@ def require_seed(seed: int) -> None:
     """Refuse a codec ``seed`` outside ``[0, 2**63)`` (the one rule for every seeded codec:
     ``minmax``, ``qsgd``, ``terngrad``, ``thc``, ``randomk``, ``powersgd``, ``dgc``)."""
     require(0 <= seed < SEED_LIMIT, "seed must be in [0, 2**63)", seed)
+
+
+def _wire_bytes_from_bits(
+    self: MinMax | QSGD | TernGrad | Sign,
+    shape: tuple[int, ...] | torch.Size,
+    dtype: torch.dtype = torch.float32,
+    *,
+    world_size: int = 1,
+) -> int:
+    """:meth:`Codec.wire_bytes` of the quantizers: ``wire_bits(numel) / 8`` (their codes are
+    computed in float32 whatever the input dtype, and every part is whole bytes)."""
+    return self.wire_bits(shape_numel(shape)) // 8
 
 
 # ---------------------------------------------------------------------- chunk helpers
@@ -383,6 +396,8 @@ class MinMax(Codec):
         """Exact payload size in bits for ``n`` elements (codes are rounded up to bytes)."""
         return 8 * math.ceil(self.bits * n / 8) + 64 * num_chunks(n, self.chunk_size)
 
+    wire_bytes = _wire_bytes_from_bits
+
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = _flat32(x)
         n = flat.numel()
@@ -509,6 +524,8 @@ class QSGD(Codec):
         packed = math.ceil(bits * n / 8) if bits <= 8 else n + math.ceil((bits - 8) * n / 8)
         return 8 * packed + 32 * num_chunks(n, self.chunk_size)
 
+    wire_bytes = _wire_bytes_from_bits
+
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = _flat32(x)
         n = flat.numel()
@@ -629,6 +646,8 @@ class TernGrad(Codec):
         """Exact payload size in bits for ``n`` elements."""
         return 8 * math.ceil(2 * n / 8) + 32 * num_chunks(n, self.chunk_size)
 
+    wire_bytes = _wire_bytes_from_bits
+
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = _flat32(x)
         n = flat.numel()
@@ -729,6 +748,8 @@ class Sign(Codec):
     def wire_bits(self, n: int) -> int:
         """Exact payload size in bits for ``n`` elements."""
         return 8 * math.ceil(n / 8) + 32
+
+    wire_bytes = _wire_bytes_from_bits
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = _flat32(x)
