@@ -19,7 +19,7 @@ from commpress.codecs.base import CodecContext
 from commpress.codecs.registry import codec_ids, get_codec, list_codecs
 from commpress.errors import CommpressError, ConfigError
 from commpress.perfmodel.codec_costs import _record_rounds, wire_profile
-from commpress.perfmodel.collectives import Cluster
+from commpress.perfmodel.collectives import Cluster, Link
 from commpress.perfmodel.model import Workload, ddp_bucket_indices, predict, transformer_shapes
 from commpress.perfmodel.ratio import RatioCodec, model_codec, parse_ratio
 from commpress.perfmodel.shapes import (
@@ -410,3 +410,90 @@ def test_ratio_bytes_are_dense_over_cr() -> None:
     for cr in (2.0, 8.0, 32.0):
         pred = predict(w, cl, f"ratio:cr={cr}")
         assert pred.bits_per_coordinate == pytest.approx(32.0 / cr, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- SqueezeNIC
+# SqueezeNIC (../shared/papers/squeezenic.md), eqs. (1)-(3), written out here from the paper's
+# definitions: N nodes of M GPUs, a partition g of z/N bytes per hop, Q(g) = r g, the alpha-beta
+# time T(x) = alpha + x / bandwidth of each link, the compress time of the hardware T_Comp^Hw(g)
+# and its decompress time T_Decom^Hw(Q(g)), both rates in uncompressed bytes per second.
+# The paper drops the intra-node all-gather that hands every GPU the result ("same for all
+# approaches"); a real step has it, so every expectation adds (M - 1) T_intra(g).
+def _alpha_beta(alpha: float, bandwidth: float, nbytes: float) -> float:
+    return alpha + nbytes / bandwidth
+
+
+SQ = dict(inter_bw=12.5e9, inter_alpha=8e-6, intra_bw=300e9, intra_alpha=3e-6,
+          nic_comp=60e9, nic_decomp=45e9, gpu_comp_eps=3e9, gpu_decomp_eps=7e9)
+
+
+def _squeezenic(eq: int, m: int, n: int, z: float, r: float) -> float:
+    g = z / n  # with M = N the intra and inter hops carry the same partition g
+    t_intra = lambda x: _alpha_beta(SQ["intra_alpha"], SQ["intra_bw"], x)  # noqa: E731
+    t_inter = lambda x: _alpha_beta(SQ["inter_alpha"], SQ["inter_bw"], x)  # noqa: E731
+    comp_hw, decom_hw = g / SQ["nic_comp"], g / SQ["nic_decomp"]
+    comp_gpu, decom_gpu = (g / 4) / SQ["gpu_comp_eps"], (g / 4) / SQ["gpu_decomp_eps"]
+    allgather = (m - 1) * t_intra(g)
+    if eq == 1:  # (1) (M-1) T_intra(g) + 2(N-1) T_inter(g)
+        return (m - 1) * t_intra(g) + 2 * (n - 1) * t_inter(g) + allgather
+    if eq == 2:  # (2) (M-1) T_intra(g) + 2(N-1) T_inter(Q(g)) + N T_Comp^Hw + N T_Decom^Hw
+        return ((m - 1) * t_intra(g) + 2 * (n - 1) * t_inter(r * g) + n * comp_hw
+                + n * decom_hw + allgather)
+    # (3) (M-1) T_intra(Q(g)) + (M-1) T_Comp^GPU(g) + (M-1) T_Decom^GPU(Q(g))
+    #     + N T_Decom^Hw(Q(g)) + N T_Comp^Hw(g) + 2(N-1) T_inter(Q(g))
+    return ((m - 1) * t_intra(r * g) + (m - 1) * comp_gpu + (m - 1) * decom_gpu
+            + n * decom_hw + n * comp_hw + 2 * (n - 1) * t_inter(r * g) + allgather)
+
+
+def _squeezenic_setup(m: int) -> tuple[Cluster, Any, Any]:
+    from commpress.perfmodel.codec_costs import CodecSpeed, Offload, SpeedTable
+
+    cl = Cluster(nodes=m, gpus_per_node=m, inter=Link(SQ["inter_bw"], SQ["inter_alpha"]),
+                 intra=Link(SQ["intra_bw"], SQ["intra_alpha"]))
+    nic = Offload(bandwidth=SQ["nic_comp"], decompress_bandwidth=SQ["nic_decomp"], latency=0.0)
+    gpu = SpeedTable({"ratio": CodecSpeed(0.0, SQ["gpu_comp_eps"], SQ["gpu_decomp_eps"]),
+                      "identity": CodecSpeed(0.0, math.inf, math.inf)}, "test")
+    return cl, nic, gpu
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+@pytest.mark.parametrize("r", [0.25, 1 / 32])
+def test_squeezenic_equations_through_predict(m: int, r: float) -> None:
+    """One 25 MB partition (the paper's), no compute: predict's step is the exchange."""
+    cl, nic, gpu = _squeezenic_setup(m)
+    numel = 25 * 2**20 * m // 4 // m  # z = 25 MiB of float32, divisible by M = N
+    z = 4.0 * numel
+    w = Workload(buckets=(((numel,),),), forward_s=0.0, backward_s=0.0)
+    eq1 = predict(w, cl, "identity", strategy="hierarchical", speeds=gpu)
+    eq2 = predict(w, cl, f"ratio:r={r}", strategy="hierarchical", offload=nic, speeds=gpu)
+    eq3 = predict(w, cl, f"ratio:r={r}", strategy="hierarchical-compress-first", offload=nic,
+                  speeds=gpu)
+    assert eq1.total == pytest.approx(_squeezenic(1, m, m, z, r), rel=1e-9)
+    assert eq2.total == pytest.approx(_squeezenic(2, m, m, z, r), rel=1e-9)
+    assert eq3.total == pytest.approx(_squeezenic(3, m, m, z, r), rel=1e-9)
+    # the separate rates matter: equal ones would give another time
+    same = type(nic)(bandwidth=SQ["nic_comp"], latency=0.0)
+    other = predict(w, cl, f"ratio:r={r}", strategy="hierarchical", offload=same, speeds=gpu)
+    assert other.total < eq2.total
+
+
+def test_squeezenic_equation_2_through_the_cli(tmp_path: Path) -> None:
+    m, r = 4, 0.25
+    numel = 25 * 2**20 // 4
+    shapes = tmp_path / "partition.json"
+    shapes.write_text(json.dumps([{"name": "g", "shape": [numel]}]))
+    speeds = tmp_path / "speeds.json"
+    _, _, gpu = _squeezenic_setup(m)
+    gpu.save(speeds)
+    common = ["predict", "--shapes", str(shapes), "--compute-ms", "0", "--nodes", str(m),
+              "--gpus-per-node", str(m), "--inter-bw", f"{SQ['inter_bw']}B/s",
+              "--intra-bw", f"{SQ['intra_bw']}B/s", "--inter-latency", "8us",
+              "--intra-latency", "3us", "--inter-efficiency", "1", "--codec-speeds",
+              str(speeds), "--codec", f"ratio:r={r}", "--json"]
+    nic = ["--offload-bw", f"{SQ['nic_comp']}B/s", "--offload-decompress-bw",
+           f"{SQ['nic_decomp']}B/s", "--offload-latency", "0s"]
+    for strategy, eq in (("hierarchical", 2), ("hierarchical-compress-first", 3)):
+        data = json.loads(_run_cli([*common, *nic, "--strategy", strategy]))
+        got = data["results"][0]
+        assert got["step_s"] == pytest.approx(_squeezenic(eq, m, m, 4.0 * numel, r), rel=1e-9)
+        assert got["bits_per_coordinate"] == pytest.approx(32 * r)
