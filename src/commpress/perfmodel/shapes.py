@@ -206,7 +206,7 @@ def load_callable(target: str) -> Callable[..., Any]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"--model {target!r}: {path} has no callable {attr!r}")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def shapes_from_callable(target: str | Callable[[], Any]) -> ModelShapes:
