@@ -221,6 +221,31 @@ def test_vgg19_powersgd_bits_match_the_paper(vgg_file: Path) -> None:
         assert bits == pytest.approx(paper, rel=0.01), rank
 
 
+# Han et al., Table 7, BERT-large (masked LM): 0.0797, 0.217, 0.764, 2.95 bits per coordinate.
+HAN_BERT_BITS = {1: 0.0797, 4: 0.217, 16: 0.764, 64: 2.95}
+BERT_LARGE = {
+    "model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": 30522,
+    "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+    "intermediate_size": 4096, "max_position_embeddings": 512, "type_vocab_size": 2,
+}
+
+
+def test_bert_large_powersgd_bits_match_the_paper(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from commpress.perfmodel.shapes import shapes_from_hf_config
+
+    path = tmp_path / "bert-large.json"
+    path.write_text(json.dumps(BERT_LARGE))
+    model = shapes_from_hf_config(str(path))  # 335M parameters, on the meta device
+    assert 335e6 < model.numel < 336e6
+    w = model.workload(compute_s=0.25)
+    cl = Cluster.build(nodes=2, gpus_per_node=2, inter_bw="100gbit")
+    for rank, paper in HAN_BERT_BITS.items():
+        bits = predict(w, cl, f"powersgd:rank={rank}").bits_per_coordinate
+        assert bits == pytest.approx(_powersgd_bits(model.shapes, rank), rel=1e-12)
+        assert bits == pytest.approx(paper, rel=0.005), rank
+
+
 # ---------------------------------------------------------------------------- descriptions
 def _run_cli(argv: list[str]) -> str:
     out = io.StringIO()
