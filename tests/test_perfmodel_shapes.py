@@ -523,3 +523,30 @@ def test_squeezenic_equation_2_through_the_cli(tmp_path: Path) -> None:
         got = data["results"][0]
         assert got["step_s"] == pytest.approx(_squeezenic(eq, m, m, 4.0 * numel, r), rel=1e-9)
         assert got["bits_per_coordinate"] == pytest.approx(32 * r)
+
+
+def test_sweep_and_advise_take_a_real_model(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    shapes = tmp_path / "m.json"
+    shapes.write_text(json.dumps([{"name": "conv.weight", "shape": [64, 3, 7, 7]},
+                                  {"name": "fc.weight", "shape": [1000, 2048]},
+                                  {"name": "fc.bias", "shape": [1000]}]))
+    out = tmp_path / "sweep"
+    _run_cli(["sweep", "--shapes", str(shapes), "--compute-ms", "5", "--nodes", "2,4",
+              "--inter-bw", "10gbit", "--gpus-per-node", "1", "--codec", "ratio:4",
+              "--codec", "powersgd:rank=4", "--quiet", "--out", str(out)])
+    import csv as csv_module
+
+    rows = list(csv_module.DictReader((out / "sweep.csv").open()))
+    assert len(rows) == 4 and {int(r["params"]) for r in rows} == {64 * 147 + 2048 * 1000 + 1000}
+    assert {float(r["bits_per_coordinate"]) for r in rows if r["codec"] == "ratio:4"} == {8.0}
+    common = ["advise", "--shapes", str(shapes), "--compute-ms", "5", "--nodes", "4",
+              "--gpus-per-node", "1", "--inter-bw", "10gbit", "--quiet"]
+    policy = tmp_path / "policy.json"
+    _run_cli([*common, "--codec", "powersgd:rank=4", "--max-nmse", "none", "--emit-policy",
+              str(policy)])
+    rules = json.loads(policy.read_text())["rules"]
+    assert set(rules) <= {"*", "conv.weight", "fc.weight", "fc.bias"}
+    # a model-only codec may be advised, never written as a training policy
+    assert main([*common, "--codec", "ratio:8", "--emit-policy", str(tmp_path / "x.json")]) == 2
+    assert "model-only 'ratio' codec" in capsys.readouterr().err
