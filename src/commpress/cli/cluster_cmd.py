@@ -246,6 +246,8 @@ def run_status(args: argparse.Namespace) -> int:
         missing = [n for n in cluster.netns_names if n not in existing]
         owner_gone = cluster.owner_pid != os.getpid() and not cluster.owner_alive()
         notes = [_owner_text(cluster)]
+        if cluster.shape.too_fast_note():
+            notes.append(cluster.shape.too_fast_note())
         if not cluster.complete:
             notes.append(
                 "incomplete (bring-up crashed or still running)" if owner_gone or missing

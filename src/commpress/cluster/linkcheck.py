@@ -27,6 +27,7 @@ Algorithm of :func:`check_links`:
 from __future__ import annotations
 
 import math
+import os
 import socket
 import statistics
 import threading
@@ -34,7 +35,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from commpress.cluster.shaping import WIRE_BYTES_PER_PAYLOAD_BYTE, format_duration, format_rate
+from commpress.cluster.shaping import (
+    MAX_EMULATED_BPS,
+    WIRE_BYTES_PER_PAYLOAD_BYTE,
+    format_duration,
+    format_rate,
+)
 from commpress.errors import CommpressError
 from commpress.report import render_table
 
@@ -97,11 +103,19 @@ class LinkReport:
     tolerance: float
     base_rtt_s: float
     links: list[LinkResult]
+    #: 1-minute load average and core count when the check ran (``None``: unknown).
+    load_avg: float | None = None
+    cpus: int | None = None
 
     @property
     def ok(self) -> bool:
         """True when every checked link is within tolerance."""
         return all(link.ok for link in self.links)
+
+    def explanations(self) -> list[str]:
+        """Why each link out of tolerance could not be emulated, in words (empty when all are
+        within tolerance); :meth:`table` prints them under the table."""
+        return explain_links(self)
 
     @property
     def inter(self) -> list[LinkResult]:
@@ -112,7 +126,7 @@ class LinkReport:
         return [link for link in self.links if link.kind == "intra"]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
+        return {**asdict(self), "ok": self.ok, "why": self.explanations()}
 
     def table(self) -> str:
 
@@ -136,10 +150,83 @@ class LinkReport:
             "requested RTT", "RTT (min / median)", "rtt",
         ]
         tol = f"{self.tolerance:.0%}"
+        why = "".join(f"\n  why: {line}" for line in self.explanations())
         return (
             f"{self.cluster}: {self.shape_description}; checked within {tol}, base RTT "
-            f"{format_duration(self.base_rtt_s)}\n" + render_table(headers, rows)
+            f"{format_duration(self.base_rtt_s)}\n" + render_table(headers, rows) + why
         )
+
+
+#: Requested round trips below this are within the wake-up noise of Python sockets on a busy
+#: machine: netem delays exactly, but the check (and gloo) cannot see it reliably.
+RTT_NOISE_FLOOR_S = 100e-6
+
+
+def explain_links(report: LinkReport) -> list[str]:
+    """One sentence per link out of tolerance saying what limits the emulation on this machine
+    (the CPU's own ceiling, a busy machine, the token bucket's burst, timer noise) and what to
+    do about it."""
+    lines: list[str] = []
+    busy = (
+        report.load_avg is not None and report.cpus is not None
+        and report.load_avg > 0.75 * report.cpus
+    )
+    load = (
+        f"load average {report.load_avg:.1f} on {report.cpus} core(s)"
+        if report.load_avg is not None and report.cpus is not None else ""
+    )
+    ceiling = max((link.goodput_bps for link in report.intra), default=None)
+    for link in report.links:
+        if link.bandwidth_ok is False and link.requested_bps is not None:
+            asked, got = format_rate(link.requested_bps), format_rate(link.wire_bps)
+            if link.wire_bps > link.requested_bps:
+                lines.append(
+                    f"{link.name}: measured {got}, above the requested {asked}: a short "
+                    "transfer rides on the token bucket's burst; measure longer (--seconds 2)"
+                )
+            elif link.requested_bps > MAX_EMULATED_BPS or (
+                ceiling is not None and link.requested_bps > 0.5 * ceiling
+            ):
+                top = MAX_EMULATED_BPS if ceiling is None else min(MAX_EMULATED_BPS, 0.5 * ceiling)
+                lines.append(
+                    f"{link.name}: {asked} cannot be emulated here: the CPU, not the link, sets "
+                    f"the rate ({got} measured; every packet through the namespaces' veth pairs "
+                    "costs CPU time"
+                    + (f", and an unshaped loopback moves {format_rate(ceiling)}" if ceiling
+                       else "")
+                    + f"), and gloo moves at most ~{format_rate(MAX_EMULATED_BPS)} between "
+                    f"namespaces on this kind of machine; emulate at most {format_rate(top)}, "
+                    "or scale the model's messages instead"
+                )
+            elif busy:
+                lines.append(
+                    f"{link.name}: measured {got} of {asked} on a busy machine ({load}): other "
+                    "processes took the CPU the transfer needs; check again when it is idle"
+                )
+            else:
+                lines.append(
+                    f"{link.name}: measured {got} of {asked}"
+                    + (f" ({load})" if load else "")
+                    + ": another process may share the link, or the transfer was too short "
+                    "to average out scheduling; check again with --seconds 2"
+                )
+        if link.rtt_ok is False and link.requested_rtt_s is not None:
+            asked = format_duration(link.requested_rtt_s)
+            added = format_duration(max(0.0, link.rtt_min_s - report.base_rtt_s))
+            if link.requested_rtt_s < RTT_NOISE_FLOOR_S:
+                lines.append(
+                    f"{link.name}: a {asked} round trip is below what this machine can resolve "
+                    f"(Python sockets wake up tens of microseconds late, {added} added was "
+                    "measured): netem applies it, but neither the check nor a training step "
+                    f"will see it reliably; emulate >= {format_duration(RTT_NOISE_FLOOR_S)}"
+                )
+            else:
+                lines.append(
+                    f"{link.name}: {added} added to the round trip instead of {asked}"
+                    + (f" on a busy machine ({load})" if busy else "")
+                    + ": late wake-ups add to every round trip; check again when idle"
+                )
+    return lines
 
 
 def _listener(sock: socket.socket, address: str) -> int:
@@ -393,4 +480,6 @@ def check_links(
         tolerance=tolerance,
         base_rtt_s=base,
         links=links,
+        load_avg=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        cpus=os.cpu_count(),
     )
