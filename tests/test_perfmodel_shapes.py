@@ -211,6 +211,8 @@ HAN_VGG19_BITS = {1: 0.0242, 4: 0.0872, 16: 0.339, 64: 1.36}
 
 def test_vgg19_powersgd_bits_match_the_paper(vgg_file: Path) -> None:
     model = shapes_from_callable(f"{vgg_file}:vgg19")
+    example = Path(__file__).parents[1] / "examples" / "models" / "vgg19.py"
+    assert shapes_from_callable(f"{example}:vgg19").params == model.params  # the docs' VGG19
     assert model.numel == 140_389_640  # 20.0M conv + 120.4M classifier
     assert sum(len(p.shape) == 4 for p in model.params) == 16  # the 3x3 kernels, as they are
     _check_powersgd_bits(model, HAN_VGG19_BITS, rel=0.01)
