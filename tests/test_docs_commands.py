@@ -76,6 +76,11 @@ def documented_runs(path: Path) -> list[Run]:
 
 
 def run_command(argv: list[str], cwd: Path) -> list[str]:
+    """Run in ``cwd`` (an empty directory) holding a link to the repository's ``examples/``,
+    so that documented runs can name its files (``--model examples/models/vgg19.py:vgg19``)."""
+    link = cwd / "examples"
+    if not link.exists():
+        link.symlink_to(ROOT / "examples", target_is_directory=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200"}
     env.pop("COMMPRESS_CODEC_SPEEDS", None)
     proc = subprocess.run(

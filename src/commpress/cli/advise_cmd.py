@@ -112,6 +112,13 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
     if args.emit_policy:
         from commpress.collectives.policy import POLICY_FILE_VERSION
+        from commpress.perfmodel.ratio import RATIO_ID
+
+        if any(str(c).partition(":")[0] == RATIO_ID for c in advice.choices):
+            raise CommpressError(
+                "--emit-policy: the advice uses the model-only 'ratio' codec, which nothing "
+                "can train with; drop it from --codec to get a policy file"
+            )
 
         policy = {"commpress_policy": POLICY_FILE_VERSION, "summary": advice.summary(),
                   "rules": advice.policy()}

@@ -1,7 +1,8 @@
 """Command-line arguments shared by ``commpress predict``, ``sweep`` and ``advise``.
 
 They live in the CLI, not in :mod:`commpress.perfmodel`: ``--demo-model`` builds a model of
-:mod:`commpress.demo`, which sits above the performance model."""
+:mod:`commpress.demo`, which sits above the performance model. The real-model descriptions
+(``--model``, ``--hf-config``, ``--shapes``) come from :mod:`commpress.perfmodel.shapes`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from commpress.errors import CommpressError
 from commpress.perfmodel.codec_costs import STRATEGIES, Offload, SpeedTable
 from commpress.perfmodel.collectives import ALLREDUCE_ALGORITHMS, TCP_EFFICIENCY, Cluster
 from commpress.perfmodel.model import Platform, Workload, ddp_bucket_indices, estimate_compute_s
+from commpress.perfmodel.shapes import ModelShapes
 from commpress.perfmodel.units import parse_bandwidth, parse_count, parse_duration
 
 #: Environment variable naming a codec speed table (JSON) to use by default.
@@ -35,6 +37,17 @@ def add_workload_args(p: argparse.ArgumentParser, *, single: bool = True) -> Non
                        help="the built-in TinyGPT preset (commpress.demo) instead of --params")
         g.add_argument("--hidden", type=int, help="hidden size of the assumed GPT-style model "
                        "(default: derived from --params)")
+    g.add_argument("--model", metavar="MODULE:FN",
+                   help="a function returning the nn.Module to describe, 'pkg.module:build' or "
+                   "'path/to/file.py:build'; called under torch.device('meta'), so no memory "
+                   "is used (real shapes instead of --params)")
+    g.add_argument("--hf-config", metavar="CONFIG",
+                   help="a Hugging Face config: config.json, a directory holding one, or a "
+                   "model name already cached locally (offline; needs transformers); the model "
+                   "is built from it on the meta device")
+    g.add_argument("--shapes", metavar="FILE",
+                   help="parameter shapes in JSON ([{\"name\", \"shape\", \"dtype\"}, ...] or "
+                   "{name: shape}) or CSV (name,shape[,dtype]; shapes like 64x3x3x3)")
     g.add_argument("--compute-ms", help="forward + backward time per step in ms (default: "
                    "6 * params * tokens / flops)")
     g.add_argument("--tokens-per-gpu", default="16384",
@@ -46,8 +59,9 @@ def add_workload_args(p: argparse.ArgumentParser, *, single: bool = True) -> Non
     g.add_argument("--optimizer-ms", type=float, default=0.0, help="optimizer step in ms (0)")
     g.add_argument("--bucket-mb", type=float, default=25.0,
                    help="DDP bucket_cap_mb (MiB, default 25)")
-    g.add_argument("--grad-dtype", choices=sorted(_GRAD_BYTES), default="fp32",
-                   help="dtype of the gradients before compression (fp32)")
+    g.add_argument("--grad-dtype", choices=sorted(_GRAD_BYTES),
+                   help="dtype of the gradients before compression (default: the parameters' "
+                   "dtype for --model/--hf-config/--shapes, else fp32)")
 
 
 def add_cluster_args(p: argparse.ArgumentParser, *, single: bool = True) -> None:
@@ -84,7 +98,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-efficiency", type=float,
                    help="override the platform's overlap efficiency (0..1)")
     g.add_argument("--offload-bw", help="run codec work on an offload device (SqueezeNIC) "
-                   "ingesting this rate, e.g. 400gbit")
+                   "compressing at this rate of uncompressed data, e.g. 400gbit")
+    g.add_argument("--offload-decompress-bw",
+                   help="the offload device's decompress rate, in uncompressed data restored "
+                   "(default: --offload-bw)")
     g.add_argument("--offload-latency", default="2us", help="offload device latency (2us)")
 
 
@@ -97,18 +114,50 @@ def compute_seconds(args: argparse.Namespace, params: float) -> float:
                               flops=args.gpu_tflops * 1e12)
 
 
-def workload_common(args: argparse.Namespace) -> dict[str, Any]:
+def workload_common(args: argparse.Namespace, shapes: ModelShapes | None = None
+                    ) -> dict[str, Any]:
+    grad_bytes = _GRAD_BYTES[args.grad_dtype] if args.grad_dtype else (
+        shapes.grad_bytes if shapes is not None else 4)
     return dict(
         backward_fraction=args.backward_fraction,
         optimizer_s=args.optimizer_ms / 1e3,
-        grad_bytes=_GRAD_BYTES[args.grad_dtype],
+        grad_bytes=grad_bytes,
         bucket_bytes=args.bucket_mb * 1024 * 1024,
     )
 
 
+_DESCRIBED = ("model", "hf_config", "shapes")
+_SHAPES_CACHE: dict[tuple[str, str], ModelShapes] = {}
+
+
+def model_shapes_from_args(args: argparse.Namespace) -> ModelShapes | None:
+    """The real model of ``--model``, ``--hf-config`` or ``--shapes`` (at most one), or
+    ``None`` when none is given (built once per run)."""
+    given = [x for x in _DESCRIBED if getattr(args, x, None)]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise CommpressError("give one of --model, --hf-config, --shapes")
+    from commpress.perfmodel import shapes as sh
+
+    kind = given[0]
+    source = str(getattr(args, kind))
+    key = (kind, source)
+    if key not in _SHAPES_CACHE:
+        build = {"model": sh.shapes_from_callable, "hf_config": sh.shapes_from_hf_config,
+                 "shapes": sh.shapes_from_file}[kind]
+        _SHAPES_CACHE[key] = build(source)
+    return _SHAPES_CACHE[key]
+
+
 def bucket_names_from_args(args: argparse.Namespace) -> list[list[str]] | None:
     """Parameter names per DDP bucket (ready order) when the model itself is given
-    (``--demo-model``), else ``None``."""
+    (``--demo-model``, ``--model``, ``--hf-config``, ``--shapes``), else ``None``."""
+    described = model_shapes_from_args(args)
+    if described is not None:
+        common = workload_common(args, described)
+        return described.bucket_names(grad_bytes=common["grad_bytes"],
+                                      bucket_bytes=common["bucket_bytes"])
     if not getattr(args, "demo_model", None):
         return None
     model = build_model(preset(args.demo_model))
@@ -120,9 +169,15 @@ def bucket_names_from_args(args: argparse.Namespace) -> list[list[str]] | None:
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
-    given = [x for x in ("params", "buckets", "demo_model") if getattr(args, x, None)]
+    given = [x for x in ("params", "buckets", "demo_model", *_DESCRIBED)
+             if getattr(args, x, None)]
     if len(given) > 1:
-        raise CommpressError("give one of --params, --buckets, --demo-model")
+        raise CommpressError("give one of --params, --buckets, --demo-model, --model, "
+                             "--hf-config, --shapes")
+    described = model_shapes_from_args(args)
+    if described is not None:
+        common = workload_common(args, described)
+        return described.workload(compute_s=compute_seconds(args, described.numel), **common)
     common = workload_common(args)
     if args.buckets:
         sizes = [parse_count(s) for s in str(args.buckets).split(",") if s.strip()]
@@ -140,7 +195,8 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         return Workload.from_shapes(shapes, compute_s=compute_seconds(args, numel),
                                     name=f"TinyGPT {args.demo_model}", **common)
     if not args.params:
-        raise CommpressError("give the model: --params 1.3e9, --buckets ... or --demo-model")
+        raise CommpressError("give the model: --params 1.3e9, --buckets ..., --demo-model, "
+                             "--model pkg.module:build, --hf-config config.json or --shapes FILE")
     params = parse_count(args.params)
     return Workload.from_params(params, compute_s=compute_seconds(args, params),
                                 hidden=args.hidden, **common)
@@ -181,8 +237,13 @@ def platform_from_args(args: argparse.Namespace) -> Platform:
 
 def offload_from_args(args: argparse.Namespace) -> Offload | None:
     if not args.offload_bw:
+        if args.offload_decompress_bw:
+            raise CommpressError("--offload-decompress-bw needs --offload-bw")
         return None
-    return Offload(parse_bandwidth(args.offload_bw), parse_duration(args.offload_latency))
+    decompress = parse_bandwidth(args.offload_decompress_bw) if args.offload_decompress_bw \
+        else None
+    return Offload(parse_bandwidth(args.offload_bw), parse_duration(args.offload_latency),
+                   decompress_bandwidth=decompress)
 
 
 def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -203,5 +264,6 @@ __all__ = [
     "add_workload_args",
     "cluster_from_args",
     "model_kwargs",
+    "model_shapes_from_args",
     "workload_from_args",
 ]

@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "against the fp16 baseline; write a CSV, a summary and a PNG of where each codec wins.",
     )
     p.add_argument("--params", default=DEFAULT_PARAMS,
-                   help=f"model sizes, comma-separated ({DEFAULT_PARAMS})")
+                   help=f"model sizes, comma-separated ({DEFAULT_PARAMS}; ignored with --model, "
+                   "--hf-config or --shapes)")
     p.add_argument("--nodes", default=DEFAULT_NODES, help=f"node counts ({DEFAULT_NODES})")
     p.add_argument("--inter-bw", default=DEFAULT_BANDWIDTHS,
                    help=f"inter-node bandwidths ({DEFAULT_BANDWIDTHS})")
@@ -117,9 +118,9 @@ def run(args: argparse.Namespace) -> int:
         cluster_from_args,
         compute_seconds,
         model_kwargs,
+        model_shapes_from_args,
         workload_common,
     )
-    from commpress.codecs.registry import get_codec
     from commpress.errors import CommpressError
     from commpress.perfmodel.codec_costs import measure_nmse
     from commpress.perfmodel.model import Workload, predict, predict_baseline
@@ -139,10 +140,16 @@ def run(args: argparse.Namespace) -> int:
     if not codecs:
         raise CommpressError("no codec to sweep: pass --codec")
     kwargs = model_kwargs(args)
-    common = workload_common(args)
-    nmse = {spec: measure_nmse(get_codec(spec)) for spec in codecs}
-    workloads = [Workload.from_params(p, compute_s=compute_seconds(args, p), **common)
-                 for p in params]
+    nmse = {spec: measure_nmse(spec) for spec in codecs}
+    described = model_shapes_from_args(args)
+    if described is not None:  # one real model instead of the --params sizes
+        common = workload_common(args, described)
+        workloads = [described.workload(compute_s=compute_seconds(args, described.numel),
+                                        **common)]
+    else:
+        common = workload_common(args)
+        workloads = [Workload.from_params(p, compute_s=compute_seconds(args, p), **common)
+                     for p in params]
     total = len(workloads) * len(nodes) * len(bws) * (len(codecs) + 1)
     bar: Any = None
     if not args.quiet:

@@ -77,6 +77,11 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(torch.isinf(wide), wide, clamped).to(dtype)
 
 
+def shape_numel(shape: tuple[int, ...] | torch.Size) -> int:
+    """Elements of a tensor of ``shape`` (1 for a 0-d shape ``()``)."""
+    return math.prod(int(d) for d in shape)
+
+
 def param(default: Any, doc: str) -> Any:
     """Declare a codec parameter with its default and a one-line description."""
     return field(default=default, metadata={"doc": doc})
@@ -502,6 +507,41 @@ class Codec(ABC):
     def sum_lanes(self, payload: Payload) -> dict[str, Any]:
         """Extra :class:`AllReduce` arguments for summing this codec's payloads (lane widths)."""
         return {}
+
+    # ------------------------------------------------------------------ wire sizes
+    def wire_bytes(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 1,
+    ) -> int | None:
+        """``encode(x).nbytes`` for any tensor ``x`` of ``shape`` and ``dtype`` (encoded with
+        ``ctx.world_size = world_size``), computed from the configuration alone, without
+        encoding anything; ``None`` when the size depends on the values (lossless codecs).
+
+        Codecs with a size formula override it (every built-in lossy codec does;
+        ``tests/test_perfmodel_shapes.py`` holds each formula against real payloads). A
+        variable-size codec (``fixed_size = False``) returns its nominal size (DGC: the target
+        count ``K``). The performance model reads it instead of encoding samples.
+        """
+        return None
+
+    def wire_rounds(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 2,
+    ) -> tuple[tuple[str, int], ...] | None:
+        """The exchanges :meth:`reduce` asks for among ``world_size`` ranks, as ``(kind,
+        bytes one rank contributes)`` pairs (``kind`` is ``"allreduce"`` or ``"allgather"``),
+        from the configuration alone; ``None`` when unknown without the values.
+
+        The default, for single-round codecs that keep :meth:`sum_lanes` as it is: one
+        all-reduce (summable) or all-gather of :meth:`wire_bytes`. Multi-round codecs
+        override it.
+        """
+        if self.multi_round or type(self).sum_lanes is not Codec.sum_lanes:
+            return None
+        nbytes = self.wire_bytes(shape, dtype, world_size=world_size)
+        if nbytes is None:
+            return None
+        return (("allreduce" if self.summable else "allgather", nbytes),)
 
     # ------------------------------------------------------------------ helpers for codecs
     def make_payload(

@@ -24,7 +24,14 @@ from typing import ClassVar
 
 import torch
 
-from commpress.codecs.base import Codec, CodecContext, FeedbackFit, Payload, saturating_cast
+from commpress.codecs.base import (
+    Codec,
+    CodecContext,
+    FeedbackFit,
+    Payload,
+    saturating_cast,
+    shape_numel,
+)
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.registry import register_codec
 
@@ -49,6 +56,13 @@ class Identity(Codec):
     def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         v = self.part(payload, "values", numel=payload.numel, dtype=payload.dtype)
         return v.reshape(payload.shape)
+
+    def wire_bytes(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 1,
+    ) -> int:
+        """The tensor's own bytes: ``numel * itemsize``."""
+        return shape_numel(shape) * dtype.itemsize
 
     def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
         """The default one-round all-reduce, except that a float16 mean divides before the
@@ -83,6 +97,13 @@ class _FloatCast(Codec):
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         return self.make_payload(x, {"values": x.reshape(-1).to(self.wire_dtype)})
+
+    def wire_bytes(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 1,
+    ) -> int:
+        """Two bytes per element, whatever the input dtype."""
+        return shape_numel(shape) * self.wire_dtype.itemsize
 
     decodes_into: ClassVar[bool] = True
 

@@ -189,6 +189,29 @@ class PowerSGD(Codec):
             return None
         return n, m, r
 
+    def wire_rounds(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 2,
+    ) -> tuple[tuple[str, int], ...]:
+        """Compressed (see :meth:`plan`): ``4 n r`` bytes of ``P`` then ``4 m r`` of ``Q``
+        per power iteration; sent exactly: one all-reduce of the tensor in its own dtype."""
+        planned = self.plan(shape)
+        if planned is None:
+            return (("allreduce", math.prod(int(d) for d in shape) * dtype.itemsize),)
+        n, m, r = planned
+        return (("allreduce", 4 * n * r), ("allreduce", 4 * m * r)) * self.power_iterations
+
+    def wire_bytes(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 1,
+    ) -> int:
+        """:meth:`encode`'s ``P_hat`` and ``Q`` (``4 r (n + m)`` bytes), or the tensor."""
+        planned = self.plan(shape)
+        if planned is None:
+            return math.prod(int(d) for d in shape) * dtype.itemsize
+        n, m, r = planned
+        return 4 * r * (n + m)
+
     def compression_rate(self, shape: tuple[int, ...] | torch.Size) -> float:
         """``n m / (r (n + m))`` for a compressed shape, 1.0 for one sent exactly."""
         planned = self.plan(shape)

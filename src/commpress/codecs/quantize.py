@@ -34,6 +34,7 @@ from commpress.codecs.base import (
     param,
     require,
     saturating_cast,
+    shape_numel,
 )
 from commpress.codecs.bitpack import pack_bits, unpack_bits
 from commpress.codecs.common import kernel_seed, require_seed
@@ -44,6 +45,18 @@ F32_MAX = float(torch.finfo(torch.float32).max)
 TINY_SCALE = 2.0**-100
 HUGE_SCALE = 2.0**100
 SHIFT = 2.0**64
+
+
+def _wire_bytes_from_bits(
+    self: MinMax | QSGD | TernGrad | Sign,
+    shape: tuple[int, ...] | torch.Size,
+    dtype: torch.dtype = torch.float32,
+    *,
+    world_size: int = 1,
+) -> int:
+    """:meth:`Codec.wire_bytes` of the quantizers: ``wire_bits(numel) / 8`` (their codes are
+    computed in float32 whatever the input dtype, and every part is whole bytes)."""
+    return self.wire_bits(shape_numel(shape)) // 8
 
 
 # ---------------------------------------------------------------------- chunk helpers
@@ -380,6 +393,8 @@ class MinMax(Codec):
         """Exact payload size in bits for ``n`` elements (codes are rounded up to bytes)."""
         return 8 * math.ceil(self.bits * n / 8) + 64 * num_chunks(n, self.chunk_size)
 
+    wire_bytes = _wire_bytes_from_bits
+
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = _flat_in(x)
         n = flat.numel()
@@ -506,6 +521,8 @@ class QSGD(Codec):
         packed = math.ceil(bits * n / 8) if bits <= 8 else n + math.ceil((bits - 8) * n / 8)
         return 8 * packed + 32 * num_chunks(n, self.chunk_size)
 
+    wire_bytes = _wire_bytes_from_bits
+
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = _flat32(x)
         n = flat.numel()
@@ -626,6 +643,8 @@ class TernGrad(Codec):
         """Exact payload size in bits for ``n`` elements."""
         return 8 * math.ceil(2 * n / 8) + 32 * num_chunks(n, self.chunk_size)
 
+    wire_bytes = _wire_bytes_from_bits
+
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = _flat32(x)
         n = flat.numel()
@@ -726,6 +745,8 @@ class Sign(Codec):
     def wire_bits(self, n: int) -> int:
         """Exact payload size in bits for ``n`` elements."""
         return 8 * math.ceil(n / 8) + 32
+
+    wire_bytes = _wire_bytes_from_bits
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = _flat_in(x)

@@ -29,6 +29,7 @@ from commpress.codecs.base import (
     param,
     require,
     saturating_cast,
+    shape_numel,
 )
 from commpress.codecs.common import reply_part, require_seed, scatter_into
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
@@ -189,6 +190,13 @@ class RandomK(Codec):
         if numel == 0:
             return 0
         return min(numel, max(1, round(self.ratio * numel)))
+
+    def wire_bytes(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 1,
+    ) -> int:
+        """``k`` values in ``value_dtype``, no indices."""
+        return self.num_selected(shape_numel(shape)) * _VALUE_DTYPES[self.value_dtype].itemsize
 
     def indices(self, numel: int, ctx: CodecContext, device: torch.device) -> torch.Tensor:
         """The ``k`` shared coordinates (sorted) for this tensor, key and step."""

@@ -45,6 +45,7 @@ from commpress.codecs.base import (
     param,
     require,
     saturating_cast,
+    shape_numel,
 )
 from commpress.codecs.common import (
     finite_max_abs,
@@ -185,6 +186,18 @@ def exponent_dtype(input_dtype: torch.dtype) -> torch.dtype:
     return torch.int16 if input_dtype == torch.float64 else torch.int8
 
 
+def pair_bytes(
+    count: int, numel: int, input_dtype: torch.dtype, value_dtype: torch.dtype
+) -> int:
+    """Wire bytes of ``count`` (value, index) pairs of a ``numel``-element tensor of
+    ``input_dtype``: the values, their int32 (int64) indices and, when the values could
+    overflow ``value_dtype``, the one-element ``exponent`` part."""
+    exponent = 0
+    if needs_exponent(input_dtype, value_dtype):
+        exponent = exponent_dtype(input_dtype).itemsize
+    return count * (value_dtype.itemsize + index_dtype(numel).itemsize) + exponent
+
+
 def encode_values(
     codec: Codec, x: torch.Tensor, selected: torch.Tensor, value_dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -271,6 +284,14 @@ class TopK(Codec):
     def count(self, numel: int) -> int:
         """The number of coordinates sent for a tensor of ``numel`` elements."""
         return target_count(self.ratio, numel)
+
+    def wire_bytes(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 1,
+    ) -> int:
+        """``K`` values and indices, plus the exponent byte(s) where values could overflow."""
+        d = shape_numel(shape)
+        return pair_bytes(self.count(d), d, dtype, _VALUE_DTYPES[self.value_dtype])
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = x.reshape(-1)
@@ -398,6 +419,17 @@ class DGC(Codec):
         """How many positions are sampled (``>= numel`` means: exact top-K instead)."""
         return max(math.ceil(self.sample_ratio * numel), self.min_samples)
 
+    def wire_bytes(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 1,
+    ) -> int:
+        """Nominal size: the target ``K`` pairs plus the 4-byte count (and the exponent where
+        values could overflow). Exact when the tensor takes the exact top-K path (at most
+        ``min_samples`` elements, or ``K = d``); otherwise the sent count varies around ``K``
+        (always between 1 and ``max_count_factor * K``)."""
+        d = shape_numel(shape)
+        return pair_bytes(self.target(d), d, dtype, _VALUE_DTYPES[self.value_dtype]) + 4
+
     def select_kernel(self, flat: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
         """:meth:`select` on the magnitudes of a 1-D fp32 CPU tensor through the numba
         kernels: the same samples, thresholds, counts and indices, without materialising the
@@ -502,6 +534,7 @@ __all__ = [
     "magnitudes",
     "needs_exponent",
     "overflow_exponent",
+    "pair_bytes",
     "scatter_decode",
     "target_count",
     "top_magnitudes",

@@ -28,6 +28,7 @@ from commpress.codecs.base import (
     param,
     require,
     saturating_cast,
+    shape_numel,
 )
 from commpress.codecs.common import SEED_LIMIT, kernel_seed, reply_part, require_seed, work_dtype
 from commpress.codecs.kernels import numba_transforms as kernels_extra
@@ -288,6 +289,24 @@ class Thc(Codec):
                 "saturate=True or fewer bits"
             )
         return width
+
+    # ------------------------------------------------------------------ wire sizes
+    def wire_rounds(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 2,
+    ) -> tuple[tuple[str, int], ...]:
+        """Round 1: ``4 d'/B`` bytes of float32 ranges (``max``); round 2: ``w d' / 8`` bytes
+        of integer lanes, ``w`` = :meth:`wire_lane_bits` for ``world_size``."""
+        lay = self.layout(shape_numel(shape))
+        lanes = math.ceil(lay.padded * self.wire_lane_bits(world_size) / 8)
+        return (("allreduce", 4 * lay.blocks), ("allreduce", lanes))
+
+    def wire_bytes(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 1,
+    ) -> int:
+        """:meth:`encode`'s ranges and lanes: the two rounds' bytes together."""
+        return sum(n for _, n in self.wire_rounds(shape, dtype, world_size=world_size))
 
     # ------------------------------------------------------------------ rotation
     def _sign_seed(self, ctx: CodecContext) -> int:

@@ -23,6 +23,7 @@ from commpress.codecs.base import (
     param,
     require,
     saturating_cast,
+    shape_numel,
 )
 from commpress.codecs.common import finite_max_abs, reply_part, scale_values, unscale_values
 from commpress.codecs.kernels import numba_transforms as kernels_extra
@@ -208,6 +209,23 @@ class TopKC(Codec):
         else:
             selected = min(chunks, max(1, round(self.chunk_ratio * chunks)))
         return TopkcLayout(numel=numel, chunk=chunk, chunks=chunks, selected=selected)
+
+    def wire_rounds(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 2,
+    ) -> tuple[tuple[str, int], ...]:
+        """Round 1: the chunk norms and the bound; round 2: the ``J`` chosen chunks' values."""
+        lay = self.layout(shape_numel(shape))
+        norms = lay.chunks * self._norm_dtype.itemsize + self.bound_dtype(dtype).itemsize
+        return (("allreduce", norms),
+                ("allreduce", lay.selected * lay.chunk * self._value_dtype.itemsize))
+
+    def wire_bytes(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
+        world_size: int = 1,
+    ) -> int:
+        """:meth:`encode`'s norms, values and bound: the two rounds' bytes together."""
+        return sum(n for _, n in self.wire_rounds(shape, dtype, world_size=world_size))
 
     @property
     def _norm_dtype(self) -> torch.dtype:

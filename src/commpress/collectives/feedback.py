@@ -326,11 +326,12 @@ def compression_rate(
 ) -> float:
     """Input bytes over wire bytes when ``codec`` encodes a tensor of ``shape`` and ``dtype``.
 
-    Measured once per (configuration, shape, dtype) by encoding a fixed pseudo-random tensor
-    with a fixed context (rank 0, step 0) on the CPU, then cached. The result is therefore the
-    same on every rank, which the schedule needs (all ranks must pick the same codec). For
-    variable-size codecs it is the size on that sample, an estimate. Empty tensors give
-    ``inf``.
+    From the codec's size formula (:meth:`~commpress.codecs.base.Codec.wire_bytes`) for
+    fixed-size codecs: exact, and free for any tensor size. Variable-size codecs are measured
+    once per (configuration, shape, dtype) by encoding a fixed pseudo-random tensor with a
+    fixed context (rank 0, step 0) on the CPU, then cached: an estimate. Either way the result
+    is the same on every rank, which the schedule needs (all ranks must pick the same codec).
+    Empty tensors give ``inf``.
     """
     shape = tuple(int(s) for s in shape)
     numel = math.prod(shape)
@@ -341,6 +342,9 @@ def compression_rate(
         cached = _RATE_CACHE.get(cache_key)
     if cached is not None:
         return cached
+    formula = codec.wire_bytes(shape, dtype) if codec.fixed_size else None
+    if formula is not None:
+        return math.inf if formula == 0 else numel * dtype.itemsize / formula
     g = torch.Generator().manual_seed(0x5EED)
     sample = torch.randn(shape, generator=g).to(dtype)
     with error_context(f"measuring the compression rate of {codec} on {shape} {dtype}"):

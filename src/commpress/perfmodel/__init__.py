@@ -3,7 +3,10 @@
 * :mod:`~commpress.perfmodel.units` - ``"100gbit"``, ``"600GB/s"``, ``"200us"``, ``"1.3e9"``.
 * :mod:`~commpress.perfmodel.collectives` - alpha-beta costs of ring, tree and recursive
   halving/doubling collectives, hierarchical exchanges (SqueezeNIC's equations), clusters.
-* :mod:`~commpress.perfmodel.codec_costs` - wire bytes and rounds measured from the codecs,
+* :mod:`~commpress.perfmodel.shapes` - real models: parameter shapes from an ``nn.Module``
+  built on the meta device, a Hugging Face config or a shapes file.
+* :mod:`~commpress.perfmodel.ratio` - ``ratio``, a model-only codec: payload = dense / cr.
+* :mod:`~commpress.perfmodel.codec_costs` - wire bytes and rounds from the codecs' formulas,
   encode/decode time ``max(c0, n / throughput)`` from a speed table (built-in or calibrated),
   one tensor's exchange under each strategy.
 * :mod:`~commpress.perfmodel.timeline` - the per-bucket event timeline of a DDP step.
@@ -49,6 +52,15 @@ from commpress.perfmodel.model import (
     predict,
     predict_baseline,
 )
+from commpress.perfmodel.ratio import RatioCodec, model_codec
+from commpress.perfmodel.shapes import (
+    ModelShapes,
+    ParamShape,
+    shapes_from_callable,
+    shapes_from_file,
+    shapes_from_hf_config,
+    shapes_of_module,
+)
 from commpress.perfmodel.timeline import Segment, StepTimeline, simulate_step
 
 __all__ = [
@@ -61,9 +73,12 @@ __all__ = [
     "ExchangeConfig",
     "Link",
     "Measurement",
+    "ModelShapes",
     "Offload",
+    "ParamShape",
     "Platform",
     "Prediction",
+    "RatioCodec",
     "Segment",
     "Setup",
     "SpeedTable",
@@ -77,8 +92,13 @@ __all__ = [
     "exchange_segments",
     "fit_platform",
     "measure_nmse",
+    "model_codec",
     "predict",
     "predict_baseline",
+    "shapes_from_callable",
+    "shapes_from_file",
+    "shapes_from_hf_config",
+    "shapes_of_module",
     "simulate_step",
     "split_half",
     "validate",

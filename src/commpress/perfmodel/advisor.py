@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from commpress.codecs.registry import codec_ids, get_codec
+from commpress.codecs.registry import codec_ids
 from commpress.errors import CommpressError, error_context
 from commpress.perfmodel.codec_costs import Offload, SpeedTable, measure_nmse, spec_key
 from commpress.perfmodel.collectives import Cluster
@@ -50,6 +50,7 @@ from commpress.perfmodel.model import (
     predict,
     predict_baseline,
 )
+from commpress.perfmodel.ratio import model_codec
 from commpress.perfmodel.units import format_count, format_seconds
 from commpress.report import render_table
 
@@ -336,7 +337,7 @@ def advise(
     table = dict(nmse_table or {})
     for spec in specs:
         with error_context(f"candidate {spec!r}"):
-            codec = get_codec(spec)
+            codec = model_codec(spec)
             key = spec_key(codec)
             if key == BASELINE_CODEC:
                 continue

@@ -1,17 +1,12 @@
 """What a codec costs: wire bytes and rounds (from the codec itself), encode/decode time (from
 a throughput table), and the exchange of one tensor as timeline segments.
 
-Wire bytes come from running the codec: a single-round codec encodes a sample tensor of the
-right shape (a summable one is all-reduced part by part at its declared lane widths, the others
-are all-gathered); a multi-round codec's :meth:`~commpress.codecs.base.Codec.reduce` protocol
-is driven for rank 0 of the real world size, recording every round's kind and bytes. Tensors
-larger than ``SAMPLE_MAX`` elements are measured on a copy of their shape scaled down to
-``SAMPLE_MAX`` elements (same aspect, dimensions rounded to multiples of 64 so that block
-codecs pad it no more than the real tensor), for two ranks, and each round's bytes are
-extrapolated as ``n^p``. The exponent ``p`` is measured once per codec and number of dimensions
-on two block-aligned cubes (every side doubled: casts, quantizers and sparsifiers give
-``p = 1``, PowerSGD ``p = 1/2`` on matrices), and a dependence on the world size (integer lane
-widths) is the ratio of the small cube's bytes at the real world size and at two ranks.
+Wire bytes come from each codec's size formula (:meth:`~commpress.codecs.base.Codec.wire_rounds`:
+the bytes one rank contributes to every round of its protocol, exact for any shape, dtype and
+world size, held against real payloads by ``tests/test_perfmodel_shapes.py``), so a 70B
+model's tensors cost nothing to price. Only codecs without a formula (``netzip``, whose size
+depends on the values) are measured on a Gaussian sample and scaled by its compression ratio
+(:func:`wire_profile`).
 
 Encode/decode time is ``max(c0, n / throughput)`` with a per-codec fixed cost ``c0`` (kernel
 launches, host synchronisation) and a throughput in elements per second, looked up in a
@@ -44,10 +39,14 @@ from commpress.errors import CommpressError, error_context
 from commpress.metrics import gaussian, heavy_tailed, nmse
 from commpress.perfmodel import collectives as coll
 from commpress.perfmodel.collectives import Cluster
+from commpress.perfmodel.ratio import RatioCodec, model_codec
 from commpress.perfmodel.timeline import Segment
 
 #: Largest sample (elements) encoded to measure wire bytes; larger tensors are extrapolated.
 SAMPLE_MAX = 1 << 16
+#: The gradient dtype priced for each ``grad_bytes`` (2 bytes: bfloat16, the usual 16-bit
+#: training type; float16 gradients differ only in Top-K's one exponent byte per tensor).
+GRAD_DTYPES: dict[int, torch.dtype] = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 #: The registered strategies (:mod:`commpress.collectives.strategies`).
 STRATEGIES: tuple[str, ...] = strategy_names()
 
@@ -476,15 +475,7 @@ def _sample_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def _canonical_pair(ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Block-aligned cubes of ``ndim`` dimensions with about 2^14 and 2^16 elements (every
-    dimension doubles from the first to the second): where exponents are measured."""
-    small = max(1, round(2 ** (14 / ndim)))
-    return (small,) * ndim, (2 * small,) * ndim
-
-
-_PROFILES: dict[tuple[str, tuple[int, ...], int], WireProfile] = {}
-_EXPONENTS: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[float, ...]] = {}
+_PROFILES: dict[tuple[str, tuple[int, ...], int, torch.dtype], WireProfile] = {}
 
 
 def _sample(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -492,76 +483,38 @@ def _sample(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
     return torch.randn(shape, generator=g)
 
 
-def wire_profile(codec: Codec, shape: Sequence[int], world_size: int = 2) -> WireProfile:
-    """Rounds and bytes of reducing a float32 tensor of ``shape`` among ``world_size`` ranks.
+def wire_profile(
+    codec: Codec, shape: Sequence[int], world_size: int = 2, dtype: torch.dtype = torch.float32
+) -> WireProfile:
+    """Rounds and bytes of reducing a tensor of ``shape`` and ``dtype`` among ``world_size``
+    ranks (cached per codec configuration, shape, world size and dtype).
 
-    Measured on a Gaussian sample (cached per codec configuration, shape and world size);
-    above :data:`SAMPLE_MAX` elements extrapolated (see the module docstring).
+    From the codec's size formula (:meth:`~commpress.codecs.base.Codec.wire_rounds`): exact
+    for every shape, nothing is sampled. A codec without one (``netzip``, whose size depends
+    on the values, or a codec of your own) is measured on a Gaussian tensor: of the real shape
+    up to :data:`SAMPLE_MAX` elements, else of the shape scaled down (same aspect,
+    block-aligned dimensions, see :func:`_sample_shape`), and each round's bytes are scaled by
+    the element counts: the sample's compression ratio applied to the whole tensor.
     """
     shape = tuple(int(d) for d in shape) or (1,)
     world_size = max(1, int(world_size))
-    key = (codec.fingerprint() + codec.codec_id, shape, world_size)
+    key = (codec.fingerprint() + codec.codec_id, shape, world_size, dtype)
     if key in _PROFILES:
         return _PROFILES[key]
     numel = math.prod(shape)
-    with error_context(f"measuring wire bytes of {spec_key(codec)} for shape {shape}"):
-        if numel == 0:
-            prof = WireProfile(0, ())
-        elif numel <= SAMPLE_MAX:
-            prof = WireProfile(numel, _measured(codec, shape, world_size))
+    with error_context(f"wire bytes of {spec_key(codec)} for shape {shape}"):
+        rounds = codec.wire_rounds(shape, dtype, world_size=world_size) if numel else ()
+        if rounds is not None:
+            prof = WireProfile(numel, tuple(Round(k, float(b)) for k, b in rounds))
         else:
-            big = _sample_shape(shape)
-            n_big = math.prod(big)
-            small, large = _canonical_pair(len(shape))
-            exps = _exponents(codec, small, large)
-            base = _measured(codec, big, 2)
-            # Bytes that depend on the world size (lane widths) are corrected by the ratio
-            # measured on the small canonical sample.
-            at_ws = _measured(codec, small, world_size)
-            at_2 = _measured(codec, small, 2)
-            rounds = []
-            if len(at_ws) == len(at_2) == len(base) == len(exps):
-                for i, r in enumerate(base):
-                    ratio = at_ws[i].nbytes / at_2[i].nbytes if at_2[i].nbytes else 1.0
-                    rounds.append(Round(r.kind, r.nbytes * ratio * (numel / n_big) ** exps[i]))
-            else:  # the round structure depends on the world size: scale linearly
-                at_ws = _measured(codec, big, world_size)
-                rounds = [Round(r.kind, r.nbytes * numel / n_big) for r in at_ws]
-            prof = WireProfile(numel, tuple(rounds))
+            sample = shape if numel <= SAMPLE_MAX else _sample_shape(shape)
+            scale = numel / math.prod(sample)
+            measured = _record_rounds(codec, _sample(sample).to(dtype), world_size)
+            prof = WireProfile(numel, tuple(Round(r.kind, r.nbytes * scale) for r in measured))
+    if len(_PROFILES) > 65536:
+        _PROFILES.clear()
     _PROFILES[key] = prof
     return prof
-
-
-_MEASURED: dict[tuple[str, tuple[int, ...], int], tuple[Round, ...]] = {}
-
-
-def _measured(codec: Codec, shape: tuple[int, ...], world_size: int) -> tuple[Round, ...]:
-    """Rounds of a Gaussian sample of exactly ``shape`` (cached)."""
-    key = (codec.fingerprint() + codec.codec_id, shape, world_size)
-    if key not in _MEASURED:
-        _MEASURED[key] = _record_rounds(codec, _sample(shape), world_size)
-    return _MEASURED[key]
-
-
-def _exponents(
-    codec: Codec, s1: tuple[int, ...], s2: tuple[int, ...]
-) -> tuple[float, ...]:
-    """Per-round exponents ``p`` of ``bytes ~ n^p`` between shapes ``s1`` and ``s2`` (two
-    ranks), clamped to [0, 1]; 1 where the rounds do not match."""
-    key = (codec.fingerprint() + codec.codec_id, s1, s2)
-    if key not in _EXPONENTS:
-        n1, n2 = math.prod(s1), math.prod(s2)
-        r1 = _measured(codec, s1, 2)
-        r2 = _measured(codec, s2, 2)
-        exps = []
-        for a, b in zip(r1, r2, strict=False):
-            if len(r1) == len(r2) and a.nbytes > 0 and b.nbytes > 0 and n2 > n1:
-                p = math.log(b.nbytes / a.nbytes) / math.log(n2 / n1)
-                exps.append(min(1.0, max(0.0, p)))
-            else:
-                exps.append(1.0)
-        _EXPONENTS[key] = tuple(exps)
-    return _EXPONENTS[key]
 
 
 # ---------------------------------------------------------------------------- offload
@@ -569,22 +522,38 @@ def _exponents(
 class Offload:
     """A device that runs codec work off the GPU (SqueezeNIC's FPGA NIC, a DPU, a CPU thread).
 
-    Its encode/decode time is ``max(latency, input_bytes / bandwidth)``: ``bandwidth`` is the
-    rate at which it ingests uncompressed data (SqueezeNIC compresses at line rate, so its
-    bandwidth is at least the intra-node rate), ``latency`` the pipeline depth of one call.
+    Its compress time is ``max(latency, dense_bytes / bandwidth)`` and its decompress time
+    ``max(latency, dense_bytes / decompress_bandwidth)``: both rates count the
+    **uncompressed** bytes (what is compressed, what is restored), as codec speeds count
+    elements of the uncompressed tensor. ``bandwidth`` is the compress rate (SqueezeNIC
+    compresses at line rate, so at least the intra-node rate); ``decompress_bandwidth``
+    defaults to it. ``latency`` is the pipeline depth of one call.
     """
 
     bandwidth: float
     latency: float = 0.0
+    decompress_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.bandwidth > 0:
-            raise CommpressError(f"offload bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        for label, v in (("bandwidth", self.bandwidth),
+                         ("decompress bandwidth", self.decompress_rate)):
+            if not v > 0:
+                raise CommpressError(f"offload {label} must be > 0 bytes/s, got {v!r}")
         if not (math.isfinite(self.latency) and self.latency >= 0):
             raise CommpressError(f"offload latency must be finite and >= 0, got {self.latency!r}")
 
+    @property
+    def decompress_rate(self) -> float:
+        """Uncompressed bytes restored per second."""
+        return self.bandwidth if self.decompress_bandwidth is None else self.decompress_bandwidth
+
     def time(self, nbytes: float) -> float:
+        """Compress time of ``nbytes`` uncompressed bytes."""
         return 0.0 if nbytes <= 0 else max(self.latency, nbytes / self.bandwidth)
+
+    def decompress_time(self, nbytes: float) -> float:
+        """Decompress time restoring ``nbytes`` uncompressed bytes."""
+        return 0.0 if nbytes <= 0 else max(self.latency, nbytes / self.decompress_rate)
 
 
 # ---------------------------------------------------------------------------- exchange plans
@@ -631,6 +600,11 @@ class ExchangeConfig:
         if self.grad_bytes not in (2, 4, 8):
             raise CommpressError(f"grad_bytes must be 2, 4 or 8, got {self.grad_bytes!r}")
 
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The gradients' dtype for wire sizes: float32, float64, or bfloat16 for 2 bytes."""
+        return GRAD_DTYPES[self.grad_bytes]
+
 
 class _Planner:
     """Turns one tensor's reduction into segments for :func:`simulate_step`."""
@@ -649,7 +623,7 @@ class _Planner:
 
     def dec(self, numel: float) -> float:
         if self.cfg.offload is not None:
-            return self.cfg.offload.time(numel * self.cfg.grad_bytes)
+            return self.cfg.offload.decompress_time(numel * self.cfg.grad_bytes)
         return self.speed.decode_time(numel) * self.cfg.codec_time_scale
 
     def gpu_enc(self, numel: float) -> float:
@@ -676,7 +650,7 @@ class _Planner:
         through the same link concurrently (their bytes add up on it)."""
         segs: list[Segment] = []
         numel = math.prod(shape)
-        prof = wire_profile(self.codec, shape, ranks)
+        prof = wire_profile(self.codec, shape, ranks, self.cfg.grad_dtype)
         self._add(segs, self.where, self.enc(numel), "codec", f"{label}encode")
         if ranks > 1:
             for k, r in enumerate(prof.rounds):
@@ -694,7 +668,7 @@ class _Planner:
     def gather(self, shape: tuple[int, ...], ranks: int, link: coll.Link) -> list[Segment]:
         segs: list[Segment] = []
         numel = math.prod(shape)
-        payload = wire_profile(self.codec, shape, 1).nbytes
+        payload = wire_profile(self.codec, shape, 1, self.cfg.grad_dtype).nbytes
         self._add(segs, self.where, self.enc(numel), "codec", "encode")
         if ranks > 1:
             t = coll.allgather(payload, ranks, link)
@@ -717,7 +691,7 @@ class _Planner:
             self._add(segs, self.where, self.enc(numel) + self.dec(numel), "codec", "encode")
             return segs
         chunk = -(-numel // ranks)
-        q = wire_profile(self.codec, (chunk,), 1).nbytes
+        q = wire_profile(self.codec, (chunk,), 1, self.cfg.grad_dtype).nbytes
         n_hops = 2 * (ranks - 1)
         hops = n_hops * link.time(q)
         if self.cfg.offload is None:
@@ -754,7 +728,7 @@ class _Planner:
         gb = self.cfg.grad_bytes
         if m > 1:
             if compress_first:
-                q = wire_profile(self.codec, (shard,), 1).nbytes
+                q = wire_profile(self.codec, (shard,), 1, self.cfg.grad_dtype).nbytes
                 rs = coll.ring_reduce_scatter_codec(
                     m, cl.intra.time(q), self.gpu_enc(shard), self.gpu_dec(shard)
                 )
@@ -769,7 +743,7 @@ class _Planner:
                 # SqueezeNIC: the NIC compresses each hop of the inter-node ring at line rate;
                 # per hop it carries the node's chunk of the whole vector.
                 chunk = -(-numel // n)
-                q = wire_profile(self.codec, (chunk,), 1).nbytes
+                q = wire_profile(self.codec, (chunk,), 1, self.cfg.grad_dtype).nbytes
                 hop = cl.inter.time(q)
                 t = coll.ring_allreduce_codec(n, hop, self.enc(chunk), self.dec(chunk))
                 comm = 2 * (n - 1) * hop
@@ -827,7 +801,7 @@ def exchange_segments(
     tensor is reduced on its own, one after the other (as commpress's DDP hook does), so
     shape-aware codecs see matrices and every tensor pays its own latencies.
     """
-    c = get_codec(codec)
+    c = model_codec(codec)
     if granularity not in ("parameter", "bucket"):
         raise CommpressError(f"granularity must be 'parameter' or 'bucket', got {granularity!r}")
     planner = _Planner(c, cfg)
@@ -845,41 +819,41 @@ def local_roundtrip_segments(codec: Codec | str, numel: int, cfg: ExchangeConfig
     """The codec work of one ``decode(encode(x))`` of ``numel`` elements (what the ring and
     hierarchical strategies add per tensor when error feedback needs the local contribution,
     which the codec's own protocol yields for free)."""
-    return _Planner(get_codec(codec), cfg).local_roundtrip(numel) if numel else []
+    return _Planner(model_codec(codec), cfg).local_roundtrip(numel) if numel else []
 
 
 def exchange_wire_bytes(codec: Codec | str, shape: Sequence[int], cluster: Cluster,
-                        strategy: str = "auto") -> float:
+                        strategy: str = "auto", *, dtype: torch.dtype = torch.float32) -> float:
     """Payload bytes one rank sends to exchange a tensor of ``shape`` by ``strategy``
     (every round and hop; uncompressed intra-node traffic of the hierarchical strategies not
     counted): the codec's rounds for ``auto``/``allreduce``, one payload for ``allgather``,
     ``2 (n-1)`` chunk payloads for ``ring``, the shard's rounds among the nodes for
     ``hierarchical`` (the intra-node ring's chunk payloads too with compress-first)."""
-    c = get_codec(codec)
+    c = model_codec(codec)
     dims = tuple(int(d) for d in shape)
     numel = math.prod(dims)
     n = cluster.world_size
     if numel == 0:
         return 0.0
     if strategy in ("auto", "allreduce"):
-        return wire_profile(c, dims, n).nbytes
+        return wire_profile(c, dims, n, dtype).nbytes
     if strategy == "allgather":
-        return wire_profile(c, dims, 1).nbytes
+        return wire_profile(c, dims, 1, dtype).nbytes
     if strategy == "ring":
         if n == 1:
             return 0.0
-        return 2 * (n - 1) * wire_profile(c, (-(-numel // n),), 1).nbytes
+        return 2 * (n - 1) * wire_profile(c, (-(-numel // n),), 1, dtype).nbytes
     m, nodes = cluster.gpus_per_node, cluster.nodes
     total = 0.0
     if strategy == "hierarchical-compress-first" and m > 1:
-        total += (m - 1) * wire_profile(c, (-(-numel // m),), 1).nbytes
+        total += (m - 1) * wire_profile(c, (-(-numel // m),), 1, dtype).nbytes
         shard_shape: tuple[int, ...] = (-(-numel // m),)
     elif len(dims) >= 2:
         shard_shape = (-(-dims[0] // m), *dims[1:])
     else:
         shard_shape = (-(-numel // m),)
     if nodes > 1:
-        total += wire_profile(c, shard_shape, nodes).nbytes
+        total += wire_profile(c, shard_shape, nodes, dtype).nbytes
     return total
 
 
@@ -898,7 +872,9 @@ def measure_nmse(
     have measured errors (for example on tensors saved by ``commpress capture``).
     """
 
-    c = get_codec(codec)
+    c = model_codec(codec)
+    if isinstance(c, RatioCodec):
+        return 0.0  # a model-only pseudo-codec has no error model
     key = f"{spec_key(c)}|{shape}|{seed}"
     if key not in _NMSE:
         n = math.prod(shape)

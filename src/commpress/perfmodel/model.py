@@ -34,6 +34,7 @@ from commpress.perfmodel.codec_costs import (
     wire_profile,
 )
 from commpress.perfmodel.collectives import Cluster
+from commpress.perfmodel.ratio import model_codec
 from commpress.perfmodel.timeline import StepTimeline, simulate_step
 
 #: PyTorch DDP's default bucket cap (``bucket_cap_mb=25``) and first-bucket size (1 MiB).
@@ -550,7 +551,7 @@ def predict(
     codecs = []
     for s in specs:
         if id(s) not in built:
-            built[id(s)] = get_codec(s)
+            built[id(s)] = model_codec(s)
         codecs.append(built[id(s)])
     if hook is not None and granularity == "parameter":
         return _predict_hooked(workload, cl, codecs, cfg, platform, hook, strategy)
@@ -562,9 +563,10 @@ def predict(
         if key not in cache:
             with error_context(f"planning {spec_key(c)} for a bucket of {len(bucket)} tensors"):
                 segs = exchange_segments(c, bucket, cfg, granularity=granularity)
-            flat = granularity == "bucket" or c.codec_id in ("identity", "fp16", "bf16")
+            flat = granularity == "bucket" or c.elementwise
             tensors = [(sum(_numel(s) for s in bucket),)] if flat else list(bucket)
-            nbytes = sum(wire_profile(c, t, cl.world_size).nbytes for t in tensors)
+            nbytes = sum(wire_profile(c, t, cl.world_size, cfg.grad_dtype).nbytes
+                         for t in tensors)
             cache[key] = (segs, nbytes)
         segs, nbytes = cache[key]
         jobs.append(segs)
@@ -647,7 +649,8 @@ def _predict_hooked(
                     local = [seg for t in tensors
                              for seg in local_roundtrip_segments(c, _numel(t), cfg)]
                     segs = local + segs
-                nbytes = sum(exchange_wire_bytes(c, t, cl, strategy) for t in tensors)
+                nbytes = sum(exchange_wire_bytes(c, t, cl, strategy, dtype=cfg.grad_dtype)
+                             for t in tensors)
                 cache[key] = (segs, nbytes)
             segs, nbytes = cache[key]
             jobs.append(segs)
