@@ -27,7 +27,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -36,6 +36,9 @@ from commpress.codecs import Codec, CodecContext, codec_ids, get_codec
 from commpress.errors import CommpressError
 from commpress.metrics import gaussian, heavy_tailed, nmse
 from commpress.report import render_table
+
+if TYPE_CHECKING:
+    from commpress.perfmodel.codec_costs import CodecSpeed
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -266,13 +269,11 @@ def profile_codec(
             buffer = torch.empty_like(x)
             codec.decode(payload, ctx, out=buffer)
             f_enc, f_dec = codec_flops(codec, tuple(x.shape))
-            enc_pts.append(ProfilePoint(numel=x.numel(), flops=f_enc,
-                                        **dict(zip(("best_s", "median_s"), _timed(
-                                            lambda c=codec, p=ctx: c.encode(x, p), repeat)))))
-            dec_pts.append(ProfilePoint(numel=x.numel(), flops=f_dec,
-                                        **dict(zip(("best_s", "median_s"), _timed(
-                                            lambda c=codec, p=payload, b=buffer, q=ctx:
-                                            c.decode(p, q, out=b), repeat)))))
+            best, med = _timed(lambda c=codec, p=ctx, t=x: c.encode(t, p), repeat)
+            enc_pts.append(ProfilePoint(numel=x.numel(), flops=f_enc, best_s=best, median_s=med))
+            best, med = _timed(lambda c=codec, p=payload, b=buffer, q=ctx:
+                               c.decode(p, q, out=b), repeat)
+            dec_pts.append(ProfilePoint(numel=x.numel(), flops=f_dec, best_s=best, median_s=med))
             entries = sparse_entries(codec, x.numel())
             if codec is base and entries is not None:
                 one, _ = _timed(lambda c=codec, p=payload, q=ctx: c.sum_decoded([p], q), repeat)

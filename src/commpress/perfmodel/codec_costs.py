@@ -176,7 +176,7 @@ def _builtin_table(device: str) -> SpeedTable:
     return _load_builtin(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_builtin(device: str) -> SpeedTable:
     path = PROFILE_DIR / BUILTIN_PROFILES[device]
     table = SpeedTable.from_dict(json.loads(path.read_text()))

@@ -34,7 +34,7 @@ from commpress.perfmodel.codec_costs import (
     wire_profile,
 )
 from commpress.perfmodel.collectives import Cluster
-from commpress.perfmodel.timeline import StepTimeline, simulate_step
+from commpress.perfmodel.timeline import MIN_OVERLAP_EFFICIENCY, StepTimeline, simulate_step
 
 #: PyTorch DDP's default bucket cap (``bucket_cap_mb=25``) and first-bucket size (1 MiB).
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
@@ -152,6 +152,10 @@ class Workload:
         optimizer_s: optimizer step after all gradients are reduced.
         grad_bytes: bytes per gradient element (4 for float32).
         name: free text.
+        backward_weights: each bucket's share of the backward time (any positive scale,
+            e.g. its layers' flops); ``None``: proportional to its elements. Compute and
+            parameters are not proportional in convolutional networks (VGG19's first fully
+            connected layer holds 72 % of the parameters and little of the compute).
     """
 
     buckets: tuple[tuple[Shape, ...], ...]
@@ -160,6 +164,7 @@ class Workload:
     optimizer_s: float = 0.0
     grad_bytes: int = 4
     name: str = ""
+    backward_weights: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for label, v in (("forward_s", self.forward_s), ("backward_s", self.backward_s),
@@ -168,6 +173,15 @@ class Workload:
                 raise CommpressError(f"{label} must be finite and >= 0 seconds, got {v!r}")
         if not self.buckets:
             raise CommpressError("a workload needs at least one gradient bucket")
+        if self.backward_weights is not None:
+            w = self.backward_weights
+            if len(w) != len(self.buckets) or not all(
+                math.isfinite(x) and x >= 0 for x in w
+            ) or not sum(w) > 0:
+                raise CommpressError(
+                    f"backward_weights needs one finite weight >= 0 per bucket "
+                    f"({len(self.buckets)}), not all zero; got {len(w)}"
+                )
 
     @property
     def params(self) -> int:
@@ -182,7 +196,7 @@ class Workload:
         return self.forward_s + self.backward_s + self.optimizer_s
 
     def backward_segments(self) -> list[float]:
-        sizes = self.bucket_numels
+        sizes: Sequence[float] = self.backward_weights or self.bucket_numels
         total = sum(sizes) or 1
         return [self.backward_s * k / total for k in sizes]
 
@@ -198,20 +212,31 @@ class Workload:
         bucket_bytes: float = DDP_BUCKET_BYTES,
         first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
         name: str = "",
+        compute_weights: Sequence[float] | None = None,
     ) -> Workload:
         """Buckets from parameter shapes (in ``parameters()`` order) as DDP builds them.
 
         ``compute_s`` is forward + backward; ``backward_fraction`` of it is backward (2/3 for
         transformers: the backward pass does twice the forward's matrix products).
+        ``compute_weights`` (one per shape, e.g. the flops of the layer the tensor belongs
+        to) spread the backward time over the buckets; by default it follows the elements.
         """
         if not 0 <= backward_fraction <= 1:
             raise CommpressError(f"backward_fraction must be in [0, 1], got {backward_fraction}")
         if not shapes:
             raise CommpressError("no parameter shapes given")
-        buckets = ddp_buckets(shapes, grad_bytes=grad_bytes, bucket_bytes=bucket_bytes,
-                              first_bucket_bytes=first_bucket_bytes)
+        clean = [tuple(int(d) for d in s) for s in shapes]
+        layout = ddp_bucket_indices(clean, grad_bytes=grad_bytes, bucket_bytes=bucket_bytes,
+                                    first_bucket_bytes=first_bucket_bytes)
+        weights = None
+        if compute_weights is not None:
+            if len(compute_weights) != len(clean):
+                raise CommpressError(f"got {len(compute_weights)} compute weights for "
+                                     f"{len(clean)} shapes")
+            weights = tuple(float(sum(compute_weights[i] for i in b)) for b in layout)
         return cls(
-            buckets=tuple(tuple(b) for b in buckets),
+            buckets=tuple(tuple(clean[i] for i in b) for b in layout),
+            backward_weights=weights,
             forward_s=compute_s * (1 - backward_fraction),
             backward_s=compute_s * backward_fraction,
             optimizer_s=optimizer_s,
@@ -281,7 +306,8 @@ class Platform:
     :func:`commpress.perfmodel.calibration.fit_platform`.
 
     Attributes:
-        overlap_efficiency: ``eta`` in [0, 1] (see :mod:`commpress.perfmodel.timeline`).
+        overlap_efficiency: ``eta`` in [-4, 1] (see :mod:`commpress.perfmodel.timeline`;
+            below 0 overlapped communication slows compute by more than its own time).
         collective_overhead_s: software cost of one collective call beyond the link latency.
         inter_bandwidth_scale: multiplier on the inter-node link's usable bandwidth (what the
             transport really achieves relative to the description).
@@ -303,9 +329,10 @@ class Platform:
     name: str = "ideal (uncalibrated)"
 
     def __post_init__(self) -> None:
-        if not 0 <= self.overlap_efficiency <= 1:
+        if not MIN_OVERLAP_EFFICIENCY <= self.overlap_efficiency <= 1:
             raise CommpressError(
-                f"overlap_efficiency must be in [0, 1], got {self.overlap_efficiency!r}"
+                f"overlap_efficiency must be in [{MIN_OVERLAP_EFFICIENCY:g}, 1], got "
+                f"{self.overlap_efficiency!r}"
             )
         for label in ("collective_overhead_s", "message_latency_s"):
             v = getattr(self, label)
