@@ -39,6 +39,8 @@ from commpress.perfmodel.timeline import MIN_OVERLAP_EFFICIENCY, StepTimeline, s
 #: PyTorch DDP's default bucket cap (``bucket_cap_mb=25``) and first-bucket size (1 MiB).
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+#: Format of the file ``commpress calibrate`` writes (a platform, a cluster, a codec profile).
+CALIBRATION_FORMAT = "commpress-calibration/1"
 #: The baseline every prediction is compared with.
 BASELINE_CODEC = "fp16"
 
@@ -317,6 +319,10 @@ class Platform:
         compute_time_scale: multiplier on the workload's forward, backward and optimizer
             times (what data-parallel training adds to the single-process compute: DDP's
             autograd hooks, bucket copies, the hook's bookkeeping).
+        network_spread: relative uncertainty of the network's time (from the calibration's
+            spread); predictions quote a range with it.
+        codec_spread: relative uncertainty of codec times (used when larger than the codec
+            profile's own spread).
         name: where it comes from.
     """
 
@@ -326,6 +332,8 @@ class Platform:
     codec_time_scale: float = 1.0
     message_latency_s: float = 0.0
     compute_time_scale: float = 1.0
+    network_spread: float = 0.0
+    codec_spread: float = 0.0
     name: str = "ideal (uncalibrated)"
 
     def __post_init__(self) -> None:
@@ -338,6 +346,10 @@ class Platform:
             v = getattr(self, label)
             if not (math.isfinite(v) and v >= 0):
                 raise CommpressError(f"{label} must be finite and >= 0 seconds, got {v!r}")
+        for label in ("network_spread", "codec_spread"):
+            v = getattr(self, label)
+            if not (math.isfinite(v) and v >= 0):
+                raise CommpressError(f"{label} must be finite and >= 0, got {v!r}")
         for label in ("inter_bandwidth_scale", "codec_time_scale", "compute_time_scale"):
             v = getattr(self, label)
             if not (math.isfinite(v) and v > 0):
@@ -362,10 +374,16 @@ class Platform:
 
     @classmethod
     def load(cls, path: str | Path) -> Platform:
+        """A platform file, or the platform of a ``commpress calibrate`` file."""
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise CommpressError(f"cannot read platform file {path}: {exc}") from exc
+        if isinstance(data, Mapping) and data.get("format") == CALIBRATION_FORMAT:
+            data = data.get("platform") or {}
+        if not isinstance(data, Mapping):
+            raise CommpressError(f"platform file {path} holds no JSON object")
+        return cls.from_dict(data)
 
 
 _BUCKET_JOBS: dict[tuple[Any, str, tuple[Shape, ...]], list[tuple[Any, list[Shape]]]] = {}
@@ -699,6 +717,57 @@ def predict_baseline(
                    granularity="bucket", speeds=speeds, platform=platform)
 
 
+@dataclass(frozen=True)
+class SpeedupRange:
+    """A codec's speedup over the baseline, nominal and within the calibration's spread:
+    ``low`` with the network faster and the codecs slower than calibrated (the case least
+    favourable to compression), ``high`` the reverse."""
+
+    low: float
+    nominal: float
+    high: float
+
+    def __str__(self) -> str:
+        return f"{self.nominal:.3f}x ({self.low:.3f}-{self.high:.3f})"
+
+
+def speedup_range(
+    workload: Workload,
+    cluster: Cluster | Mapping[str, Any],
+    codec: str | Any | Sequence[str],
+    *,
+    speeds: SpeedTable | None = None,
+    platform: Platform | None = None,
+    **kwargs: Any,
+) -> SpeedupRange:
+    """:func:`predict`'s speedup over the FP16 baseline, and its range: the network's time
+    moved by ``platform.network_spread`` and the codecs' by the larger of the profile's
+    spread and ``platform.codec_spread``, in the directions that favour compression least
+    (``low``) and most (``high``). The baseline is predicted under the same changes."""
+    platform = platform or Platform()
+    speeds = speeds or SpeedTable.builtin()
+    s_net = platform.network_spread
+    s_codec = max(speeds.spread, platform.codec_spread)
+    base_kwargs = {k: kwargs[k] for k in ("algorithm",) if k in kwargs}
+
+    def at(net: float, codec_f: float) -> float:
+        p = replace(platform, inter_bandwidth_scale=platform.inter_bandwidth_scale * net)
+        cl = _as_cluster(cluster)
+        if net != 1.0:
+            cl = replace(cl, intra=replace(cl.intra, bandwidth=cl.intra.bandwidth * net))
+        sp = speeds.scaled(codec_f) if codec_f != 1.0 else speeds
+        pred = predict(workload, cl, codec, speeds=sp, platform=p, **kwargs).total
+        base = predict_baseline(workload, cl, speeds=sp, platform=p, **base_kwargs).total
+        return base / pred
+
+    nominal = at(1.0, 1.0)
+    if not s_net and not s_codec:
+        return SpeedupRange(nominal, nominal, nominal)
+    low = at(1.0 + s_net, 1.0 + s_codec)
+    high = at(1.0 / (1.0 + s_net), 1.0 / (1.0 + s_codec))
+    return SpeedupRange(min(low, nominal), nominal, max(high, nominal))
+
+
 def compare(
     workload: Workload,
     cluster: Cluster | Mapping[str, Any],
@@ -801,6 +870,7 @@ __all__ = [
     "Platform",
     "Prediction",
     "Setup",
+    "SpeedupRange",
     "Workload",
     "compare",
     "ddp_buckets",
@@ -808,5 +878,6 @@ __all__ = [
     "grid",
     "predict",
     "predict_baseline",
+    "speedup_range",
     "transformer_shapes",
 ]
