@@ -100,3 +100,36 @@ def test_advise_recommends_compression_only_beyond_the_range() -> None:
     assert not unsure.compress
     assert unsure.speedup_range is not None and unsure.speedup_range.low <= 1.0
     assert "does not exceed the model's uncertainty" in unsure.summary()
+
+
+def test_profile_fit_recovers_a_known_cost_model() -> None:
+    from commpress.bench.codecs import ProfilePoint, _fit
+
+    c0, eps, rate = 2e-4, 5e9, 1e12
+    pts = [ProfilePoint(numel=n, flops=f, best_s=c0 + n / eps + f / rate,
+                        median_s=c0 + n / eps + f / rate)
+           for n, f in ((4096, 1e5), (1 << 20, 4e6), (1 << 20, 6.4e7), (1 << 24, 1e9))]
+    got_c0, got_eps, got_rate, spread = _fit(pts, True)
+    assert got_c0 == pytest.approx(c0, rel=1e-6)
+    assert got_eps == pytest.approx(eps, rel=1e-6)
+    assert got_rate == pytest.approx(rate, rel=1e-6)
+    assert spread == pytest.approx(0.0, abs=1e-9)
+
+
+def test_bench_codecs_profile_writes_a_loadable_profile(tmp_path: Path) -> None:
+    out = tmp_path / "prof.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "commpress", "bench", "codecs", "--codecs", "fp16", "topk",
+         "powersgd:rank=4", "--profile", str(out), "--profile-sizes", "4096,16384",
+         "--repeat", "2"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    prov = data["provenance"]
+    assert prov["sizes"] == [4096, 16384] and prov["torch"] and prov["threads"] >= 1
+    assert "--profile" in prov["command"]
+    table = SpeedTable.load(out)
+    assert set(data["speeds"]) == {"fp16", "topk", "powersgd"}
+    assert table.speeds["topk"].accumulates  # the scatter-add of gathered payloads
+    assert table.speeds["powersgd"].additive

@@ -22,6 +22,7 @@ the exchange rounds are the collectives benchmark's business).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -68,9 +69,9 @@ class CodecRow:
         return self.decode_into_gbps / self.hot_memcpy_gbps if self.hot_memcpy_gbps else math.nan
 
 
-def best_time(fn: Callable[[], object], repeat: int) -> float:
-    """Smallest wall time of ``repeat`` calls (seconds); synchronizes CUDA around each call."""
-    best = math.inf
+def wall_times(fn: Callable[[], object], repeat: int) -> list[float]:
+    """Wall time of each of ``repeat`` calls (seconds); synchronizes CUDA around each call."""
+    times = []
     for _ in range(repeat):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -78,8 +79,13 @@ def best_time(fn: Callable[[], object], repeat: int) -> float:
         fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def best_time(fn: Callable[[], object], repeat: int) -> float:
+    """Smallest wall time of ``repeat`` calls (seconds); synchronizes CUDA around each call."""
+    return min(wall_times(fn, repeat), default=math.inf)
 
 
 def memcpy_gbps(x: torch.Tensor, repeat: int) -> tuple[float, float]:
@@ -211,17 +217,10 @@ class ProfilePoint:
 
 
 def _timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """(best, median) of :func:`wall_times`."""
     import statistics
 
-    times = []
-    for _ in range(repeat):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    times = wall_times(fn, repeat)
     return min(times), statistics.median(times)
 
 
@@ -258,7 +257,7 @@ def profile_codec(
                      if r != getattr(base, "rank", None)]
     enc_pts: list[ProfilePoint] = []
     dec_pts: list[ProfilePoint] = []
-    acc_pts: list[tuple[float, float]] = []
+    acc_pts: list[ProfilePoint] = []
     for n in sizes:
         cols = min(n, 1024 if n >= 1 << 20 else max(1, int(math.isqrt(n))))
         rows = max(1, n // cols)
@@ -269,16 +268,15 @@ def profile_codec(
             buffer = torch.empty_like(x)
             codec.decode(payload, ctx, out=buffer)
             f_enc, f_dec = codec_flops(codec, tuple(x.shape))
-            best, med = _timed(lambda c=codec, p=ctx, t=x: c.encode(t, p), repeat)
+            best, med = _timed(functools.partial(codec.encode, x, ctx), repeat)
             enc_pts.append(ProfilePoint(numel=x.numel(), flops=f_enc, best_s=best, median_s=med))
-            best, med = _timed(lambda c=codec, p=payload, b=buffer, q=ctx:
-                               c.decode(p, q, out=b), repeat)
+            best, med = _timed(functools.partial(codec.decode, payload, ctx, out=buffer), repeat)
             dec_pts.append(ProfilePoint(numel=x.numel(), flops=f_dec, best_s=best, median_s=med))
             entries = sparse_entries(codec, x.numel())
             if codec is base and entries is not None:
-                one, _ = _timed(lambda c=codec, p=payload, q=ctx: c.sum_decoded([p], q), repeat)
-                many, m_med = _timed(lambda c=codec, p=payload, q=ctx:
-                                     c.sum_decoded([p] * PROFILE_PEERS, q), repeat)
+                one, _ = _timed(functools.partial(codec.sum_decoded, [payload], ctx), repeat)
+                many, m_med = _timed(functools.partial(
+                    codec.sum_decoded, [payload] * PROFILE_PEERS, ctx), repeat)
                 per = max(many - one, 1e-9) / (PROFILE_PEERS - 1)
                 acc_pts.append(ProfilePoint(numel=int(entries), flops=0.0, best_s=per,
                                             median_s=per * m_med / many))

@@ -180,7 +180,9 @@ def cluster_from_args(
 ) -> Cluster:
     links = getattr(args, "links", None)
     cal = calibration_from_args(args)
-    if not links and cal is not None and cal.get("cluster"):
+    if not links and nodes is None and inter_bw is None and cal is not None and cal.get(
+        "cluster"
+    ):  # a sweep's grid of clusters keeps its own
         return Cluster.from_measured(cal["cluster"])
     if links:
         try:

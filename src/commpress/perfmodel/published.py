@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -103,8 +103,10 @@ def vgg19_flops(classes: int = 1000, image: int = 64) -> list[float]:
     return flops
 
 
-MODELS = {"bert-large": bert_large_shapes, "vgg19": vgg19_shapes}
-FLOPS = {"bert-large": bert_large_flops, "vgg19": vgg19_flops}
+MODELS: dict[str, Callable[[], list[Shape]]] = {"bert-large": bert_large_shapes,
+                                                 "vgg19": vgg19_shapes}
+FLOPS: dict[str, Callable[[], list[float]]] = {"bert-large": bert_large_flops,
+                                               "vgg19": vgg19_flops}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
