@@ -26,11 +26,13 @@ the exchange rounds are the collectives benchmark's business).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -39,6 +41,9 @@ from commpress.codecs import Codec, CodecContext, codec_ids, get_codec, kernels
 from commpress.errors import CommpressError
 from commpress.metrics import gaussian, heavy_tailed, nmse
 from commpress.report import render_table
+
+if TYPE_CHECKING:
+    from commpress.perfmodel.codec_costs import CodecSpeed
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -69,9 +74,9 @@ class CodecRow:
         return self.decode_into_gbps / self.hot_memcpy_gbps if self.hot_memcpy_gbps else math.nan
 
 
-def best_time(fn: Callable[[], object], repeat: int) -> float:
-    """Smallest wall time of ``repeat`` calls (seconds); synchronizes CUDA around each call."""
-    best = math.inf
+def wall_times(fn: Callable[[], object], repeat: int) -> list[float]:
+    """Wall time of each of ``repeat`` calls (seconds); synchronizes CUDA around each call."""
+    times = []
     for _ in range(repeat):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -79,8 +84,13 @@ def best_time(fn: Callable[[], object], repeat: int) -> float:
         fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def best_time(fn: Callable[[], object], repeat: int) -> float:
+    """Smallest wall time of ``repeat`` calls (seconds); synchronizes CUDA around each call."""
+    return min(wall_times(fn, repeat), default=math.inf)
 
 
 def memcpy_gbps(x: torch.Tensor, repeat: int) -> tuple[float, float]:
@@ -171,6 +181,181 @@ def render(rows: Sequence[CodecRow]) -> str:
     )
 
 
+# ---------------------------------------------------------------------------- device profile
+#: Default tensor sizes (elements) of ``--profile`` per device type.
+PROFILE_SIZES = {"cpu": (1 << 12, 1 << 17, 1 << 20), "cuda": (1 << 12, 1 << 20, 1 << 24)}
+#: PowerSGD ranks timed besides the spec's own, so that its matrix-product rate is fitted.
+PROFILE_RANKS = (1, 16, 64)
+#: Ranks whose all-gathered payloads a sparse codec's sum is timed with.
+PROFILE_PEERS = 8
+
+
+def _nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """Non-negative least squares for a handful of columns: the best of every subset of
+    columns whose unconstrained relative least-squares solution is non-negative (each row is
+    weighted by ``1 / y`` so small and large sizes count alike)."""
+    import itertools
+
+    k = len(rows[0])
+    best: tuple[float, list[float]] = (math.inf, [0.0] * k)
+    for size in range(1, k + 1):
+        for cols in itertools.combinations(range(k), size):
+            a = torch.tensor([[r[c] / t for c in cols] for r, t in zip(rows, y, strict=True)],
+                             dtype=torch.float64)
+            b = torch.ones(len(y), dtype=torch.float64)
+            sol = torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1)
+            if bool((sol < 0).any()):
+                continue
+            resid = float(((a @ sol - b) ** 2).sum())
+            if resid < best[0]:
+                coef = [0.0] * k
+                for c, v in zip(cols, sol.tolist(), strict=True):
+                    coef[c] = v
+                best = (resid, coef)
+    return best[1]
+
+
+@dataclass(slots=True, kw_only=True)
+class ProfilePoint:
+    """One timed call: ``numel`` elements, ``flops`` of matrix products, best and median."""
+
+    numel: int
+    flops: float
+    best_s: float
+    median_s: float
+
+
+def _timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """(best, median) of :func:`wall_times`."""
+    import statistics
+
+    times = wall_times(fn, repeat)
+    return min(times), statistics.median(times)
+
+
+def _fit(points: Sequence[ProfilePoint], with_flops: bool) -> tuple[float, float, float, float]:
+    """``(c0, eps, flop_rate, spread)`` of ``t = c0 + n / eps + flops / flop_rate`` fitted to
+    the best times; ``spread`` is the larger of the largest relative deviation of a point
+    from the fit and the median (over sizes) of median / best - 1 (run-to-run jitter)."""
+    rows = [[1.0, float(p.numel)] + ([p.flops] if with_flops else []) for p in points]
+    y = [p.best_s for p in points]
+    coef = _nnls(rows, y)
+    c0 = coef[0]
+    eps = 1.0 / coef[1] if coef[1] > 0 else math.inf
+    rate = 1.0 / coef[2] if with_flops and coef[2] > 0 else math.inf
+    import statistics
+
+    residual = max(abs(sum(a * b for a, b in zip(r, coef, strict=False)) - p.best_s) / p.best_s
+                   for r, p in zip(rows, points, strict=True))
+    jitter = statistics.median(p.median_s / p.best_s - 1.0 for p in points)
+    return c0, eps, rate, max(residual, jitter)
+
+
+def profile_codec(
+    spec: str, sizes: Sequence[int], *, device: str, repeat: int
+) -> tuple[CodecSpeed, dict[str, list[dict[str, float]]]]:
+    """Time ``spec``'s encode, decode (into a reused buffer) and, for sparse codecs, the
+    scatter-add of gathered payloads at every size (PowerSGD also at :data:`PROFILE_RANKS`)
+    and fit :class:`~commpress.perfmodel.codec_costs.CodecSpeed` (additive form)."""
+    from commpress.perfmodel.codec_costs import CodecSpeed, codec_flops, sparse_entries
+
+    base = get_codec(spec)
+    variants = [base]
+    if base.codec_id == "powersgd":
+        variants += [get_codec({**base.get_config(), "rank": r}) for r in PROFILE_RANKS
+                     if r != getattr(base, "rank", None)]
+    enc_pts: list[ProfilePoint] = []
+    dec_pts: list[ProfilePoint] = []
+    acc_pts: list[ProfilePoint] = []
+    for n in sizes:
+        cols = min(n, 1024 if n >= 1 << 20 else max(1, int(math.isqrt(n))))
+        rows = max(1, n // cols)
+        x = gaussian(rows * cols, seed=0).reshape(rows, cols).to(device)
+        for codec in variants:
+            ctx = CodecContext(key="profile", world_size=PROFILE_PEERS)
+            payload = codec.encode(x, ctx)  # warm-up
+            buffer = torch.empty_like(x)
+            codec.decode(payload, ctx, out=buffer)
+            f_enc, f_dec = codec_flops(codec, tuple(x.shape))
+            best, med = _timed(functools.partial(codec.encode, x, ctx), repeat)
+            enc_pts.append(ProfilePoint(numel=x.numel(), flops=f_enc, best_s=best, median_s=med))
+            best, med = _timed(functools.partial(codec.decode, payload, ctx, out=buffer), repeat)
+            dec_pts.append(ProfilePoint(numel=x.numel(), flops=f_dec, best_s=best, median_s=med))
+            entries = sparse_entries(codec, x.numel())
+            if codec is base and entries is not None:
+                one, _ = _timed(functools.partial(codec.sum_decoded, [payload], ctx), repeat)
+                many, m_med = _timed(functools.partial(
+                    codec.sum_decoded, [payload] * PROFILE_PEERS, ctx), repeat)
+                per = max(many - one, 1e-9) / (PROFILE_PEERS - 1)
+                acc_pts.append(ProfilePoint(numel=int(entries), flops=0.0, best_s=per,
+                                            median_s=per * m_med / many))
+    flops = base.codec_id == "powersgd"
+    if flops and sum(p.flops > 0 for p in enc_pts) >= 2:
+        # fit the matrices it compresses; those it sends exactly cost a copy
+        enc_pts = [p for p in enc_pts if p.flops > 0]
+        dec_pts = [p for p in dec_pts if p.flops > 0]
+    c_e, eps_e, rate_e, spread_e = _fit(enc_pts, flops)
+    c_d, eps_d, rate_d, spread_d = _fit(dec_pts, flops)
+    rate = min(rate_e, rate_d)
+    accumulate, acc_s = math.inf, 0.0
+    if acc_pts:
+        acc_s, accumulate, _, _ = _fit(acc_pts, False)
+    speed = CodecSpeed(
+        c_e, eps_e, eps_d, additive=True, flops=rate, accumulate_eps=accumulate,
+        accumulate_s=acc_s, decode_overhead_s=c_d, spread=max(spread_e, spread_d),
+    )
+    samples = {
+        "encode": [asdict(p) for p in enc_pts],
+        "decode": [asdict(p) for p in dec_pts],
+        "accumulate": [asdict(p) for p in acc_pts],
+    }
+    return speed, samples
+
+
+def measure_profile(
+    specs: Sequence[str], *, device: str = "cpu", sizes: Sequence[int] | None = None,
+    repeat: int = 5, command: str = "", progress: bool = True,
+) -> dict[str, Any]:
+    """A device profile (format ``commpress-device-profile/1``): every codec's fitted
+    :class:`~commpress.perfmodel.codec_costs.CodecSpeed` with the samples it was fitted to
+    and the provenance (machine, device, date, torch version, threads, command)."""
+    import platform as _platform
+
+    from commpress.perfmodel.codec_costs import PROFILE_FORMAT, cpu_name
+
+    dev = torch.device(device)
+    sizes = tuple(sizes or PROFILE_SIZES["cuda" if dev.type == "cuda" else "cpu"])
+    if len(sizes) < 2 or any(int(s) < 1 for s in sizes):
+        raise CommpressError(f"a profile needs at least two sizes >= 1, got {list(sizes)}")
+    speeds: dict[str, Any] = {}
+    samples: dict[str, Any] = {}
+    for spec in tqdm(list(specs), desc="profiling", unit="codec", disable=not progress):
+        codec = get_codec(spec)
+        key = codec.codec_id if codec.spec() == get_codec(codec.codec_id).spec() else spec
+        speed, pts = profile_codec(spec, sizes, device=device, repeat=repeat)
+        speeds[key] = speed.to_dict()
+        samples[key] = pts
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({cpu_name()})"
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    return {
+        "format": PROFILE_FORMAT,
+        "source": f"measured on {name}, {date}",
+        "provenance": {
+            "device": name,
+            "machine": _platform.node() or "unknown",
+            "date": date,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "command": command,
+            "sizes": list(sizes),
+            "repeat": repeat,
+            "model": "t = overhead_s + n / eps + flops / flops_rate (fitted, best of repeat)",
+        },
+        "speeds": speeds,
+        "samples": samples,
+    }
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "codecs",
@@ -185,6 +370,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (best)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--profile", metavar="FILE",
+                   help="instead of the table, write a device profile (per codec: fixed cost "
+                   "per call, encode/decode throughput, PowerSGD's matmul rate, sparse "
+                   "scatter-add rate, fitted over --profile-sizes, with provenance) that "
+                   "predict/sweep/advise load with --codec-speeds FILE")
+    p.add_argument("--profile-sizes", metavar="N,N,...",
+                   help="tensor sizes in elements for --profile (default 4096,131072,1048576 "
+                   "on cpu; 4096,1048576,16777216 on cuda)")
     p.set_defaults(func=run)
 
 
@@ -192,6 +385,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat < 1 or args.size_mb <= 0:
         raise CommpressError("--repeat must be >= 1 and --size-mb > 0")
     specs = codec_ids() if args.codecs == ["all"] else list(args.codecs)
+    if args.profile:
+        return write_profile(args, specs)
     rows = run_bench(
         specs, size_mb=args.size_mb, dtype=DTYPES[args.dtype], repeat=args.repeat,
         device=args.device,
@@ -203,4 +398,43 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=2)
+    return 0
+
+
+def write_profile(args: argparse.Namespace, specs: Sequence[str]) -> int:
+    """``--profile FILE``: measure and write the device profile, print its table."""
+    import shlex
+    import sys
+
+    from commpress.perfmodel.codec_costs import SpeedTable
+    from commpress.perfmodel.units import format_count
+
+    sizes = None
+    if args.profile_sizes:
+        try:
+            sizes = [int(float(s)) for s in str(args.profile_sizes).split(",") if s.strip()]
+        except ValueError:
+            raise CommpressError(f"--profile-sizes must be numbers, got "
+                                 f"{args.profile_sizes!r}") from None
+    command = shlex.join(["commpress", "bench", "codecs", *sys.argv[3:]]) if (
+        sys.argv[1:3] == ["bench", "codecs"]) else ""
+    profile = measure_profile(specs, device=args.device, sizes=sizes, repeat=args.repeat,
+                              command=command)
+    SpeedTable.from_dict(profile)  # refuse to write what could not be loaded
+    with open(args.profile, "w") as f:
+        json.dump(profile, f, indent=1, default=lambda v: "inf" if v == math.inf else v)
+        f.write("\n")
+    rows = []
+    for key, entry in profile["speeds"].items():
+        rows.append([key, f"{entry['overhead_s'] * 1e6:.1f}", format_count(entry["encode_eps"]),
+                     format_count(entry["decode_eps"]),
+                     format_count(entry["flops"]) if "flops" in entry else "-",
+                     (f"{entry.get('accumulate_s', 0.0) * 1e6:.0f} us + K / "
+                      f"{format_count(entry.get('accumulate_eps', math.inf))}")
+                     if "accumulate_s" in entry or "accumulate_eps" in entry else "-",
+                     f"{entry.get('spread', 0.0):.0%}"])
+    print(render_table(["codec", "c0 (us)", "encode elem/s", "decode elem/s", "matmul flop/s",
+                        "scatter-add", "spread"], rows))
+    print(f"{profile['source']}, torch {torch.__version__}, {torch.get_num_threads()} "
+          f"threads\nwritten to {args.profile}; use --codec-speeds {args.profile}")
     return 0

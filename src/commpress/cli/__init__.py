@@ -33,6 +33,7 @@ COMMANDS: list[str] = [
     "launch_cmd",
     "capture_cmd",
     "analyze_cmd",
+    "calibrate_cmd",
     "predict_cmd",
     "sweep_cmd",
     "advise_cmd",

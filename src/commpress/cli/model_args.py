@@ -17,7 +17,13 @@ from commpress.demo.model import build_model, preset
 from commpress.errors import CommpressError
 from commpress.perfmodel.codec_costs import STRATEGIES, Offload, SpeedTable
 from commpress.perfmodel.collectives import ALLREDUCE_ALGORITHMS, TCP_EFFICIENCY, Cluster
-from commpress.perfmodel.model import Platform, Workload, ddp_bucket_indices, estimate_compute_s
+from commpress.perfmodel.model import (
+    CALIBRATION_FORMAT,
+    Platform,
+    Workload,
+    ddp_bucket_indices,
+    estimate_compute_s,
+)
 from commpress.perfmodel.shapes import ModelShapes
 from commpress.perfmodel.units import parse_bandwidth, parse_count, parse_duration
 
@@ -94,7 +100,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="codec per parameter tensor (commpress's DDP hook) or per flat bucket")
     g.add_argument("--codec-speeds", help=f"codec speed table JSON (from --calibrate-codecs; "
                    f"default ${SPEEDS_ENV} or the built-in assumptions)")
-    g.add_argument("--platform", help="platform constants JSON (from calibration)")
+    g.add_argument("--platform", help="platform constants JSON, or the file `commpress "
+                   "calibrate` writes (its cluster, codec speeds, compute time and spreads "
+                   "then become the defaults)")
+    g.add_argument("--codec-device", choices=["gpu", "cpu"], default="gpu",
+                   help="built-in codec profile when no speed table is given: gpu (measured "
+                   "on an H100, default) or cpu (gloo jobs whose codecs run on the CPU)")
     g.add_argument("--overlap-efficiency", type=float,
                    help="override the platform's overlap efficiency (0..1)")
     g.add_argument("--offload-bw", help="run codec work on an offload device (SqueezeNIC) "
@@ -105,8 +116,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-latency", default="2us", help="offload device latency (2us)")
 
 
+def calibration_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``commpress calibrate`` file given as ``--platform``, or ``None``."""
+    path = getattr(args, "platform", None)
+    if not path:
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CommpressError(f"cannot read --platform {path}: {exc}") from exc
+    return data if isinstance(data, dict) and data.get("format") == CALIBRATION_FORMAT else None
+
+
 def compute_seconds(args: argparse.Namespace, params: float) -> float:
-    """``--compute-ms`` (a number of ms, or a duration with its unit) or the estimate."""
+    """``--compute-ms`` (a number of ms, or a duration with its unit), the calibration
+    file's compute time, or the estimate."""
+    cal = calibration_from_args(args)
+    if args.compute_ms is None and cal is not None and cal.get("compute_s"):
+        return float(cal["compute_s"])
     if args.compute_ms is not None:
         text = str(args.compute_ms).strip()
         return parse_duration(text if text[-1:].isalpha() else text + "ms")
@@ -181,8 +208,10 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     common = workload_common(args)
     if args.buckets:
         sizes = [parse_count(s) for s in str(args.buckets).split(",") if s.strip()]
-        if args.compute_ms is None:
-            raise CommpressError("--buckets needs --compute-ms")
+        cal = calibration_from_args(args)
+        if args.compute_ms is None and not (cal and cal.get("compute_s")):
+            raise CommpressError("--buckets needs --compute-ms (or a --platform calibration "
+                                 "file with a compute time)")
         return Workload.from_bucket_sizes(
             sizes, compute_s=compute_seconds(args, sum(sizes)),
             backward_fraction=common["backward_fraction"], optimizer_s=common["optimizer_s"],
@@ -206,6 +235,11 @@ def cluster_from_args(
     args: argparse.Namespace, *, nodes: int | None = None, inter_bw: Any = None
 ) -> Cluster:
     links = getattr(args, "links", None)
+    cal = calibration_from_args(args)
+    if not links and nodes is None and inter_bw is None and cal is not None and cal.get(
+        "cluster"
+    ):  # a sweep's grid of clusters keeps its own
+        return Cluster.from_measured(cal["cluster"])
     if links:
         try:
             data = json.loads(Path(links).read_text())
@@ -225,7 +259,12 @@ def cluster_from_args(
 
 def speeds_from_args(args: argparse.Namespace) -> SpeedTable:
     path = args.codec_speeds or os.environ.get(SPEEDS_ENV)
-    return SpeedTable.load(path) if path else SpeedTable.builtin()
+    if path:
+        return SpeedTable.load(path)
+    cal = calibration_from_args(args)
+    if cal is not None and cal.get("codec_speeds"):
+        return SpeedTable.from_dict(cal["codec_speeds"])
+    return SpeedTable.builtin(getattr(args, "codec_device", "gpu"))
 
 
 def platform_from_args(args: argparse.Namespace) -> Platform:

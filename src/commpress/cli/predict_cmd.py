@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate_codecs:
         return _calibrate(args)
     from commpress.cli.model_args import cluster_from_args, model_kwargs, workload_from_args
-    from commpress.perfmodel.model import predict, predict_baseline
+    from commpress.perfmodel.model import predict, predict_baseline, speedup_range
     from commpress.perfmodel.units import format_count, format_seconds
 
     workload = workload_from_args(args)
@@ -94,9 +94,13 @@ def run(args: argparse.Namespace) -> int:
     baseline = predict_baseline(workload, cluster, algorithm=args.algorithm,
                                 speeds=kwargs["speeds"], platform=kwargs["platform"])
     preds = [predict(workload, cluster, spec, **kwargs) for spec in specs]
+    range_kwargs = {k: v for k, v in kwargs.items() if k not in ("speeds", "platform")}
+    ranges = [speedup_range(workload, cluster, spec, speeds=kwargs["speeds"],
+                            platform=kwargs["platform"], **range_kwargs) for spec in specs]
     if args.json:
-        def entry(pred: Any, spec: str = "fp16") -> dict[str, Any]:
+        def entry(pred: Any, spec: str = "fp16", rng: Any = None) -> dict[str, Any]:
             return {
+                "speedup_range": None if rng is None else [rng.low, rng.high],
                 "codec": spec,
                 "strategy": pred.strategy,
                 "step_s": pred.total,
@@ -115,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             "codec_speeds": kwargs["speeds"].source,
             "platform": kwargs["platform"].to_dict(),
             "baseline": entry(baseline),
-            "results": [entry(p, s) for s, p in zip(specs, preds, strict=True)],
+            "results": [entry(p, s, r) for s, p, r in zip(specs, preds, ranges, strict=True)],
         }, indent=2))
         return 0
     print(f"model: {workload.name}, {format_count(workload.params)} parameters in "
@@ -126,11 +130,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"codec speeds: {kwargs['speeds'].source}")
     print(f"platform: {kwargs['platform'].name}, overlap efficiency "
           f"{kwargs['platform'].overlap_efficiency:g}")
-    rows = [result_row("fp16 (baseline)", baseline, baseline.total)]
-    rows += [result_row(spec, p, baseline.total) for spec, p in zip(specs, preds, strict=True)]
+    rows = [result_row("fp16 (baseline)", baseline, baseline.total) + ["-", "-"]]
+    for spec, p, r in zip(specs, preds, ranges, strict=True):
+        verdict = ("faster" if r.low > 1 else "slower" if r.high < 1 else "within the range")
+        rows.append(result_row(spec, p, baseline.total) + [f"{r.low:.3f}-{r.high:.3f}",
+                                                           verdict])
     headers = ["codec", "strategy", "bits/coord", "step", "compute", "exposed comm", "codec",
-               "speedup vs fp16"]
+               "speedup vs fp16", "range", "verdict"]
     print(render_table(headers, rows))
     print("compute, exposed comm and codec are the critical path's shares of the step "
-          "(they add up to it).")
+          "(they add up to it). range: the speedup with the network and codec times moved "
+          f"by the calibration's spread (network {kwargs['platform'].network_spread:.0%}, "
+          f"codecs {max(kwargs['speeds'].spread, kwargs['platform'].codec_spread):.0%}); "
+          "verdict: faster/slower than fp16 only when the whole range says so.")
     return 0

@@ -71,6 +71,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="allow unshaped local processes when namespaces are unavailable (the "
                    "comparison is then meaningless: a smoke test only)")
     a = p.add_argument_group("analysis")
+    a.add_argument("--published", action="store_true",
+                   help="instead of runs on the emulated cluster: reproduce Han et al.'s "
+                   "BERT-large and VGG19 tables (network and compute calibrated on their "
+                   "fp16/fp32 baselines only) and print predicted vs measured")
     a.add_argument("--from", dest="from_path", metavar="JSON",
                    help="refit a saved run (validation.json) instead of training")
     a.add_argument("--out", default="validation", help="output directory (validation/)")
@@ -121,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
         with_strategies,
     )
 
+    if args.published:
+        from commpress.perfmodel.published import reproduce
+
+        print(reproduce().table())
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "validation.json"

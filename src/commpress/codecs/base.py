@@ -596,10 +596,26 @@ class Codec(ABC):
         acc_dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
         acc = torch.zeros(first.shape, dtype=acc_dtype, device=first.device)
         for p in payloads:
-            acc += self.decode(p, ctx, shape=first.shape).to(acc_dtype)
+            self.check_payload(p, first.shape)
+            with error_context(f"{self.codec_id}.decode"):
+                self._add_decoded(p, acc, ctx)
         if average and len(payloads) > 1:
             acc /= len(payloads)
         return saturating_cast(acc, first.dtype)
+
+    def _add_decoded(self, payload: Payload, acc: torch.Tensor, ctx: CodecContext) -> None:
+        """``acc += decode(payload)`` in ``acc``'s (float32 or float64) dtype, for a payload
+        already checked. The default decodes densely; sparse codecs override it with a
+        scatter-add of the coordinates they sent (the same sums: adding zero changes
+        nothing), which is what an all-gather of ``n`` sparse payloads costs: ``n``
+        scatter-adds of ``K`` entries instead of ``n`` dense decodes and additions."""
+        result = self._decode(payload, ctx)
+        if tuple(result.shape) != tuple(payload.shape) or result.dtype != payload.dtype:
+            raise CommpressError(
+                f"{self.codec_id}.decode produced {tuple(result.shape)} {result.dtype}, "
+                f"expected {tuple(payload.shape)} {payload.dtype} (codec bug)"
+            )
+        acc += result.to(acc.dtype)
 
     def check_input(self, tensor: Any) -> torch.Tensor:
         """Refuse anything but a floating-point tensor of a supported dtype."""

@@ -180,6 +180,24 @@ def scatter_decode(
     return out
 
 
+def scatter_add_decoded(
+    payload: Payload,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    exponent: torch.Tensor | None,
+    acc: torch.Tensor,
+) -> None:
+    """``acc += scatter_decode(...)`` without the dense tensor: the values, unscaled and cast
+    to the payload's dtype exactly as :func:`scatter_decode` writes them, then to ``acc``'s
+    dtype, added at ``indices`` (distinct within one payload), so the sums are the same."""
+    if not values.numel():
+        return
+    if exponent is not None:
+        values = unscale_values(values, exponent, work_dtype(payload.dtype))
+    v = saturating_cast(values, payload.dtype).to(acc.dtype)
+    acc.view(-1).index_add_(0, indices.to(torch.int64), v)
+
+
 def exponent_dtype(input_dtype: torch.dtype) -> torch.dtype:
     """Wire type of the ``exponent`` part: int8 (float32/bfloat16 inputs need at most 113),
     int16 for float64 inputs (up to about 1009)."""
@@ -307,14 +325,20 @@ class TopK(Codec):
     def _decode(
         self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
     ) -> torch.Tensor:
+        values, indices, exponent = self._sparse_parts(payload)
+        return scatter_decode(payload, values, indices, exponent, out)
+
+    def _sparse_parts(
+        self, payload: Payload
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         k = self.count(payload.numel)
         vdtype = _VALUE_DTYPES[self.value_dtype]
         values = self.part(payload, "values", numel=k, dtype=vdtype)
         indices = self.part(payload, "indices", numel=k, dtype=index_dtype(payload.numel))
-        exponent = decode_exponent(self, payload, vdtype)
-        return scatter_decode(
-            payload, values.reshape(-1), indices.reshape(-1), exponent, out
-        )
+        return values.reshape(-1), indices.reshape(-1), decode_exponent(self, payload, vdtype)
+
+    def _add_decoded(self, payload: Payload, acc: torch.Tensor, ctx: CodecContext) -> None:
+        scatter_add_decoded(payload, *self._sparse_parts(payload), acc)
 
 
 @register_codec
@@ -511,6 +535,12 @@ class DGC(Codec):
     def _decode(
         self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
     ) -> torch.Tensor:
+        values, indices, exponent = self._sparse_parts(payload)
+        return scatter_decode(payload, values, indices, exponent, out)
+
+    def _sparse_parts(
+        self, payload: Payload
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         count = int(self.part(payload, "count", numel=1, dtype=torch.int32).reshape(-1)[0])
         if not 0 <= count <= payload.numel:
             raise PayloadError(
@@ -520,10 +550,10 @@ class DGC(Codec):
         vdtype = _VALUE_DTYPES[self.value_dtype]
         values = self.part(payload, "values", numel=count, dtype=vdtype)
         indices = self.part(payload, "indices", numel=count, dtype=index_dtype(payload.numel))
-        exponent = decode_exponent(self, payload, vdtype)
-        return scatter_decode(
-            payload, values.reshape(-1), indices.reshape(-1), exponent, out
-        )
+        return values.reshape(-1), indices.reshape(-1), decode_exponent(self, payload, vdtype)
+
+    def _add_decoded(self, payload: Payload, acc: torch.Tensor, ctx: CodecContext) -> None:
+        scatter_add_decoded(payload, *self._sparse_parts(payload), acc)
 
 
 __all__ = [
@@ -535,6 +565,7 @@ __all__ = [
     "needs_exponent",
     "overflow_exponent",
     "pair_bytes",
+    "scatter_add_decoded",
     "scatter_decode",
     "target_count",
     "top_magnitudes",

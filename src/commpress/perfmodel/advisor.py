@@ -46,9 +46,11 @@ from commpress.perfmodel.model import (
     BASELINE_CODEC,
     Platform,
     Prediction,
+    SpeedupRange,
     Workload,
     predict,
     predict_baseline,
+    speedup_range,
 )
 from commpress.perfmodel.ratio import model_codec
 from commpress.perfmodel.units import format_count, format_seconds
@@ -111,6 +113,7 @@ class Advice:
     max_nmse: float | None
     min_speedup: float
     bucket_names: tuple[tuple[str, ...], ...] | None = None
+    speedup_range: SpeedupRange | None = None
 
     @property
     def speedup(self) -> float:
@@ -164,11 +167,21 @@ class Advice:
         feasible = [o for o in self.options if o.feasible]
         over = [o.spec for o in self.options if not o.feasible]
         budget = "none" if self.max_nmse is None else f"NMSE <= {self.max_nmse:g}"
+        rng = self.speedup_range
         if self.compress:
             head = (
                 f"Use {self.recommendation}: the model predicts a step of "
                 f"{format_seconds(self.prediction.total)} against {format_seconds(base)} with "
-                f"the {BASELINE_CODEC} baseline ({self.speedup:.2f}x)."
+                f"the {BASELINE_CODEC} baseline ({self.speedup:.2f}x"
+                + (f", {rng.low:.2f}-{rng.high:.2f}x within the calibration's spread"
+                   if rng is not None else "") + ")."
+            )
+        elif rng is not None:
+            head = (
+                f"Do not compress: keep {BASELINE_CODEC} ({format_seconds(base)} per step). "
+                f"The best choice is predicted {rng.nominal:.2f}x faster, but within the "
+                f"calibration's spread it ranges {rng.low:.2f}-{rng.high:.2f}x: the gain "
+                "does not exceed the model's uncertainty."
             )
         else:
             head = (
@@ -236,6 +249,8 @@ class Advice:
             "predicted_s": self.prediction.total,
             "baseline_s": self.baseline.total,
             "speedup": self.speedup,
+            "speedup_range": (None if self.speedup_range is None
+                              else [self.speedup_range.low, self.speedup_range.high]),
             "breakdown": self.prediction.breakdown(),
             "max_nmse": self.max_nmse,
             "min_speedup": self.min_speedup,
@@ -382,6 +397,12 @@ def advise(
                         best_total, assign, best_pred, changed = pred.total, trial, pred, True
             if not changed:
                 break
+    rng: SpeedupRange | None = None
+    if baseline.total / best_total >= min_speedup and any(a != BASELINE_CODEC for a in assign):
+        rng = speedup_range(workload, cl, assign, speeds=speeds, platform=platform,
+                            strategy=strategy, algorithm=algorithm, offload=offload)
+        if rng.low <= 1.0:  # the gain is inside the calibration's spread
+            assign, best_pred = [BASELINE_CODEC] * n, baseline
     if baseline.total / best_total < min_speedup:
         assign, best_pred = [BASELINE_CODEC] * n, baseline
     return Advice(
@@ -394,6 +415,7 @@ def advise(
         max_nmse=max_nmse,
         min_speedup=min_speedup,
         bucket_names=None if bucket_names is None else tuple(tuple(b) for b in bucket_names),
+        speedup_range=rng,
     )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -313,11 +314,155 @@ __all__ = [
     "CalibrationResult",
     "FitResult",
     "Measurement",
+    "NetworkFit",
     "ValidationReport",
     "ValidationRow",
     "calibrate_and_validate",
+    "fit_network",
     "fit_platform",
+    "measure_network",
     "nelder_mead",
     "split_half",
     "validate",
 ]
+
+
+# ---------------------------------------------------------------------------- network
+@dataclass(frozen=True)
+class NetworkFit:
+    """Alpha-beta fit of measured all-reduces among ``processes`` ranks.
+
+    ``t(z) = 2 (n-1) alpha + 2 (n-1)/n z / bandwidth`` (a ring all-reduce of ``z`` bytes) is
+    fitted by least squares to the median time of each size; ``spread`` is the largest
+    relative deviation of a median from the fit or of a repeat's time from its median
+    (interquartile half-range), the uncertainty predictions quote.
+    """
+
+    processes: int
+    backend: str
+    alpha_s: float
+    bandwidth: float  # bytes/s
+    spread: float
+    samples: tuple[tuple[int, tuple[float, ...]], ...]  # (bytes, times) per size
+
+    def predicted(self, nbytes: float) -> float:
+        n = self.processes
+        return 2 * (n - 1) * self.alpha_s + 2 * (n - 1) / n * nbytes / self.bandwidth
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"processes": self.processes, "backend": self.backend, "alpha_s": self.alpha_s,
+                "bandwidth_Bps": self.bandwidth, "spread": self.spread,
+                "samples": [{"bytes": b, "seconds": list(t)} for b, t in self.samples]}
+
+
+def fit_network(samples: Sequence[tuple[int, Sequence[float]]], processes: int,
+                backend: str = "gloo") -> NetworkFit:
+    """Fit :class:`NetworkFit` to ``(bytes, [seconds, ...])`` samples of ``processes`` ranks
+    (at least two sizes)."""
+    if processes < 2:
+        raise CommpressError(f"a network fit needs at least 2 processes, got {processes}")
+    if len({int(b) for b, _ in samples}) < 2 or any(not t for _, t in samples):
+        raise CommpressError("a network fit needs timings at two or more sizes")
+    xs = [float(b) for b, _ in samples]
+    ys = [statistics.median(t) for _, t in samples]
+    # weighted (relative) least squares for intercept a and slope s, both >= 0
+    w = [1.0 / (y * y) for y in ys]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, xs, strict=True))
+    sy = sum(wi * y for wi, y in zip(w, ys, strict=True))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs, strict=True))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys, strict=True))
+    den = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / den if den else 0.0
+    intercept = (sy - slope * sx) / sw
+    if intercept < 0:
+        intercept, slope = 0.0, sxy / sxx
+    if slope <= 0:
+        raise CommpressError("the measured all-reduce time does not grow with the size; "
+                             "measure larger sizes")
+    n = processes
+    fit = NetworkFit(n, backend, intercept / (2 * (n - 1)), 2 * (n - 1) / n / slope, 0.0,
+                     tuple((int(b), tuple(float(x) for x in t)) for b, t in samples))
+    spread = 0.0
+    for (b, t), y in zip(samples, ys, strict=True):
+        q = sorted(t)
+        iqr = (q[(3 * len(q)) // 4] - q[len(q) // 4]) / 2 / y if len(q) >= 4 else 0.0
+        spread = max(spread, abs(fit.predicted(b) - y) / y, iqr)
+    return replace(fit, spread=spread)
+
+
+def _network_worker(rank: int, world: int, store_path: str, backend: str,
+                    sizes: Sequence[int], repeats: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from commpress.procs import exit_when_orphaned
+
+    exit_when_orphaned()
+    try:
+        dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank,
+                                world_size=world)
+        device = "cuda" if backend == "nccl" else "cpu"
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        results = []
+        for nbytes in sizes:
+            x = torch.ones(max(1, nbytes // 4), device=device)
+            dist.all_reduce(x)  # warm-up
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dist.all_reduce(x)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            # every rank's time counts: the slowest rank ends the collective
+            t = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            results.append((x.numel() * 4, t.tolist()))
+        dist.destroy_process_group()
+        if rank == 0:
+            out.put(("ok", results))
+    except BaseException as exc:  # reported to the parent, never a hang
+        out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+
+
+def measure_network(processes: int = 2, *, backend: str = "gloo",
+                    sizes: Sequence[int] = (1 << 12, 1 << 18, 1 << 22), repeats: int = 7,
+                    timeout_s: float = 300.0) -> NetworkFit:
+    """Time real all-reduces among ``processes`` local processes (``backend`` gloo or nccl,
+    the job's own process count) at ``sizes`` bytes and fit :class:`NetworkFit`."""
+    import multiprocessing as mp
+    import queue
+    import tempfile
+
+    if processes < 2:
+        raise CommpressError(f"--processes must be >= 2, got {processes}")
+    if backend not in ("gloo", "nccl"):
+        raise CommpressError(f"backend must be gloo or nccl, got {backend!r}")
+    if repeats < 1 or len(sizes) < 2:
+        raise CommpressError("need repeats >= 1 and at least two sizes")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_network_worker,
+                             args=(r, processes, f"{tmp}/store", backend, list(sizes), repeats,
+                                   out), daemon=True)
+                 for r in range(processes)]
+        for p in procs:
+            p.start()
+        try:
+            status, value = out.get(timeout=timeout_s)
+        except queue.Empty:
+            status, value = "error", f"no result within {timeout_s:g} s"
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    if status != "ok":
+        raise CommpressError(f"network calibration failed: {value}")
+    return fit_network(value, processes, backend)

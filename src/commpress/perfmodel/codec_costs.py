@@ -23,7 +23,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,10 @@ SAMPLE_MAX = 1 << 16
 #: The gradient dtype priced for each ``grad_bytes`` (2 bytes: bfloat16, the usual 16-bit
 #: training type; float16 gradients differ only in Top-K's one exponent byte per tensor).
 GRAD_DTYPES: dict[int, torch.dtype] = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+#: Format of a device profile (``commpress bench codecs --profile``); the older
+#: ``commpress-codec-speeds/1`` tables load too.
+PROFILE_FORMAT = "commpress-device-profile/1"
+SPEED_FORMATS: tuple[str, ...] = (PROFILE_FORMAT, "commpress-codec-speeds/1")
 #: The registered strategies (:mod:`commpress.collectives.strategies`).
 STRATEGIES: tuple[str, ...] = strategy_names()
 
@@ -54,61 +58,130 @@ STRATEGIES: tuple[str, ...] = strategy_names()
 # ---------------------------------------------------------------------------- throughput
 @dataclass(frozen=True, slots=True)
 class CodecSpeed:
-    """Encode/decode time model of one codec: ``max(c0, n / throughput)``.
+    """Encode/decode time model of one codec.
+
+    ``max(c0, n / throughput)`` (a table measured at two sizes, where the small one is
+    overhead-bound), or, for a profile fitted by ``commpress bench codecs --profile``
+    (``additive=True``), ``c0 + n / throughput + flops / flop_rate``: a fixed cost per call,
+    a memory-bound pass over the ``n`` elements and, for codecs built on matrix products
+    (PowerSGD), their arithmetic at the device's measured matmul rate.
 
     Attributes:
         overhead_s: ``c0``, the fixed cost of one call (seconds).
         encode_eps: encode throughput, elements per second (``inf``: free).
         decode_eps: decode throughput, elements per second.
+        additive: ``c0 + n / eps`` instead of ``max(c0, n / eps)``.
+        flops: matrix-product rate (flop/s) for the codec's products (PowerSGD: ``4 n m r``
+            flops to encode an ``n x m`` matrix at rank ``r``, ``2 n m r`` to decode).
+        accumulate_eps: entries per second that a sparse codec scatter-adds when it sums
+            all-gathered payloads (``inf``: not measured; the sum then costs dense decodes).
+        accumulate_s: fixed cost of one payload's scatter-add.
+        decode_overhead_s: ``c0`` of a decode when it differs from the encode's (``None``:
+            ``overhead_s``).
+        spread: relative uncertainty of the times (from the profile's fit and repeats).
     """
 
     overhead_s: float
     encode_eps: float
     decode_eps: float
+    additive: bool = False
+    flops: float = math.inf
+    accumulate_eps: float = math.inf
+    accumulate_s: float = 0.0
+    decode_overhead_s: float | None = None
+    spread: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.overhead_s) and self.overhead_s >= 0):
             raise CommpressError(f"codec overhead must be finite and >= 0 s, got "
                                  f"{self.overhead_s!r}")
-        for name in ("encode_eps", "decode_eps"):
+        for name in ("encode_eps", "decode_eps", "flops", "accumulate_eps"):
             v = getattr(self, name)
             if not v > 0:
-                raise CommpressError(f"{name} must be > 0 elements/s, got {v!r}")
+                raise CommpressError(f"{name} must be > 0 per second, got {v!r}")
+        for name in ("accumulate_s", "decode_overhead_s"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise CommpressError(f"{name} must be finite and >= 0 s, got {v!r}")
+        if not (math.isfinite(self.spread) and self.spread >= 0):
+            raise CommpressError(f"speed spread must be finite and >= 0, got {self.spread!r}")
 
-    def encode_time(self, numel: float) -> float:
-        return 0.0 if numel <= 0 else max(self.overhead_s, numel / self.encode_eps)
+    def _time(self, numel: float, eps: float, flops: float, c0: float) -> float:
+        if numel <= 0:
+            return 0.0
+        work = numel / eps + flops / self.flops
+        return c0 + work if self.additive else max(c0, work)
 
-    def decode_time(self, numel: float) -> float:
-        return 0.0 if numel <= 0 else max(self.overhead_s, numel / self.decode_eps)
+    def encode_time(self, numel: float, flops: float = 0.0) -> float:
+        return self._time(numel, self.encode_eps, flops, self.overhead_s)
 
-    def to_dict(self) -> dict[str, float]:
-        return {"overhead_s": self.overhead_s, "encode_eps": self.encode_eps,
-                "decode_eps": self.decode_eps}
+    def decode_time(self, numel: float, flops: float = 0.0) -> float:
+        c0 = self.overhead_s if self.decode_overhead_s is None else self.decode_overhead_s
+        return self._time(numel, self.decode_eps, flops, c0)
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether a scatter-add rate was measured."""
+        return not math.isinf(self.accumulate_eps) or self.accumulate_s > 0
+
+    def accumulate_time(self, entries: float) -> float:
+        """Scatter-adding one payload of ``entries`` (value, index) pairs into an accumulator."""
+        if entries <= 0 or not self.accumulates:
+            return 0.0
+        return self.accumulate_s + entries / self.accumulate_eps
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"overhead_s": self.overhead_s, "encode_eps": self.encode_eps,
+                               "decode_eps": self.decode_eps}
+        if self.additive:
+            out["additive"] = True
+        for name in ("flops", "accumulate_eps"):
+            if not math.isinf(getattr(self, name)):
+                out[name] = getattr(self, name)
+        if self.accumulate_s:
+            out["accumulate_s"] = self.accumulate_s
+        if self.decode_overhead_s is not None:
+            out["decode_overhead_s"] = self.decode_overhead_s
+        if self.spread:
+            out["spread"] = self.spread
+        return out
+
+    @classmethod
+    def from_dict(cls, entry: Mapping[str, Any]) -> CodecSpeed:
+        return cls(
+            float(entry["overhead_s"]), float(entry["encode_eps"]), float(entry["decode_eps"]),
+            additive=bool(entry.get("additive", False)),
+            flops=float(entry.get("flops", math.inf)),
+            accumulate_eps=float(entry.get("accumulate_eps", math.inf)),
+            accumulate_s=float(entry.get("accumulate_s", 0.0)),
+            decode_overhead_s=(None if entry.get("decode_overhead_s") is None
+                               else float(entry["decode_overhead_s"])),
+            spread=float(entry.get("spread", 0.0)),
+        )
 
 
-#: Built-in encode/decode figures for a datacenter GPU (A100/H100 class). They are
-#: **assumptions**, not measurements: memory-bound element-wise kernels (casts) at a fraction of
-#: HBM bandwidth, quantizers a few passes over the data plus bit packing, selection (top-k) an
-#: order of magnitude slower, low-rank a few small matrix products and a QR. Calibrate on the
-#: target GPU (``commpress predict --calibrate-codecs --device cuda``) for numbers to trust.
-BUILTIN_SPEEDS: dict[str, CodecSpeed] = {
-    "identity": CodecSpeed(0.0, math.inf, math.inf),
-    "fp16": CodecSpeed(10e-6, 1e11, 1e11),
-    "bf16": CodecSpeed(10e-6, 1e11, 1e11),
-    "minmax": CodecSpeed(50e-6, 2e10, 4e10),
-    "qsgd": CodecSpeed(50e-6, 2e10, 4e10),
-    "terngrad": CodecSpeed(50e-6, 2e10, 4e10),
-    "sign": CodecSpeed(40e-6, 3e10, 5e10),
-    "thc": CodecSpeed(100e-6, 1e10, 2e10),
-    "randomk": CodecSpeed(50e-6, 2e10, 4e10),
-    "topk": CodecSpeed(100e-6, 2e9, 2e10),
-    "dgc": CodecSpeed(100e-6, 5e9, 2e10),
-    "topkc": CodecSpeed(100e-6, 5e9, 2e10),
-    "powersgd": CodecSpeed(300e-6, 5e9, 2e10),
-    "netzip": CodecSpeed(100e-6, 2e9, 3e9),
-    "*": CodecSpeed(100e-6, 5e9, 1e10),
-}
-BUILTIN_SOURCE = "built-in assumptions for a datacenter GPU (not measured)"
+#: Where the built-in device profiles live (``commpress bench codecs --profile`` output).
+PROFILE_DIR = Path(__file__).with_name("data")
+#: The built-in profile of each device kind.
+BUILTIN_PROFILES: dict[str, str] = {"gpu": "speeds-h100.json", "cpu": "speeds-cpu.json"}
+#: Used for a codec a profile does not list.
+FALLBACK_SPEED = CodecSpeed(100e-6, 5e9, 1e10)
+
+
+def _builtin_table(device: str) -> SpeedTable:
+    if device not in BUILTIN_PROFILES:
+        raise CommpressError(f"no built-in codec profile for {device!r}; built-in: "
+                             f"{', '.join(BUILTIN_PROFILES)}")
+    return _load_builtin(device)
+
+
+@functools.cache
+def _load_builtin(device: str) -> SpeedTable:
+    path = PROFILE_DIR / BUILTIN_PROFILES[device]
+    table = SpeedTable.from_dict(json.loads(path.read_text()))
+    speeds = dict(table.speeds)
+    speeds.setdefault("*", FALLBACK_SPEED)
+    return SpeedTable(speeds, f"built-in {device} profile: {table.source}", table.provenance)
 
 
 def spec_key(codec: Codec) -> str:
@@ -123,17 +196,25 @@ class SpeedTable:
     """Codec speeds by key: exact spec (:func:`spec_key`), then codec id, then ``"*"``."""
 
     speeds: Mapping[str, CodecSpeed]
-    source: str = BUILTIN_SOURCE
+    source: str = "built-in"
+    provenance: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def builtin(cls) -> SpeedTable:
-        return cls(dict(BUILTIN_SPEEDS), BUILTIN_SOURCE)
+    def builtin(cls, device: str = "gpu") -> SpeedTable:
+        """The shipped profile measured on ``device`` (``"gpu"``: an H100, ``"cpu"``); see
+        :data:`BUILTIN_PROFILES` and the ``provenance`` of the returned table."""
+        return _builtin_table(device)
 
     def lookup(self, codec: Codec) -> CodecSpeed:
         for key in (spec_key(codec), codec.codec_id, "*"):
             if key in self.speeds:
                 return self.speeds[key]
-        return BUILTIN_SPEEDS["*"]
+        return FALLBACK_SPEED
+
+    @property
+    def spread(self) -> float:
+        """The largest relative spread of any entry (0 when the table records none)."""
+        return max((v.spread for v in self.speeds.values()), default=0.0)
 
     def scaled(self, factor: float) -> SpeedTable:
         """Every codec ``factor`` times slower (``c0`` times ``factor``, throughputs divided
@@ -141,21 +222,28 @@ class SpeedTable:
         if not (math.isfinite(factor) and factor > 0):
             raise CommpressError(f"speed scale factor must be finite and > 0, got {factor!r}")
         return SpeedTable(
-            {k: CodecSpeed(v.overhead_s * factor, v.encode_eps / factor, v.decode_eps / factor)
+            {k: replace(v, overhead_s=v.overhead_s * factor, encode_eps=v.encode_eps / factor,
+                        decode_eps=v.decode_eps / factor, flops=v.flops / factor,
+                        accumulate_eps=v.accumulate_eps / factor)
              for k, v in self.speeds.items()},
             self.source if factor == 1 else f"{self.source}, x{factor:g} slower",
+            self.provenance,
         )
 
     def merged(self, other: SpeedTable) -> SpeedTable:
         """This table with ``other``'s entries on top."""
-        return SpeedTable({**self.speeds, **other.speeds}, f"{other.source}; else {self.source}")
+        return SpeedTable({**self.speeds, **other.speeds}, f"{other.source}; else {self.source}",
+                          other.provenance or self.provenance)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": "commpress-codec-speeds/1",
+        out: dict[str, Any] = {
+            "format": PROFILE_FORMAT if self.provenance else "commpress-codec-speeds/1",
             "source": self.source,
-            "speeds": {k: v.to_dict() for k, v in self.speeds.items()},
         }
+        if self.provenance:
+            out["provenance"] = dict(self.provenance)
+        out["speeds"] = {k: v.to_dict() for k, v in self.speeds.items()}
+        return out
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -164,19 +252,22 @@ class SpeedTable:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpeedTable:
-        if data.get("format") != "commpress-codec-speeds/1" or "speeds" not in data:
+        if data.get("format") not in SPEED_FORMATS or "speeds" not in data:
             raise CommpressError(
-                "not a codec speed table: expected {'format': 'commpress-codec-speeds/1', "
-                "'speeds': {...}} as written by `commpress predict --calibrate-codecs`"
+                "not a codec speed table: expected {'format': 'commpress-device-profile/1' or "
+                "'commpress-codec-speeds/1', 'speeds': {...}} as written by `commpress bench "
+                "codecs --profile` or `commpress predict --calibrate-codecs`"
             )
         speeds = {}
         for key, entry in data["speeds"].items():
             with error_context(f"codec speed entry {key!r}"):
-                speeds[key] = CodecSpeed(
-                    float(entry["overhead_s"]), float(entry["encode_eps"]),
-                    float(entry["decode_eps"]),
-                )
-        return cls(speeds, str(data.get("source", "file")))
+                try:
+                    speeds[key] = CodecSpeed.from_dict(entry)
+                except (KeyError, TypeError, ValueError) as exc:
+                    if isinstance(exc, CommpressError):
+                        raise
+                    raise CommpressError(f"bad codec speed entry {key!r}: {exc!r}") from exc
+        return cls(speeds, str(data.get("source", "file")), dict(data.get("provenance") or {}))
 
     @classmethod
     def load(cls, path: str | Path) -> SpeedTable:
@@ -186,7 +277,9 @@ class SpeedTable:
         except (OSError, json.JSONDecodeError) as exc:
             raise CommpressError(f"cannot read codec speed table {path}: {exc}") from exc
         table = cls.from_dict(data)
-        return cls.builtin().merged(SpeedTable(table.speeds, f"{table.source} ({path})"))
+        device = "cpu" if str(table.provenance.get("device", "")).startswith("cpu") else "gpu"
+        return cls.builtin(device).merged(
+            SpeedTable(table.speeds, f"{table.source} ({path})", table.provenance))
 
 
 def _json_float(value: Any) -> Any:
@@ -276,7 +369,7 @@ def calibrate_speeds(
             speeds[spec_key(codec)] = CodecSpeed(
                 c0, n_large / max(enc_l, 1e-12), n_large / max(dec_l, 1e-12)
             )
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} ({_cpu_name()})"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} ({cpu_name()})"
     source = f"calibrated on {name}, {time.strftime('%Y-%m-%d')}, sizes {small}/{large}"
     return SpeedTable(speeds, source)
 
@@ -381,13 +474,13 @@ def calibrate_protocol_speeds(
             speeds[spec_key(codec)] = CodecSpeed(
                 max(0.0, min(enc_s, dec_s)), n_l / max(enc_l, 1e-12), n_l / max(dec_l, 1e-12)
             )
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} ({_cpu_name()})"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} ({cpu_name()})"
     source = (f"protocol calibrated on {name}, {time.strftime('%Y-%m-%d')}, world size "
               f"{world_size}, {torch.get_num_threads()} thread(s)")
     return SpeedTable(speeds, source)
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -616,21 +709,43 @@ class _Planner:
         self.where = "offload" if cfg.offload is not None else "gpu"
 
     # codec times ------------------------------------------------------------
-    def enc(self, numel: float) -> float:
+    def enc(self, numel: float, shape: tuple[int, ...] | None = None) -> float:
         if self.cfg.offload is not None:
             return self.cfg.offload.time(numel * self.cfg.grad_bytes)
-        return self.speed.encode_time(numel) * self.cfg.codec_time_scale
+        return self.gpu_enc(numel, shape)
 
-    def dec(self, numel: float) -> float:
+    def dec(self, numel: float, shape: tuple[int, ...] | None = None) -> float:
         if self.cfg.offload is not None:
             return self.cfg.offload.decompress_time(numel * self.cfg.grad_bytes)
-        return self.speed.decode_time(numel) * self.cfg.codec_time_scale
+        return self.gpu_dec(numel, shape)
 
-    def gpu_enc(self, numel: float) -> float:
-        return self.speed.encode_time(numel) * self.cfg.codec_time_scale
+    def _speed_for(self, shape: tuple[int, ...] | None) -> CodecSpeed:
+        """The codec's speed, or the identity's for a tensor it sends exactly (PowerSGD's
+        vectors and small matrices: a copy, not a factorisation)."""
+        plan = getattr(self.codec, "plan", None)
+        if shape and callable(plan) and plan(shape) is None:
+            return self.cfg.speeds.lookup(get_codec("identity"))
+        return self.speed
 
-    def gpu_dec(self, numel: float) -> float:
-        return self.speed.decode_time(numel) * self.cfg.codec_time_scale
+    def gpu_enc(self, numel: float, shape: tuple[int, ...] | None = None) -> float:
+        flops = codec_flops(self.codec, shape)[0] if shape else 0.0
+        return self._speed_for(shape).encode_time(numel, flops) * self.cfg.codec_time_scale
+
+    def gpu_dec(self, numel: float, shape: tuple[int, ...] | None = None) -> float:
+        flops = codec_flops(self.codec, shape)[1] if shape else 0.0
+        return self._speed_for(shape).decode_time(numel, flops) * self.cfg.codec_time_scale
+
+    def gathered_sum(self, numel: int, ranks: int) -> float:
+        """Summing ``ranks`` all-gathered payloads of a ``numel``-element tensor, as
+        :meth:`~commpress.codecs.base.Codec.sum_decoded` does: a sparse codec
+        (:func:`sparse_entries`) zeroes the accumulator and scatter-adds ``K`` entries per
+        payload (one decode's time plus ``ranks`` scatter-adds at the profile's rate, when
+        the profile measured one); any other codec decodes every payload densely."""
+        entries = sparse_entries(self.codec, int(numel))
+        if self.cfg.offload is None and entries is not None and self.speed.accumulates:
+            return self.dec(numel) + ranks * self.speed.accumulate_time(entries) * (
+                self.cfg.codec_time_scale)
+        return ranks * self.dec(numel)
 
     # pieces -----------------------------------------------------------------
     @staticmethod
@@ -651,7 +766,7 @@ class _Planner:
         segs: list[Segment] = []
         numel = math.prod(shape)
         prof = wire_profile(self.codec, shape, ranks, self.cfg.grad_dtype)
-        self._add(segs, self.where, self.enc(numel), "codec", f"{label}encode")
+        self._add(segs, self.where, self.enc(numel, shape), "codec", f"{label}encode")
         if ranks > 1:
             for k, r in enumerate(prof.rounds):
                 if r.kind == "allreduce":
@@ -661,20 +776,20 @@ class _Planner:
                 moved = coll.link_bytes(r.kind, r.nbytes * share, ranks, self.cfg.algorithm)
                 self._add(segs, "net", self.collective(t), "comm", f"{label}{r.kind}[{k}]",
                           moved)
-        decodes = ranks if prof.gathers else 1
-        self._add(segs, self.where, decodes * self.dec(numel), "codec", f"{label}decode")
+        decode = self.gathered_sum(numel, ranks) if prof.gathers else self.dec(numel, shape)
+        self._add(segs, self.where, decode, "codec", f"{label}decode")
         return segs
 
     def gather(self, shape: tuple[int, ...], ranks: int, link: coll.Link) -> list[Segment]:
         segs: list[Segment] = []
         numel = math.prod(shape)
         payload = wire_profile(self.codec, shape, 1, self.cfg.grad_dtype).nbytes
-        self._add(segs, self.where, self.enc(numel), "codec", "encode")
+        self._add(segs, self.where, self.enc(numel, shape), "codec", "encode")
         if ranks > 1:
             t = coll.allgather(payload, ranks, link)
             self._add(segs, "net", self.collective(t), "comm", "allgather",
                       coll.link_bytes("allgather", payload, ranks))
-        self._add(segs, self.where, ranks * self.dec(numel), "codec", "decode")
+        self._add(segs, self.where, self.gathered_sum(numel, ranks), "codec", "decode")
         return segs
 
     def ring(self, numel: int, ranks: int, link: coll.Link) -> list[Segment]:
@@ -787,6 +902,34 @@ class _Planner:
         return segs
 
 
+def sparse_entries(codec: Codec, numel: int) -> float | None:
+    """Entries one payload of a sparse codec carries for a ``numel``-element tensor (``K``:
+    its ``count``, or ``ratio * numel`` for a varying count), ``None`` for codecs whose sum
+    of gathered payloads is not a scatter-add (see ``Codec._add_decoded``)."""
+    if type(codec)._add_decoded is Codec._add_decoded:
+        return None
+    count = getattr(codec, "count", None)
+    if callable(count):
+        return float(count(int(numel)))
+    ratio = getattr(codec, "ratio", None)
+    return float(math.ceil(ratio * numel)) if isinstance(ratio, float) else None
+
+
+def codec_flops(codec: Codec, shape: Sequence[int] | None) -> tuple[float, float]:
+    """Matrix-product flops of encoding and decoding a tensor of ``shape``: PowerSGD's
+    ``P = M Q`` and ``Q = M^T P`` (``4 n m r``, plus ``power_iterations - 1`` more pairs) and
+    ``P Q^T`` (``2 n m r``); ``(0, 0)`` for codecs without products or tensors sent exactly."""
+    plan = getattr(codec, "plan", None)
+    if not shape or not callable(plan):
+        return 0.0, 0.0
+    planned = plan(tuple(int(d) for d in shape))
+    if planned is None:
+        return 0.0, 0.0
+    n, m, r = planned
+    iters = int(getattr(codec, "power_iterations", 1) or 1)
+    return 4.0 * n * m * r * iters, 2.0 * n * m * r
+
+
 def exchange_segments(
     codec: Codec | str,
     shapes: Sequence[Sequence[int]],
@@ -889,7 +1032,9 @@ def measure_nmse(
 
 
 __all__ = [
-    "BUILTIN_SPEEDS",
+    "BUILTIN_PROFILES",
+    "FALLBACK_SPEED",
+    "PROFILE_FORMAT",
     "SAMPLE_MAX",
     "STRATEGIES",
     "CodecSpeed",
@@ -899,6 +1044,8 @@ __all__ = [
     "SpeedTable",
     "WireProfile",
     "calibrate_protocol_speeds",
+    "codec_flops",
+    "sparse_entries",
     "calibrate_speeds",
     "exchange_segments",
     "exchange_wire_bytes",

@@ -35,11 +35,13 @@ from commpress.perfmodel.codec_costs import (
 )
 from commpress.perfmodel.collectives import Cluster
 from commpress.perfmodel.ratio import model_codec
-from commpress.perfmodel.timeline import StepTimeline, simulate_step
+from commpress.perfmodel.timeline import MIN_OVERLAP_EFFICIENCY, StepTimeline, simulate_step
 
 #: PyTorch DDP's default bucket cap (``bucket_cap_mb=25``) and first-bucket size (1 MiB).
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+#: Format of the file ``commpress calibrate`` writes (a platform, a cluster, a codec profile).
+CALIBRATION_FORMAT = "commpress-calibration/1"
 #: The baseline every prediction is compared with.
 BASELINE_CODEC = "fp16"
 
@@ -153,6 +155,10 @@ class Workload:
         optimizer_s: optimizer step after all gradients are reduced.
         grad_bytes: bytes per gradient element (4 for float32).
         name: free text.
+        backward_weights: each bucket's share of the backward time (any positive scale,
+            e.g. its layers' flops); ``None``: proportional to its elements. Compute and
+            parameters are not proportional in convolutional networks (VGG19's first fully
+            connected layer holds 72 % of the parameters and little of the compute).
     """
 
     buckets: tuple[tuple[Shape, ...], ...]
@@ -161,6 +167,7 @@ class Workload:
     optimizer_s: float = 0.0
     grad_bytes: int = 4
     name: str = ""
+    backward_weights: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for label, v in (("forward_s", self.forward_s), ("backward_s", self.backward_s),
@@ -169,6 +176,15 @@ class Workload:
                 raise CommpressError(f"{label} must be finite and >= 0 seconds, got {v!r}")
         if not self.buckets:
             raise CommpressError("a workload needs at least one gradient bucket")
+        if self.backward_weights is not None:
+            w = self.backward_weights
+            if len(w) != len(self.buckets) or not all(
+                math.isfinite(x) and x >= 0 for x in w
+            ) or not sum(w) > 0:
+                raise CommpressError(
+                    f"backward_weights needs one finite weight >= 0 per bucket "
+                    f"({len(self.buckets)}), not all zero; got {len(w)}"
+                )
 
     @property
     def params(self) -> int:
@@ -183,7 +199,7 @@ class Workload:
         return self.forward_s + self.backward_s + self.optimizer_s
 
     def backward_segments(self) -> list[float]:
-        sizes = self.bucket_numels
+        sizes: Sequence[float] = self.backward_weights or self.bucket_numels
         total = sum(sizes) or 1
         return [self.backward_s * k / total for k in sizes]
 
@@ -199,20 +215,31 @@ class Workload:
         bucket_bytes: float = DDP_BUCKET_BYTES,
         first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
         name: str = "",
+        compute_weights: Sequence[float] | None = None,
     ) -> Workload:
         """Buckets from parameter shapes (in ``parameters()`` order) as DDP builds them.
 
         ``compute_s`` is forward + backward; ``backward_fraction`` of it is backward (2/3 for
         transformers: the backward pass does twice the forward's matrix products).
+        ``compute_weights`` (one per shape, e.g. the flops of the layer the tensor belongs
+        to) spread the backward time over the buckets; by default it follows the elements.
         """
         if not 0 <= backward_fraction <= 1:
             raise CommpressError(f"backward_fraction must be in [0, 1], got {backward_fraction}")
         if not shapes:
             raise CommpressError("no parameter shapes given")
-        buckets = ddp_buckets(shapes, grad_bytes=grad_bytes, bucket_bytes=bucket_bytes,
-                              first_bucket_bytes=first_bucket_bytes)
+        clean = [tuple(int(d) for d in s) for s in shapes]
+        layout = ddp_bucket_indices(clean, grad_bytes=grad_bytes, bucket_bytes=bucket_bytes,
+                                    first_bucket_bytes=first_bucket_bytes)
+        weights = None
+        if compute_weights is not None:
+            if len(compute_weights) != len(clean):
+                raise CommpressError(f"got {len(compute_weights)} compute weights for "
+                                     f"{len(clean)} shapes")
+            weights = tuple(float(sum(compute_weights[i] for i in b)) for b in layout)
         return cls(
-            buckets=tuple(tuple(b) for b in buckets),
+            buckets=tuple(tuple(clean[i] for i in b) for b in layout),
+            backward_weights=weights,
             forward_s=compute_s * (1 - backward_fraction),
             backward_s=compute_s * backward_fraction,
             optimizer_s=optimizer_s,
@@ -282,7 +309,8 @@ class Platform:
     :func:`commpress.perfmodel.calibration.fit_platform`.
 
     Attributes:
-        overlap_efficiency: ``eta`` in [0, 1] (see :mod:`commpress.perfmodel.timeline`).
+        overlap_efficiency: ``eta`` in [-4, 1] (see :mod:`commpress.perfmodel.timeline`;
+            below 0 overlapped communication slows compute by more than its own time).
         collective_overhead_s: software cost of one collective call beyond the link latency.
         inter_bandwidth_scale: multiplier on the inter-node link's usable bandwidth (what the
             transport really achieves relative to the description).
@@ -292,6 +320,10 @@ class Platform:
         compute_time_scale: multiplier on the workload's forward, backward and optimizer
             times (what data-parallel training adds to the single-process compute: DDP's
             autograd hooks, bucket copies, the hook's bookkeeping).
+        network_spread: relative uncertainty of the network's time (from the calibration's
+            spread); predictions quote a range with it.
+        codec_spread: relative uncertainty of codec times (used when larger than the codec
+            profile's own spread).
         name: where it comes from.
     """
 
@@ -301,17 +333,24 @@ class Platform:
     codec_time_scale: float = 1.0
     message_latency_s: float = 0.0
     compute_time_scale: float = 1.0
+    network_spread: float = 0.0
+    codec_spread: float = 0.0
     name: str = "ideal (uncalibrated)"
 
     def __post_init__(self) -> None:
-        if not 0 <= self.overlap_efficiency <= 1:
+        if not MIN_OVERLAP_EFFICIENCY <= self.overlap_efficiency <= 1:
             raise CommpressError(
-                f"overlap_efficiency must be in [0, 1], got {self.overlap_efficiency!r}"
+                f"overlap_efficiency must be in [{MIN_OVERLAP_EFFICIENCY:g}, 1], got "
+                f"{self.overlap_efficiency!r}"
             )
         for label in ("collective_overhead_s", "message_latency_s"):
             v = getattr(self, label)
             if not (math.isfinite(v) and v >= 0):
                 raise CommpressError(f"{label} must be finite and >= 0 seconds, got {v!r}")
+        for label in ("network_spread", "codec_spread"):
+            v = getattr(self, label)
+            if not (math.isfinite(v) and v >= 0):
+                raise CommpressError(f"{label} must be finite and >= 0, got {v!r}")
         for label in ("inter_bandwidth_scale", "codec_time_scale", "compute_time_scale"):
             v = getattr(self, label)
             if not (math.isfinite(v) and v > 0):
@@ -336,10 +375,16 @@ class Platform:
 
     @classmethod
     def load(cls, path: str | Path) -> Platform:
+        """A platform file, or the platform of a ``commpress calibrate`` file."""
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise CommpressError(f"cannot read platform file {path}: {exc}") from exc
+        if isinstance(data, Mapping) and data.get("format") == CALIBRATION_FORMAT:
+            data = data.get("platform") or {}
+        if not isinstance(data, Mapping):
+            raise CommpressError(f"platform file {path} holds no JSON object")
+        return cls.from_dict(data)
 
 
 _BUCKET_JOBS: dict[tuple[Any, str, tuple[Shape, ...]], list[tuple[Any, list[Shape]]]] = {}
@@ -675,6 +720,57 @@ def predict_baseline(
                    granularity="bucket", speeds=speeds, platform=platform)
 
 
+@dataclass(frozen=True)
+class SpeedupRange:
+    """A codec's speedup over the baseline, nominal and within the calibration's spread:
+    ``low`` with the network faster and the codecs slower than calibrated (the case least
+    favourable to compression), ``high`` the reverse."""
+
+    low: float
+    nominal: float
+    high: float
+
+    def __str__(self) -> str:
+        return f"{self.nominal:.3f}x ({self.low:.3f}-{self.high:.3f})"
+
+
+def speedup_range(
+    workload: Workload,
+    cluster: Cluster | Mapping[str, Any],
+    codec: str | Any | Sequence[str],
+    *,
+    speeds: SpeedTable | None = None,
+    platform: Platform | None = None,
+    **kwargs: Any,
+) -> SpeedupRange:
+    """:func:`predict`'s speedup over the FP16 baseline, and its range: the network's time
+    moved by ``platform.network_spread`` and the codecs' by the larger of the profile's
+    spread and ``platform.codec_spread``, in the directions that favour compression least
+    (``low``) and most (``high``). The baseline is predicted under the same changes."""
+    platform = platform or Platform()
+    speeds = speeds or SpeedTable.builtin()
+    s_net = platform.network_spread
+    s_codec = max(speeds.spread, platform.codec_spread)
+    base_kwargs = {k: kwargs[k] for k in ("algorithm",) if k in kwargs}
+
+    def at(net: float, codec_f: float) -> float:
+        p = replace(platform, inter_bandwidth_scale=platform.inter_bandwidth_scale * net)
+        cl = _as_cluster(cluster)
+        if net != 1.0:
+            cl = replace(cl, intra=replace(cl.intra, bandwidth=cl.intra.bandwidth * net))
+        sp = speeds.scaled(codec_f) if codec_f != 1.0 else speeds
+        pred = predict(workload, cl, codec, speeds=sp, platform=p, **kwargs).total
+        base = predict_baseline(workload, cl, speeds=sp, platform=p, **base_kwargs).total
+        return base / pred
+
+    nominal = at(1.0, 1.0)
+    if not s_net and not s_codec:
+        return SpeedupRange(nominal, nominal, nominal)
+    low = at(1.0 + s_net, 1.0 + s_codec)
+    high = at(1.0 / (1.0 + s_net), 1.0 / (1.0 + s_codec))
+    return SpeedupRange(min(low, nominal), nominal, max(high, nominal))
+
+
 def compare(
     workload: Workload,
     cluster: Cluster | Mapping[str, Any],
@@ -777,6 +873,7 @@ __all__ = [
     "Platform",
     "Prediction",
     "Setup",
+    "SpeedupRange",
     "Workload",
     "compare",
     "ddp_buckets",
@@ -784,5 +881,6 @@ __all__ = [
     "grid",
     "predict",
     "predict_baseline",
+    "speedup_range",
     "transformer_shapes",
 ]

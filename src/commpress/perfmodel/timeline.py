@@ -32,7 +32,10 @@ all-reduce rounds on ``net``, decode on ``gpu``), built by
    kernels and the network stack slow compute down). With ``overlap_efficiency`` ``eta``,
    each second of communication (``net`` segments of kind ``comm``) that overlaps backward
    compute adds ``(1 - eta)`` seconds to the step: ``eta = 1`` is perfect overlap, ``eta = 0``
-   makes overlap worthless. It is a per-platform constant, fitted by
+   makes overlap worthless, and ``eta < 0`` (down to :data:`MIN_OVERLAP_EFFICIENCY`) makes it
+   worse than running the two one after the other (communication kernels that compete with
+   backward for the GPU's memory bandwidth and SMs: Han et al.'s dense baselines need
+   ``eta`` about -0.4). It is a per-platform constant, fitted by
    :mod:`commpress.perfmodel.calibration`.
 
 The result carries a critical-path breakdown: walking back from the end, every second of the
@@ -54,6 +57,8 @@ Resource: TypeAlias = Literal["gpu", "net", "offload"]
 Kind: TypeAlias = Literal["compute", "comm", "codec"]
 RESOURCES: tuple[str, ...] = ("gpu", "net", "offload")
 KINDS: tuple[str, ...] = ("compute", "comm", "codec")
+#: Lowest overlap efficiency: each overlapped second of communication costs at most 5.
+MIN_OVERLAP_EFFICIENCY = -4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +209,7 @@ def simulate_step(
             ``backward_s``. An empty job means nothing to exchange. With ``bucket_of``, any
             number of jobs (for example one per tensor of a bucket).
         optimizer_s: optimizer step after all gradients are reduced.
-        overlap_efficiency: ``eta`` in [0, 1], see step 6.
+        overlap_efficiency: ``eta`` in [MIN_OVERLAP_EFFICIENCY, 1], see step 6.
         bucket_of: the bucket whose gradients each job needs (non-decreasing, one entry per
             job); default job ``i`` belongs to bucket ``i``.
         queue_depth: ``None`` for rule 2 (two jobs in flight, whatever their buckets). An int
@@ -248,8 +253,9 @@ def simulate_step(
                 f"token_bucket must be (depth >= 0 bytes, rate > 0 bytes/s), got {token_bucket!r}"
             )
     tokens, tokens_at = (token_bucket[0], 0.0) if token_bucket is not None else (0.0, 0.0)
-    if not 0.0 <= overlap_efficiency <= 1.0:
-        raise CommpressError(f"overlap_efficiency must be in [0, 1], got {overlap_efficiency!r}")
+    if not MIN_OVERLAP_EFFICIENCY <= overlap_efficiency <= 1.0:
+        raise CommpressError(f"overlap_efficiency must be in [{MIN_OVERLAP_EFFICIENCY:g}, 1], "
+                             f"got {overlap_efficiency!r}")
     for name, value in (("forward_s", forward_s), ("optimizer_s", optimizer_s),
                         *((f"backward_s[{i}]", b) for i, b in enumerate(backward_s))):
         if not (math.isfinite(value) and value >= 0):

@@ -1,0 +1,283 @@
+"""Published measurements as tests of the model: Han et al.'s BERT-large and VGG19 tables.
+
+Han, Vargaftik, Mitzenmacher, Karp and Ben Basat measured the training throughput (rounds per
+second) of TopK, TopKC, THC and PowerSGD configurations on 2 nodes x 2 A100 with a 100 Gbit/s
+NIC, next to the FP32 and FP16 baselines (their Tables 1, 3, 6 and 7; the numbers and the
+codec spec of every configuration are in ``data/han2024.json``). :func:`reproduce`:
+
+1. builds both models' real parameter shapes (:func:`bert_large_shapes`,
+   :func:`vgg19_shapes`, in ``parameters()`` order) and DDP's 25 MiB buckets;
+2. calibrates **only the network and the compute time** on the paper's own baselines: for
+   given network constants (bandwidth scale and per-collective overhead of
+   :class:`~commpress.perfmodel.model.Platform`) each task's compute time is solved so that
+   the FP16 baseline is reproduced exactly, and the network constants are fitted so that
+   the FP32 baselines of both tasks are reproduced too (four numbers, four unknowns);
+3. predicts every compressed configuration with the built-in GPU codec profile (measured on
+   an H100, not fitted) and reports its throughput relative to the FP16 baseline against the
+   measured one, with the verdict (gain or loss) of each.
+
+``commpress validate --published`` prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from commpress.errors import CommpressError
+from commpress.perfmodel.calibration import nelder_mead
+from commpress.perfmodel.codec_costs import SpeedTable
+from commpress.perfmodel.collectives import Cluster
+from commpress.perfmodel.model import Platform, Workload, predict, predict_baseline
+from commpress.report import render_table
+
+DATA = Path(__file__).with_name("data") / "han2024.json"
+Shape = tuple[int, ...]
+
+
+def bert_large_shapes(vocab: int = 30522, hidden: int = 1024, layers: int = 24,
+                      intermediate: int = 4096, positions: int = 512) -> list[Shape]:
+    """BERT-large for masked language modelling (embeddings, 24 encoder layers, the MLM
+    head's transform and decoder bias; the decoder weight is tied to the word embeddings),
+    in ``parameters()`` order: 335,174,458 parameters."""
+    h = hidden
+    shapes: list[Shape] = [(vocab, h), (positions, h), (2, h), (h,), (h,)]
+    for _ in range(layers):
+        for _qkv in range(3):
+            shapes += [(h, h), (h,)]
+        shapes += [(h, h), (h,), (h,), (h,)]  # attention output, LayerNorm
+        shapes += [(intermediate, h), (intermediate,), (h, intermediate), (h,), (h,), (h,)]
+    shapes += [(h, h), (h,), (h,), (h,), (vocab,)]  # MLM transform, LayerNorm, decoder bias
+    return shapes
+
+
+def vgg19_shapes(classes: int = 1000) -> list[Shape]:
+    """VGG19 (16 3x3 convolutions with biases, three fully connected layers after a 7x7
+    pooled map), in ``parameters()`` order: 143,667,240 parameters with 1000 classes."""
+    cfg = [64, 64, 128, 128, 256, 256, 256, 256, 512, 512, 512, 512, 512, 512, 512, 512]
+    shapes: list[Shape] = []
+    cin = 3
+    for cout in cfg:
+        shapes += [(cout, cin, 3, 3), (cout,)]
+        cin = cout
+    for fin, fout in ((512 * 7 * 7, 4096), (4096, 4096), (4096, classes)):
+        shapes += [(fout, fin), (fout,)]
+    return shapes
+
+
+def bert_large_flops(vocab: int = 30522, hidden: int = 1024, layers: int = 24,
+                     intermediate: int = 4096, positions: int = 512) -> list[float]:
+    """Multiply-adds per token of the layer each :func:`bert_large_shapes` tensor belongs to
+    (its weight's; biases and norms 0; embeddings are gathers, 0); the tied decoder's
+    product is charged to the decoder bias, whose gradient it produces first."""
+    h = hidden
+    flops: list[float] = [0.0] * 5
+    for _ in range(layers):
+        flops += [h * h, 0.0] * 3 + [h * h, 0.0, 0.0, 0.0]
+        flops += [intermediate * h, 0.0, h * intermediate, 0.0, 0.0, 0.0]
+    flops += [h * h, 0.0, 0.0, 0.0, float(vocab * h)]
+    return flops
+
+
+def vgg19_flops(classes: int = 1000, image: int = 64) -> list[float]:
+    """Multiply-adds per image of the layer each :func:`vgg19_shapes` tensor belongs to, at
+    ``image`` x ``image`` inputs (TinyImageNet: 64)."""
+    cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
+           512, 512, 512, 512]
+    flops: list[float] = []
+    cin, side = 3, image
+    for c in cfg:
+        if c == "M":
+            side //= 2
+            continue
+        assert isinstance(c, int)
+        flops += [float(side * side * c * cin * 9), 0.0]
+        cin = c
+    for fin, fout in ((512 * 7 * 7, 4096), (4096, 4096), (4096, classes)):
+        flops += [float(fin * fout), 0.0]
+    return flops
+
+
+MODELS: dict[str, Callable[[], list[Shape]]] = {"bert-large": bert_large_shapes,
+                                                 "vgg19": vgg19_shapes}
+FLOPS: dict[str, Callable[[], list[float]]] = {"bert-large": bert_large_flops,
+                                               "vgg19": vgg19_flops}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PublishedConfig:
+    task: str
+    label: str
+    codec: str
+    strategy: str
+    granularity: str
+    measured: float  # rounds per second
+    ref: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PublishedRow:
+    """One configuration: throughputs relative to the FP16 baseline."""
+
+    task: str
+    label: str
+    ref: str
+    measured_rel: float
+    predicted_rel: float
+    low_rel: float
+    high_rel: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_rel - self.measured_rel) / self.measured_rel
+
+    @property
+    def verdict_agrees(self) -> bool:
+        return (self.predicted_rel > 1.0) == (self.measured_rel > 1.0)
+
+
+@dataclass(frozen=True)
+class PublishedReport:
+    rows: tuple[PublishedRow, ...]
+    platform: Platform
+    compute_s: dict[str, float]
+    baseline_errors: dict[str, float]
+
+    @property
+    def median_abs_error(self) -> float:
+        return statistics.median(abs(r.error) for r in self.rows)
+
+    @property
+    def worst_abs_error(self) -> float:
+        return max(abs(r.error) for r in self.rows)
+
+    @property
+    def verdicts(self) -> int:
+        return sum(r.verdict_agrees for r in self.rows)
+
+    def table(self) -> str:
+        rows = [[r.task, r.label, r.ref, f"{r.measured_rel:.2f}x", f"{r.predicted_rel:.2f}x",
+                 f"{r.low_rel:.2f}-{r.high_rel:.2f}x", f"{r.error:+.0%}",
+                 "yes" if r.verdict_agrees else "NO"] for r in self.rows]
+        p = self.platform
+        head = (
+            "Han et al. (2 nodes x 2 A100, 100 Gbit/s): throughput relative to the fp16 "
+            "baseline, measured vs predicted\n"
+            f"calibrated on the paper's fp16/fp32 baselines only: bandwidth x"
+            f"{p.inter_bandwidth_scale:.3f} of 100 Gbit/s, overlap efficiency "
+            f"{p.overlap_efficiency:.2f}; compute "
+            + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.compute_s.items())
+            + "; baselines reproduced within "
+            + ", ".join(f"{k} {v:+.1%}" for k, v in self.baseline_errors.items())
+            + "\ncodec speeds: the built-in GPU profile (measured on an H100; not fitted)\n"
+        )
+        tail = (f"\nmedian |error| {self.median_abs_error:.1%}, worst {self.worst_abs_error:.1%}"
+                f"; verdict (gain/loss vs fp16) agrees in {self.verdicts} of {len(self.rows)}")
+        return head + render_table(["task", "config", "table", "measured", "predicted",
+                                    "range", "error", "verdict"], rows) + tail
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "platform": self.platform.to_dict(), "compute_s": self.compute_s,
+            "median_abs_error": self.median_abs_error, "worst_abs_error": self.worst_abs_error,
+            "verdicts_agree": self.verdicts,
+            "rows": [{"task": r.task, "config": r.label, "ref": r.ref,
+                      "measured_rel": r.measured_rel, "predicted_rel": r.predicted_rel,
+                      "range": [r.low_rel, r.high_rel], "error": r.error} for r in self.rows],
+        }
+
+
+def load(path: str | Path = DATA) -> dict[str, Any]:
+    try:
+        data: dict[str, Any] = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CommpressError(f"cannot read published data {path}: {exc}") from exc
+    if data.get("format") != "commpress-published/1":
+        raise CommpressError(f"{path} is not a commpress-published/1 file")
+    return data
+
+
+def _workload(model: str, compute_s: float) -> Workload:
+    return Workload.from_shapes(MODELS[model](), compute_s=compute_s, name=model,
+                                compute_weights=FLOPS[model]())
+
+
+def _solve_compute(model: str, cluster: Cluster, platform: Platform, step_s: float,
+                   speeds: SpeedTable) -> float:
+    """The compute time whose predicted FP16 baseline step is ``step_s`` (bisection; the
+    step grows with the compute time)."""
+    lo, hi = 0.0, step_s
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        t = predict_baseline(_workload(model, mid), cluster, speeds=speeds,
+                             platform=platform).total
+        lo, hi = (mid, hi) if t < step_s else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def calibrate(data: dict[str, Any], speeds: SpeedTable | None = None
+              ) -> tuple[Platform, dict[str, float], dict[str, float]]:
+    """Network constants and per-task compute times from the FP16 and FP32 baselines only.
+    Returns the platform, the compute times and the relative errors on the FP32 baselines."""
+    speeds = speeds or SpeedTable.builtin("gpu")
+    cluster = Cluster.from_measured(data["cluster"])
+    tasks = data["tasks"]
+
+    def fitted(x: Sequence[float]) -> tuple[Platform, dict[str, float], dict[str, float]]:
+        platform = Platform(inter_bandwidth_scale=math.exp(x[0]),
+                            overlap_efficiency=1.0 - math.exp(x[1]),
+                            name="fitted to Han et al.")
+        compute, errors = {}, {}
+        for name, task in tasks.items():
+            base = task["baselines"]
+            c = _solve_compute(task["model"], cluster, platform, 1.0 / base["fp32+fp16"], speeds)
+            compute[name] = c
+            fp32 = predict(_workload(task["model"], c), cluster, "identity",
+                           granularity="bucket", speeds=speeds, platform=platform).total
+            errors[name] = fp32 * base["fp32+fp32"] - 1.0
+        return platform, compute, errors
+
+    x, _ = nelder_mead(lambda x: sum(e * e for e in fitted(x)[2].values()),
+                       [math.log(0.7), math.log(0.5)], max_iter=80, step=0.5)
+    return fitted(x)
+
+
+def reproduce(path: str | Path = DATA, *, speeds: SpeedTable | None = None,
+              tasks: Sequence[str] | None = None) -> PublishedReport:
+    """Calibrate on the baselines, predict every configuration (see the module docstring)."""
+    data = load(path)
+    speeds = speeds or SpeedTable.builtin("gpu")
+    platform, compute, errors = calibrate(data, speeds)
+    cluster = Cluster.from_measured(data["cluster"])
+    spread = speeds.spread
+    rows = []
+    for entry in data["configs"]:
+        cfg = PublishedConfig(**entry)
+        if tasks is not None and cfg.task not in tasks:
+            continue
+        task = data["tasks"][cfg.task]
+        workload = _workload(task["model"], compute[cfg.task])
+        base = 1.0 / task["baselines"]["fp32+fp16"]
+        kwargs: dict[str, Any] = dict(strategy=cfg.strategy, granularity=cfg.granularity,
+                                      platform=platform)
+        pred = predict(workload, cluster, cfg.codec, speeds=speeds, **kwargs).total
+        slow = predict(workload, cluster, cfg.codec, speeds=speeds.scaled(1 + spread),
+                       **kwargs).total
+        fast = predict(workload, cluster, cfg.codec, speeds=speeds.scaled(1 / (1 + spread)),
+                       **kwargs).total
+        rows.append(PublishedRow(
+            task=cfg.task, label=cfg.label, ref=cfg.ref,
+            measured_rel=cfg.measured * base, predicted_rel=base / pred,
+            low_rel=base / slow, high_rel=base / fast,
+        ))
+    return PublishedReport(tuple(rows), replace(platform), compute, errors)
+
+
+__all__ = ["PublishedReport", "PublishedRow", "bert_large_flops", "bert_large_shapes", "calibrate",
+           "reproduce", "vgg19_flops",
+           "vgg19_shapes"]

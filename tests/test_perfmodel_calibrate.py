@@ -1,0 +1,135 @@
+"""``commpress calibrate`` (real 2-rank gloo all-reduces on loopback), the network fit, and
+predictions with a range from the calibration's spread."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from commpress.errors import CommpressError
+from commpress.perfmodel.advisor import advise
+from commpress.perfmodel.calibration import fit_network
+from commpress.perfmodel.codec_costs import CodecSpeed, SpeedTable
+from commpress.perfmodel.collectives import Cluster
+from commpress.perfmodel.model import Platform, Workload, speedup_range
+
+
+def test_network_fit_recovers_alpha_and_bandwidth() -> None:
+    n, alpha, bw = 4, 50e-6, 1e9
+    samples = [(b, [2 * (n - 1) * alpha + 2 * (n - 1) / n * b / bw] * 5)
+               for b in (4096, 1 << 18, 1 << 22)]
+    fit = fit_network(samples, n)
+    assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert fit.bandwidth == pytest.approx(bw, rel=1e-6)
+    assert fit.spread == pytest.approx(0.0, abs=1e-9)
+    # 10% noise on one size shows up as spread
+    noisy = [(b, [t * (1.1 if b == 1 << 18 else 1.0) for t in ts]) for b, ts in samples]
+    assert 0.03 < fit_network(noisy, n).spread < 0.15
+    with pytest.raises(CommpressError, match="two or more sizes"):
+        fit_network(samples[:1], n)
+    with pytest.raises(CommpressError, match="at least 2 processes"):
+        fit_network(samples, 1)
+
+
+def test_calibrate_command_on_loopback_gloo(tmp_path: Path) -> None:
+    out = tmp_path / "calib.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "commpress", "calibrate", "--processes", "2", "--sizes",
+         "4kB,64kB,1MB", "--repeats", "3", "--compute-ms", "40", "--out", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["format"] == "commpress-calibration/1"
+    net = data["network"]
+    assert net["processes"] == 2 and net["bandwidth_Bps"] > 0 and net["alpha_s"] >= 0
+    # the fit is consistent with its own samples: the largest size's median within the spread
+    big = max(net["samples"], key=lambda s: s["bytes"])
+    med = sorted(big["seconds"])[len(big["seconds"]) // 2]
+    fitted = 2 * net["alpha_s"] + big["bytes"] / net["bandwidth_Bps"]
+    assert abs(fitted - med) / med <= max(net["spread"], 1e-9) + 1e-9
+    assert data["compute_s"] == pytest.approx(0.04)
+    assert Platform.load(out).network_spread == pytest.approx(net["spread"])
+    # predict loads it: cluster, compute time and codec speeds come from the file
+    pred = subprocess.run(
+        [sys.executable, "-m", "commpress", "predict", "--platform", str(out), "--params",
+         "2M", "--codec", "powersgd:rank=4", "--json"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert pred.returncode == 0, pred.stderr
+    result = json.loads(pred.stdout)
+    assert result["workload"]["compute_s"] == pytest.approx(0.04)
+    assert result["cluster"].startswith("1 node(s) x 2 GPU(s)")
+    low, high = result["results"][0]["speedup_range"]
+    assert low <= result["results"][0]["speedup_vs_fp16"] <= high
+
+
+SPEEDS = SpeedTable({"*": CodecSpeed(1e-4, 1e9, 1e9, additive=True),
+                     "identity": CodecSpeed(0.0, float("inf"), float("inf"))}, "synthetic")
+
+
+def _setup() -> tuple[Workload, Cluster]:
+    w = Workload.from_shapes([(1024, 1024)] * 8, compute_s=0.01)
+    return w, Cluster.build(nodes=2, gpus_per_node=1, inter_bw="1gbit")
+
+
+def test_speedup_range_widens_with_the_spread() -> None:
+    w, cl = _setup()
+    tight = speedup_range(w, cl, "powersgd:rank=4", speeds=SPEEDS, platform=Platform())
+    assert tight.low == tight.nominal == tight.high
+    wide = speedup_range(w, cl, "powersgd:rank=4", speeds=SPEEDS,
+                         platform=Platform(network_spread=0.5, codec_spread=0.5))
+    assert wide.low < wide.nominal < wide.high
+    assert wide.nominal == pytest.approx(tight.nominal)
+
+
+def test_advise_recommends_compression_only_beyond_the_range() -> None:
+    w, cl = _setup()
+    kwargs = dict(candidates=["powersgd:rank=4"], nmse_table={"powersgd:rank=4": 0.1},
+                  speeds=SPEEDS, min_speedup=1.0)
+    sure = advise(w, cl, platform=Platform(), **kwargs)
+    nominal = sure.speedup
+    assert sure.compress and nominal > 1.0
+    # a spread so large that the gain could vanish: no compression, and the summary says why
+    unsure = advise(w, cl, platform=Platform(network_spread=nominal * 4, codec_spread=4.0),
+                    **kwargs)
+    assert not unsure.compress
+    assert unsure.speedup_range is not None and unsure.speedup_range.low <= 1.0
+    assert "does not exceed the model's uncertainty" in unsure.summary()
+
+
+def test_profile_fit_recovers_a_known_cost_model() -> None:
+    from commpress.bench.codecs import ProfilePoint, _fit
+
+    c0, eps, rate = 2e-4, 5e9, 1e12
+    pts = [ProfilePoint(numel=n, flops=f, best_s=c0 + n / eps + f / rate,
+                        median_s=c0 + n / eps + f / rate)
+           for n, f in ((4096, 1e5), (1 << 20, 4e6), (1 << 20, 6.4e7), (1 << 24, 1e9))]
+    got_c0, got_eps, got_rate, spread = _fit(pts, True)
+    assert got_c0 == pytest.approx(c0, rel=1e-6)
+    assert got_eps == pytest.approx(eps, rel=1e-6)
+    assert got_rate == pytest.approx(rate, rel=1e-6)
+    assert spread == pytest.approx(0.0, abs=1e-9)
+
+
+def test_bench_codecs_profile_writes_a_loadable_profile(tmp_path: Path) -> None:
+    out = tmp_path / "prof.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "commpress", "bench", "codecs", "--codecs", "fp16", "topk",
+         "powersgd:rank=4", "--profile", str(out), "--profile-sizes", "4096,16384",
+         "--repeat", "2"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    prov = data["provenance"]
+    assert prov["sizes"] == [4096, 16384] and prov["torch"] and prov["threads"] >= 1
+    assert "--profile" in prov["command"]
+    table = SpeedTable.load(out)
+    assert set(data["speeds"]) == {"fp16", "topk", "powersgd"}
+    assert table.speeds["topk"].accumulates  # the scatter-add of gathered payloads
+    assert table.speeds["powersgd"].additive
