@@ -39,7 +39,7 @@ def test_calibrate_command_on_loopback_gloo(tmp_path: Path) -> None:
     out = tmp_path / "calib.json"
     proc = subprocess.run(
         [sys.executable, "-m", "commpress", "calibrate", "--processes", "2", "--sizes",
-         "4kB,64kB,1MB", "--repeats", "3", "--compute-ms", "40", "--out", str(out)],
+         "4kB,1MB,8MB", "--repeats", "5", "--compute-ms", "40", "--out", str(out)],
         capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr
