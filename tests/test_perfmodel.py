@@ -43,7 +43,7 @@ from commpress.perfmodel.model import (
     transformer_shapes,
 )
 from commpress.perfmodel.timeline import Segment, simulate_step
-from commpress.perfmodel.units import (
+from commpress.units import (
     format_bandwidth,
     parse_bandwidth,
     parse_count,

@@ -206,7 +206,7 @@ def test_report_json_plot_and_saved_run_round_trip(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------ grid and inputs
 def test_grids_cover_the_issue_range() -> None:
-    from commpress.perfmodel.units import parse_bandwidth
+    from commpress.units import parse_bandwidth
 
     grid = default_grid()
     assert sum(len(g.codecs) for g in grid) >= 20

@@ -407,7 +407,7 @@ def write_profile(args: argparse.Namespace, specs: Sequence[str]) -> int:
     import sys
 
     from commpress.perfmodel.codec_costs import SpeedTable
-    from commpress.perfmodel.units import format_count
+    from commpress.units import format_count
 
     sizes = None
     if args.profile_sizes:

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from commpress.perfmodel.calibration import measure_network
     from commpress.perfmodel.codec_costs import SpeedTable
     from commpress.perfmodel.model import CALIBRATION_FORMAT, Platform
-    from commpress.perfmodel.units import (
+    from commpress.units import (
         format_bandwidth,
         format_seconds,
         parse_duration,

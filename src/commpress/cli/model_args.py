@@ -25,7 +25,7 @@ from commpress.perfmodel.model import (
     estimate_compute_s,
 )
 from commpress.perfmodel.shapes import ModelShapes
-from commpress.perfmodel.units import parse_bandwidth, parse_count, parse_duration
+from commpress.units import parse_bandwidth, parse_count, parse_duration
 
 #: Environment variable naming a codec speed table (JSON) to use by default.
 SPEEDS_ENV = "COMMPRESS_CODEC_SPEEDS"

@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     from commpress.errors import CommpressError
     from commpress.perfmodel.codec_costs import calibrate_speeds
-    from commpress.perfmodel.units import format_count, parse_count
+    from commpress.units import format_count, parse_count
 
     if not args.save:
         raise CommpressError("--calibrate-codecs needs --save PATH for the speed table")
@@ -65,7 +65,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def result_row(name: str, pred: Any, base_total: float) -> list[Any]:
-    from commpress.perfmodel.units import format_seconds
+    from commpress.units import format_seconds
 
     b = pred.breakdown()
     return [
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         return _calibrate(args)
     from commpress.cli.model_args import cluster_from_args, model_kwargs, workload_from_args
     from commpress.perfmodel.model import predict, predict_baseline, speedup_range
-    from commpress.perfmodel.units import format_count, format_seconds
+    from commpress.units import format_count, format_seconds
 
     workload = workload_from_args(args)
     cluster = cluster_from_args(args)

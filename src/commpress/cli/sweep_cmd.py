@@ -71,7 +71,7 @@ def _plot(rows: list[dict[str, Any]], codecs: list[str], models: list[str], node
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from commpress.perfmodel.units import format_bandwidth
+    from commpress.units import format_bandwidth
 
     index = {(r["codec"], r["model"], r["nodes"], r["inter_bw_bps"]): r["speedup"] for r in rows}
     fig, axes = plt.subplots(
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from commpress.errors import CommpressError
     from commpress.perfmodel.codec_costs import measure_nmse
     from commpress.perfmodel.model import Workload, predict, predict_baseline
-    from commpress.perfmodel.units import (
+    from commpress.units import (
         format_bandwidth,
         format_count,
         parse_bandwidth,

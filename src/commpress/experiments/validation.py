@@ -90,8 +90,8 @@ from commpress.perfmodel.calibration import (
 from commpress.perfmodel.codec_costs import SpeedTable, calibrate_protocol_speeds
 from commpress.perfmodel.collectives import TCP_EFFICIENCY, Cluster
 from commpress.perfmodel.model import HookPlan, Platform, Setup, Workload, ddp_buckets
-from commpress.perfmodel.units import format_seconds, parse_bandwidth
 from commpress.report import render_table
+from commpress.units import format_seconds, parse_bandwidth
 
 #: Format tag of the JSON written by :func:`save_run` / read by :func:`load_run`.
 RUN_FORMAT = "commpress-validation/1"

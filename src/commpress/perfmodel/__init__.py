@@ -1,6 +1,6 @@
 """Performance model: will gradient compression pay on this cluster, for this model?
 
-* :mod:`~commpress.perfmodel.units` - ``"100gbit"``, ``"600GB/s"``, ``"200us"``, ``"1.3e9"``.
+* :mod:`~commpress.units` - ``"100gbit"``, ``"600GB/s"``, ``"200us"``, ``"1.3e9"``.
 * :mod:`~commpress.perfmodel.collectives` - alpha-beta costs of ring, tree and recursive
   halving/doubling collectives, hierarchical exchanges (SqueezeNIC's equations), clusters.
 * :mod:`~commpress.perfmodel.shapes` - real models: parameter shapes from an ``nn.Module``

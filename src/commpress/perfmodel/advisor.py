@@ -53,8 +53,8 @@ from commpress.perfmodel.model import (
     speedup_range,
 )
 from commpress.perfmodel.ratio import model_codec
-from commpress.perfmodel.units import format_count, format_seconds
 from commpress.report import render_table
+from commpress.units import format_count, format_seconds
 
 #: Candidates tried by default (those whose codec is registered). Random-K is left out: it is
 #: a baseline for the top-k family, and its per-step NMSE (0.99 at 1 %, unscaled) hides that

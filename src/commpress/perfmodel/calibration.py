@@ -32,8 +32,8 @@ from typing import Any
 from commpress.errors import CommpressError
 from commpress.perfmodel.codec_costs import SpeedTable
 from commpress.perfmodel.model import Platform, Setup
-from commpress.perfmodel.units import format_seconds
 from commpress.report import render_table
+from commpress.units import format_seconds
 
 #: Constants :func:`fit_platform` fits by default.
 FITTABLE: tuple[str, ...] = (

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeAlias
 
 from commpress.errors import CommpressError
-from commpress.perfmodel.units import (
+from commpress.units import (
     format_bandwidth,
     format_seconds,
     parse_bandwidth,
@@ -366,7 +366,7 @@ class Cluster:
         intra_efficiency: float = 1.0,
         inter_burst: float = 0.0,
     ) -> Cluster:
-        """A cluster from human-readable quantities (see :mod:`commpress.perfmodel.units`).
+        """A cluster from human-readable quantities (see :mod:`commpress.units`).
 
         Defaults describe NVLink-class intra-node links and an Ethernet/TCP inter-node network
         (``inter_efficiency`` = 1448/1514: what TCP framing leaves of a shaped rate).

@@ -257,7 +257,7 @@ class Workload:
         shapes = transformer_shapes(params, hidden=hidden)
         if compute_s is None:
             compute_s = estimate_compute_s(params)
-        from commpress.perfmodel.units import format_count
+        from commpress.units import format_count
 
         kwargs.setdefault("name", f"GPT-style {format_count(params)}")
         return cls.from_shapes(shapes, compute_s=compute_s, **kwargs)
@@ -850,7 +850,7 @@ def grid(
     **kwargs: Any,
 ) -> list[Setup]:
     """Every combination, labelled ``"<workload> | <nodes>x<gpus> <bw> | <codec>"``."""
-    from commpress.perfmodel.units import format_bandwidth
+    from commpress.units import format_bandwidth
 
     out = []
     clusters = list(clusters)
