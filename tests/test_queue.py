@@ -307,3 +307,51 @@ def test_a_failing_first_step_fails_its_future_and_the_queue_goes_on() -> None:
             q.submit_steps(buggy()).wait()
     finally:
         q.shutdown()
+
+
+def test_a_queued_steps_job_that_fails_is_named_like_one_started_here() -> None:
+    """submit_steps names a failing job after its generator when its first step ran on the
+    caller's thread, but "run_steps" when the queue was busy and the job was queued."""
+    q = OrderedQueue("review-steps-name")
+    release = threading.Event()
+    try:
+        blocker = q.submit(release.wait, 5.0)  # the queue is busy: the next job is queued
+
+        def buggy() -> Generator[Callable[[], None], None, None]:
+            raise KeyError("x")
+            yield  # pragma: no cover
+
+        fut = q.submit_steps(buggy())
+        release.set()
+        blocker.wait()
+        with pytest.raises(CommpressError, match="buggy.*KeyError"):
+            fut.wait()
+    finally:
+        release.set()
+        q.shutdown()
+
+
+def test_a_finished_job_leaves_the_queue_idle_for_the_next_first_step() -> None:
+    """A job counts as unfinished until after its future's callbacks ran (DDP chains one with
+    ``then``), so a job submitted as soon as the caller saw the result is queued instead of
+    starting its first step on the caller's thread (and tests/test_queue.py's
+    test_a_failing_first_step_fails_its_future_and_the_queue_goes_on fails on a loaded
+    machine, seen once on main)."""
+    q = OrderedQueue("review-idle")
+    try:
+        release = threading.Event()
+        fut = q.submit(lambda: release.wait(5.0))
+        fut.then(lambda f: time.sleep(0.2))  # a slow callback, as a DDP future may have
+        release.set()
+        assert fut.wait() is True
+        ran_on: list[int] = []
+
+        def job() -> Generator[Callable[[], None], None, str]:
+            ran_on.append(threading.get_ident())
+            yield lambda: None
+            return "done"
+
+        assert q.submit_steps(job()).wait() == "done"
+        assert ran_on == [threading.get_ident()]
+    finally:
+        q.shutdown()

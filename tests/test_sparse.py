@@ -10,7 +10,7 @@ import torch
 
 from commpress.codecs import CodecContext, get_codec, simulate
 from commpress.codecs.sparse import DGC, TopK, target_count
-from commpress.errors import CommpressError
+from commpress.errors import CommpressError, PayloadError
 from commpress.testing import (
     check_config_round_trip,
     check_wire_bits,
@@ -577,3 +577,17 @@ def test_dgc_kernel_selection_equals_torch(spec: str, kind: str) -> None:
     assert a.parts.keys() == b.parts.keys()
     for name in a.parts:
         torch.testing.assert_close(a.parts[name], b.parts[name], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("spec", ["topk", "dgc"])
+def test_summing_a_corrupted_sparse_payload_is_a_payload_error_like_decoding_it(spec: str) -> None:
+    """decode() of a payload with an out-of-range index raises PayloadError; sum_decoded (the
+    all-gather path's sum of the gathered payloads) raised a plain CommpressError."""
+    codec = get_codec(spec)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    payload = codec.encode(x, CodecContext())
+    payload.parts["indices"][0] = 5000  # beyond the 1000 elements
+    with pytest.raises(PayloadError):
+        codec.decode(payload, CodecContext())
+    with pytest.raises(PayloadError):
+        codec.sum_decoded([payload, payload], CodecContext())

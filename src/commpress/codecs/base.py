@@ -597,7 +597,7 @@ class Codec(ABC):
         acc = torch.zeros(first.shape, dtype=acc_dtype, device=first.device)
         for p in payloads:
             self.check_payload(p, first.shape)
-            with error_context(f"{self.codec_id}.decode"):
+            with error_context(f"{self.codec_id}.decode", wrap_as=PayloadError):
                 self._add_decoded(p, acc, ctx)
         if average and len(payloads) > 1:
             acc /= len(payloads)

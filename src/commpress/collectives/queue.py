@@ -110,11 +110,7 @@ class OrderedQueue:
             self._run_job(job_id, fut, fn, args, kwargs)
             return fut
         with self._lock:
-            if self._closed:
-                raise CommpressError(
-                    f"the ordered queue {self.name!r} is shut down (its process group was "
-                    "destroyed or the process is exiting); no more jobs can be submitted"
-                )
+            self._refuse_if_closed()
             self._unfinished += 1
             self._jobs.put((job_id, fut, fn, args, kwargs))
         return fut
@@ -130,11 +126,7 @@ class OrderedQueue:
         me = threading.get_ident()
         if me != self._worker_ident and me != self._inline_ident:
             with self._lock:
-                if self._closed:
-                    raise CommpressError(
-                        f"the ordered queue {self.name!r} is shut down (its process group was "
-                        "destroyed or the process is exiting); no more jobs can be submitted"
-                    )
+                self._refuse_if_closed()
                 inline = self._unfinished == 0
                 if inline:
                     self._unfinished += 1
@@ -156,6 +148,14 @@ class OrderedQueue:
                         self._unfinished -= 1
         return self.submit(fn, *args, **kwargs).wait()
 
+    def _refuse_if_closed(self) -> None:
+        """Raise if the queue no longer takes jobs (``self._lock`` held)."""
+        if self._closed:
+            raise CommpressError(
+                f"the ordered queue {self.name!r} is shut down (its process group was "
+                "destroyed or the process is exiting); no more jobs can be submitted"
+            )
+
     def submit_steps(self, steps: Steps[T], *, start_here: bool = True) -> torch.futures.Future:
         """Queue a job given as steps (see :func:`run_steps`); returns a future of its result.
 
@@ -171,11 +171,7 @@ class OrderedQueue:
         me = threading.get_ident()
         if start_here and me != self._worker_ident and me != self._inline_ident:
             with self._lock:
-                if self._closed:
-                    raise CommpressError(
-                        f"the ordered queue {self.name!r} is shut down (its process group was "
-                        "destroyed or the process is exiting); no more jobs can be submitted"
-                    )
+                self._refuse_if_closed()
                 if self._unfinished == 0:
                     return self._start_here(steps, me)
         return self.submit(run_steps, steps)
@@ -248,12 +244,22 @@ class OrderedQueue:
             if item is _STOP:
                 self._drain("the queue was shut down")
                 return
+            finished = False
+
+            def finish() -> None:
+                # The job counts as finished *before* its future completes: a caller woken by
+                # the future (or a ``then`` callback) that submits at once finds the queue idle.
+                nonlocal finished
+                if not finished:
+                    finished = True
+                    with self._lock:
+                        self._unfinished -= 1
+
             try:
                 with self._running:
-                    self._run_job(*item)
+                    self._run_job(*item, before_completing=finish)
             finally:
-                with self._lock:
-                    self._unfinished -= 1
+                finish()
 
     def _run_job(
         self,
@@ -262,11 +268,16 @@ class OrderedQueue:
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        before_completing: Callable[[], None] | None = None,
     ) -> None:
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:  # every failure goes into the future, never lost
-            err = exc if isinstance(exc, CommpressError) else self._job_error(job_id, fn, exc)
+            # a queued step job is named after its generator, as one started inline is
+            named = args[0] if fn is run_steps and args else fn
+            err = exc if isinstance(exc, CommpressError) else self._job_error(job_id, named, exc)
+            if before_completing is not None:
+                before_completing()
             fut.set_exception(err)
             if not isinstance(exc, Exception):  # KeyboardInterrupt/SystemExit
                 if threading.get_ident() == self._worker_ident:  # stop the worker
@@ -275,6 +286,8 @@ class OrderedQueue:
                 # jobs' own interrupts do, and the queue stays usable)
                 raise
             return
+        if before_completing is not None:
+            before_completing()
         fut.set_result(result)
 
     def _job_error(self, job_id: int, fn: Any, exc: BaseException) -> CommpressError:

@@ -29,7 +29,7 @@ import torch
 
 from commpress.codecs.base import Codec, CodecContext, Payload, param, require, shape_numel
 from commpress.codecs.registry import get_codec, parse_codec_spec
-from commpress.errors import CommpressError
+from commpress.errors import CommpressError, ConfigError
 
 #: The pseudo-codec's id (``--codec ratio:cr=4``).
 RATIO_ID = "ratio"
@@ -83,13 +83,13 @@ def parse_ratio(spec: str | Mapping[str, Any]) -> RatioCodec:
         items = [s.strip() for s in rest.split(",") if s.strip()]
         bare = [s for s in items if "=" not in s]
         if len(bare) > 1:
-            raise CommpressError(f"codec spec {spec!r}: one bare ratio at most")
+            raise ConfigError(f"codec spec {spec!r}: one bare ratio at most")
         config = parse_codec_spec(":".join([head, ",".join(s for s in items if "=" in s)]))
         if bare:
             try:
                 value = float(bare[0])
             except ValueError:
-                raise CommpressError(
+                raise ConfigError(
                     f"codec spec {spec!r}: {bare[0]!r} is not a number (ratio:cr=4, "
                     "ratio:r=0.25, ratio:4 or ratio:0.25)"
                 ) from None
@@ -99,15 +99,15 @@ def parse_ratio(spec: str | Mapping[str, Any]) -> RatioCodec:
     config.pop("id", None)
     if "r" in config:
         if "cr" in config:
-            raise CommpressError("give ratio's cr (dense/wire) or r (wire/dense), not both")
+            raise ConfigError("give ratio's cr (dense/wire) or r (wire/dense), not both")
         r = config.pop("r")
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1e300:
-            raise CommpressError(f"ratio: r must be a number > 0, got {r!r}")
+            raise ConfigError(f"ratio: r must be a number > 0, got {r!r}")
         config["cr"] = 1.0 / float(r)
     names = {name for name, _, _ in RatioCodec.parameters()}
     unknown = sorted(set(config) - names)
     if unknown:
-        raise CommpressError(
+        raise ConfigError(
             f"ratio: unknown parameter(s) {', '.join(unknown)}; accepted: cr, r, exchange"
         )
     return RatioCodec(**config)
