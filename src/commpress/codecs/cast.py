@@ -73,7 +73,7 @@ class Identity(Codec):
         payload = self.encode(tensor, ctx)
         local = self.decode(payload, ctx) if ctx.need_local else None
         values = payload.parts["values"] / ctx.world_size
-        summed = yield AllReduce(tensors={"values": values})
+        summed = yield AllReduce(tensors={"values": values}, scratch=True)
         total = self.decode(payload.replace(parts=dict(summed), summed=ctx.world_size), ctx)
         return Reduced(total=total, local=local)
 
@@ -119,14 +119,38 @@ class _FloatCast(Codec):
             out.view(-1).copy_(saturating_cast(v, payload.dtype))
         return out
 
-    def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
+    #: :meth:`reduce` takes ``out=``, the tensor that receives the total.
+    reduces_into: ClassVar[bool] = True
+
+    def reduce(
+        self, tensor: torch.Tensor, ctx: CodecContext, *, out: torch.Tensor | None = None
+    ) -> Protocol:
+        """One all-reduce of the cast values (divided by the world size first for a mean, as
+        PyTorch's ``fp16_compress_hook`` does), decoded into ``out`` when given.
+
+        The cast makes a new tensor (unless ``tensor`` already has the wire dtype): it is the
+        codec's scratch, so the mean divides it in place (the same values as dividing into a
+        new tensor) and the request lets the driver reduce it in place (``scratch``).
+        ``out``, a contiguous tensor of ``tensor``'s shape and dtype (it may be ``tensor``
+        itself, which is read before), receives the total, bit-identical to a decode into a
+        new tensor, and is the returned total; it is ignored when the reply may alias it.
+        """
         payload = self.encode(tensor, ctx)
         local = self.decode(payload, ctx) if ctx.need_local else None
         values = payload.parts["values"]
+        fresh = tensor.dtype != self.wire_dtype  # the cast's new tensor, aliased by nothing
+        own = fresh
         if ctx.average and ctx.world_size > 1:
-            values = values / ctx.world_size
-        summed = yield AllReduce(tensors={"values": values})
-        total = self.decode(payload.replace(parts=dict(summed), summed=ctx.world_size), ctx)
+            if fresh:
+                values.div_(ctx.world_size)
+            else:
+                values, own = values / ctx.world_size, True
+        summed = yield AllReduce(tensors={"values": values}, scratch=own)
+        # Not into ``out`` when the reply may be the input's memory, or ``local`` may be.
+        into = out if own and (fresh or local is None) else None
+        total = self.decode(
+            payload.replace(parts=dict(summed), summed=ctx.world_size), ctx, out=into
+        )
         return Reduced(total=total, local=local)
 
 
