@@ -101,9 +101,10 @@ class DDPCompressionState(CompressionState):
 
     __slots__ = ("granularity", "strategy", "local_size", "param_names", "layouts", "plans",
                  "_verified", "_failed", "_settings", "_names", "_buckets", "_group", "_route",
-                 "_queue")
+                 "_queue", "_scratch")
     _TRANSIENT = (*CompressionState._TRANSIENT, "param_names", "_verified", "_failed",
-                  "_settings", "_names", "_buckets", "_group", "_route", "_queue")
+                  "_settings", "_names", "_buckets", "_group", "_route", "_queue",
+                  "_scratch")
 
     def __init__(
         self,
@@ -137,6 +138,9 @@ class DDPCompressionState(CompressionState):
         self._names: dict[tuple[int, tuple[int, ...]], list[str]] = {}
         #: bucket index -> its plan, reused while the tensors and the plan epoch stay.
         self._buckets: dict[int, _BucketPlan] = {}
+        #: an element-wise group's key -> the codec's buffers kept across steps (a 16-bit
+        #: cast's payload: half the group's bytes), so none is page-faulted anew every step.
+        self._scratch: dict[str, dict[str, torch.Tensor]] = {}
         #: (rank, world size, backend) of the process group, read once.
         self._group: tuple[int, int, str] | None = None
         self._route: engine.Route | None = None
@@ -360,7 +364,9 @@ def _bucket_plans(
             )
         ]
     else:
-        state._buckets.pop(bucket_index, None)
+        stale = state._buckets.pop(bucket_index, None)
+        for _, key in stale.dense if stale is not None else ():
+            state._scratch.pop(key, None)
         plans = [state.plan(key, t.shape, t.dtype, step=step) for key, t in items]
         _check_bucket(state, ex, items, plans, bucket_index)
         for plan in plans:
@@ -488,7 +494,7 @@ def _reduce_bucket_now(
             partial(
                 engine.dense_with_feedback, state, [items[i] for i in indices],
                 [plans[i] for i in indices], rank=ex.rank, world_size=ex.world_size, step=step,
-                key=key,
+                key=key, scratch=state._scratch.setdefault(key, {}),
             )
             for indices, key in bucket.dense
         ]

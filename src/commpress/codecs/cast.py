@@ -73,7 +73,7 @@ class Identity(Codec):
         payload = self.encode(tensor, ctx)
         local = self.decode(payload, ctx) if ctx.need_local else None
         values = payload.parts["values"] / ctx.world_size
-        summed = yield AllReduce(tensors={"values": values})
+        summed = yield AllReduce(tensors={"values": values}, scratch=True)
         total = self.decode(payload.replace(parts=dict(summed), summed=ctx.world_size), ctx)
         return Reduced(total=total, local=local)
 
@@ -119,15 +119,59 @@ class _FloatCast(Codec):
             out.view(-1).copy_(saturating_cast(v, payload.dtype))
         return out
 
-    def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
-        payload = self.encode(tensor, ctx)
+    #: :meth:`reduce` takes ``out=``, the tensor that receives the total.
+    reduces_into: ClassVar[bool] = True
+
+    def reduce(
+        self, tensor: torch.Tensor, ctx: CodecContext, *, out: torch.Tensor | None = None,
+        scratch: dict[str, torch.Tensor] | None = None,
+    ) -> Protocol:
+        """One all-reduce of the cast values (divided by the world size first for a mean, as
+        PyTorch's ``fp16_compress_hook`` does), decoded into ``out`` when given.
+
+        The cast makes a new tensor (unless ``tensor`` already has the wire dtype): it is the
+        codec's scratch, so the mean divides it in place (the same values as dividing into a
+        new tensor) and the request lets the driver reduce it in place (``scratch``).
+        ``out``, a contiguous tensor of ``tensor``'s shape and dtype (it may be ``tensor``
+        itself, which is read before), receives the total, bit-identical to a decode into a
+        new tensor, and is the returned total; it is ignored when the reply may alias it.
+
+        ``scratch``, a dict the caller keeps for this tensor from call to call (with ``out``),
+        holds the payload's memory: the cast is written into the tensor kept there (the same
+        values as a new one), so a large bucket's payload is not page-faulted anew at every
+        step (a fresh buffer above malloc's mmap threshold, 32 MB, always is).
+        """
+        fresh = tensor.dtype != self.wire_dtype  # the cast's new tensor, aliased by nothing
+        if fresh and out is not None and scratch is not None:
+            x = self.check_input(tensor)
+            payload = self.make_payload(x, {"values": self._scratch(scratch, x)})
+        else:
+            payload = self.encode(tensor, ctx)
         local = self.decode(payload, ctx) if ctx.need_local else None
         values = payload.parts["values"]
+        own = fresh
         if ctx.average and ctx.world_size > 1:
-            values = values / ctx.world_size
-        summed = yield AllReduce(tensors={"values": values})
-        total = self.decode(payload.replace(parts=dict(summed), summed=ctx.world_size), ctx)
+            if fresh:
+                values.div_(ctx.world_size)
+            else:
+                values, own = values / ctx.world_size, True
+        summed = yield AllReduce(tensors={"values": values}, scratch=own)
+        # Not into ``out`` when the reply may be the input's memory, or ``local`` may be.
+        into = out if own and (fresh or local is None) else None
+        total = self.decode(
+            payload.replace(parts=dict(summed), summed=ctx.world_size), ctx, out=into
+        )
         return Reduced(total=total, local=local)
+
+    def _scratch(self, scratch: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``x`` cast to the wire dtype, flat, in the buffer kept in ``scratch`` (replaced when
+        its size, dtype or device no longer fit)."""
+        buf = scratch.get("values")
+        if (buf is None or buf.numel() != x.numel() or buf.dtype != self.wire_dtype
+                or buf.device != x.device):
+            buf = torch.empty(x.numel(), dtype=self.wire_dtype, device=x.device)
+            scratch["values"] = buf
+        return buf.copy_(x.reshape(-1))
 
 
 @register_codec

@@ -15,8 +15,9 @@ The requests are:
 * :class:`AllGather` -- every worker contributes one :class:`Payload`; the reply is the list of
   all workers' payloads in rank order.
 
-Drivers must not modify request tensors in place (codecs may keep references to them), and
-must send every worker the same reply.
+Drivers must not modify request tensors in place (codecs may keep references to them), unless
+the request says they are the codec's scratch (``AllReduce.scratch``), and must send every
+worker the same reply.
 
 The generator finally *returns* a :class:`Reduced` holding the aggregated sum and, when asked
 for, this worker's own decoded contribution (needed for error feedback).
@@ -64,12 +65,17 @@ class AllReduce:
         saturate: add with saturation, ``Sat(x, y) = clamp(x + y, -(2^(b-1) - 1), 2^(b-1) - 1)``
             applied after every pairwise addition (THC's saturation-based aggregation). Only
             valid with ``int_bits``.
+        scratch: the tensors are the codec's own scratch, made for this request and read
+            afterwards only through the reply: a driver may reduce them in place and reply
+            with them (no defensive copy), an exception to the rule that requests are never
+            modified.
     """
 
     tensors: Mapping[str, torch.Tensor]
     op: ReduceOp = "sum"
     int_bits: int | None = None
     saturate: bool = False
+    scratch: bool = False
 
     def __post_init__(self) -> None:
         if self.op not in ("sum", "max", "min"):

@@ -652,9 +652,11 @@ def all_reduce_task(
     tensors = [request.tensors[n] for n in names]
     if ex.world_size == 1:
         # The reduction of one rank's tensor is that tensor: the caller's own buffer when it
-        # allowed an in-place result, otherwise a copy (requests are never written to).
+        # allowed an in-place result, or the codec's scratch, otherwise a copy (requests are
+        # never written to).
         return {
-            n: t if ex.may_overwrite(t) and not request.saturate and request.int_bits is None
+            n: t if (request.scratch or ex.may_overwrite(t)) and not request.saturate
+            and request.int_bits is None
             else reduce_tensors([t], request, [0])
             for n, t in zip(names, tensors, strict=True)
         }
@@ -707,8 +709,9 @@ def all_reduce_task(
     works = []
     for wire, idx in groups.items():
         only = tensors[idx[0]]
-        if len(idx) == 1 and only.dtype == wire and ex.may_overwrite(only):
-            flat = only.reshape(-1)  # the caller asked for an in-place reduction: no copy
+        if len(idx) == 1 and only.dtype == wire and _in_place(request, only, ex):
+            # the caller or the codec allowed an in-place reduction: no copy
+            flat = only.reshape(-1)
         else:
             flat = torch.cat([tensors[i].reshape(-1).to(wire) for i in idx])
             flat = flat.to(ex.comm_device(flat.device))
@@ -729,6 +732,15 @@ def all_reduce_task(
             out[names[i]] = piece.to(t.device, t.dtype)
             pos += t.numel()
     return out
+
+
+def _in_place(request: AllReduce, t: torch.Tensor, ex: Exchange) -> bool:
+    """Whether request tensor ``t`` may be reduced in its own memory: it is the caller's
+    :attr:`Exchange.writable` tensor, or the codec's scratch (:attr:`AllReduce.scratch`),
+    contiguous and already on the group's device."""
+    if request.scratch:
+        return t.is_contiguous() and t.device == ex.comm_device(t.device)
+    return ex.may_overwrite(t)
 
 
 def _fixed_size(payload: Payload) -> bool:

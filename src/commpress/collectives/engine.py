@@ -29,7 +29,7 @@ import math
 import threading
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -41,6 +41,7 @@ from commpress.collectives.driver import (
     Pending,
     direct_path_applies,
     plain_sum_task,
+    protocol_task,
     schedule,
     sums_plainly,
     uncompressed_all_reduce,
@@ -58,9 +59,18 @@ if TYPE_CHECKING:
     from commpress.collectives.policy import CompressionState, Plan
 
 Y = TypeVar("Y")
-#: One tensor's exchange: ``exchange(codec, x, ctx)`` -> a task (or a protocol) giving the
-#: :class:`Reduced`.
-Exchanger = Callable[[Codec, torch.Tensor, CodecContext], Generator[Any, Any, Reduced]]
+
+
+class Exchanger(Protocol):
+    """One tensor's exchange: ``exchange(codec, x, ctx)`` -> a task (or a protocol) giving the
+    :class:`Reduced`; ``out=`` names a tensor of ``x``'s shape and dtype the total may be
+    written into, ``scratch=`` a dict of reusable buffers (:meth:`Route.exchange`)."""
+
+    def __call__(
+        self, codec: Codec, x: torch.Tensor, ctx: CodecContext, *,
+        out: torch.Tensor | None = None, scratch: dict[str, torch.Tensor] | None = None,
+    ) -> Generator[Any, Any, Reduced]: ...
+
 
 _LOCK = threading.Lock()
 #: Codec state kept for callers that pass no ``ctx``: (group id, fingerprint, key) -> dict.
@@ -145,15 +155,29 @@ class Route:
         return cls(strategy, size, pool, strategy.depth(pipeline_depth), plain)
 
     def exchange(
-        self, ex: Exchange, codec: Codec, x: torch.Tensor, ctx: CodecContext, *, tag: int
+        self, ex: Exchange, codec: Codec, x: torch.Tensor, ctx: CodecContext, *, tag: int,
+        out: torch.Tensor | None = None, scratch: dict[str, torch.Tensor] | None = None,
     ) -> Generator[Pending, None, Reduced]:
         """The strategy's task exchanging ``x`` on ``ex``; for a codec whose reduction is a
         plain sum (the identity), when the route allows it and no local contribution is asked
         for, one all-reduce of ``x`` (:func:`~commpress.collectives.driver.plain_sum_task`:
-        the same result, without the codec and protocol layers)."""
+        the same result, without the codec and protocol layers).
+
+        ``out`` (a contiguous tensor of ``x``'s shape and dtype, possibly ``x`` itself) may
+        receive the total: where the strategy runs the codec's own protocol on this thread
+        and the codec's ``reduce`` takes ``out=`` (``reduces_into``, the 16-bit casts), the
+        codec decodes into it, without a new tensor of the bucket's size, and encodes into the
+        buffers it keeps in ``scratch`` (a dict the caller keeps for this exchange across
+        calls; buffers reused are never page-faulted again). The caller must still copy a
+        total that is not ``out``."""
         if (self.plain and not ctx.need_local and sums_plainly(codec)
                 and direct_path_applies(x, ex)):
             return plain_sum_task(x, ex, average=ctx.average)
+        if out is not None and self.plain and getattr(codec, "reduces_into", False):
+            return protocol_task(
+                codec.reduce(x, ctx, out=out, scratch=scratch),  # type: ignore[call-arg]
+                ex,
+            )
         return self.strategy.task(
             codec, x, ctx, ex, tag=tag, pool=self.pool, local_size=self.local_size
         )
@@ -392,6 +416,7 @@ def dense_with_feedback(
     world_size: int,
     step: int,
     key: str,
+    scratch: dict[str, torch.Tensor] | None = None,
 ) -> Generator[Any, Any, None]:
     """Several tensors sharing an element-wise codec (``plans`` alike in codec and feedback)
     as one flat exchange, with error feedback kept per tensor (``state.compensate`` and
@@ -401,18 +426,22 @@ def dense_with_feedback(
     concatenated (and the same as PyTorch's fp16 hook on the whole bucket), at the cost of one
     collective. Tensors that lie back to back in memory (:func:`flat_view`, a DDP bucket's
     gradients) are sent from and written back to that memory as one piece, without
-    concatenating or copying them one by one.
+    concatenating or copying them one by one (without feedback, the codec may decode into
+    it: :meth:`Route.exchange`'s ``out``); ``scratch`` is a dict the caller keeps for this
+    group across steps, where the codec may keep its payload's buffer.
     """
     codec, feedback = plans[0].codec, plans[0].feedback
     tensors = [t for _, t in items]
     xs = [state.compensate(plan, t) for t, plan in zip(tensors, plans, strict=True)]
     dest = flat_view(tensors)
-    flat = dest if not feedback and dest is not None else _concat(xs)
+    # Without feedback, tensors lying back to back are sent from and decoded into that memory.
+    out = dest if not feedback else None
+    flat = out if out is not None else _concat(xs)
     ctx = CodecContext(
         rank=rank, world_size=world_size, step=step, key=key, need_local=feedback,
         average=True,
     )
-    reduced = yield from exchange(codec, flat, ctx)
+    reduced = yield from exchange(codec, flat, ctx, out=out, scratch=scratch)
     totals = reduced.total
     if dest is not None:
         if totals.data_ptr() != dest.data_ptr() or totals.dtype != dest.dtype:

@@ -1,0 +1,159 @@
+"""The 16-bit casts' in-place path (``_FloatCast.reduce`` with ``out=`` and ``scratch=``,
+``AllReduce.scratch``, the DDP bucket's reused payload): the same requests and totals, bit for
+bit, as the plain protocol, with nothing the caller still needs overwritten."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from commpress.codecs import get_codec
+from commpress.codecs.base import CodecContext
+from commpress.codecs.protocol import AllReduce
+from commpress.codecs.simulate import drive
+from dist_utils import run_workers
+
+WORLD = 2
+
+
+def _inputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    # magnitudes from subnormal fp16 to beyond fp16's range, and a NaN: every rounding case
+    xs = [torch.randn(4, 257, generator=g) * torch.logspace(-9, 5.5, 257) for _ in range(WORLD)]
+    xs[1][0, 3] = float("nan")
+    return [x.to(dtype) for x in xs]
+
+
+def _requests(codec_id: str, x: torch.Tensor, ctx: CodecContext, **kw: Any) -> list[bytes]:
+    gen = get_codec(codec_id).reduce(x, ctx, **kw)  # type: ignore[call-arg]
+    req = next(gen)
+    assert isinstance(req, AllReduce)
+    return [req.tensors["values"].clone().view(torch.uint8).numpy().tobytes()]
+
+
+@pytest.mark.parametrize("codec_id", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("average", [True, False])
+@pytest.mark.parametrize("need_local", [False, True])
+def test_out_and_scratch_give_the_plain_results(
+    codec_id: str, dtype: torch.dtype, average: bool, need_local: bool
+) -> None:
+    codec = get_codec(codec_id)
+    xs = _inputs(dtype)
+    kept = [x.clone() for x in xs]
+    ctxs = [CodecContext(rank=r, world_size=WORLD, average=average, need_local=need_local)
+            for r in range(WORLD)]
+    plain = drive([codec.reduce(x, c) for x, c in zip(xs, ctxs, strict=True)])
+    for r in range(WORLD):
+        assert torch.equal(xs[r].view(torch.uint8), kept[r].view(torch.uint8)), "input changed"
+    outs = [torch.full_like(x, 3.0) for x in xs]
+    scratch: list[dict[str, torch.Tensor]] = [{} for _ in range(WORLD)]
+    for _ in range(2):  # the second call reuses the scratch buffers
+        ptrs = [s["values"].data_ptr() if s else None for s in scratch]
+        into = drive([
+            codec.reduce(x, c, out=o, scratch=s)  # type: ignore[call-arg]
+            for x, c, o, s in zip(xs, ctxs, outs, scratch, strict=True)
+        ])
+        for r in range(WORLD):
+            a, b = plain.totals[r], into.totals[r]
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (r, "total differs")
+            if need_local:
+                la, lb = plain.locals[r], into.locals[r]
+                assert la is not None and lb is not None
+                assert torch.equal(la.view(torch.uint8), lb.view(torch.uint8))
+            fresh = dtype != codec.wire_dtype  # type: ignore[attr-defined]
+            # The total lands in ``out`` when the request was a tensor of the codec's own (the
+            # cast's, or the mean's division of the input), and ``local`` is not the input.
+            expect_out = fresh or (average and not need_local)
+            assert (into.totals[r].data_ptr() == outs[r].data_ptr()) == expect_out
+            if fresh and ptrs[r] is not None:
+                assert scratch[r]["values"].data_ptr() == ptrs[r], "scratch not reused"
+            assert torch.equal(xs[r].view(torch.uint8), kept[r].view(torch.uint8))
+        # The requests are the same bytes whichever path made them.
+        ctx = ctxs[0]
+        assert _requests(codec_id, xs[0], ctx) == _requests(
+            codec_id, xs[0], ctx, out=torch.empty_like(xs[0]), scratch={}
+        )
+
+
+def test_out_may_be_the_input_itself() -> None:
+    """The DDP bucket: sent from and decoded into the same memory."""
+    codec = get_codec("fp16")
+    xs = _inputs(torch.float32)
+    ctxs = [CodecContext(rank=r, world_size=WORLD, average=True) for r in range(WORLD)]
+    plain = drive([codec.reduce(x.clone(), c) for x, c in zip(xs, ctxs, strict=True)])
+    into = drive([
+        codec.reduce(x, c, out=x, scratch={})  # type: ignore[call-arg]
+        for x, c in zip(xs, ctxs, strict=True)
+    ])
+    for r in range(WORLD):
+        assert into.totals[r].data_ptr() == xs[r].data_ptr()
+        assert torch.equal(xs[r].view(torch.uint8), plain.totals[r].view(torch.uint8))
+
+
+def _scratch_worker(rank: int, world: int) -> dict[str, Any]:
+    from commpress.codecs.protocol import Protocol, Reduced
+    from commpress.collectives.driver import execute
+
+    out: dict[str, Any] = {}
+    for scratch in (False, True):
+        t = torch.arange(6.0) + rank
+        keep = t.clone()
+
+        def protocol(t: torch.Tensor = t, scratch: bool = scratch) -> Protocol:
+            reply = yield AllReduce(tensors={"v": t}, scratch=scratch)
+            return Reduced(total=reply["v"])
+
+        total = execute(protocol()).total
+        out[str(scratch)] = (total.data_ptr() == t.data_ptr(), torch.equal(t, keep),
+                             total.tolist())
+    return out
+
+
+def test_driver_reduces_scratch_requests_in_place() -> None:
+    results = run_workers(_scratch_worker, WORLD, timeout=120)
+    want = [float(2 * i + 1) for i in range(6)]
+    for out in results:
+        same, untouched, values = out["False"]
+        assert not same and untouched and values == want  # requests are never written to
+        same, untouched, values = out["True"]
+        assert same and not untouched and values == want  # the codec's scratch is the reply
+
+
+def _ddp_scratch_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import commpress.ddp
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    model = DDP(net, bucket_cap_mb=0.05)
+    state = commpress.ddp.register(model, "fp16")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    ptrs = []
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        x = torch.randn(8, 64, generator=g)
+        y = torch.randint(0, 4, (8,), generator=g)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        ptrs.append(sorted(
+            (k, s["values"].data_ptr(), s["values"].numel()) for k, s in state._scratch.items()
+        ))
+    return {"ptrs": ptrs, "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()])}
+
+
+def test_ddp_bucket_payloads_are_reused_across_steps() -> None:
+    results = run_workers(_ddp_scratch_worker, WORLD, timeout=120)
+    for out in results:
+        ptrs = out["ptrs"]
+        assert ptrs[1], "no buffer kept"
+        # from the step after DDP rebuilt its buckets on, the same buffers every step
+        assert ptrs[1] == ptrs[2] == ptrs[3]
+        # one fp16 element per gradient element
+        assert sum(n for _, _, n in ptrs[3]) == out["params"].numel()
+    assert torch.equal(results[0]["params"], results[1]["params"])
