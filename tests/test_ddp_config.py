@@ -58,6 +58,10 @@ def test_config_is_keyword_only_slotted_frozen_and_compares_by_value() -> None:
         config.warmup_steps = 3  # type: ignore[misc]
     assert config == HookConfig(codec="powersgd", codec_params={"rank": 2}, warmup_steps=10)
     assert config != HookConfig(codec="powersgd", codec_params={"rank": 4}, warmup_steps=10)
+    # hashable, so it can be kept in a set or as a key (codec_params compare, not hash)
+    assert hash(config) == hash(HookConfig(codec="powersgd", codec_params={"rank": 2},
+                                           warmup_steps=10))
+    assert len({config, HookConfig()}) == 2
     # derived once: the policy's codec carries the parameters, the schedule the warm-up
     assert config.codec_policy.default.get_config()["rank"] == 2
     assert config.schedule.warmup_steps == 10

@@ -629,7 +629,8 @@ class HookConfig:
     """
 
     codec: Any = "powersgd"
-    codec_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # compared, not hashed (a dict): a HookConfig hashes by its other fields
+    codec_params: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
     policy: PolicySpec | None = None
     by_size: Mapping[int, Any] | None = None
     group: ProcessGroup | None = None

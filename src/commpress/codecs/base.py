@@ -310,6 +310,9 @@ class Codec(ABC):
     contractive: ClassVar[bool] = True
     #: ``_decode`` accepts ``out=`` and writes the decoding into it (see :meth:`decode`).
     decodes_into: ClassVar[bool] = False
+    #: ``reduce`` accepts ``out=`` (write the total into the caller's buffer) and ``scratch=``
+    #: (a dict the caller keeps, to reuse payload buffers across steps): the 16-bit casts.
+    reduces_into: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -173,7 +173,7 @@ class Route:
         if (self.plain and not ctx.need_local and sums_plainly(codec)
                 and direct_path_applies(x, ex)):
             return plain_sum_task(x, ex, average=ctx.average)
-        if out is not None and self.plain and getattr(codec, "reduces_into", False):
+        if out is not None and self.plain and codec.reduces_into:
             return protocol_task(
                 codec.reduce(x, ctx, out=out, scratch=scratch),  # type: ignore[call-arg]
                 ex,
