@@ -239,9 +239,33 @@ def decode_exponent(
     return codec.part(payload, "exponent", numel=1, dtype=exponent_dtype(payload.dtype))
 
 
+class _SparsePayload(Codec):
+    """What Top-K and DGC share: a payload of values at indices (``_sparse_parts``), decoded by
+    a scatter (into ``out=`` when given) and summed over gathered payloads by scatter-adding
+    their entries (:func:`scatter_add_decoded`), never densely."""
+
+    __slots__ = ()
+
+    decodes_into: ClassVar[bool] = True
+
+    def _sparse_parts(
+        self, payload: Payload
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def _decode(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        values, indices, exponent = self._sparse_parts(payload)
+        return scatter_decode(payload, values, indices, exponent, out)
+
+    def _add_decoded(self, payload: Payload, acc: torch.Tensor, ctx: CodecContext) -> None:
+        scatter_add_decoded(payload, *self._sparse_parts(payload), acc)
+
+
 @register_codec
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TopK(Codec):
+class TopK(_SparsePayload):
     """Top-K sparsification: keep the ``K`` coordinates of largest magnitude.
 
     Algorithm (one tensor ``x`` of ``d`` elements):
@@ -320,14 +344,6 @@ class TopK(Codec):
         )
         return self.make_payload(x, {**parts, "indices": idx.to(index_dtype(d))})
 
-    decodes_into: ClassVar[bool] = True
-
-    def _decode(
-        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        values, indices, exponent = self._sparse_parts(payload)
-        return scatter_decode(payload, values, indices, exponent, out)
-
     def _sparse_parts(
         self, payload: Payload
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -337,13 +353,11 @@ class TopK(Codec):
         indices = self.part(payload, "indices", numel=k, dtype=index_dtype(payload.numel))
         return values.reshape(-1), indices.reshape(-1), decode_exponent(self, payload, vdtype)
 
-    def _add_decoded(self, payload: Payload, acc: torch.Tensor, ctx: CodecContext) -> None:
-        scatter_add_decoded(payload, *self._sparse_parts(payload), acc)
 
 
 @register_codec
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DGC(Codec):
+class DGC(_SparsePayload):
     """Deep Gradient Compression's sparsifier: a sampled magnitude threshold.
 
     A full top-k over ``d`` elements is the dominant cost of Top-K on a GPU. DGC instead
@@ -530,14 +544,6 @@ class DGC(Codec):
             x, {**parts, "indices": idx.to(index_dtype(d)), "count": count}
         )
 
-    decodes_into: ClassVar[bool] = True
-
-    def _decode(
-        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        values, indices, exponent = self._sparse_parts(payload)
-        return scatter_decode(payload, values, indices, exponent, out)
-
     def _sparse_parts(
         self, payload: Payload
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -552,8 +558,6 @@ class DGC(Codec):
         indices = self.part(payload, "indices", numel=count, dtype=index_dtype(payload.numel))
         return values.reshape(-1), indices.reshape(-1), decode_exponent(self, payload, vdtype)
 
-    def _add_decoded(self, payload: Payload, acc: torch.Tensor, ctx: CodecContext) -> None:
-        scatter_add_decoded(payload, *self._sparse_parts(payload), acc)
 
 
 __all__ = [
