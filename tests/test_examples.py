@@ -8,6 +8,7 @@ text, so a snippet a user copies is a program the tests ran.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -79,3 +80,38 @@ def test_docs_quote_examples_verbatim() -> None:
             quoted.add(path)
     assert quoted >= {ROOT / "examples" / n for n in
                       ("ddp_training.py", "compressed_collectives.py", "codec_basics.py")}
+
+
+def _module_level_calls(tree: ast.Module) -> list[str]:
+    """Names of the calls made by a module's top-level code outside ``if __name__ == ...``."""
+    calls = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
+            continue
+        calls += [ast.unparse(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)]
+    return calls
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_distributed_examples_exit_cleanly(path: Path) -> None:
+    """A program that joins a process group trains in a function and destroys the group after
+    it returns: a DDP model (or a tensor a gloo collective used) held at module level outlives
+    ``destroy_process_group``, and gloo may then abort the process at interpreter exit
+    (docs/ddp.md, "Exit cleanly")."""
+    text = path.read_text()
+    if "init_process_group" not in text:
+        pytest.skip("not a distributed program")
+    tree = ast.parse(text)
+    top = _module_level_calls(tree)
+    assert not any(("init_process_group" in c or "DistributedDataParallel" in c
+                    or c.startswith(("commpress.", "torch.")))
+                   for c in top), f"{path.name} does work at module level: {top}"
+    main = [n for n in tree.body if isinstance(n, ast.If) and "__name__" in ast.unparse(n.test)]
+    assert len(main) == 1, f"{path.name} needs one `if __name__ == \"__main__\":` block"
+    lines = [ast.unparse(s) for s in main[0].body]
+    assert lines[-1] == "dist.destroy_process_group()", lines
+    assert any(isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+               and isinstance(s.value.func, ast.Name) for s in main[0].body[:-1]), (
+        f"{path.name}: the work runs in a function called before destroy_process_group")

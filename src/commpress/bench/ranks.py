@@ -15,11 +15,15 @@ import os
 import queue as _queue
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
 from commpress.errors import CommpressError
 from commpress.procs import exit_when_orphaned
+
+#: Seconds between checks that every worker is still alive while waiting for the result.
+_POLL_S = 0.5
 
 
 def _worker(
@@ -52,6 +56,35 @@ def _worker(
         results.put(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
 
 
+def _wait_for_result(
+    results: Any, procs: list[Any], timeout: float, what: str, world: int
+) -> tuple[str, Any]:
+    """Rank 0's result, or the first error a rank reported; a rank whose process died without
+    reporting (killed, crashed in native code) is an error at once, naming it, instead of a
+    wait for the whole ``timeout`` while the others block on it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return results.get(timeout=_POLL_S)
+        except _queue.Empty:
+            pass
+        dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead:
+            try:  # what a rank reported just before it went, if anything
+                return results.get(timeout=_POLL_S)
+            except _queue.Empty:
+                rank, code = dead[0]
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                raise CommpressError(
+                    f"{what} worker rank {rank} of {world} died ({how}) without reporting a "
+                    "result or an error"
+                ) from None
+        if time.monotonic() > deadline:
+            raise CommpressError(
+                f"{what} with world size {world} did not finish within {timeout:.0f}s"
+            )
+
+
 def run_ranks(
     world: int,
     fn: Callable[..., Any],
@@ -75,12 +108,7 @@ def run_ranks(
     try:
         for p in procs:
             p.start()
-        try:
-            status, value = results.get(timeout=timeout)
-        except _queue.Empty:
-            raise CommpressError(
-                f"{what} with world size {world} did not finish within {timeout:.0f}s"
-            ) from None
+        status, value = _wait_for_result(results, procs, timeout, what, world)
         if status != "ok":
             raise CommpressError(f"{what} worker failed: {value}")
         return value
