@@ -365,6 +365,10 @@ def test_stateful_matches_measurement(spec: str) -> None:
     touched = bool(states[0]) or bool(states[1]) or bool(ctx.state)
     if not codec.stateful:
         assert not touched, (spec, states, ctx.state)
+    # and the converse: a codec declared stateful does keep state (a needless declaration
+    # makes every step journal and check its tensors for nothing: netzip without previous-step
+    # delta was declared stateful)
+    assert codec.stateful == touched, spec
     if spec in ("powersgd", "netzip:delta=previous"):
         assert touched and codec.stateful
 

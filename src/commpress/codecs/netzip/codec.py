@@ -194,7 +194,6 @@ class NetZip(Codec):
     summable: ClassVar[bool] = False
     lossless: ClassVar[bool] = True
     fixed_size: ClassVar[bool] = False
-    stateful: ClassVar[bool] = True  # previous-step delta references in ctx.state
     summary: ClassVar[str] = "lossless: exponent/byte grouping + delta + entropy coding"
     nonfinite: ClassVar[str] = (
         "reproduced bit for bit (NaN payloads, +-Inf, -0.0 and subnormals included)"
@@ -230,6 +229,12 @@ class NetZip(Codec):
         0, "previous-step delta: send a self-contained payload every N steps (0: only when "
         "the sender has no reference)"
     )
+
+    @property
+    def stateful(self) -> bool:  # type: ignore[override]
+        """Only previous-step delta keeps state (references in ``ctx.state``); otherwise a
+        payload depends on its tensor alone, and a step need not be journalled for it."""
+        return self.delta == "previous"
 
     def validate(self) -> None:
         require(-7 <= self.level <= 22, "level must be in [-7, 22]", self.level)
