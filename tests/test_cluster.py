@@ -569,6 +569,41 @@ def test_launch_gloo_all_reduce_across_nodes(tmp_path: Path, no_leftovers: set[i
     _assert_gone(cid, tmp_path, no_leftovers)
 
 
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+def test_calibrate_across_emulated_nodes(tmp_path: Path, no_leftovers: set[int]) -> None:
+    """`commpress calibrate` under `commpress launch` (2 nodes x 2 ranks, 200 Mbit/s links)
+    measures the shaped inter-node link and the fast intra-node one apart, and predict loads
+    the file as a 2-node cluster.
+
+    Bounds: the fit sees the shaped rate net of TCP framing (1448/1514 = 0.956 of 200 Mbit/s)
+    plus the token bucket's burst at line speed on the smaller sizes, so between 0.8 and 1.15
+    of 25 MB/s; loopback within a node is far faster (3x demanded, ~20x seen)."""
+    out = tmp_path / "calib.json"
+    log_out, log_err = tmp_path / "out.txt", tmp_path / "err.txt"
+    cmd = [sys.executable, "-m", "commpress", "calibrate", "--sizes", "64kB,1MB,4MB",
+           "--repeats", "3", "--out", str(out)]
+    with open(log_out, "w") as fo, open(log_err, "w") as fe:
+        code = launch(cmd, nodes=2, procs_per_node=2, bandwidth="200mbit", use_netns=True,
+                      timeout_s=240, stdout=fo, stderr=fe)
+    assert code == 0, log_err.read_text()[-3000:]
+    data = json.loads(out.read_text())
+    cluster = data["cluster"]
+    assert cluster["nodes"] == 2 and cluster["gpus_per_node"] == 2
+    inter = data["network"]
+    assert inter["processes"] == 2
+    assert 0.8 * 25e6 <= inter["bandwidth_Bps"] <= 1.15 * 25e6, inter
+    assert data["network_intra"]["bandwidth_Bps"] > 3 * inter["bandwidth_Bps"]
+    pred = subprocess.run(
+        [sys.executable, "-m", "commpress", "predict", "--platform", str(out), "--params",
+         "2M", "--compute-ms", "50", "--codec", "powersgd:rank=4", "--json"],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": SRC},
+    )
+    assert pred.returncode == 0, pred.stderr
+    assert json.loads(pred.stdout)["cluster"].startswith("2 node(s) x 2 GPU(s)")
+
 #: Writes "<pid> <netns inode>" to <dir>/pid<RANK>.
 PID_FILE = """
 import os, sys

@@ -4,6 +4,7 @@ predictions with a range from the calibration's spread."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,29 @@ def test_calibrate_command_on_loopback_gloo(tmp_path: Path) -> None:
     low, high = result["results"][0]["speedup_range"]
     assert low <= result["results"][0]["speedup_vs_fp16"] <= high
 
+
+
+def test_calibrate_under_torchrun_measures_the_jobs_ranks(tmp_path: Path) -> None:
+    """Launched by torchrun, calibrate measures the job's own ranks (here one node of two):
+    every rank runs, rank 0 writes; --processes is refused there."""
+    out = tmp_path / "calib.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "-m", "commpress", "calibrate", "--sizes", "4kB,1MB", "--repeats", "3",
+           "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("written to") == 1  # rank 0 only
+    assert "torchrun job, 1 node(s) x 2 gloo rank(s)" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["cluster"]["nodes"] == 1 and data["cluster"]["gpus_per_node"] == 2
+    assert data["network"]["processes"] == 2 and data["network"]["bandwidth_Bps"] > 0
+    assert Cluster.from_measured(data["cluster"]).intra.bandwidth == pytest.approx(
+        data["network"]["bandwidth_Bps"], rel=1e-5)
+    refused = subprocess.run([*cmd[:-2], "--processes", "2", "--out", str(out)],
+                             capture_output=True, text=True, timeout=240, env=env)
+    assert refused.returncode != 0
+    assert "--processes is for a run outside torchrun" in refused.stdout + refused.stderr
 
 SPEEDS = SpeedTable({"*": CodecSpeed(1e-4, 1e9, 1e9, additive=True),
                      "identity": CodecSpeed(0.0, float("inf"), float("inf"))}, "synthetic")

@@ -33,8 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "the codec profile and the compute time, and write a calibration file that "
         "`commpress predict/sweep/advise --platform FILE` load.",
     )
-    p.add_argument("--processes", type=int, default=2,
-                   help="processes of the job (ranks on this machine, default 2)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="processes of the job (ranks on this machine, default 2); under "
+                   "torchrun the job's own ranks are measured instead, across its nodes")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--sizes", default="4kB,256kB,4MB",
                    help="all-reduce sizes, comma-separated (4kB,256kB,4MB)")
@@ -76,23 +77,48 @@ def _demo_compute_s(preset_name: str, steps: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from commpress.errors import CommpressError
+    from commpress.perfmodel.calibration import (
+        job_environment,
+        measure_job_network,
+        measure_network,
+    )
+    from commpress.units import parse_list, parse_size
+
+    sizes = [int(s) for s in parse_list(args.sizes, parse_size)]
+    job = job_environment()
+    if job is None:
+        processes = 2 if args.processes is None else args.processes
+        fit = measure_network(processes, backend=args.backend, sizes=sizes,
+                              repeats=args.repeats)
+        cluster = {"nodes": 1, "gpus_per_node": processes,
+                   "intra_bw": f"{fit.bandwidth:.6g}B/s",
+                   "intra_latency": f"{fit.alpha_s * 1e6:.6g}us"}
+        return _write(args, f"{processes} {args.backend} processes", cluster,
+                      [("intra-node", fit)])
+    if args.processes is not None:
+        raise CommpressError("--processes is for a run outside torchrun; under torchrun the "
+                             "job's own ranks are measured")
+    net = measure_job_network(backend=args.backend, sizes=sizes, repeats=args.repeats)
+    if job[0] != 0:  # rank 0 writes and reports
+        return 0
+    fits = [(what, f) for what, f in (("inter-node", net.inter), ("intra-node", net.intra))
+            if f is not None]
+    return _write(args, f"torchrun job, {net.nodes} node(s) x {net.per_node} {args.backend} "
+                  "rank(s)", net.cluster(), fits)
+
+
+def _write(args: argparse.Namespace, label: str, cluster: dict[str, Any],
+           fits: list[tuple[str, Any]]) -> int:
+    """Write the calibration file: the measured ``cluster`` and network ``fits`` (the first
+    is the one a flat collective is limited by), the codec speeds and the compute time."""
     import torch
 
     from commpress.errors import CommpressError
-    from commpress.perfmodel.calibration import measure_network
     from commpress.perfmodel.codec_costs import SpeedTable
     from commpress.perfmodel.model import CALIBRATION_FORMAT, Platform
-    from commpress.units import (
-        format_bandwidth,
-        format_seconds,
-        parse_duration,
-        parse_list,
-        parse_size,
-    )
+    from commpress.units import format_bandwidth, format_seconds, parse_duration
 
-    sizes = [int(s) for s in parse_list(args.sizes, parse_size)]
-    fit = measure_network(args.processes, backend=args.backend, sizes=sizes,
-                          repeats=args.repeats)
     device = args.device or ("gpu" if args.backend == "nccl" else "cpu")
     speeds = SpeedTable.load(args.codec_speeds) if args.codec_speeds else SpeedTable.builtin(
         device)
@@ -105,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
         compute_s = None
     if compute_s is not None and not compute_s > 0:
         raise CommpressError(f"compute time must be > 0, got {compute_s!r}")
-    platform = Platform(network_spread=fit.spread, codec_spread=speeds.spread,
-                        name=f"commpress calibrate ({args.processes} {args.backend} processes)")
+    spread = max(f.spread for _, f in fits)
+    platform = Platform(network_spread=spread, codec_spread=speeds.spread,
+                        name=f"commpress calibrate ({label})")
     data: dict[str, Any] = {
         "format": CALIBRATION_FORMAT,
         "provenance": {
@@ -116,10 +143,9 @@ def run(args: argparse.Namespace) -> int:
             "command": shlex.join(["commpress", *sys.argv[1:]]),
         },
         "platform": platform.to_dict(),
-        "cluster": {"nodes": 1, "gpus_per_node": args.processes,
-                    "intra_bw": f"{fit.bandwidth:.6g}B/s",
-                    "intra_latency": f"{fit.alpha_s * 1e6:.6g}us"},
-        "network": fit.to_dict(),
+        "cluster": cluster,
+        "network": fits[0][1].to_dict(),
+        **({"network_intra": fits[1][1].to_dict()} if len(fits) > 1 else {}),
         "compute_s": compute_s,
         "codec_speeds": speeds.to_dict(),
     }
@@ -129,13 +155,15 @@ def run(args: argparse.Namespace) -> int:
             f.write("\n")
     except OSError as exc:
         raise CommpressError(f"cannot write --out {args.out}: {exc}") from exc
-    print(f"network: {args.processes} {args.backend} processes, all-reduce fit alpha "
-          f"{format_seconds(fit.alpha_s)}, bandwidth {format_bandwidth(fit.bandwidth)} "
-          f"(spread {fit.spread:.0%})")
-    for nbytes, times in fit.samples:
-        med = sorted(times)[len(times) // 2]
-        print(f"  {nbytes:>10} B: median {format_seconds(med)}, fit "
-              f"{format_seconds(fit.predicted(nbytes))}")
+    print(f"network: {label}")
+    for what, fit in fits:
+        print(f"  {what} all-reduce ({fit.processes} ranks) fit: alpha "
+              f"{format_seconds(fit.alpha_s)}, bandwidth {format_bandwidth(fit.bandwidth)} "
+              f"(spread {fit.spread:.0%})")
+        for nbytes, times in fit.samples:
+            med = sorted(times)[len(times) // 2]
+            print(f"  {nbytes:>10} B: median {format_seconds(med)}, fit "
+                  f"{format_seconds(fit.predicted(nbytes))}")
     print(f"codec speeds: {speeds.source} (spread {speeds.spread:.0%})")
     print("compute: " + (format_seconds(compute_s) if compute_s else "not given (pass "
                          "--compute-ms to predict)"))

@@ -23,6 +23,7 @@ know nothing about how they were taken.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -320,6 +321,9 @@ __all__ = [
     "calibrate_and_validate",
     "fit_network",
     "fit_platform",
+    "JobNetwork",
+    "job_environment",
+    "measure_job_network",
     "measure_network",
     "nelder_mead",
     "split_half",
@@ -333,7 +337,9 @@ class NetworkFit:
     """Alpha-beta fit of measured all-reduces among ``processes`` ranks.
 
     ``t(z) = 2 (n-1) alpha + 2 (n-1)/n z / bandwidth`` (a ring all-reduce of ``z`` bytes) is
-    fitted by least squares to the median time of each size; ``spread`` is the largest
+    fitted to the median time of each size: the bandwidth from the two largest sizes (where
+    the link, not the per-message cost, sets the time; small messages may also ride a shaper's
+    burst or a NIC's buffers at line rate), the latency from the smallest; ``spread`` is the largest
     relative deviation of a median from the fit or of a repeat's time from its median
     (interquartile half-range), the uncertainty predictions quote.
     """
@@ -363,20 +369,17 @@ def fit_network(samples: Sequence[tuple[int, Sequence[float]]], processes: int,
         raise CommpressError(f"a network fit needs at least 2 processes, got {processes}")
     if len({int(b) for b, _ in samples}) < 2 or any(not t for _, t in samples):
         raise CommpressError("a network fit needs timings at two or more sizes")
-    xs = [float(b) for b, _ in samples]
     ys = [statistics.median(t) for _, t in samples]
-    # weighted (relative) least squares for intercept a and slope s, both >= 0
-    w = [1.0 / (y * y) for y in ys]
-    sw = sum(w)
-    sx = sum(wi * x for wi, x in zip(w, xs, strict=True))
-    sy = sum(wi * y for wi, y in zip(w, ys, strict=True))
-    sxx = sum(wi * x * x for wi, x in zip(w, xs, strict=True))
-    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys, strict=True))
-    den = sw * sxx - sx * sx
-    slope = (sw * sxy - sx * sy) / den if den else 0.0
-    intercept = (sy - slope * sx) / sw
-    if intercept < 0:
-        intercept, slope = 0.0, sxy / sxx
+    by_size: dict[float, list[float]] = {}
+    for (b, _), y in zip(samples, ys, strict=True):
+        by_size.setdefault(float(b), []).append(y)
+    points = sorted((x, statistics.median(v)) for x, v in by_size.items())
+    (x0, y0), (x1, y1), (x2, y2) = points[0], points[-2], points[-1]
+    # seconds per byte from the two largest sizes; the latency from the smallest, >= 0
+    slope = (y2 - y1) / (x2 - x1)
+    intercept = max(0.0, y0 - slope * x0)
+    if intercept == 0.0 and slope > 0:  # the smallest size is faster than the line: through 0
+        slope = y2 / x2
     if slope <= 0:
         raise CommpressError("the measured all-reduce time does not grow with the size; "
                              "measure larger sizes")
@@ -389,6 +392,38 @@ def fit_network(samples: Sequence[tuple[int, Sequence[float]]], processes: int,
         iqr = (q[(3 * len(q)) // 4] - q[len(q) // 4]) / 2 / y if len(q) >= 4 else 0.0
         spread = max(spread, abs(fit.predicted(b) - y) / y, iqr)
     return replace(fit, spread=spread)
+
+
+def _time_all_reduces(sizes: Sequence[int], repeats: int, device: str, group: Any = None,
+                      member: bool = True) -> list[tuple[int, list[float]]]:
+    """Time ``repeats`` all-reduces of each size on ``group`` (every rank of the default
+    group calls this; ranks that are not ``member`` of ``group`` only keep step). Each repeat
+    starts at a barrier of the default group; a repeat's time is the slowest rank's, the same
+    list on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    results = []
+    for nbytes in sizes:
+        x = torch.ones(max(1, nbytes // 4), device=device)
+        if member:
+            dist.all_reduce(x, group=group)  # warm-up
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if member:
+                dist.all_reduce(x, group=group)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        # every rank's time counts: the slowest rank ends the collective
+        t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        results.append((x.numel() * 4, t.tolist()))
+    return results
 
 
 def _network_worker(rank: int, world: int, store_path: str, backend: str,
@@ -405,24 +440,7 @@ def _network_worker(rank: int, world: int, store_path: str, backend: str,
         device = "cuda" if backend == "nccl" else "cpu"
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        results = []
-        for nbytes in sizes:
-            x = torch.ones(max(1, nbytes // 4), device=device)
-            dist.all_reduce(x)  # warm-up
-            times = []
-            for _ in range(repeats):
-                dist.barrier()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                dist.all_reduce(x)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            # every rank's time counts: the slowest rank ends the collective
-            t = torch.tensor(times, dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            results.append((x.numel() * 4, t.tolist()))
+        results = _time_all_reduces(sizes, repeats, device)
         dist.destroy_process_group()
         if rank == 0:
             out.put(("ok", results))
@@ -466,3 +484,90 @@ def measure_network(processes: int = 2, *, backend: str = "gloo",
     if status != "ok":
         raise CommpressError(f"network calibration failed: {value}")
     return fit_network(value, processes, backend)
+
+
+@dataclass(frozen=True)
+class JobNetwork:
+    """The network of a running torchrun job, as :func:`measure_job_network` measured it:
+    ``nodes`` nodes of ``per_node`` ranks; ``inter`` fits the all-reduces among one rank per
+    node (the nodes' links; ``None`` on one node), ``intra`` those among the ranks of each
+    node, all nodes at once (``None`` with one rank per node)."""
+
+    nodes: int
+    per_node: int
+    backend: str
+    inter: NetworkFit | None
+    intra: NetworkFit | None
+
+    def cluster(self) -> dict[str, Any]:
+        """The calibration file's ``cluster`` entry (:meth:`Cluster.from_measured`'s flat
+        form): measured goodput, so the efficiency is 1."""
+        out: dict[str, Any] = {"nodes": self.nodes, "gpus_per_node": self.per_node}
+        if self.inter is not None:
+            out.update(inter_bw=f"{self.inter.bandwidth:.6g}B/s",
+                       inter_latency=f"{self.inter.alpha_s * 1e6:.6g}us", inter_efficiency=1.0)
+        if self.intra is not None:
+            out.update(intra_bw=f"{self.intra.bandwidth:.6g}B/s",
+                       intra_latency=f"{self.intra.alpha_s * 1e6:.6g}us")
+        return out
+
+
+def job_environment() -> tuple[int, int, int] | None:
+    """``(rank, world size, ranks per node)`` when this process is a rank of a torchrun job of
+    two or more ranks (torchrun's environment variables), else ``None``."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world < 2 or "RANK" not in os.environ:
+            return None
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        rank = int(os.environ["RANK"])
+    except ValueError as exc:
+        raise CommpressError(f"torchrun environment unreadable: {exc}") from exc
+    if per_node < 1 or world % per_node:
+        raise CommpressError(
+            f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {per_node}: calibrate "
+            "needs the same number of ranks on every node"
+        )
+    return rank, world, per_node
+
+
+def measure_job_network(*, backend: str = "gloo",
+                        sizes: Sequence[int] = (1 << 12, 1 << 18, 1 << 22),
+                        repeats: int = 7) -> JobNetwork:
+    """Time real all-reduces inside the running torchrun job (every rank calls this): among
+    one rank per node (the inter-node links) and among the ranks of each node (all nodes at
+    once, as a hierarchical all-reduce runs them), and fit each. Ranks are numbered node by
+    node, as torchrun numbers them. Every rank returns the same result."""
+    import torch
+    import torch.distributed as dist
+
+    env = job_environment()
+    if env is None:
+        raise CommpressError("not a rank of a torchrun job of 2 or more ranks")
+    if repeats < 1 or len(sizes) < 2:
+        raise CommpressError("need repeats >= 1 and at least two sizes")
+    rank, world, per_node = env
+    nodes = world // per_node
+    device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group(backend)
+    try:
+        node = rank // per_node
+        inter = intra = None
+        if nodes > 1:  # every rank creates every group, in the same order
+            leaders = dist.new_group([k * per_node for k in range(nodes)])
+            samples = _time_all_reduces(sizes, repeats, device, leaders, rank % per_node == 0)
+            inter = fit_network(samples, nodes, backend)
+        if per_node > 1:
+            groups = [dist.new_group(list(range(k * per_node, (k + 1) * per_node)))
+                      for k in range(nodes)] if nodes > 1 else [None]
+            samples = _time_all_reduces(sizes, repeats, device, groups[node if nodes > 1 else 0])
+            intra = fit_network(samples, per_node, backend)
+        dist.barrier()
+    finally:
+        if started:
+            dist.destroy_process_group()
+    return JobNetwork(nodes, per_node, backend, inter, intra)
