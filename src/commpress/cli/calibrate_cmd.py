@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -96,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("gpu" if args.backend == "nccl" else "cpu")
     speeds = SpeedTable.load(args.codec_speeds) if args.codec_speeds else SpeedTable.builtin(
         device)
+    # The processes share this machine's cores: a CPU profile measured with more threads than
+    # one process gets is slowed to the process's share (DDP ranks split the cores).
+    threads = max(1, (os.cpu_count() or 1) // args.processes)
+    if device == "cpu":
+        speeds = speeds.for_threads(threads)
     if args.compute_ms is not None:
         text = str(args.compute_ms).strip()
         compute_s: float | None = parse_duration(text if text[-1:].isalpha() else text + "ms")
@@ -113,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "threads_per_process": threads,
             "command": shlex.join(["commpress", *sys.argv[1:]]),
         },
         "platform": platform.to_dict(),
