@@ -247,6 +247,16 @@ class SpeedTable:
             self.provenance,
         )
 
+    def at_spread(self, direction: int) -> SpeedTable:
+        """Every codec moved by its own spread: slower for ``direction=1``, faster for
+        ``-1`` (an entry without a spread stays as it is)."""
+        if direction not in (1, -1):
+            raise CommpressError(f"direction must be 1 or -1, got {direction!r}")
+        moved = {k: SpeedTable({k: v}).scaled((1 + v.spread) ** direction).speeds[k]
+                 for k, v in self.speeds.items()}
+        return SpeedTable(moved, f"{self.source}, {'slow' if direction > 0 else 'fast'} end "
+                          "of each spread", self.provenance)
+
     def for_threads(self, threads: int) -> SpeedTable:
         """This profile for a process that runs its codecs on ``threads`` threads: a profile
         measured with more threads (its provenance's ``threads``) has its throughputs divided
