@@ -4,6 +4,7 @@ predictions with a range from the calibration's spread."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,16 @@ def test_calibrate_command_on_loopback_gloo(tmp_path: Path) -> None:
     fitted = 2 * net["alpha_s"] + big["bytes"] / net["bandwidth_Bps"]
     assert abs(fitted - med) / med <= max(net["spread"], 1e-9) + 1e-9
     assert data["compute_s"] == pytest.approx(0.04)
+    # the built-in CPU profile (measured on 16 threads) slowed to each process's share of
+    # this machine's cores
+    threads = data["provenance"]["threads_per_process"]
+    assert threads == max(1, (os.cpu_count() or 1) // 2)
+    builtin = SpeedTable.builtin("cpu")
+    saved = SpeedTable.from_dict(data["codec_speeds"])
+    ratio = max(1.0, builtin.provenance["threads"] / threads)
+    assert saved.speeds["powersgd"].flops == pytest.approx(
+        builtin.speeds["powersgd"].flops / ratio)
+    assert saved.speeds["powersgd"].overhead_s == builtin.speeds["powersgd"].overhead_s
     assert Platform.load(out).network_spread == pytest.approx(net["spread"])
     # predict loads it: cluster, compute time and codec speeds come from the file
     pred = subprocess.run(

@@ -34,6 +34,7 @@ from commpress.perfmodel.calibration import nelder_mead
 from commpress.perfmodel.codec_costs import CodecSpeed, SpeedTable
 from commpress.perfmodel.collectives import Cluster
 from commpress.perfmodel.model import Platform, Workload, predict, predict_baseline
+from commpress.perfmodel.timeline import MIN_OVERLAP_EFFICIENCY
 from commpress.report import render_table
 
 DATA = Path(__file__).with_name("data") / "han2024.json"
@@ -293,7 +294,7 @@ def calibrate(data: dict[str, Any], speeds: SpeedTable | None = None
 
     def fitted(x: Sequence[float]) -> tuple[Platform, dict[str, float], dict[str, float]]:
         platform = Platform(inter_bandwidth_scale=math.exp(x[0]),
-                            overlap_efficiency=1.0 - math.exp(x[1]),
+                            overlap_efficiency=max(MIN_OVERLAP_EFFICIENCY, 1.0 - math.exp(x[1])),
                             name="fitted to Han et al.")
         compute, errors = {}, {}
         for name, task in tasks.items():
@@ -339,6 +340,8 @@ def reproduce(path: str | Path = DATA, *, speeds: SpeedTable | None = None,
     return PublishedReport(tuple(rows), replace(platform), compute, errors, speeds.source)
 
 
-__all__ = ["PublishedReport", "PublishedRow", "bert_large_flops", "bert_large_shapes", "calibrate",
+__all__ = ["A100_HBM_BYTES_PER_S", "KERNEL_LAUNCH_S", "PAPER_KERNELS", "FusedKernels",
+           "PublishedReport", "PublishedRow", "bert_large_flops", "bert_large_shapes", "calibrate",
+           "paper_speeds",
            "reproduce", "vgg19_flops",
            "vgg19_shapes"]
