@@ -154,7 +154,7 @@ def test_powersgd_on_one_core_per_rank_is_slower_than_fp16() -> None:
     rank's one thread its matrix products cost ~100 ms and the verdict is 'slower'."""
     widths = (1024, 4096, 4096, 1024, 10)
     shapes: list[tuple[int, ...]] = []
-    for fin, fout in zip(widths, widths[1:]):
+    for fin, fout in zip(widths, widths[1:], strict=False):
         shapes += [(fout, fin), (fout,)]
     w = Workload.from_shapes(shapes, compute_s=0.29)
     cl = Cluster.from_measured({"nodes": 1, "gpus_per_node": 2, "intra_bw": "5.3gbit",
