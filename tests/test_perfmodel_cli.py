@@ -152,3 +152,24 @@ def test_sweep_marks_codecs_over_the_error_budget_and_lists_them_last(
     assert "nmse" in rows[0] and "within budget (<= 1)" in rows[0]
     assert rows[1].startswith("| powersgd:rank=4") and "| yes" in rows[1]
     assert rows[2].startswith("| terngrad") and "NO: may not train" in rows[2]
+
+
+def test_predict_batched_granularity_is_pytorchs_powersgd_hook(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--granularity batched: each tensor encoded, the bucket's payloads in one collective
+    per round with one fixed codec cost: same bytes as per parameter, never slower."""
+    steps = {}
+    for gran in ("parameter", "batched"):
+        code = main(["predict", "--params", "60M", "--compute-ms", "50", *CLUSTER,
+                     "--inter-bw", "10gbit", "--codec", "powersgd:rank=4", "--granularity",
+                     gran, "--json"])
+        assert code == 0
+        (res,) = json.loads(capsys.readouterr().out)["results"]
+        steps[gran] = res
+    assert steps["batched"]["bits_per_coordinate"] == pytest.approx(
+        steps["parameter"]["bits_per_coordinate"])
+    assert steps["batched"]["step_s"] < steps["parameter"]["step_s"]
+    assert main(["predict", "--params", "60M", "--compute-ms", "50", *CLUSTER, "--codec",
+                 "topk:ratio=0.01", "--granularity", "batched"]) != 0
+    assert "needs all-reduce rounds" in capsys.readouterr().err

@@ -16,9 +16,13 @@ from commpress.perfmodel.codec_costs import (
 )
 from commpress.perfmodel.collectives import Cluster
 from commpress.perfmodel.published import (
+    A100_HBM_BYTES_PER_S,
     DATA,
+    KERNEL_LAUNCH_S,
+    FusedKernels,
     bert_large_shapes,
     load,
+    paper_speeds,
     reproduce,
     vgg19_shapes,
 )
@@ -54,12 +58,28 @@ def test_calibration_reproduces_the_baselines_it_was_fitted_to(report) -> None: 
     assert all(0 < c < 1.0 / 3.17 for c in report.compute_s.values())
 
 
-def test_published_tables_state_of_the_model(report) -> None:  # type: ignore[no-untyped-def]
-    """Where the model stands on Han et al. (goal: median 15 %, 22 of 26 verdicts; not met,
-    see docs/performance-model.md). Guards against regressions from this state."""
+def test_the_baselines_carry_a_cost_the_compressed_runs_do_not_pay() -> None:
+    """The paper's own numbers, no model: with the same compute in every run, communication
+    time linear in its bytes and overlap that never makes a step slower than compute plus
+    communication, the FP16 step is at least ``C + X`` where ``X = fp32 - fp16`` is the
+    time of the FP16 bytes, so every run takes at least ``C >= 2 fp16 - fp32``. The fastest
+    compressed runs are faster than that (docs/performance-model.md): the dense baselines
+    hold at least 32 ms (VGG19) to 42 ms (BERT) that no byte-linear cost explains."""
+    data = load(DATA)
+    for name, task in data["tasks"].items():
+        fp16 = 1.0 / task["baselines"]["fp32+fp16"]
+        fp32 = 1.0 / task["baselines"]["fp32+fp32"]
+        fastest = min(1.0 / c["measured"] for c in data["configs"] if c["task"] == name)
+        assert 2 * fp16 - fp32 - fastest > 0.03, name
+
+
+def test_published_tables_within_the_verdict_goal(report) -> None:  # type: ignore[no-untyped-def]
+    """Issue 15's goals: the same verdict (gain or loss vs fp16) in at least 22 of 26
+    configurations; the median |error| is guarded at its present level (the 15 % goal is
+    the strict xfail below)."""
     assert len(report.rows) == 26
-    assert report.verdicts >= 17
-    assert report.median_abs_error <= 0.50
+    assert report.verdicts >= 22
+    assert report.median_abs_error <= 0.20
     # the ordering the paper reports within a family is kept: fewer bits, faster
     rel = {(r.task, r.label): r.predicted_rel for r in report.rows}
     for task in ("BERT", "VGG19"):
@@ -68,6 +88,77 @@ def test_published_tables_state_of_the_model(report) -> None:  # type: ignore[no
         assert rel[(task, "PowerSGD r=1")] > rel[(task, "PowerSGD r=64")]
     for r in report.rows:
         assert r.low_rel <= r.predicted_rel <= r.high_rel
+
+
+@pytest.mark.xfail(strict=True, reason="median |error| goal (15 %) not met: the dense baselines "
+                   "carry a cost the model cannot place (docs/performance-model.md)")
+def test_published_tables_within_the_error_goal(report) -> None:  # type: ignore[no-untyped-def]
+    assert report.median_abs_error <= 0.15
+
+
+def test_paper_kernels_are_a_roofline_and_the_rest_the_measured_profile() -> None:
+    table = paper_speeds()
+    h100 = SpeedTable.builtin("gpu")
+    topkc = table.lookup(get_codec("topkc"))
+    assert topkc.encode_eps == pytest.approx(A100_HBM_BYTES_PER_S / 16.0)
+    assert topkc.decode_eps == pytest.approx(A100_HBM_BYTES_PER_S / 12.0)
+    assert topkc.overhead_s == pytest.approx(4 * KERNEL_LAUNCH_S)
+    # BERT-large's 335 M coordinates: a few ms per step, not the Python codec's ~60-100 ms
+    n = sum(math.prod(s) for s in bert_large_shapes())
+    for codec in ("topkc", "thc"):
+        speed = table.lookup(get_codec(codec))
+        assert 1e-3 < speed.encode_time(n) + speed.decode_time(n) < 1e-2
+    for codec in ("topk", "powersgd", "fp16"):
+        assert table.lookup(get_codec(codec)) == h100.lookup(get_codec(codec))
+    with pytest.raises(ValueError, match="bytes per coordinate"):
+        FusedKernels(encode_kernels=1, decode_kernels=1, encode_bytes=0.0, decode_bytes=1.0)
+
+
+def test_batched_powersgd_pays_one_fixed_cost_and_one_collective_per_round() -> None:
+    """PyTorch's PowerSGD hook: each tensor encoded (its passes and products), one fixed
+    cost per bucket, and round k of every tensor in one all-reduce."""
+    speed = CodecSpeed(1e-3, 1e12, 1e12, additive=True, flops=1e13)
+    ident = CodecSpeed(1e-6, 1e12, 1e12, additive=True)
+    cl = Cluster.build(nodes=2, gpus_per_node=1, inter_bw="100gbit")
+    cfg = ExchangeConfig(cluster=cl, speeds=SpeedTable(
+        {"powersgd": speed, "identity": ident, "*": speed}, "test"))
+    shapes = [(1024, 1024), (1024,), (4096, 1024), (512, 2048)]
+    per = exchange_segments("powersgd:rank=4", shapes, cfg)
+    bat = exchange_segments("powersgd:rank=4", shapes, cfg, granularity="batched")
+    nets = [s for s in bat if s.resource == "net"]
+    assert len(nets) == 2  # P (with the vector) and Q
+    assert len([s for s in per if s.resource == "net"]) == 7  # 2 per matrix, 1 the vector
+    assert sum(s.nbytes for s in nets) == pytest.approx(
+        sum(s.nbytes for s in per if s.resource == "net"))
+    codec_per = sum(s.seconds for s in per if s.kind == "codec")
+    codec_bat = sum(s.seconds for s in bat if s.kind == "codec")
+    # three matrices' encode and decode fixed costs (1 ms each) and the vector's copy become
+    # one encode and one decode fixed cost
+    assert codec_per - codec_bat == pytest.approx(4e-3 + 2e-6, rel=1e-3)
+    with pytest.raises(ValueError, match="granularity"):
+        exchange_segments("powersgd:rank=4", shapes, cfg, granularity="layer")
+    with pytest.raises(ValueError, match="all-reduce rounds"):
+        exchange_segments("topk:ratio=0.01", shapes, cfg, granularity="batched")
+
+
+def test_speed_tables_scale_every_fixed_cost_and_follow_the_thread_count() -> None:
+    speed = CodecSpeed(1e-4, 1e9, 2e9, additive=True, flops=1e11, accumulate_eps=1e8,
+                       accumulate_s=1e-5, decode_overhead_s=2e-5, spread=0.5)
+    table = SpeedTable({"*": speed}, "t", {"threads": 16})
+    slow = table.scaled(4.0).speeds["*"]
+    assert (slow.overhead_s, slow.decode_overhead_s, slow.accumulate_s) == pytest.approx(
+        (4e-4, 8e-5, 4e-5))
+    assert slow.decode_time(1e6) == pytest.approx(4 * speed.decode_time(1e6))
+    one = table.for_threads(1).speeds["*"]
+    assert one.encode_eps == pytest.approx(1e9 / 16) and one.flops == pytest.approx(1e11 / 16)
+    assert one.overhead_s == speed.overhead_s and one.decode_overhead_s == 2e-5
+    assert table.for_threads(16) is table and table.for_threads(32) is table
+    assert SpeedTable({"*": speed}, "no threads").for_threads(1).speeds["*"] == speed
+    with pytest.raises(ValueError, match="threads"):
+        table.for_threads(0)
+    slow_end, fast_end = table.at_spread(1).speeds["*"], table.at_spread(-1).speeds["*"]
+    assert slow_end.encode_time(1e6) == pytest.approx(1.5 * speed.encode_time(1e6))
+    assert fast_end.encode_time(1e6) == pytest.approx(speed.encode_time(1e6) / 1.5)
 
 
 def test_builtin_gpu_profile_is_the_measured_h100_one() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                    "intra_bw": f"{fit.bandwidth:.6g}B/s",
                    "intra_latency": f"{fit.alpha_s * 1e6:.6g}us"}
         return _write(args, f"{processes} {args.backend} processes", cluster,
-                      [("intra-node", fit)])
+                      [("intra-node", fit)], processes)
     if args.processes is not None:
         raise CommpressError("--processes is for a run outside torchrun; under torchrun the "
                              "job's own ranks are measured")
@@ -105,13 +106,15 @@ def run(args: argparse.Namespace) -> int:
     fits = [(what, f) for what, f in (("inter-node", net.inter), ("intra-node", net.intra))
             if f is not None]
     return _write(args, f"torchrun job, {net.nodes} node(s) x {net.per_node} {args.backend} "
-                  "rank(s)", net.cluster(), fits)
+                  "rank(s)", net.cluster(), fits, net.per_node)
 
 
 def _write(args: argparse.Namespace, label: str, cluster: dict[str, Any],
-           fits: list[tuple[str, Any]]) -> int:
+           fits: list[tuple[str, Any]], ranks_here: int) -> int:
     """Write the calibration file: the measured ``cluster`` and network ``fits`` (the first
-    is the one a flat collective is limited by), the codec speeds and the compute time."""
+    is the one a flat collective is limited by), the codec speeds (a CPU profile slowed to
+    the share of the cores each of the ``ranks_here`` ranks on this machine gets) and the
+    compute time."""
     import torch
 
     from commpress.errors import CommpressError
@@ -122,6 +125,11 @@ def _write(args: argparse.Namespace, label: str, cluster: dict[str, Any],
     device = args.device or ("gpu" if args.backend == "nccl" else "cpu")
     speeds = SpeedTable.load(args.codec_speeds) if args.codec_speeds else SpeedTable.builtin(
         device)
+    # The processes share this machine's cores: a CPU profile measured with more threads than
+    # one process gets is slowed to the process's share (DDP ranks split the cores).
+    threads = max(1, (os.cpu_count() or 1) // ranks_here)
+    if device == "cpu":
+        speeds = speeds.for_threads(threads)
     if args.compute_ms is not None:
         text = str(args.compute_ms).strip()
         compute_s: float | None = parse_duration(text if text[-1:].isalpha() else text + "ms")
@@ -140,6 +148,7 @@ def _write(args: argparse.Namespace, label: str, cluster: dict[str, Any],
             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "threads_per_process": threads,
             "command": shlex.join(["commpress", *sys.argv[1:]]),
         },
         "platform": platform.to_dict(),

@@ -53,6 +53,8 @@ PROFILE_FORMAT = "commpress-device-profile/1"
 SPEED_FORMATS: tuple[str, ...] = (PROFILE_FORMAT, "commpress-codec-speeds/1")
 #: The registered strategies (:mod:`commpress.collectives.strategies`).
 STRATEGIES: tuple[str, ...] = strategy_names()
+#: How a bucket's tensors are reduced (:func:`exchange_segments`).
+GRANULARITIES: tuple[str, ...] = ("parameter", "bucket", "batched")
 
 
 # ---------------------------------------------------------------------------- throughput
@@ -118,6 +120,14 @@ class CodecSpeed:
     def decode_time(self, numel: float, flops: float = 0.0) -> float:
         c0 = self.overhead_s if self.decode_overhead_s is None else self.decode_overhead_s
         return self._time(numel, self.decode_eps, flops, c0)
+
+    def encode_work(self, numel: float, flops: float = 0.0) -> float:
+        """:meth:`encode_time` without the fixed cost of the call."""
+        return self._time(numel, self.encode_eps, flops, 0.0)
+
+    def decode_work(self, numel: float, flops: float = 0.0) -> float:
+        """:meth:`decode_time` without the fixed cost of the call."""
+        return self._time(numel, self.decode_eps, flops, 0.0)
 
     @property
     def accumulates(self) -> bool:
@@ -216,19 +226,49 @@ class SpeedTable:
         """The largest relative spread of any entry (0 when the table records none)."""
         return max((v.spread for v in self.speeds.values()), default=0.0)
 
-    def scaled(self, factor: float) -> SpeedTable:
-        """Every codec ``factor`` times slower (``c0`` times ``factor``, throughputs divided
-        by it): for example the share of a core a process gets when several share it."""
+    def scaled(self, factor: float, *, fixed_costs: bool = True) -> SpeedTable:
+        """Every codec ``factor`` times slower: throughputs divided by ``factor`` and, with
+        ``fixed_costs``, every fixed cost (the encode's, the decode's and the scatter-add's)
+        times ``factor``; for example the share of a core a process gets when several share
+        it. ``fixed_costs=False`` slows only the work that spreads over threads (the
+        per-element passes and matrix products), not the per-call dispatch."""
         if not (math.isfinite(factor) and factor > 0):
             raise CommpressError(f"speed scale factor must be finite and > 0, got {factor!r}")
+        c = factor if fixed_costs else 1.0
         return SpeedTable(
-            {k: replace(v, overhead_s=v.overhead_s * factor, encode_eps=v.encode_eps / factor,
+            {k: replace(v, overhead_s=v.overhead_s * c, encode_eps=v.encode_eps / factor,
                         decode_eps=v.decode_eps / factor, flops=v.flops / factor,
-                        accumulate_eps=v.accumulate_eps / factor)
+                        accumulate_eps=v.accumulate_eps / factor,
+                        accumulate_s=v.accumulate_s * c,
+                        decode_overhead_s=None if v.decode_overhead_s is None
+                        else v.decode_overhead_s * c)
              for k, v in self.speeds.items()},
             self.source if factor == 1 else f"{self.source}, x{factor:g} slower",
             self.provenance,
         )
+
+    def at_spread(self, direction: int) -> SpeedTable:
+        """Every codec moved by its own spread: slower for ``direction=1``, faster for
+        ``-1`` (an entry without a spread stays as it is)."""
+        if direction not in (1, -1):
+            raise CommpressError(f"direction must be 1 or -1, got {direction!r}")
+        moved = {k: SpeedTable({k: v}).scaled((1 + v.spread) ** direction).speeds[k]
+                 for k, v in self.speeds.items()}
+        return SpeedTable(moved, f"{self.source}, {'slow' if direction > 0 else 'fast'} end "
+                          "of each spread", self.provenance)
+
+    def for_threads(self, threads: int) -> SpeedTable:
+        """This profile for a process that runs its codecs on ``threads`` threads: a profile
+        measured with more threads (its provenance's ``threads``) has its throughputs divided
+        by the ratio (the work spreads over the threads; per-call costs do not), so a CPU
+        profile measured on 16 threads describes a rank that gets one core. Unchanged when
+        the profile records no thread count or was measured with no more threads."""
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise CommpressError(f"threads must be an int >= 1, got {threads!r}")
+        measured = self.provenance.get("threads")
+        if isinstance(measured, bool) or not isinstance(measured, int) or measured <= threads:
+            return self
+        return self.scaled(measured / threads, fixed_costs=False)
 
     def merged(self, other: SpeedTable) -> SpeedTable:
         """This table with ``other``'s entries on top."""
@@ -894,6 +934,49 @@ class _Planner:
             return self.ring(numel, ranks, link)
         return self.hierarchical(shape if shape else (1,), cost.compress_first)
 
+    def batched(self, shapes: Sequence[tuple[int, ...]]) -> list[Segment]:
+        """A bucket reduced as PyTorch's PowerSGD DDP hook (``powerSGD_hook``) does it: every
+        tensor is encoded on its own (each pays its per-element pass and its matrix products)
+        but the bucket's tensors are batched, so the codec's fixed cost is paid once per
+        bucket for the encode and once for the decode, and round ``k`` of every tensor is one
+        all-reduce of their summed payloads (the tensors the codec sends exactly join the
+        first round). Only the codec's own protocol (``auto``/``allreduce``) on the GPU."""
+        cfg = self.cfg
+        if cfg.offload is not None or get_strategy(cfg.strategy).cost.pattern != "protocol":
+            raise CommpressError("granularity 'batched' models the codec's own protocol on "
+                                 "the GPU; use 'parameter' with offload or other strategies")
+        ranks = cfg.cluster.world_size
+        link = cfg.cluster.bottleneck
+        enc = dec = 0.0
+        rounds: dict[int, list[Any]] = {}
+        for shape in shapes:
+            numel = math.prod(shape)
+            if numel == 0:
+                continue
+            speed = self._speed_for(shape)
+            f_enc, f_dec = codec_flops(self.codec, shape)
+            enc += speed.encode_work(numel, f_enc)
+            dec += speed.decode_work(numel, f_dec)
+            if ranks > 1:
+                prof = wire_profile(self.codec, shape, ranks, cfg.grad_dtype)
+                if prof.gathers:
+                    raise CommpressError(f"granularity 'batched' needs all-reduce rounds; "
+                                         f"{spec_key(self.codec)} all-gathers")
+                for k, r in enumerate(prof.rounds):
+                    rounds.setdefault(k, [r.kind, 0.0])[1] += r.nbytes
+        segs: list[Segment] = []
+        scale = cfg.codec_time_scale
+        speed = self.speed
+        c0_dec = speed.overhead_s if speed.decode_overhead_s is None else speed.decode_overhead_s
+        self._add(segs, "gpu", (speed.overhead_s + enc) * scale, "codec", "encode")
+        for k in sorted(rounds):
+            kind, nbytes = rounds[k]
+            t = coll.allreduce(nbytes, ranks, link, cfg.algorithm)
+            self._add(segs, "net", self.collective(t), "comm", f"{kind}[{k}]",
+                      coll.link_bytes(kind, nbytes, ranks, cfg.algorithm))
+        self._add(segs, "gpu", (c0_dec + dec) * scale, "codec", "decode")
+        return segs
+
     def local_roundtrip(self, numel: int) -> list[Segment]:
         """``decode(encode(x))`` of the whole tensor: the error-feedback residual's reference
         that the ring and hierarchical strategies compute besides the exchange."""
@@ -942,13 +1025,18 @@ def exchange_segments(
     With ``granularity="bucket"``, or for element-wise casts (``codec.elementwise``),
     the bucket is one flat tensor (one collective per round); with ``"parameter"`` every
     tensor is reduced on its own, one after the other (as commpress's DDP hook does), so
-    shape-aware codecs see matrices and every tensor pays its own latencies.
+    shape-aware codecs see matrices and every tensor pays its own latencies; with
+    ``"batched"`` every tensor is encoded on its own but the bucket pays one fixed codec cost
+    and one collective per round (PyTorch's PowerSGD hook, :meth:`_Planner.batched`).
     """
     c = model_codec(codec)
-    if granularity not in ("parameter", "bucket"):
-        raise CommpressError(f"granularity must be 'parameter' or 'bucket', got {granularity!r}")
+    if granularity not in GRANULARITIES:
+        raise CommpressError(f"granularity must be one of {', '.join(GRANULARITIES)}, got "
+                             f"{granularity!r}")
     planner = _Planner(c, cfg)
     norm = [tuple(int(d) for d in s) for s in shapes]
+    if granularity == "batched" and not c.elementwise:
+        return planner.batched(norm)
     if granularity == "bucket" or c.elementwise:
         total = sum(math.prod(s) for s in norm)
         return planner.tensor((total,)) if total else []
@@ -1034,6 +1122,7 @@ def measure_nmse(
 __all__ = [
     "BUILTIN_PROFILES",
     "FALLBACK_SPEED",
+    "GRANULARITIES",
     "PROFILE_FORMAT",
     "SAMPLE_MAX",
     "STRATEGIES",

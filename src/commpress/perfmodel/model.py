@@ -561,7 +561,9 @@ def predict(
         strategy: exchange strategy (:data:`commpress.perfmodel.codec_costs.STRATEGIES`).
         algorithm: all-reduce algorithm: ``ring`` (default), ``tree``, ``rhd``.
         granularity: ``"parameter"`` (each tensor reduced on its own, as commpress's DDP hook
-            does) or ``"bucket"`` (each bucket as one flat tensor).
+            does), ``"bucket"`` (each bucket as one flat tensor) or ``"batched"`` (each tensor
+            encoded on its own, the bucket's payloads exchanged together: PyTorch's PowerSGD
+            hook).
         speeds: codec speed table (default: the built-in assumptions).
         offload: run codec work on this device (SqueezeNIC) instead of the GPU.
         platform: fitted platform constants (default: the ideal model).
