@@ -69,6 +69,8 @@ TRITON_OPS = frozenset(
         "stochastic_encode",
         "offset_decode",
         "chunk_norms",
+        "qsgd_encode",
+        "terngrad_encode",
     }
 )
 
@@ -353,6 +355,26 @@ def stochastic_encode(
     )
 
 
+def qsgd_encode(
+    x: torch.Tensor, *, chunk: int, levels: int, bits: int, clamp: float, seed: int = 0,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """QSGD's whole encode (Triton only): ``(packed codes, per-chunk norms)``, the norms as
+    :func:`chunk_norms` gives them and the codes as :func:`stochastic_encode` with ``inv =
+    levels / norm``, in at most two passes over ``x`` (fp32, fp16 or bf16)."""
+    return _impl(x, "qsgd_encode").qsgd_encode(
+        x, chunk=chunk, levels=levels, bits=bits, clamp=clamp, seed=seed, noise=noise
+    )
+
+
+def terngrad_encode(
+    x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TernGrad's whole encode (Triton only): ``(packed 2-bit codes, per-chunk max |x|)`` in
+    at most two passes over ``x`` (fp32, fp16 or bf16)."""
+    return _impl(x, "terngrad_encode").terngrad_encode(x, chunk=chunk, seed=seed, noise=noise)
+
+
 def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
     """L2 norm of each ``chunk`` of a 1-D contiguous fp32 tensor, summed in float64 and
     rounded to float32 (norms beyond float32's range clamped to ``clamp``; Inf and NaN
@@ -417,6 +439,7 @@ __all__ = [
     "minmax_encode",
     "note_dispatch",
     "offset_decode",
+    "qsgd_encode",
     "requested_backend",
     "scratch32",
     "set_backend",
@@ -424,6 +447,7 @@ __all__ = [
     "sign_encode",
     "sign_encode_scaled",
     "stochastic_encode",
+    "terngrad_encode",
     "topk_select",
     "triton_interpreted",
     "use_backend",

@@ -73,6 +73,7 @@ _SHIFT_UP = tl.constexpr(2.0**64)
 _SHIFT_DOWN = tl.constexpr(2.0**-64)
 _INT32_MAX = tl.constexpr(INT32_MAX)
 _INT32_MIN = tl.constexpr(INT32_MIN)
+_F64_MAX = tl.constexpr(1.7976931348623157e308)
 
 
 # ---------------------------------------------------------------------- device helpers
@@ -332,6 +333,27 @@ def _sign_decode_kernel(packed_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------------- qsgd / terngrad
+@triton.jit
+def _stochastic_codes(x, inv, idx, mask, noise_ptr, seed, KIND: tl.constexpr,
+                      LEVELS: tl.constexpr, MODE: tl.constexpr):
+    # KIND 0 (qsgd): code = LEVELS +- clamp(floor(|x| * inv + u), 0, LEVELS), NaN -> LEVELS;
+    # KIND 1 (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1; 0 outside ``mask``.
+    # u: the generator's uniform (MODE 1) or noise[i] (2)
+    if MODE == 1:
+        u = _uniform(seed.to(tl.uint64), idx)
+    else:
+        u = tl.load(noise_ptr + idx, mask=mask, other=0.0)
+    a = tl.abs(x) * inv
+    if KIND == 0:
+        t = tl.floor(a + u)
+        t = tl.where(t >= 0.0, t, 0.0)
+        level = tl.where(t > LEVELS, LEVELS, t).to(tl.int32)
+        code = tl.where(x < 0.0, LEVELS - level, LEVELS + level)
+    else:
+        code = tl.where(u < a, tl.where(x < 0.0, 0, 2), 1)
+    return tl.where(mask, code, 0)
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _stochastic_kernel(
     x_ptr,
@@ -348,25 +370,120 @@ def _stochastic_kernel(
     MODE: tl.constexpr,
     GROUPS: tl.constexpr,
 ):
-    # KIND 0 (qsgd): code = LEVELS +- clamp(floor(|x| * inv + u), 0, LEVELS), NaN -> LEVELS;
-    # KIND 1 (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1
+    # the codes of _stochastic_codes with a per-chunk ``inv`` given, packed
     idx, groups = _element_tile(GROUPS)
     mask = idx < n
     x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     inv = tl.load(inv_ptr + idx // chunk, mask=mask, other=0.0)
-    if MODE == 1:
-        u = _uniform(seed.to(tl.uint64), idx)
-    else:
-        u = tl.load(noise_ptr + idx, mask=mask, other=0.0)
-    a = tl.abs(x) * inv
+    codes = _stochastic_codes(x, inv, idx, mask, noise_ptr, seed, KIND, LEVELS, MODE)
+    _pack_store(packed_ptr, codes, groups, nbytes, BITS)
+
+
+@triton.jit
+def _stat_partial(x, mask, KIND: tl.constexpr, AXIS: tl.constexpr):
+    # a float64 partial statistic of the elements under ``mask`` along AXIS: the sum of
+    # squares (KIND 0, qsgd) or the largest |x| as its bit pattern (1, terngrad: the
+    # non-negative floats order as their int32 patterns, and a NaN's above +inf's)
     if KIND == 0:
-        t = tl.floor(a + u)
-        t = tl.where(t >= 0.0, t, 0.0)
-        level = tl.where(t > LEVELS, LEVELS, t).to(tl.int32)
-        code = tl.where(x < 0.0, LEVELS - level, LEVELS + level)
+        v = tl.where(mask, x, 0.0).to(tl.float64)
+        return tl.sum(v * v, axis=AXIS)
     else:
-        code = tl.where(u < a, tl.where(x < 0.0, 0, 2), 1)
-    _pack_store(packed_ptr, tl.where(mask, code, 0), groups, nbytes, BITS)
+        key = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        return tl.max(tl.where(mask, key, 0), axis=AXIS).to(tl.float64)
+
+
+@triton.jit
+def _stat_params(acc, clamp, KIND: tl.constexpr, LEVELS: tl.constexpr):
+    # from a chunk's whole statistic: what the chunk sends (float32) and the multiplier of
+    # |x| in its codes. qsgd: norm = sqrt(sum) rounded to float32 (sums beyond float32's
+    # range clamped to ``clamp``, like the numba kernel), inv = LEVELS * f32(1 / norm) for
+    # finite norm > 0 (torch's ``s / norm``) else 0. terngrad: m = max |x|, inv = f32(1 / m)
+    # where m > 0 and that is finite, else 0 (quantize._safe_reciprocal). Divisions and the
+    # square root in float64, rounded once: the correctly rounded float32 results.
+    if KIND == 0:
+        norm = tl.sqrt(acc)  # float64: correctly rounded (PTX has no approximate one)
+        norm = tl.where((norm > clamp) & (norm <= _F64_MAX), clamp, norm)
+        stat = norm.to(tl.float32)
+        r = (1.0 / tl.where(stat > 0.0, stat, 1.0).to(tl.float64)).to(tl.float32)
+        inv = tl.where((stat > 0.0) & (stat <= _F32_MAX), r * LEVELS, 0.0)
+    else:
+        stat = acc.to(tl.int32).to(tl.float32, bitcast=True)
+        r = (1.0 / tl.where(stat > 0.0, stat, 1.0).to(tl.float64)).to(tl.float32)
+        inv = tl.where((stat > 0.0) & (r <= _F32_MAX), r, 0.0)
+    return stat, inv
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _stochastic_rows_kernel(
+    x_ptr,
+    noise_ptr,
+    stat_ptr,
+    inv_ptr,
+    packed_ptr,
+    n,
+    chunk,
+    nchunks,
+    nbytes,
+    seed,
+    clamp,
+    KIND: tl.constexpr,
+    LEVELS: tl.constexpr,
+    BITS: tl.constexpr,
+    MODE: tl.constexpr,
+    ROWS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    FUSE: tl.constexpr,
+):
+    # ROWS chunks of at most WIDTH elements per program: each chunk's statistic and inv;
+    # with FUSE (chunk == WIDTH, a power of two >= 8: the rows are whole byte groups) also
+    # the codes, packed, so the encode reads the input once
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, WIDTH)
+    idx = rows[:, None] * chunk + cols[None, :]
+    mask = (cols[None, :] < chunk) & (idx < n)
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    stat, inv = _stat_params(_stat_partial(x, mask, KIND, 1), clamp, KIND, LEVELS)
+    tl.store(stat_ptr + rows, stat, mask=rows < nchunks)
+    tl.store(inv_ptr + rows, inv, mask=rows < nchunks)
+    if FUSE:
+        codes = _stochastic_codes(x, inv[:, None], idx, mask, noise_ptr, seed, KIND, LEVELS,
+                                  MODE)
+        groups = tl.program_id(0) * (ROWS * WIDTH // 8) + tl.arange(0, ROWS * WIDTH // 8)
+        _pack_store(packed_ptr, tl.reshape(codes, (ROWS * WIDTH // 8, 8)), groups, nbytes,
+                    BITS)
+
+
+@triton.jit
+def _stat_segment_kernel(x_ptr, partial_ptr, n, chunk, nseg, KIND: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    # partial[c * nseg + j]: the statistic of segment j (BLOCK elements) of chunk c
+    pid = tl.program_id(0)
+    c = pid // nseg
+    first = c * chunk
+    idx = first + (pid - c * nseg) * BLOCK + tl.arange(0, BLOCK)
+    mask = (idx < first + chunk) & (idx < n)
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + pid, _stat_partial(x, mask, KIND, 0))
+
+
+@triton.jit
+def _stat_finish_kernel(partial_ptr, stat_ptr, inv_ptr, nchunks, nseg, clamp,
+                        KIND: tl.constexpr, LEVELS: tl.constexpr, ROWS: tl.constexpr,
+                        SEGS: tl.constexpr):
+    # each chunk's segments combined in a fixed order (SEGS lanes, then a tree), so the
+    # result does not depend on scheduling; then the chunk's statistic and inv
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    lanes = tl.arange(0, SEGS)
+    acc = tl.zeros((ROWS, SEGS), dtype=tl.float64)
+    for j in range(0, nseg, SEGS):
+        mask = (rows[:, None] < nchunks) & (j + lanes[None, :] < nseg)
+        p = tl.load(partial_ptr + rows[:, None] * nseg + j + lanes[None, :], mask=mask,
+                    other=0.0)
+        acc = acc + p if KIND == 0 else tl.maximum(acc, p)
+    total = tl.sum(acc, axis=1) if KIND == 0 else tl.max(acc, axis=1)
+    stat, inv = _stat_params(total, clamp, KIND, LEVELS)
+    tl.store(stat_ptr + rows, stat, mask=rows < nchunks)
+    tl.store(inv_ptr + rows, inv, mask=rows < nchunks)
 
 
 @triton.jit
@@ -525,6 +642,91 @@ def stochastic_encode(
     return packed
 
 
+#: Segments of a chunk combined per step when finishing qsgd / terngrad statistics.
+FINISH_SEGS = 64
+
+
+def _stochastic_fused(
+    x: torch.Tensor,
+    *,
+    kind: Literal["qsgd", "terngrad"],
+    chunk: int,
+    levels: int,
+    bits: int,
+    clamp: float,
+    seed: int,
+    noise: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed codes and the per-chunk statistic (qsgd's norm, terngrad's max) in at most
+    two passes over ``x``: chunks of a power-of-two length from 8 to :data:`ROW_MAX` in one
+    kernel; other lengths up to :data:`ROW_MAX` a statistics kernel (one row per chunk) and
+    the quantize kernel; longer chunks per-segment partials, a kernel combining them per
+    chunk in a fixed order (deterministic, no atomics) and the quantize kernel."""
+    x = _flat(x)
+    n, dev = x.numel(), x.device
+    nchunks = triton.cdiv(n, chunk) if n else 0
+    nbytes = triton.cdiv(n * bits, 8)
+    packed = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    stat = torch.empty(nchunks, dtype=torch.float32, device=dev)
+    if n == 0:
+        return packed, stat
+    inv = torch.empty(nchunks, dtype=torch.float32, device=dev)
+    kind_id = 0 if kind == "qsgd" else 1
+    mode = 1 if noise is None else 2
+    noise_arg = x if noise is None else noise.contiguous()
+    clamp32 = float(torch.tensor(clamp, dtype=torch.float32))  # as the numba kernel's
+    if chunk <= ROW_MAX:
+        width = triton.next_power_of_2(chunk)
+        rows = max(1, ROW_MAX // width)
+        fuse = width == chunk >= 8
+        _stochastic_rows_kernel[_blocks(nchunks, rows)](
+            x, noise_arg, stat, inv, packed, n, chunk, nchunks, nbytes, seed, clamp32,
+            KIND=kind_id, LEVELS=levels, BITS=bits, MODE=mode, ROWS=rows, WIDTH=width,
+            FUSE=fuse, enable_fp_fusion=False,
+        )
+        if fuse:
+            return packed, stat
+    else:
+        nseg = triton.cdiv(chunk, RANGE_BLOCK)
+        partial = torch.empty(nchunks * nseg, dtype=torch.float64, device=dev)
+        _stat_segment_kernel[(nchunks * nseg,)](
+            x, partial, n, chunk, nseg, KIND=kind_id, BLOCK=RANGE_BLOCK
+        )
+        rows = 4
+        _stat_finish_kernel[_blocks(nchunks, rows)](
+            partial, stat, inv, nchunks, nseg, clamp32, KIND=kind_id, LEVELS=levels,
+            ROWS=rows, SEGS=FINISH_SEGS, enable_fp_fusion=False,
+        )
+    _stochastic_kernel[_blocks(n, 8 * GROUPS)](
+        x, noise_arg, inv, packed, n, chunk, nbytes, seed, KIND=kind_id, LEVELS=levels,
+        BITS=bits, MODE=mode, GROUPS=GROUPS, enable_fp_fusion=False,
+    )
+    return packed, stat
+
+
+def qsgd_encode(
+    x: torch.Tensor,
+    *,
+    chunk: int,
+    levels: int,
+    bits: int,
+    clamp: float,
+    seed: int = 0,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`commpress.codecs.kernels.qsgd_encode`."""
+    return _stochastic_fused(x, kind="qsgd", chunk=chunk, levels=levels, bits=bits,
+                             clamp=clamp, seed=seed, noise=noise)
+
+
+def terngrad_encode(
+    x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`commpress.codecs.kernels.terngrad_encode`."""
+    return _stochastic_fused(x, kind="terngrad", chunk=chunk, levels=1, bits=2, clamp=0.0,
+                             seed=seed, noise=noise)
+
+
 def offset_decode(
     packed: torch.Tensor,
     step: torch.Tensor,
@@ -571,7 +773,9 @@ __all__ = [
     "minmax_decode",
     "minmax_encode",
     "offset_decode",
+    "qsgd_encode",
     "sign_decode",
     "sign_encode_scaled",
     "stochastic_encode",
+    "terngrad_encode",
 ]
