@@ -68,6 +68,38 @@ def test_fused_encode_with_given_noise_matches_torch(n: int) -> None:
             same(packed, want)
 
 
+def edge_noise(x: torch.Tensor, inv: torch.Tensor, kind: str, chunk: int) -> torch.Tensor:
+    """Uniforms that put every element on its rounding edge for the multiplier ``inv``:
+    ``|x| inv + u`` an integer (qsgd), ``u = |x| inv`` (terngrad), so that a multiplier one
+    float32 step off changes codes."""
+    a = x.abs() * inv.repeat_interleave(chunk)[: x.numel()]
+    u = torch.ceil(a) - a if kind == "qsgd" else a
+    return torch.where((u >= 0) & (u < 1), u, torch.zeros_like(u))
+
+
+def test_fused_encode_multiplier_is_the_codecs_to_the_last_bit() -> None:
+    """With noise on the rounding edges, the codes pin the multiplier down: QSGD's is
+    ``f32(1 / norm) * s`` (torch's ``s / norm``), not the correctly rounded quotient, and
+    TernGrad's the correctly rounded ``1 / m``."""
+    x = sample(3001, seed=8)
+    told = 0
+    for chunk in (64, 300, 2500):
+        for kind, levels, bits in KINDS:
+            _, stat = fused(x, kind, chunk, levels, bits, seed=1)
+            inv = inv_of(stat, kind, levels)
+            noise = edge_noise(x, inv, kind, chunk)
+            packed, _ = fused(x, kind, chunk, levels, bits, noise=noise)
+            same(packed, _stochastic_torch(x, inv, kind, chunk, levels, bits, noise))
+            other = (levels / stat.double()).float()  # the correctly rounded quotient
+            if kind == "qsgd" and not torch.equal(other, inv):
+                # where the two roundings differ, the edge noise tells them apart
+                assert not torch.equal(
+                    packed, _stochastic_torch(x, other, kind, chunk, levels, bits, noise)
+                )
+                told += 1
+    assert told >= 3
+
+
 @pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
 def test_fused_encode_equals_the_numba_path() -> None:
     """Same seed: the codes and statistics the numba kernels give on the codec's CPU path
