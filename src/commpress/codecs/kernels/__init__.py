@@ -71,6 +71,7 @@ TRITON_OPS = frozenset(
         "chunk_norms",
         "qsgd_encode",
         "terngrad_encode",
+        "at_least",
     }
 )
 

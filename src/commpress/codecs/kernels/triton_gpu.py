@@ -37,6 +37,7 @@ with ``TRITON_INTERPRET=1`` they run in Triton's interpreter, on CPU tensors too
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -499,6 +500,33 @@ def _offset_decode_kernel(
     tl.store(out_ptr + idx, (code - offset) * step, mask=mask)
 
 
+# ---------------------------------------------------------------------- selection by threshold
+@triton.jit
+def _at_least_mask(x_ptr, idx, n, key):
+    # |x| >= the threshold whose magnitude bits are ``key`` (int32 order of the magnitude bits;
+    # a NaN's lie above +inf's, so a NaN counts as +inf)
+    mask = idx < n
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    return mask & ((x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >= key)
+
+
+@triton.jit
+def _count_at_least_kernel(x_ptr, counts_ptr, n, key, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    hit = _at_least_mask(x_ptr, idx, n, key)
+    tl.store(counts_ptr + tl.program_id(0), tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _collect_at_least_kernel(x_ptr, starts_ptr, out_ptr, n, key, BLOCK: tl.constexpr):
+    # each block writes its hits' indices, ascending, from its start (an exclusive prefix sum
+    # of the counts): a stream compaction whose order is the index order
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    hit = _at_least_mask(x_ptr, idx, n, key).to(tl.int32)
+    pos = tl.load(starts_ptr + tl.program_id(0)) + tl.cumsum(hit, axis=0) - hit
+    tl.store(out_ptr + pos, idx.to(tl.int64), mask=hit != 0)
+
+
 # ---------------------------------------------------------------------- tensor entry points
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 1-D contiguous tensor of at most :data:`MAX_ELEMENTS` elements."""
@@ -748,6 +776,35 @@ def offset_decode(
     return out
 
 
+#: Elements per program when counting and collecting magnitudes at or above a threshold.
+SELECT_BLOCK = 4096
+
+
+def at_least(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch.Tensor]]:
+    """See :func:`commpress.codecs.kernels.at_least` (float32, float16 or bfloat16 input,
+    compared as float32). One read pass counts per block (the count is one host sync); the
+    indices are a second pass that writes each block's hits from an exclusive prefix sum of
+    the counts, so they come out ascending without a sort."""
+    x = _flat(x)
+    n = x.numel()
+    key = int(torch.tensor([threshold], dtype=torch.float32).view(torch.int32)) & INT32_MAX
+    grid = _blocks(n, SELECT_BLOCK)
+    if key == 0 or n == 0:  # every magnitude is >= 0
+        return n, lambda: torch.arange(n, device=x.device)
+    counts = torch.empty(grid[0], dtype=torch.int32, device=x.device)
+    _count_at_least_kernel[grid](x, counts, n, key, BLOCK=SELECT_BLOCK)
+    ends = counts.cumsum(0)
+    total = int(ends[-1])
+
+    def collect() -> torch.Tensor:
+        out = torch.empty(total, dtype=torch.int64, device=x.device)
+        if total:
+            _collect_at_least_kernel[grid](x, ends - counts, out, n, key, BLOCK=SELECT_BLOCK)
+        return out
+
+    return total, collect
+
+
 def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
     """See :func:`commpress.codecs.kernels.chunk_norms` (torch reductions in float64 on the
     device, like the numba kernel's sums; no Triton kernel)."""
@@ -769,6 +826,7 @@ def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
 
 __all__ = [
     "INTERPRETED",
+    "at_least",
     "chunk_norms",
     "minmax_decode",
     "minmax_encode",
