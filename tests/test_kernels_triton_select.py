@@ -126,3 +126,38 @@ def test_sparse_codecs_send_the_torch_payload(spec: str) -> None:
             same(dec, ref)
             if name == "odd":  # large enough for the sampled selection
                 assert used > 0, (spec, dtype)
+
+
+# ---------------------------------------------------------------------- TopKC's chunk norms
+@pytest.mark.parametrize("chunk", [1, 7, 64, 3000])  # 3000: two segments per chunk
+def test_chunk_square_sums_are_float64_sums(chunk: int) -> None:
+    for dtype in DTYPES:
+        x = sample(7001, seed=chunk, dtype=dtype)
+        x[9] = float("inf") if chunk != 1 else x[9]
+        got = tg.chunk_square_sums(x, chunk)
+        want = torch.stack([c.double().square().sum() for c in x.split(chunk)])
+        # float64 sums in another order: within a few float64 roundings
+        torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
+    assert tg.chunk_square_sums(torch.empty(0, device=DEVICE), 4).numel() == 0
+    nan = torch.tensor([1.0, float("nan"), 2.0], device=DEVICE)
+    assert torch.isnan(tg.chunk_square_sums(nan, 2)[0]) and tg.chunk_square_sums(nan, 2)[1] == 4
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("spec", ["topkc", "topkc:chunk_size=7,chunk_ratio=0.3",
+                                  "topkc:chunk_size=3000,chunk_ratio=0.5,norm_dtype=float16"])
+def test_topkc_sends_the_torch_payload(spec: str) -> None:
+    codec = get_codec(spec)
+    ctx = CodecContext(key="k")
+    for dtype in DTYPES:
+        for name, x in _inputs(dtype).items():
+            with kernels.use_backend("triton"):
+                before = kernels.dispatch_counts()["triton"]
+                p = codec.encode(x, ctx)
+                used = kernels.dispatch_counts()["triton"] - before
+            with kernels.use_backend("torch"):
+                q = codec.encode(x, ctx)
+            assert p.parts.keys() == q.parts.keys()
+            for part in p.parts:
+                same(p.parts[part], q.parts[part])
+            assert used == (1 if x.numel() else 0), (name, used)

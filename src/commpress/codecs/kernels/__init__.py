@@ -72,6 +72,7 @@ TRITON_OPS = frozenset(
         "qsgd_encode",
         "terngrad_encode",
         "at_least",
+        "chunk_square_sums",
     }
 )
 
@@ -376,6 +377,12 @@ def terngrad_encode(
     return _impl(x, "terngrad_encode").terngrad_encode(x, chunk=chunk, seed=seed, noise=noise)
 
 
+def chunk_square_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The float64 sum of squares of each ``chunk`` of a 1-D tensor (fp32, fp16 or bf16; the
+    last chunk may be short) in one read pass (Triton only; TopKC's squared norms)."""
+    return _impl(x, "chunk_square_sums").chunk_square_sums(x, chunk)
+
+
 def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
     """L2 norm of each ``chunk`` of a 1-D contiguous fp32 tensor, summed in float64 and
     rounded to float32 (norms beyond float32's range clamped to ``clamp``; Inf and NaN
@@ -434,6 +441,7 @@ __all__ = [
     "available",
     "backend_for",
     "chunk_norms",
+    "chunk_square_sums",
     "dispatch_counts",
     "first_distinct",
     "minmax_decode",

@@ -468,11 +468,24 @@ def _stat_segment_kernel(x_ptr, partial_ptr, n, chunk, nseg, KIND: tl.constexpr,
 
 
 @triton.jit
+def _square_sum_rows_kernel(x_ptr, out_ptr, n, chunk, nchunks, ROWS: tl.constexpr,
+                            WIDTH: tl.constexpr):
+    # the float64 sum of squares of each of ROWS chunks of at most WIDTH elements
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, WIDTH)
+    idx = rows[:, None] * chunk + cols[None, :]
+    mask = (cols[None, :] < chunk) & (idx < n)
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, _stat_partial(x, mask, 0, 1), mask=rows < nchunks)
+
+
+@triton.jit
 def _stat_finish_kernel(partial_ptr, stat_ptr, inv_ptr, nchunks, nseg, clamp,
                         KIND: tl.constexpr, LEVELS: tl.constexpr, ROWS: tl.constexpr,
-                        SEGS: tl.constexpr):
+                        SEGS: tl.constexpr, RAW: tl.constexpr):
     # each chunk's segments combined in a fixed order (SEGS lanes, then a tree), so the
-    # result does not depend on scheduling; then the chunk's statistic and inv
+    # result does not depend on scheduling; then the chunk's statistic and inv (RAW: the
+    # combined float64 statistic itself, no inv)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     lanes = tl.arange(0, SEGS)
     acc = tl.zeros((ROWS, SEGS), dtype=tl.float64)
@@ -482,9 +495,12 @@ def _stat_finish_kernel(partial_ptr, stat_ptr, inv_ptr, nchunks, nseg, clamp,
                     other=0.0)
         acc = acc + p if KIND == 0 else tl.maximum(acc, p)
     total = tl.sum(acc, axis=1) if KIND == 0 else tl.max(acc, axis=1)
-    stat, inv = _stat_params(total, clamp, KIND, LEVELS)
-    tl.store(stat_ptr + rows, stat, mask=rows < nchunks)
-    tl.store(inv_ptr + rows, inv, mask=rows < nchunks)
+    if RAW:
+        tl.store(stat_ptr + rows, total, mask=rows < nchunks)
+    else:
+        stat, inv = _stat_params(total, clamp, KIND, LEVELS)
+        tl.store(stat_ptr + rows, stat, mask=rows < nchunks)
+        tl.store(inv_ptr + rows, inv, mask=rows < nchunks)
 
 
 @triton.jit
@@ -674,6 +690,52 @@ def stochastic_encode(
 FINISH_SEGS = 64
 
 
+def _segment_stats(
+    x: torch.Tensor,
+    stat: torch.Tensor,
+    inv: torch.Tensor | None,
+    chunk: int,
+    nchunks: int,
+    clamp: float,
+    kind_id: int,
+    levels: int,
+) -> None:
+    """Per-chunk statistics of chunks longer than :data:`ROW_MAX`: per-segment partials,
+    then a kernel combining each chunk's in a fixed order (deterministic, no atomics) into
+    ``stat`` and ``inv`` (``inv=None``: the raw float64 statistic into ``stat``)."""
+    nseg = triton.cdiv(chunk, RANGE_BLOCK)
+    partial = torch.empty(nchunks * nseg, dtype=torch.float64, device=x.device)
+    _stat_segment_kernel[(nchunks * nseg,)](
+        x, partial, x.numel(), chunk, nseg, KIND=kind_id, BLOCK=RANGE_BLOCK
+    )
+    rows = 4
+    _stat_finish_kernel[_blocks(nchunks, rows)](
+        partial, stat, stat if inv is None else inv, nchunks, nseg, clamp, KIND=kind_id,
+        LEVELS=levels, ROWS=rows, SEGS=FINISH_SEGS, RAW=inv is None, enable_fp_fusion=False,
+    )
+
+
+def chunk_square_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The float64 sum of squares of each ``chunk`` of ``x`` (float32, float16 or bfloat16;
+    the last chunk may be short) in one read pass, without a float64 copy of the input
+    (TopKC's squared chunk norms; Inf and NaN propagate)."""
+    x = _flat(x)
+    n = x.numel()
+    nchunks = triton.cdiv(n, chunk) if n else 0
+    out = torch.empty(nchunks, dtype=torch.float64, device=x.device)
+    if n == 0:
+        return out
+    if chunk <= ROW_MAX:
+        width = triton.next_power_of_2(chunk)
+        rows = max(1, ROW_MAX // width)
+        _square_sum_rows_kernel[_blocks(nchunks, rows)](
+            x, out, n, chunk, nchunks, ROWS=rows, WIDTH=width
+        )
+    else:
+        _segment_stats(x, out, None, chunk, nchunks, 0.0, 0, 1)
+    return out
+
+
 def _stochastic_fused(
     x: torch.Tensor,
     *,
@@ -715,16 +777,7 @@ def _stochastic_fused(
         if fuse:
             return packed, stat
     else:
-        nseg = triton.cdiv(chunk, RANGE_BLOCK)
-        partial = torch.empty(nchunks * nseg, dtype=torch.float64, device=dev)
-        _stat_segment_kernel[(nchunks * nseg,)](
-            x, partial, n, chunk, nseg, KIND=kind_id, BLOCK=RANGE_BLOCK
-        )
-        rows = 4
-        _stat_finish_kernel[_blocks(nchunks, rows)](
-            partial, stat, inv, nchunks, nseg, clamp32, KIND=kind_id, LEVELS=levels,
-            ROWS=rows, SEGS=FINISH_SEGS, enable_fp_fusion=False,
-        )
+        _segment_stats(x, stat, inv, chunk, nchunks, clamp32, kind_id, levels)
     _stochastic_kernel[_blocks(n, 8 * GROUPS)](
         x, noise_arg, inv, packed, n, chunk, nbytes, seed, KIND=kind_id, LEVELS=levels,
         BITS=bits, MODE=mode, GROUPS=GROUPS, enable_fp_fusion=False,
@@ -828,6 +881,7 @@ __all__ = [
     "INTERPRETED",
     "at_least",
     "chunk_norms",
+    "chunk_square_sums",
     "minmax_decode",
     "minmax_encode",
     "offset_decode",
