@@ -3,11 +3,13 @@
 Two kernel backends implement the hot loops of the single-pass codecs (``minmax``, ``sign``,
 ``qsgd``, ``terngrad``) and a few selections (top-k, DGC, Random-K):
 
-* :mod:`.numba_cpu`: numba kernels for CPU tensors (every entry point below);
-* :mod:`.triton_gpu`: Triton kernels for CUDA tensors (the quantizers' entry points; the
-  selections keep their torch paths on a GPU). Under Triton's interpreter
-  (``TRITON_INTERPRET=1`` set before this package first loads Triton) they also run on CPU
-  tensors, which is how they are tested without a GPU.
+* :mod:`.numba_cpu`: numba kernels for CPU tensors (every entry point below but the
+  Triton-only ``qsgd_encode``, ``terngrad_encode`` and ``chunk_square_sums``);
+* :mod:`.triton_gpu`: Triton kernels for CUDA tensors (the quantizers' entry points, whole
+  QSGD / TernGrad encodes, ``at_least`` for the top-k / DGC selections and TopKC's chunk
+  sums; ``topk_select`` and Random-K's ``first_distinct`` keep their torch paths). Under
+  Triton's interpreter (``TRITON_INTERPRET=1`` set before this package first loads Triton)
+  they also run on CPU tensors, which is how they are tested without a GPU.
 
 The plain-torch implementations in the codec modules are the reference and the fallback.
 

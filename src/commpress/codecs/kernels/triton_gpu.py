@@ -16,9 +16,20 @@ code's one or two bytes and writes float32. Per-chunk statistics come first:
   kernel;
 * ``sign``: bits + per-program float64 partial sums of ``|x|`` in one pass, the partial sums
   added by torch (float64) and divided by ``n`` on the device (no host sync);
-* ``qsgd`` / ``terngrad``: the per-chunk norm / max magnitude come from the codec (torch
-  reductions; :func:`chunk_norms` here sums in float64 like the numba kernel), the kernel
-  does stochastic rounding + pack.
+* ``qsgd`` / ``terngrad``: :func:`qsgd_encode` / :func:`terngrad_encode` compute each
+  chunk's statistic (the L2 norm from a float64 sum of squares, as the numba kernel; the
+  largest ``|x|`` as the largest magnitude bit pattern) and its multiplier in-kernel, then
+  round stochastically and pack: one pass for chunks of a power-of-two length from 8 to
+  :data:`ROW_MAX`, else a statistics pass (a row per chunk, or per-segment partials combined
+  per chunk in a fixed order: no atomics, so the result is deterministic) and a quantize
+  pass. :func:`stochastic_encode` (given multipliers) and :func:`chunk_norms` (torch float64
+  reductions) remain as entry points.
+
+Selections: :func:`at_least` counts the magnitudes at or above a threshold per block (one
+read pass) and collects their indices ascending by an exclusive prefix sum of the block
+counts (a second pass; no sort), which DGC's estimated threshold and Top-K's sampled bound
+(:func:`commpress.codecs.sparse.threshold_top`) use; :func:`chunk_square_sums` gives TopKC
+its float64 squared chunk norms in one pass.
 
 Arithmetic: the same float32 operations in the same order as the torch path, compiled with
 ``enable_fp_fusion=False`` (no fused multiply-add), divisions done in float64 and rounded,
