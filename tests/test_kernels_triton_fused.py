@@ -21,6 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 
 from commpress.codecs import CodecContext, get_codec, kernels  # noqa: E402
 from commpress.codecs.quantize import _NORM_CLAMP, _max_abs, _safe_reciprocal  # noqa: E402
+from commpress.errors import CommpressError  # noqa: E402
 from test_kernels_triton import DEVICE, DTYPES, _stochastic_torch, same, sample, tg  # noqa: E402
 
 CHUNKS = (1, 7, 64, 300, 2500)  # 2500: two segments of 2048 per chunk (n = 3001)
@@ -190,3 +191,57 @@ def test_codecs_use_the_fused_encode(spec: str) -> None:
         with kernels.use_backend("torch"):
             same(codec.decode(p), dec)
         assert dec.shape == x.shape and dec.dtype == x.dtype
+
+
+# ---------------------------------------------------------------------- THC's rotation
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, inside the interpreter
+@pytest.mark.parametrize("spec", ["thc", "thc:block_log2=0", "thc:block_log2=3",
+                                  "thc:block_log2=11"])
+def test_thc_rotation_is_the_torch_paths(spec: str) -> None:
+    """Signs, scale and butterflies in registers: the rotation (NaN payloads included) and
+    block ranges of the torch path bit for bit, for every dtype, padded tails and
+    non-finite blocks."""
+    codec = get_codec(spec)
+    ctx = CodecContext(key="r", step=4)
+    for n in (1, 7, 1000, 5001):
+        for dtype in DTYPES:
+            x = sample(n, seed=n, dtype=dtype)
+            if n > 100:
+                x[50], x[90] = float("nan"), float("-inf")
+            lay = codec.layout(n)
+            y, ranges = tg.thc_rotate(x, block=lay.block, padded=lay.padded,
+                                      sign_seed=codec._sign_seed(ctx),
+                                      scale=codec._wire_scale(lay))
+            want = codec._wire_rotate(x, ctx, lay)
+            same(y.view(torch.int32), want.view(torch.int32))
+            same(ranges, codec.block_ranges(want, lay))
+
+
+def test_thc_rotation_refuses_blocks_beyond_its_tile() -> None:
+    with pytest.raises(CommpressError, match="blocks up to 4096"):
+        tg.thc_rotate(torch.ones(8192, device=DEVICE), block=8192, padded=8192, sign_seed=1,
+                      scale=1.0)
+
+
+@pytest.mark.parametrize("spec", ["thc", "thc:bits=2,block_log2=5", "thc:block_log2=13"])
+def test_thc_sends_the_torch_payload(spec: str) -> None:
+    """On the Triton backend THC rotates in the kernel (blocks up to 4096) and quantizes with
+    the torch path's noise: the torch path's payload bytes and decodings."""
+    codec = get_codec(spec)
+    ctx = CodecContext(rank=1, world_size=2, step=3, key="t")
+    base = sample(2 * 37 * 111, seed=5)
+    for dtype in DTYPES:
+        for x in (base[:8191], base[5].reshape(()), base[:0], base.view(74, 111)[:, ::2]):
+            x = x.to(dtype)
+            with kernels.use_backend("triton"):
+                before = kernels.dispatch_counts()["triton"]
+                p = codec.encode(x, ctx)
+                used = kernels.dispatch_counts()["triton"] - before
+            with kernels.use_backend("torch"):
+                q = codec.encode(x, ctx)
+                same(codec.decode(p, ctx), codec.decode(q, ctx))
+            assert p.parts.keys() == q.parts.keys()
+            for part in p.parts:
+                same(p.parts[part], q.parts[part])
+            tiled = spec != "thc:block_log2=13" or x.numel() <= 4096
+            assert used == (1 if x.numel() and tiled else 0), (spec, x.numel(), used)

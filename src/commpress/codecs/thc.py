@@ -21,6 +21,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from commpress.codecs import kernels
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -37,6 +38,8 @@ from commpress.codecs.registry import register_codec
 from commpress.errors import ConfigError, PayloadError, error_context
 
 #: Seed offsets, so that the shared rotation and the per-rank rounding noise never coincide.
+#: Largest rotation block of the Triton kernel (``kernels.triton_gpu.THC_MAX_BLOCK``).
+_TRITON_MAX_BLOCK = 4096
 _SIGN_STREAM = 0x7C1
 _ROUND_STREAM = 0x7C2
 
@@ -346,6 +349,18 @@ class Thc(Codec):
             and kernels_extra.use_kernels(x)
         )
 
+    @staticmethod
+    def _triton(x: torch.Tensor, lay: ThcLayout) -> bool:
+        """Whether the Triton kernel rotates ``x`` (float32/bfloat16/float16 on the Triton
+        backend, blocks of at most 4096 coordinates, the kernel's register tile)."""
+        return (
+            lay.padded > 0
+            and x.dtype != torch.float64
+            and lay.block <= _TRITON_MAX_BLOCK
+            and kernels.backend_for(x) == "triton"
+            and kernels.use_kernels(x, "thc_rotate")
+        )
+
     def _wire_scale(self, lay: ThcLayout) -> float:
         return 2.0**-lay.headroom_log2 / math.sqrt(lay.block)
 
@@ -565,6 +580,11 @@ class Thc(Codec):
                 x, block=lay.block, padded=lay.padded, sign_seed=self._sign_seed(ctx),
                 scale=self._wire_scale(lay),
             )
+        if self._triton(x, lay):  # the torch path's rotation and ranges, bit for bit
+            return kernels.thc_rotate(
+                x, block=lay.block, padded=lay.padded, sign_seed=self._sign_seed(ctx),
+                scale=self._wire_scale(lay),
+            )
         y = self._wire_rotate(x, ctx, lay)
         return y, self.block_ranges(y, lay)
 
@@ -578,9 +598,8 @@ class Thc(Codec):
                 scale=self._wire_scale(lay), levels=self.levels,
                 seed=kernel_seed(ctx, self.seed + _ROUND_STREAM), lane=lane,
             )
-        else:
-            y = self._wire_rotate(x, ctx, lay)
-            ranges = self.block_ranges(y, lay)
+        else:  # the torch path's quantization (its noise) of the torch or Triton rotation
+            y, ranges = self._rotation(x, ctx, lay)
             codes = self.quantize(y, ranges, lay, ctx, lane)
         return self._payload(x, ranges, codes, width)
 

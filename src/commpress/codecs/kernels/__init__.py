@@ -4,12 +4,14 @@ Two kernel backends implement the hot loops of the single-pass codecs (``minmax`
 ``qsgd``, ``terngrad``) and a few selections (top-k, DGC, Random-K):
 
 * :mod:`.numba_cpu`: numba kernels for CPU tensors (every entry point below but the
-  Triton-only ``qsgd_encode``, ``terngrad_encode`` and ``chunk_square_sums``);
+  Triton-only ``qsgd_encode``, ``terngrad_encode``, ``chunk_square_sums`` and
+  ``thc_rotate``);
 * :mod:`.triton_gpu`: Triton kernels for CUDA tensors (the quantizers' entry points, whole
-  QSGD / TernGrad encodes, ``at_least`` for the top-k / DGC selections and TopKC's chunk
-  sums; ``topk_select`` and Random-K's ``first_distinct`` keep their torch paths). Under
-  Triton's interpreter (``TRITON_INTERPRET=1`` set before this package first loads Triton)
-  they also run on CPU tensors, which is how they are tested without a GPU.
+  QSGD / TernGrad encodes, ``at_least`` for the top-k / DGC selections, TopKC's chunk
+  sums and THC's rotation; ``topk_select`` and Random-K's ``first_distinct`` keep their
+  torch paths). Under Triton's interpreter (``TRITON_INTERPRET=1`` set before this package
+  first loads Triton) they also run on CPU tensors, which is how they are tested without a
+  GPU.
 
 The plain-torch implementations in the codec modules are the reference and the fallback.
 
@@ -75,6 +77,7 @@ TRITON_OPS = frozenset(
         "terngrad_encode",
         "at_least",
         "chunk_square_sums",
+        "thc_rotate",
     }
 )
 
@@ -385,6 +388,17 @@ def chunk_square_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return _impl(x, "chunk_square_sums").chunk_square_sums(x, chunk)
 
 
+def thc_rotate(
+    x: torch.Tensor, *, block: int, padded: int, sign_seed: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """THC's wire rotation (Triton only; power-of-two ``block`` up to 4096): ``x`` (fp32,
+    fp16 or bf16) zero-padded to ``padded``, times the shared signs times ``scale``, through
+    the blocked Hadamard transform, in float32, and each block's ``max |y|`` (NaN as +Inf)."""
+    return _impl(x, "thc_rotate").thc_rotate(
+        x, block=block, padded=padded, sign_seed=sign_seed, scale=scale
+    )
+
+
 def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
     """L2 norm of each ``chunk`` of a 1-D contiguous fp32 tensor, summed in float64 and
     rounded to float32 (norms beyond float32's range clamped to ``clamp``; Inf and NaN
@@ -459,6 +473,7 @@ __all__ = [
     "sign_encode_scaled",
     "stochastic_encode",
     "terngrad_encode",
+    "thc_rotate",
     "topk_select",
     "triton_interpreted",
     "use_backend",

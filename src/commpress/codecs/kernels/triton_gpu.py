@@ -90,14 +90,19 @@ _F64_MAX = tl.constexpr(1.7976931348623157e308)
 
 # ---------------------------------------------------------------------- device helpers
 @triton.jit
-def _uniform(seed, idx):
-    # SplitMix64 of (seed + (idx + 1) * golden gamma); the top 24 bits give u in [0, 1): the
-    # numba kernels' generator, element for element
+def _splitmix(seed, idx):
+    # SplitMix64 of (seed + (idx + 1) * golden gamma), seed a uint64: the numba kernels' and
+    # numba_transforms.splitmix_words' generator, word for word
     z = seed + (idx + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-    z = z ^ (z >> 31)
-    return (z >> 40).to(tl.float32) * 5.9604644775390625e-08
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _uniform(seed, idx):
+    # the top 24 bits of _splitmix give u in [0, 1): the numba kernels' uniforms
+    return (_splitmix(seed, idx) >> 40).to(tl.float32) * 5.9604644775390625e-08
 
 
 @triton.jit
@@ -554,6 +559,30 @@ def _collect_at_least_kernel(x_ptr, starts_ptr, out_ptr, n, key, BLOCK: tl.const
     tl.store(out_ptr + pos, idx.to(tl.int64), mask=hit != 0)
 
 
+# ---------------------------------------------------------------------- THC's rotation
+@triton.jit(do_not_specialize=["sign_seed"])
+def _thc_rotate_kernel(x_ptr, y_ptr, range_ptr, n, padded, nblocks, sign_seed, scale,
+                       ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr):
+    # ROWS blocks of BLOCK coordinates per program: x (zero beyond n) times the shared sign
+    # (bit i % 64 of SplitMix64 word i // 64; 1: -scale, 0: +scale), the Sylvester Hadamard
+    # butterflies in registers (stage h: a + b, a - b for the pairs h apart, as
+    # thc.hadamard_transform does over the whole tensor), and each block's max |y| (NaN as +Inf)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    idx = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    word = _splitmix(sign_seed.to(tl.uint64), idx // 64)
+    bit = (word >> (idx % 64).to(tl.uint64)) & 1
+    v = x * tl.where(bit != 0, -scale, scale)
+    for s in tl.static_range(LOG2):
+        t = tl.permute(tl.reshape(v, (ROWS * BLOCK // (2 << s), 2, 1 << s)), (0, 2, 1))
+        a, b = tl.split(t)
+        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, BLOCK))
+    tl.store(y_ptr + idx, v, mask=idx < padded)
+    inf = tl.full(v.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
+    peak = tl.max(tl.where(v != v, inf, tl.abs(v)), axis=1)
+    tl.store(range_ptr + rows, peak, mask=rows < nblocks)
+
+
 # ---------------------------------------------------------------------- tensor entry points
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 1-D contiguous tensor of at most :data:`MAX_ELEMENTS` elements."""
@@ -869,6 +898,32 @@ def at_least(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch
     return total, collect
 
 
+#: Largest THC rotation block the Triton kernel takes (one block in registers).
+THC_MAX_BLOCK = 4096
+
+
+def thc_rotate(
+    x: torch.Tensor, *, block: int, padded: int, sign_seed: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`commpress.codecs.kernels.thc_rotate`: one read of ``x``, one write of the
+    rotation, the block ranges from registers."""
+    if block > THC_MAX_BLOCK or block & (block - 1):
+        raise CommpressError(
+            f"the Triton THC rotation takes power-of-two blocks up to {THC_MAX_BLOCK}, got {block}"
+        )
+    x = _flat(x)
+    nblocks = padded // block
+    y = torch.empty(padded, dtype=torch.float32, device=x.device)
+    ranges = torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    if padded:
+        rows = max(1, ROW_MAX // block)
+        _thc_rotate_kernel[_blocks(nblocks, rows)](
+            x, y, ranges, x.numel(), padded, nblocks, sign_seed, scale, ROWS=rows, BLOCK=block,
+            LOG2=block.bit_length() - 1, enable_fp_fusion=False,
+        )
+    return y, ranges
+
+
 def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
     """See :func:`commpress.codecs.kernels.chunk_norms` (torch reductions in float64 on the
     device, like the numba kernel's sums; no Triton kernel)."""
@@ -901,4 +956,5 @@ __all__ = [
     "sign_encode_scaled",
     "stochastic_encode",
     "terngrad_encode",
+    "thc_rotate",
 ]
