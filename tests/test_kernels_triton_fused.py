@@ -20,6 +20,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
 
 from commpress.codecs import CodecContext, get_codec, kernels  # noqa: E402
+from commpress.codecs.kernels import numba_transforms as kernels_extra  # noqa: E402
 from commpress.codecs.quantize import _NORM_CLAMP, _max_abs, _safe_reciprocal  # noqa: E402
 from commpress.errors import CommpressError  # noqa: E402
 from test_kernels_triton import DEVICE, DTYPES, _stochastic_torch, same, sample, tg  # noqa: E402
@@ -223,25 +224,75 @@ def test_thc_rotation_refuses_blocks_beyond_its_tile() -> None:
                       scale=1.0)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("spec", ["thc", "thc:block_log2=0", "thc:bits=2,block_log2=3",
+                                  "thc:bits=8,block_log2=11"])
+def test_thc_codes_match_numba_and_torch(spec: str) -> None:
+    """The one-pass encode and the quantize kernel: the numba kernels' codes for the same
+    seed, and the torch path's (``quantize_with``) for given noise."""
+    codec = get_codec(spec)
+    for n in (1, 7, 5001):
+        for dtype in DTYPES[::2]:
+            x = sample(n, seed=n + 1, dtype=dtype)
+            if n > 100:
+                x[50], x[90] = float("nan"), float("-inf")
+            lay = codec.layout(n)
+            rot = dict(block=lay.block, padded=lay.padded, sign_seed=77,
+                       scale=codec._wire_scale(lay))
+            quant = dict(levels=codec.levels, lane=torch.int8)
+            ranges, codes = tg.thc_encode(x, **rot, **quant, seed=2**62 + 5)
+            y, _ = tg.thc_rotate(x, **rot)
+            steps = codec.steps(ranges)
+            requant = tg.thc_quantize(y, steps, block=lay.block, **quant, seed=9)
+            noise = torch.rand(lay.padded, generator=torch.Generator().manual_seed(n))
+            given = tg.thc_encode(x, **rot, **quant, seed=0, noise=noise.to(DEVICE))[1]
+            same(given, codec.quantize_with(y, ranges, lay, noise.to(DEVICE), torch.int8))
+            same(tg.thc_quantize(y, steps, block=lay.block, **quant, seed=0,
+                                 noise=noise.to(DEVICE)), given)
+            if DEVICE.type == "cpu" and kernels.available():
+                with kernels.use_backend("numba"):
+                    same(codes, kernels_extra.thc_encode(x, **rot, **quant, seed=2**62 + 5)[1])
+                    same(requant, kernels_extra.thc_quantize(y, steps, block=lay.block,
+                                                             **quant, seed=9))
+
+
 @pytest.mark.parametrize("spec", ["thc", "thc:bits=2,block_log2=5", "thc:block_log2=13"])
-def test_thc_sends_the_torch_payload(spec: str) -> None:
-    """On the Triton backend THC rotates in the kernel (blocks up to 4096) and quantizes with
-    the torch path's noise: the torch path's payload bytes and decodings."""
+def test_thc_codec_on_the_triton_kernels(spec: str) -> None:
+    """THC encodes in one Triton kernel (blocks up to 4096; larger ones take the torch path):
+    the numba kernels' payload for the same context, decoding alike on every path; its
+    reduce protocol's quantize kernel too."""
+    from commpress.codecs.simulate import simulate
+
     codec = get_codec(spec)
     ctx = CodecContext(rank=1, world_size=2, step=3, key="t")
     base = sample(2 * 37 * 111, seed=5)
     for dtype in DTYPES:
         for x in (base[:8191], base[5].reshape(()), base[:0], base.view(74, 111)[:, ::2]):
             x = x.to(dtype)
+            tiled = spec != "thc:block_log2=13" or x.numel() <= 4096
             with kernels.use_backend("triton"):
                 before = kernels.dispatch_counts()["triton"]
                 p = codec.encode(x, ctx)
                 used = kernels.dispatch_counts()["triton"] - before
+                dec = codec.decode(p, ctx)
+            assert used == (1 if x.numel() and tiled else 0), (spec, x.numel(), used)
             with kernels.use_backend("torch"):
-                q = codec.encode(x, ctx)
-                same(codec.decode(p, ctx), codec.decode(q, ctx))
+                same(codec.decode(p, ctx), dec)
+                if not tiled:
+                    q = codec.encode(x, ctx)
+            if tiled and DEVICE.type == "cpu" and kernels.available():
+                with kernels.use_backend("numba"):
+                    q = codec.encode(x, ctx)
+            elif tiled:
+                continue
             assert p.parts.keys() == q.parts.keys()
             for part in p.parts:
                 same(p.parts[part], q.parts[part])
-            tiled = spec != "thc:block_log2=13" or x.numel() <= 4096
-            assert used == (1 if x.numel() and tiled else 0), (spec, x.numel(), used)
+    if DEVICE.type == "cpu" and kernels.available() and codec.layout(5000).block <= 4096:
+        xs = [sample(5000, seed=r) for r in range(2)]
+        results = {}
+        for backend in ("triton", "numba"):
+            with kernels.use_backend(backend):  # type: ignore[arg-type]
+                results[backend] = simulate(codec, xs, key="s", step=1).totals
+        for a, b in zip(results["triton"], results["numba"], strict=True):
+            same(a, b)

@@ -351,8 +351,8 @@ class Thc(Codec):
 
     @staticmethod
     def _triton(x: torch.Tensor, lay: ThcLayout) -> bool:
-        """Whether the Triton kernel rotates ``x`` (float32/bfloat16/float16 on the Triton
-        backend, blocks of at most 4096 coordinates, the kernel's register tile)."""
+        """Whether the Triton kernels rotate and quantize ``x`` (float32/bfloat16/float16 on
+        the Triton backend, blocks of at most 4096 coordinates, the kernels' register tile)."""
         return (
             lay.padded > 0
             and x.dtype != torch.float64
@@ -464,9 +464,15 @@ class Thc(Codec):
         self, y: torch.Tensor, ranges: torch.Tensor, lay: ThcLayout, ctx: CodecContext,
         lane: torch.dtype,
     ) -> torch.Tensor:
-        """:meth:`quantize`, by the CPU kernel (its own noise) for a float32 CPU ``y``."""
+        """:meth:`quantize`, by the CPU kernel (its own noise) for a float32 CPU ``y``, or
+        the Triton kernel (the same noise) on the Triton backend."""
         if lay.padded and y.dtype == torch.float32 and kernels_extra.use_kernels(y):
             return kernels_extra.thc_quantize(
+                y, self.steps(ranges), block=lay.block, levels=self.levels,
+                seed=kernel_seed(ctx, self.seed + _ROUND_STREAM), lane=lane,
+            )
+        if y.dtype == torch.float32 and self._triton(y, lay):
+            return kernels.thc_quantize(
                 y, self.steps(ranges), block=lay.block, levels=self.levels,
                 seed=kernel_seed(ctx, self.seed + _ROUND_STREAM), lane=lane,
             )
@@ -598,8 +604,15 @@ class Thc(Codec):
                 scale=self._wire_scale(lay), levels=self.levels,
                 seed=kernel_seed(ctx, self.seed + _ROUND_STREAM), lane=lane,
             )
-        else:  # the torch path's quantization (its noise) of the torch or Triton rotation
-            y, ranges = self._rotation(x, ctx, lay)
+        elif self._triton(x, lay):  # the numba kernel's payload, same noise
+            ranges, codes = kernels.thc_encode(
+                x, block=lay.block, padded=lay.padded, sign_seed=self._sign_seed(ctx),
+                scale=self._wire_scale(lay), levels=self.levels,
+                seed=kernel_seed(ctx, self.seed + _ROUND_STREAM), lane=lane,
+            )
+        else:
+            y = self._wire_rotate(x, ctx, lay)
+            ranges = self.block_ranges(y, lay)
             codes = self.quantize(y, ranges, lay, ctx, lane)
         return self._payload(x, ranges, codes, width)
 

@@ -5,10 +5,10 @@ Two kernel backends implement the hot loops of the single-pass codecs (``minmax`
 
 * :mod:`.numba_cpu`: numba kernels for CPU tensors (every entry point below but the
   Triton-only ``qsgd_encode``, ``terngrad_encode``, ``chunk_square_sums`` and
-  ``thc_rotate``);
+  ``thc_rotate`` / ``thc_encode`` / ``thc_quantize``);
 * :mod:`.triton_gpu`: Triton kernels for CUDA tensors (the quantizers' entry points, whole
   QSGD / TernGrad encodes, ``at_least`` for the top-k / DGC selections, TopKC's chunk
-  sums and THC's rotation; ``topk_select`` and Random-K's ``first_distinct`` keep their
+  sums and THC's encode; ``topk_select`` and Random-K's ``first_distinct`` keep their
   torch paths). Under Triton's interpreter (``TRITON_INTERPRET=1`` set before this package
   first loads Triton) they also run on CPU tensors, which is how they are tested without a
   GPU.
@@ -78,6 +78,8 @@ TRITON_OPS = frozenset(
         "at_least",
         "chunk_square_sums",
         "thc_rotate",
+        "thc_encode",
+        "thc_quantize",
     }
 )
 
@@ -399,6 +401,30 @@ def thc_rotate(
     )
 
 
+def thc_encode(
+    x: torch.Tensor, *, block: int, padded: int, sign_seed: int, scale: float, levels: int,
+    seed: int, lane: torch.dtype, noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """THC's local encode in one pass (Triton only; blocks up to 4096): ``(ranges, codes)``
+    of :func:`thc_rotate` quantized with its own ranges, the numba kernel's codes for the
+    same ``seed`` (``noise``: given uniforms instead)."""
+    return _impl(x, "thc_encode").thc_encode(
+        x, block=block, padded=padded, sign_seed=sign_seed, scale=scale, levels=levels,
+        seed=seed, lane=lane, noise=noise,
+    )
+
+
+def thc_quantize(
+    y: torch.Tensor, steps: torch.Tensor, *, block: int, levels: int, seed: int,
+    lane: torch.dtype, noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """THC's codes ``clamp(floor(y / step + u), -L, L)`` of a float32 rotation with given
+    per-block steps (Triton only; blocks up to 4096), the numba kernel's for the same seed."""
+    return _impl(y, "thc_quantize").thc_quantize(
+        y, steps, block=block, levels=levels, seed=seed, lane=lane, noise=noise
+    )
+
+
 def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
     """L2 norm of each ``chunk`` of a 1-D contiguous fp32 tensor, summed in float64 and
     rounded to float32 (norms beyond float32's range clamped to ``clamp``; Inf and NaN
@@ -473,6 +499,8 @@ __all__ = [
     "sign_encode_scaled",
     "stochastic_encode",
     "terngrad_encode",
+    "thc_encode",
+    "thc_quantize",
     "thc_rotate",
     "topk_select",
     "triton_interpreted",

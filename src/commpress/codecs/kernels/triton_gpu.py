@@ -559,16 +559,46 @@ def _collect_at_least_kernel(x_ptr, starts_ptr, out_ptr, n, key, BLOCK: tl.const
     tl.store(out_ptr + pos, idx.to(tl.int64), mask=hit != 0)
 
 
-# ---------------------------------------------------------------------- THC's rotation
-@triton.jit(do_not_specialize=["sign_seed"])
-def _thc_rotate_kernel(x_ptr, y_ptr, range_ptr, n, padded, nblocks, sign_seed, scale,
-                       ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr):
+# ---------------------------------------------------------------------- THC
+@triton.jit
+def _thc_codes(v, step, rows, cols, mask, noise_ptr, seed, BLOCK: tl.constexpr,
+               LEVELS: tl.constexpr, MODE: tl.constexpr):
+    # clamp(floor(v / step + u), -L, L), a non-finite floor giving 0, for a [ROWS, BLOCK]
+    # tile with one step per row; the division correctly rounded (float64, rounded once).
+    # u: MODE 1 the numba kernel's (one SplitMix64 word gives coordinates k and k + B/2 of a
+    # block: bits 40-63 and 16-39; a block of one coordinate takes bits 40-63), MODE 2 noise[i]
+    idx = rows[:, None] * BLOCK + cols[None, :]
+    if MODE == 1:
+        if BLOCK == 1:
+            word = _splitmix(seed.to(tl.uint64), idx)
+            u = (word >> 40).to(tl.float32) * 5.9604644775390625e-08
+        else:
+            low = cols[None, :] < BLOCK // 2
+            word = _splitmix(seed.to(tl.uint64), tl.where(low, idx, idx - BLOCK // 2))
+            bits = tl.where(low, word >> 40, (word >> 16) & 0xFFFFFF)
+            u = bits.to(tl.float32) * 5.9604644775390625e-08
+    else:
+        u = tl.load(noise_ptr + idx, mask=mask, other=0.0)
+    q = (v.to(tl.float64) / step[:, None].to(tl.float64)).to(tl.float32)
+    t = tl.floor(q + u)
+    t = tl.where(tl.abs(t) <= _F32_MAX, t, 0.0)
+    t = tl.where(t > LEVELS, LEVELS, tl.where(t < -LEVELS, -LEVELS, t))
+    return t.to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["sign_seed", "seed"])
+def _thc_rotate_kernel(x_ptr, y_ptr, range_ptr, noise_ptr, n, padded, nblocks, sign_seed,
+                       scale, seed, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                       LOG2: tl.constexpr, LEVELS: tl.constexpr, MODE: tl.constexpr):
     # ROWS blocks of BLOCK coordinates per program: x (zero beyond n) times the shared sign
     # (bit i % 64 of SplitMix64 word i // 64; 1: -scale, 0: +scale), the Sylvester Hadamard
     # butterflies in registers (stage h: a + b, a - b for the pairs h apart, as
-    # thc.hadamard_transform does over the whole tensor), and each block's max |y| (NaN as +Inf)
+    # thc.hadamard_transform does over the whole tensor), and each block's max |y| (NaN as
+    # +Inf). MODE 0 writes the rotation to y; MODE 1 / 2 quantize it with the block's own
+    # step (range / L rounded up to float32, Thc.steps) and write the codes there instead
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    idx = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    cols = tl.arange(0, BLOCK)
+    idx = rows[:, None] * BLOCK + cols[None, :]
     x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
     word = _splitmix(sign_seed.to(tl.uint64), idx // 64)
     bit = (word >> (idx % 64).to(tl.uint64)) & 1
@@ -577,10 +607,34 @@ def _thc_rotate_kernel(x_ptr, y_ptr, range_ptr, n, padded, nblocks, sign_seed, s
         t = tl.permute(tl.reshape(v, (ROWS * BLOCK // (2 << s), 2, 1 << s)), (0, 2, 1))
         a, b = tl.split(t)
         v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, BLOCK))
-    tl.store(y_ptr + idx, v, mask=idx < padded)
     inf = tl.full(v.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
     peak = tl.max(tl.where(v != v, inf, tl.abs(v)), axis=1)
     tl.store(range_ptr + rows, peak, mask=rows < nblocks)
+    if MODE == 0:
+        tl.store(y_ptr + idx, v, mask=idx < padded)
+    else:
+        exact = peak.to(tl.float64) / LEVELS
+        step = exact.to(tl.float32)
+        up = (step.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+        step = tl.where(step.to(tl.float64) < exact, up, step)
+        codes = _thc_codes(v, step, rows, cols, idx < padded, noise_ptr, seed, BLOCK, LEVELS,
+                           MODE)
+        tl.store(y_ptr + idx, codes, mask=idx < padded)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _thc_quantize_kernel(y_ptr, step_ptr, noise_ptr, codes_ptr, padded, nblocks, seed,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr,
+                         MODE: tl.constexpr):
+    # the codes of a given rotation with given per-block steps (THC's agreed ranges)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    idx = rows[:, None] * BLOCK + cols[None, :]
+    mask = idx < padded
+    v = tl.load(y_ptr + idx, mask=mask, other=0.0)
+    step = tl.load(step_ptr + rows, mask=rows < nblocks, other=1.0)
+    codes = _thc_codes(v, step, rows, cols, mask, noise_ptr, seed, BLOCK, LEVELS, MODE)
+    tl.store(codes_ptr + idx, codes, mask=mask)
 
 
 # ---------------------------------------------------------------------- tensor entry points
@@ -902,26 +956,72 @@ def at_least(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch
 THC_MAX_BLOCK = 4096
 
 
+def _thc_block(block: int) -> int:
+    """Programs' rows for ``block`` (refused beyond :data:`THC_MAX_BLOCK`)."""
+    if block > THC_MAX_BLOCK or block < 1 or block & (block - 1):
+        raise CommpressError(
+            f"the Triton THC kernels take power-of-two blocks up to {THC_MAX_BLOCK}, got {block}"
+        )
+    return max(1, ROW_MAX // block)
+
+
+def _thc_launch(
+    x: torch.Tensor, out: torch.Tensor, *, block: int, padded: int, sign_seed: int,
+    scale: float, levels: int, seed: int, mode: int, noise: torch.Tensor | None,
+) -> torch.Tensor:
+    rows = _thc_block(block)
+    x = _flat(x)
+    nblocks = padded // block
+    ranges = torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    if padded:
+        _thc_rotate_kernel[_blocks(nblocks, rows)](
+            x, out, ranges, x if noise is None else noise.contiguous(), x.numel(), padded,
+            nblocks, sign_seed, scale, seed, ROWS=rows, BLOCK=block,
+            LOG2=block.bit_length() - 1, LEVELS=levels, MODE=mode, enable_fp_fusion=False,
+        )
+    return ranges
+
+
 def thc_rotate(
     x: torch.Tensor, *, block: int, padded: int, sign_seed: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`commpress.codecs.kernels.thc_rotate`: one read of ``x``, one write of the
     rotation, the block ranges from registers."""
-    if block > THC_MAX_BLOCK or block & (block - 1):
-        raise CommpressError(
-            f"the Triton THC rotation takes power-of-two blocks up to {THC_MAX_BLOCK}, got {block}"
-        )
-    x = _flat(x)
-    nblocks = padded // block
     y = torch.empty(padded, dtype=torch.float32, device=x.device)
-    ranges = torch.empty(nblocks, dtype=torch.float32, device=x.device)
-    if padded:
-        rows = max(1, ROW_MAX // block)
-        _thc_rotate_kernel[_blocks(nblocks, rows)](
-            x, y, ranges, x.numel(), padded, nblocks, sign_seed, scale, ROWS=rows, BLOCK=block,
-            LOG2=block.bit_length() - 1, enable_fp_fusion=False,
-        )
+    ranges = _thc_launch(x, y, block=block, padded=padded, sign_seed=sign_seed, scale=scale,
+                         levels=1, seed=0, mode=0, noise=None)
     return y, ranges
+
+
+def thc_encode(
+    x: torch.Tensor, *, block: int, padded: int, sign_seed: int, scale: float, levels: int,
+    seed: int, lane: torch.dtype, noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`commpress.codecs.kernels.thc_encode`: rotation, ranges and codes in one
+    pass, the codes of the numba kernel for the same seed."""
+    codes = torch.empty(padded, dtype=lane, device=x.device)
+    ranges = _thc_launch(x, codes, block=block, padded=padded, sign_seed=sign_seed,
+                         scale=scale, levels=levels, seed=seed,
+                         mode=1 if noise is None else 2, noise=noise)
+    return ranges, codes
+
+
+def thc_quantize(
+    y: torch.Tensor, steps: torch.Tensor, *, block: int, levels: int, seed: int,
+    lane: torch.dtype, noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See :func:`commpress.codecs.kernels.thc_quantize`."""
+    rows = _thc_block(block)
+    y = _flat(y)
+    codes = torch.empty(y.numel(), dtype=lane, device=y.device)
+    nblocks = y.numel() // block
+    if nblocks:
+        _thc_quantize_kernel[_blocks(nblocks, rows)](
+            y, steps.contiguous(), y if noise is None else noise.contiguous(), codes,
+            y.numel(), nblocks, seed, ROWS=rows, BLOCK=block, LEVELS=levels,
+            MODE=1 if noise is None else 2, enable_fp_fusion=False,
+        )
+    return codes
 
 
 def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
@@ -956,5 +1056,7 @@ __all__ = [
     "sign_encode_scaled",
     "stochastic_encode",
     "terngrad_encode",
+    "thc_encode",
+    "thc_quantize",
     "thc_rotate",
 ]
