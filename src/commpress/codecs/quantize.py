@@ -151,12 +151,19 @@ def _flat32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _flat_in(x: torch.Tensor) -> torch.Tensor:
-    """The input of an encode that the kernels do entirely (``minmax``, ``sign``): flattened,
+    """The input of an encode that the kernels do entirely (``minmax``, ``sign``, and
+    ``qsgd`` / ``terngrad`` on Triton): flattened,
     in its own float16/bfloat16 dtype for the Triton kernels (they widen in registers, which
     saves a pass), else :func:`_flat32`."""
     if x.dtype in (torch.float16, torch.bfloat16) and kernels.backend_for(x) == "triton":
         return x.reshape(-1).contiguous()
     return _flat32(x)
+
+
+def _triton_op(x: torch.Tensor, op: str) -> bool:
+    """Whether ``op``, an entry point only the Triton backend has (a whole fused encode),
+    runs for ``x``."""
+    return kernels.backend_for(x) == "triton" and kernels.use_kernels(x, op)
 
 
 def _direct32(out: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -524,13 +531,20 @@ class QSGD(Codec):
     wire_bytes = _wire_bytes_from_bits
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
-        flat = _flat32(x)
+        flat = _flat_in(x)
         n = flat.numel()
         s = float(self.levels)
         if n == 0:
             empty = torch.empty(0, device=x.device)
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "norm": empty})
         chunk = chunk_length(n, self.chunk_size)
+        if self.code_bits <= 8 and _triton_op(flat, "qsgd_encode"):
+            packed, norm = kernels.qsgd_encode(
+                flat, chunk=chunk, levels=self.levels, bits=self.code_bits, clamp=_NORM_CLAMP,
+                seed=kernel_seed(ctx, self.seed),
+            )
+            return self.make_payload(x, {"codes": packed, "norm": norm})
+        flat = flat.float()  # a float16/bfloat16 input kept for the Triton kernels
         if self.code_bits <= 8 and kernels.use_kernels(flat, "stochastic_encode"):
             # float64 sums in one pass (the torch path sums in float32, recomputing only
             # overflowing chunks in float64): norms may differ by one float32 rounding
@@ -646,12 +660,16 @@ class TernGrad(Codec):
     wire_bytes = _wire_bytes_from_bits
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
-        flat = _flat32(x)
+        flat = _flat_in(x)
         n = flat.numel()
         if n == 0:
             empty = torch.empty(0, device=x.device)
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "scale": empty})
         chunk = chunk_length(n, self.chunk_size)
+        if _triton_op(flat, "terngrad_encode"):
+            packed, m = kernels.terngrad_encode(flat, chunk=chunk, seed=kernel_seed(ctx, self.seed))
+            return self.make_payload(x, {"codes": packed, "scale": m})
+        flat = flat.float()  # a float16/bfloat16 input kept for the Triton kernels
         if kernels.use_kernels(flat, "stochastic_encode"):
             m = _per_chunk(flat, chunk, _max_abs)
             packed = kernels.stochastic_encode(

@@ -125,7 +125,38 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
         if flat.dtype in (torch.float16, torch.bfloat16) and kernels_extra.use_kernels(flat):
             return kernels_extra.top16(flat.contiguous(), k)
         return kernels.topk_select(kernels.widen(flat), k)
+    if 0 < k < d and flat.dtype != torch.float64 and _triton_at_least(flat):
+        return threshold_top(flat, k)
     return exact_top(magnitudes(flat), k)
+
+
+def _triton_at_least(flat: torch.Tensor) -> bool:
+    """Whether the Triton kernels count and collect magnitudes at a threshold for ``flat``
+    (float32, float16 or bfloat16; the numba kernels have their own paths)."""
+    return kernels.backend_for(flat) == "triton" and kernels.use_kernels(flat, "at_least")
+
+
+def threshold_top(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`exact_top` of the magnitudes of ``flat`` (``0 < k < d``) without a top-k over
+    all of them, through :func:`commpress.codecs.kernels.at_least`: the ``j``-th largest of
+    an evenly strided sample of ``s = max(4096, d / 256)`` magnitudes, ``j`` some standard
+    deviations above ``k s / d``, is almost surely a lower bound on the ``k``-th largest; one
+    pass counts the coordinates at or above it, one more collects them (ascending), and
+    :func:`exact_top` among those picks the same coordinates as over the whole tensor (every
+    coordinate tied with the ``k``-th largest is a candidate, in index order). When the bound
+    misses (fewer than ``k`` candidates; it depends on the data only), :func:`exact_top` over
+    the whole tensor."""
+    d = flat.numel()
+    s = min(d, max(4096, d // 256))
+    positions = torch.arange(s, device=flat.device) * d // s
+    k_s = math.ceil(k * s / d)
+    j = min(s, k_s + math.ceil(3 * math.sqrt(k_s)) + 8)
+    bound = _kth_largest(magnitudes(flat[positions]), j)
+    count, collect = kernels.at_least(flat, float(bound))
+    if count < k:
+        return exact_top(magnitudes(flat), k)
+    candidates = collect()
+    return candidates[exact_top(magnitudes(flat[candidates]), k)]
 
 
 def _kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -469,9 +500,10 @@ class DGC(_SparsePayload):
         return pair_bytes(self.target(d), d, dtype, _VALUE_DTYPES[self.value_dtype]) + 4
 
     def select_kernel(self, flat: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
-        """:meth:`select` on the magnitudes of a 1-D fp32 CPU tensor through the numba
-        kernels: the same samples, thresholds, counts and indices, without materialising the
-        magnitudes or the mask (each count is one read pass, the indices one more)."""
+        """:meth:`select` on the magnitudes of a 1-D tensor through the kernels (numba:
+        fp32 on CPU; Triton: fp32, fp16 or bf16, compared as fp32): the same samples,
+        thresholds, counts and indices, without materialising the magnitudes or the mask
+        (each count is one read pass, the indices one more)."""
         return self._select(
             flat.numel(), ctx, flat.device,
             exact=lambda k: top_magnitudes(flat, k),
@@ -532,7 +564,9 @@ class DGC(_SparsePayload):
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = x.reshape(-1)
         d = flat.numel()
-        if x.dtype == torch.float32 and kernels.use_kernels(flat, "at_least"):
+        if (x.dtype == torch.float32 and kernels.use_kernels(flat, "at_least")) or (
+            x.dtype in (torch.float16, torch.bfloat16) and _triton_at_least(flat)
+        ):
             idx = self.select_kernel(flat.contiguous(), ctx)
         else:
             idx = self.select(magnitudes(flat), ctx)

@@ -21,6 +21,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from commpress.codecs import kernels
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -37,6 +38,8 @@ from commpress.codecs.registry import register_codec
 from commpress.errors import ConfigError, PayloadError, error_context
 
 #: Seed offsets, so that the shared rotation and the per-rank rounding noise never coincide.
+#: Largest rotation block of the Triton kernel (``kernels.triton_gpu.THC_MAX_BLOCK``).
+_TRITON_MAX_BLOCK = 4096
 _SIGN_STREAM = 0x7C1
 _ROUND_STREAM = 0x7C2
 
@@ -346,6 +349,18 @@ class Thc(Codec):
             and kernels_extra.use_kernels(x)
         )
 
+    @staticmethod
+    def _triton(x: torch.Tensor, lay: ThcLayout) -> bool:
+        """Whether the Triton kernels rotate and quantize ``x`` (float32/bfloat16/float16 on
+        the Triton backend, blocks of at most 4096 coordinates, the kernels' register tile)."""
+        return (
+            lay.padded > 0
+            and x.dtype != torch.float64
+            and lay.block <= _TRITON_MAX_BLOCK
+            and kernels.backend_for(x) == "triton"
+            and kernels.use_kernels(x, "thc_rotate")
+        )
+
     def _wire_scale(self, lay: ThcLayout) -> float:
         return 2.0**-lay.headroom_log2 / math.sqrt(lay.block)
 
@@ -449,9 +464,15 @@ class Thc(Codec):
         self, y: torch.Tensor, ranges: torch.Tensor, lay: ThcLayout, ctx: CodecContext,
         lane: torch.dtype,
     ) -> torch.Tensor:
-        """:meth:`quantize`, by the CPU kernel (its own noise) for a float32 CPU ``y``."""
+        """:meth:`quantize`, by the CPU kernel (its own noise) for a float32 CPU ``y``, or
+        the Triton kernel (the same noise) on the Triton backend."""
         if lay.padded and y.dtype == torch.float32 and kernels_extra.use_kernels(y):
             return kernels_extra.thc_quantize(
+                y, self.steps(ranges), block=lay.block, levels=self.levels,
+                seed=kernel_seed(ctx, self.seed + _ROUND_STREAM), lane=lane,
+            )
+        if y.dtype == torch.float32 and self._triton(y, lay):
+            return kernels.thc_quantize(
                 y, self.steps(ranges), block=lay.block, levels=self.levels,
                 seed=kernel_seed(ctx, self.seed + _ROUND_STREAM), lane=lane,
             )
@@ -565,6 +586,11 @@ class Thc(Codec):
                 x, block=lay.block, padded=lay.padded, sign_seed=self._sign_seed(ctx),
                 scale=self._wire_scale(lay),
             )
+        if self._triton(x, lay):  # the torch path's rotation and ranges, bit for bit
+            return kernels.thc_rotate(
+                x, block=lay.block, padded=lay.padded, sign_seed=self._sign_seed(ctx),
+                scale=self._wire_scale(lay),
+            )
         y = self._wire_rotate(x, ctx, lay)
         return y, self.block_ranges(y, lay)
 
@@ -574,6 +600,12 @@ class Thc(Codec):
         lane = _lane_dtype(width)
         if self._fused(x, lay):
             ranges, codes = kernels_extra.thc_encode(
+                x, block=lay.block, padded=lay.padded, sign_seed=self._sign_seed(ctx),
+                scale=self._wire_scale(lay), levels=self.levels,
+                seed=kernel_seed(ctx, self.seed + _ROUND_STREAM), lane=lane,
+            )
+        elif self._triton(x, lay):  # the numba kernel's payload, same noise
+            ranges, codes = kernels.thc_encode(
                 x, block=lay.block, padded=lay.padded, sign_seed=self._sign_seed(ctx),
                 scale=self._wire_scale(lay), levels=self.levels,
                 seed=kernel_seed(ctx, self.seed + _ROUND_STREAM), lane=lane,

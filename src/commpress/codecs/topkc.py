@@ -16,6 +16,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from commpress.codecs import kernels
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -254,15 +255,23 @@ class TopKC(Codec):
 
         ``vector_norm(dtype=float64)`` converts its input to float64 first, so rows are taken
         in slices of about ``_NORM_SLICE`` elements to bound that temporary (32 MiB). With
-        ``source`` (the flat input, for the CPU kernels) one fused pass computes the sums of
-        squares instead (the same float64 values up to summation order, so the 16-bit norms
+        ``source`` (the flat input, for the CPU kernels), and on the Triton kernels, one
+        fused pass computes the sums of squares instead (the same float64 values up to
+        summation order and the torch path's square of a square root, so the 16-bit norms
         agree unless a sum lies within a float64 rounding of a 16-bit rounding boundary)."""
         top = torch.finfo(self._norm_dtype).max
         if source is not None:
             clamped, largest = kernels_extra.chunk_norms(source, chunks.shape[1], top)
             return clamped.to(self._norm_dtype), largest
-        rows = max(1, _NORM_SLICE // max(1, chunks.shape[1]))
-        sq = self._torch_squares(chunks, rows)
+        if (
+            chunks.numel()
+            and chunks.dtype != torch.float64
+            and kernels.backend_for(chunks) == "triton"
+            and kernels.use_kernels(chunks, "chunk_square_sums")
+        ):  # one read pass, no float64 copy (summed in another order: see above)
+            sq = kernels.chunk_square_sums(chunks.reshape(-1), chunks.shape[1])
+        else:
+            sq = self._torch_squares(chunks, max(1, _NORM_SLICE // max(1, chunks.shape[1])))
         finite = torch.isfinite(sq)
         largest = (
             torch.where(finite, sq, torch.zeros_like(sq)).amax()

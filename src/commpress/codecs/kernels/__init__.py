@@ -3,11 +3,15 @@
 Two kernel backends implement the hot loops of the single-pass codecs (``minmax``, ``sign``,
 ``qsgd``, ``terngrad``) and a few selections (top-k, DGC, Random-K):
 
-* :mod:`.numba_cpu`: numba kernels for CPU tensors (every entry point below);
-* :mod:`.triton_gpu`: Triton kernels for CUDA tensors (the quantizers' entry points; the
-  selections keep their torch paths on a GPU). Under Triton's interpreter
-  (``TRITON_INTERPRET=1`` set before this package first loads Triton) they also run on CPU
-  tensors, which is how they are tested without a GPU.
+* :mod:`.numba_cpu`: numba kernels for CPU tensors (every entry point below but the
+  Triton-only ``qsgd_encode``, ``terngrad_encode``, ``chunk_square_sums`` and
+  ``thc_rotate`` / ``thc_encode`` / ``thc_quantize``);
+* :mod:`.triton_gpu`: Triton kernels for CUDA tensors (the quantizers' entry points, whole
+  QSGD / TernGrad encodes, ``at_least`` for the top-k / DGC selections, TopKC's chunk
+  sums and THC's encode; ``topk_select`` and Random-K's ``first_distinct`` keep their
+  torch paths). Under Triton's interpreter (``TRITON_INTERPRET=1`` set before this package
+  first loads Triton) they also run on CPU tensors, which is how they are tested without a
+  GPU.
 
 The plain-torch implementations in the codec modules are the reference and the fallback.
 
@@ -69,6 +73,13 @@ TRITON_OPS = frozenset(
         "stochastic_encode",
         "offset_decode",
         "chunk_norms",
+        "qsgd_encode",
+        "terngrad_encode",
+        "at_least",
+        "chunk_square_sums",
+        "thc_rotate",
+        "thc_encode",
+        "thc_quantize",
     }
 )
 
@@ -353,6 +364,67 @@ def stochastic_encode(
     )
 
 
+def qsgd_encode(
+    x: torch.Tensor, *, chunk: int, levels: int, bits: int, clamp: float, seed: int = 0,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """QSGD's whole encode (Triton only): ``(packed codes, per-chunk norms)``, the norms as
+    :func:`chunk_norms` gives them and the codes as :func:`stochastic_encode` with ``inv =
+    levels / norm``, in at most two passes over ``x`` (fp32, fp16 or bf16)."""
+    return _impl(x, "qsgd_encode").qsgd_encode(
+        x, chunk=chunk, levels=levels, bits=bits, clamp=clamp, seed=seed, noise=noise
+    )
+
+
+def terngrad_encode(
+    x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TernGrad's whole encode (Triton only): ``(packed 2-bit codes, per-chunk max |x|)`` in
+    at most two passes over ``x`` (fp32, fp16 or bf16)."""
+    return _impl(x, "terngrad_encode").terngrad_encode(x, chunk=chunk, seed=seed, noise=noise)
+
+
+def chunk_square_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The float64 sum of squares of each ``chunk`` of a 1-D tensor (fp32, fp16 or bf16; the
+    last chunk may be short) in one read pass (Triton only; TopKC's squared norms)."""
+    return _impl(x, "chunk_square_sums").chunk_square_sums(x, chunk)
+
+
+def thc_rotate(
+    x: torch.Tensor, *, block: int, padded: int, sign_seed: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """THC's wire rotation (Triton only; power-of-two ``block`` up to 4096): ``x`` (fp32,
+    fp16 or bf16) zero-padded to ``padded``, times the shared signs times ``scale``, through
+    the blocked Hadamard transform, in float32, and each block's ``max |y|`` (NaN as +Inf)."""
+    return _impl(x, "thc_rotate").thc_rotate(
+        x, block=block, padded=padded, sign_seed=sign_seed, scale=scale
+    )
+
+
+def thc_encode(
+    x: torch.Tensor, *, block: int, padded: int, sign_seed: int, scale: float, levels: int,
+    seed: int, lane: torch.dtype, noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """THC's local encode in one pass (Triton only; blocks up to 4096): ``(ranges, codes)``
+    of :func:`thc_rotate` quantized with its own ranges, the numba kernel's codes for the
+    same ``seed`` (``noise``: given uniforms instead)."""
+    return _impl(x, "thc_encode").thc_encode(
+        x, block=block, padded=padded, sign_seed=sign_seed, scale=scale, levels=levels,
+        seed=seed, lane=lane, noise=noise,
+    )
+
+
+def thc_quantize(
+    y: torch.Tensor, steps: torch.Tensor, *, block: int, levels: int, seed: int,
+    lane: torch.dtype, noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """THC's codes ``clamp(floor(y / step + u), -L, L)`` of a float32 rotation with given
+    per-block steps (Triton only; blocks up to 4096), the numba kernel's for the same seed."""
+    return _impl(y, "thc_quantize").thc_quantize(
+        y, steps, block=block, levels=levels, seed=seed, lane=lane, noise=noise
+    )
+
+
 def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
     """L2 norm of each ``chunk`` of a 1-D contiguous fp32 tensor, summed in float64 and
     rounded to float32 (norms beyond float32's range clamped to ``clamp``; Inf and NaN
@@ -411,12 +483,14 @@ __all__ = [
     "available",
     "backend_for",
     "chunk_norms",
+    "chunk_square_sums",
     "dispatch_counts",
     "first_distinct",
     "minmax_decode",
     "minmax_encode",
     "note_dispatch",
     "offset_decode",
+    "qsgd_encode",
     "requested_backend",
     "scratch32",
     "set_backend",
@@ -424,6 +498,10 @@ __all__ = [
     "sign_encode",
     "sign_encode_scaled",
     "stochastic_encode",
+    "terngrad_encode",
+    "thc_encode",
+    "thc_quantize",
+    "thc_rotate",
     "topk_select",
     "triton_interpreted",
     "use_backend",

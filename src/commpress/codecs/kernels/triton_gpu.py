@@ -16,9 +16,20 @@ code's one or two bytes and writes float32. Per-chunk statistics come first:
   kernel;
 * ``sign``: bits + per-program float64 partial sums of ``|x|`` in one pass, the partial sums
   added by torch (float64) and divided by ``n`` on the device (no host sync);
-* ``qsgd`` / ``terngrad``: the per-chunk norm / max magnitude come from the codec (torch
-  reductions; :func:`chunk_norms` here sums in float64 like the numba kernel), the kernel
-  does stochastic rounding + pack.
+* ``qsgd`` / ``terngrad``: :func:`qsgd_encode` / :func:`terngrad_encode` compute each
+  chunk's statistic (the L2 norm from a float64 sum of squares, as the numba kernel; the
+  largest ``|x|`` as the largest magnitude bit pattern) and its multiplier in-kernel, then
+  round stochastically and pack: one pass for chunks of a power-of-two length from 8 to
+  :data:`ROW_MAX`, else a statistics pass (a row per chunk, or per-segment partials combined
+  per chunk in a fixed order: no atomics, so the result is deterministic) and a quantize
+  pass. :func:`stochastic_encode` (given multipliers) and :func:`chunk_norms` (torch float64
+  reductions) remain as entry points.
+
+Selections: :func:`at_least` counts the magnitudes at or above a threshold per block (one
+read pass) and collects their indices ascending by an exclusive prefix sum of the block
+counts (a second pass; no sort), which DGC's estimated threshold and Top-K's sampled bound
+(:func:`commpress.codecs.sparse.threshold_top`) use; :func:`chunk_square_sums` gives TopKC
+its float64 squared chunk norms in one pass.
 
 Arithmetic: the same float32 operations in the same order as the torch path, compiled with
 ``enable_fp_fusion=False`` (no fused multiply-add), divisions done in float64 and rounded,
@@ -37,6 +48,7 @@ with ``TRITON_INTERPRET=1`` they run in Triton's interpreter, on CPU tensors too
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -73,18 +85,24 @@ _SHIFT_UP = tl.constexpr(2.0**64)
 _SHIFT_DOWN = tl.constexpr(2.0**-64)
 _INT32_MAX = tl.constexpr(INT32_MAX)
 _INT32_MIN = tl.constexpr(INT32_MIN)
+_F64_MAX = tl.constexpr(1.7976931348623157e308)
 
 
 # ---------------------------------------------------------------------- device helpers
 @triton.jit
-def _uniform(seed, idx):
-    # SplitMix64 of (seed + (idx + 1) * golden gamma); the top 24 bits give u in [0, 1): the
-    # numba kernels' generator, element for element
+def _splitmix(seed, idx):
+    # SplitMix64 of (seed + (idx + 1) * golden gamma), seed a uint64: the numba kernels' and
+    # numba_transforms.splitmix_words' generator, word for word
     z = seed + (idx + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-    z = z ^ (z >> 31)
-    return (z >> 40).to(tl.float32) * 5.9604644775390625e-08
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _uniform(seed, idx):
+    # the top 24 bits of _splitmix give u in [0, 1): the numba kernels' uniforms
+    return (_splitmix(seed, idx) >> 40).to(tl.float32) * 5.9604644775390625e-08
 
 
 @triton.jit
@@ -332,6 +350,27 @@ def _sign_decode_kernel(packed_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------------- qsgd / terngrad
+@triton.jit
+def _stochastic_codes(x, inv, idx, mask, noise_ptr, seed, KIND: tl.constexpr,
+                      LEVELS: tl.constexpr, MODE: tl.constexpr):
+    # KIND 0 (qsgd): code = LEVELS +- clamp(floor(|x| * inv + u), 0, LEVELS), NaN -> LEVELS;
+    # KIND 1 (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1; 0 outside ``mask``.
+    # u: the generator's uniform (MODE 1) or noise[i] (2)
+    if MODE == 1:
+        u = _uniform(seed.to(tl.uint64), idx)
+    else:
+        u = tl.load(noise_ptr + idx, mask=mask, other=0.0)
+    a = tl.abs(x) * inv
+    if KIND == 0:
+        t = tl.floor(a + u)
+        t = tl.where(t >= 0.0, t, 0.0)
+        level = tl.where(t > LEVELS, LEVELS, t).to(tl.int32)
+        code = tl.where(x < 0.0, LEVELS - level, LEVELS + level)
+    else:
+        code = tl.where(u < a, tl.where(x < 0.0, 0, 2), 1)
+    return tl.where(mask, code, 0)
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _stochastic_kernel(
     x_ptr,
@@ -348,25 +387,136 @@ def _stochastic_kernel(
     MODE: tl.constexpr,
     GROUPS: tl.constexpr,
 ):
-    # KIND 0 (qsgd): code = LEVELS +- clamp(floor(|x| * inv + u), 0, LEVELS), NaN -> LEVELS;
-    # KIND 1 (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1
+    # the codes of _stochastic_codes with a per-chunk ``inv`` given, packed
     idx, groups = _element_tile(GROUPS)
     mask = idx < n
     x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     inv = tl.load(inv_ptr + idx // chunk, mask=mask, other=0.0)
-    if MODE == 1:
-        u = _uniform(seed.to(tl.uint64), idx)
-    else:
-        u = tl.load(noise_ptr + idx, mask=mask, other=0.0)
-    a = tl.abs(x) * inv
+    codes = _stochastic_codes(x, inv, idx, mask, noise_ptr, seed, KIND, LEVELS, MODE)
+    _pack_store(packed_ptr, codes, groups, nbytes, BITS)
+
+
+@triton.jit
+def _stat_partial(x, mask, KIND: tl.constexpr, AXIS: tl.constexpr):
+    # a float64 partial statistic of the elements under ``mask`` along AXIS: the sum of
+    # squares (KIND 0, qsgd) or the largest |x| as its bit pattern (1, terngrad: the
+    # non-negative floats order as their int32 patterns, and a NaN's above +inf's)
     if KIND == 0:
-        t = tl.floor(a + u)
-        t = tl.where(t >= 0.0, t, 0.0)
-        level = tl.where(t > LEVELS, LEVELS, t).to(tl.int32)
-        code = tl.where(x < 0.0, LEVELS - level, LEVELS + level)
+        v = tl.where(mask, x, 0.0).to(tl.float64)
+        return tl.sum(v * v, axis=AXIS)
     else:
-        code = tl.where(u < a, tl.where(x < 0.0, 0, 2), 1)
-    _pack_store(packed_ptr, tl.where(mask, code, 0), groups, nbytes, BITS)
+        key = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        return tl.max(tl.where(mask, key, 0), axis=AXIS).to(tl.float64)
+
+
+@triton.jit
+def _stat_params(acc, clamp, KIND: tl.constexpr, LEVELS: tl.constexpr):
+    # from a chunk's whole statistic: what the chunk sends (float32) and the multiplier of
+    # |x| in its codes. qsgd: norm = sqrt(sum) rounded to float32 (sums beyond float32's
+    # range clamped to ``clamp``, like the numba kernel), inv = LEVELS * f32(1 / norm) for
+    # finite norm > 0 (torch's ``s / norm``) else 0. terngrad: m = max |x|, inv = f32(1 / m)
+    # where m > 0 and that is finite, else 0 (quantize._safe_reciprocal). Divisions and the
+    # square root in float64, rounded once: the correctly rounded float32 results.
+    if KIND == 0:
+        norm = tl.sqrt(acc)  # float64: correctly rounded (PTX has no approximate one)
+        norm = tl.where((norm > clamp) & (norm <= _F64_MAX), clamp, norm)
+        stat = norm.to(tl.float32)
+        r = (1.0 / tl.where(stat > 0.0, stat, 1.0).to(tl.float64)).to(tl.float32)
+        inv = tl.where((stat > 0.0) & (stat <= _F32_MAX), r * LEVELS, 0.0)
+    else:
+        stat = acc.to(tl.int32).to(tl.float32, bitcast=True)
+        r = (1.0 / tl.where(stat > 0.0, stat, 1.0).to(tl.float64)).to(tl.float32)
+        inv = tl.where((stat > 0.0) & (r <= _F32_MAX), r, 0.0)
+    return stat, inv
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _stochastic_rows_kernel(
+    x_ptr,
+    noise_ptr,
+    stat_ptr,
+    inv_ptr,
+    packed_ptr,
+    n,
+    chunk,
+    nchunks,
+    nbytes,
+    seed,
+    clamp,
+    KIND: tl.constexpr,
+    LEVELS: tl.constexpr,
+    BITS: tl.constexpr,
+    MODE: tl.constexpr,
+    ROWS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    FUSE: tl.constexpr,
+):
+    # ROWS chunks of at most WIDTH elements per program: each chunk's statistic and inv;
+    # with FUSE (chunk == WIDTH, a power of two >= 8: the rows are whole byte groups) also
+    # the codes, packed, so the encode reads the input once
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, WIDTH)
+    idx = rows[:, None] * chunk + cols[None, :]
+    mask = (cols[None, :] < chunk) & (idx < n)
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    stat, inv = _stat_params(_stat_partial(x, mask, KIND, 1), clamp, KIND, LEVELS)
+    tl.store(stat_ptr + rows, stat, mask=rows < nchunks)
+    tl.store(inv_ptr + rows, inv, mask=rows < nchunks)
+    if FUSE:
+        codes = _stochastic_codes(x, inv[:, None], idx, mask, noise_ptr, seed, KIND, LEVELS,
+                                  MODE)
+        groups = tl.program_id(0) * (ROWS * WIDTH // 8) + tl.arange(0, ROWS * WIDTH // 8)
+        _pack_store(packed_ptr, tl.reshape(codes, (ROWS * WIDTH // 8, 8)), groups, nbytes,
+                    BITS)
+
+
+@triton.jit
+def _stat_segment_kernel(x_ptr, partial_ptr, n, chunk, nseg, KIND: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    # partial[c * nseg + j]: the statistic of segment j (BLOCK elements) of chunk c
+    pid = tl.program_id(0)
+    c = pid // nseg
+    first = c * chunk
+    idx = first + (pid - c * nseg) * BLOCK + tl.arange(0, BLOCK)
+    mask = (idx < first + chunk) & (idx < n)
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + pid, _stat_partial(x, mask, KIND, 0))
+
+
+@triton.jit
+def _square_sum_rows_kernel(x_ptr, out_ptr, n, chunk, nchunks, ROWS: tl.constexpr,
+                            WIDTH: tl.constexpr):
+    # the float64 sum of squares of each of ROWS chunks of at most WIDTH elements
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, WIDTH)
+    idx = rows[:, None] * chunk + cols[None, :]
+    mask = (cols[None, :] < chunk) & (idx < n)
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, _stat_partial(x, mask, 0, 1), mask=rows < nchunks)
+
+
+@triton.jit
+def _stat_finish_kernel(partial_ptr, stat_ptr, inv_ptr, nchunks, nseg, clamp,
+                        KIND: tl.constexpr, LEVELS: tl.constexpr, ROWS: tl.constexpr,
+                        SEGS: tl.constexpr, RAW: tl.constexpr):
+    # each chunk's segments combined in a fixed order (SEGS lanes, then a tree), so the
+    # result does not depend on scheduling; then the chunk's statistic and inv (RAW: the
+    # combined float64 statistic itself, no inv)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    lanes = tl.arange(0, SEGS)
+    acc = tl.zeros((ROWS, SEGS), dtype=tl.float64)
+    for j in range(0, nseg, SEGS):
+        mask = (rows[:, None] < nchunks) & (j + lanes[None, :] < nseg)
+        p = tl.load(partial_ptr + rows[:, None] * nseg + j + lanes[None, :], mask=mask,
+                    other=0.0)
+        acc = acc + p if KIND == 0 else tl.maximum(acc, p)
+    total = tl.sum(acc, axis=1) if KIND == 0 else tl.max(acc, axis=1)
+    if RAW:
+        tl.store(stat_ptr + rows, total, mask=rows < nchunks)
+    else:
+        stat, inv = _stat_params(total, clamp, KIND, LEVELS)
+        tl.store(stat_ptr + rows, stat, mask=rows < nchunks)
+        tl.store(inv_ptr + rows, inv, mask=rows < nchunks)
 
 
 @triton.jit
@@ -380,6 +530,111 @@ def _offset_decode_kernel(
     code = _unpack_load(packed_ptr, idx, mask, nbytes, BITS).to(tl.float32)
     step = tl.load(step_ptr + idx // chunk, mask=mask, other=0.0)
     tl.store(out_ptr + idx, (code - offset) * step, mask=mask)
+
+
+# ---------------------------------------------------------------------- selection by threshold
+@triton.jit
+def _at_least_mask(x_ptr, idx, n, key):
+    # |x| >= the threshold whose magnitude bits are ``key`` (int32 order of the magnitude bits;
+    # a NaN's lie above +inf's, so a NaN counts as +inf)
+    mask = idx < n
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    return mask & ((x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >= key)
+
+
+@triton.jit
+def _count_at_least_kernel(x_ptr, counts_ptr, n, key, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    hit = _at_least_mask(x_ptr, idx, n, key)
+    tl.store(counts_ptr + tl.program_id(0), tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _collect_at_least_kernel(x_ptr, starts_ptr, out_ptr, n, key, BLOCK: tl.constexpr):
+    # each block writes its hits' indices, ascending, from its start (an exclusive prefix sum
+    # of the counts): a stream compaction whose order is the index order
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    hit = _at_least_mask(x_ptr, idx, n, key).to(tl.int32)
+    pos = tl.load(starts_ptr + tl.program_id(0)) + tl.cumsum(hit, axis=0) - hit
+    tl.store(out_ptr + pos, idx.to(tl.int64), mask=hit != 0)
+
+
+# ---------------------------------------------------------------------- THC
+@triton.jit
+def _thc_codes(v, step, rows, cols, mask, noise_ptr, seed, BLOCK: tl.constexpr,
+               LEVELS: tl.constexpr, MODE: tl.constexpr):
+    # clamp(floor(v / step + u), -L, L), a non-finite floor giving 0, for a [ROWS, BLOCK]
+    # tile with one step per row; the division correctly rounded (float64, rounded once).
+    # u: MODE 1 the numba kernel's (one SplitMix64 word gives coordinates k and k + B/2 of a
+    # block: bits 40-63 and 16-39; a block of one coordinate takes bits 40-63), MODE 2 noise[i]
+    idx = rows[:, None] * BLOCK + cols[None, :]
+    if MODE == 1:
+        if BLOCK == 1:
+            word = _splitmix(seed.to(tl.uint64), idx)
+            u = (word >> 40).to(tl.float32) * 5.9604644775390625e-08
+        else:
+            low = cols[None, :] < BLOCK // 2
+            word = _splitmix(seed.to(tl.uint64), tl.where(low, idx, idx - BLOCK // 2))
+            bits = tl.where(low, word >> 40, (word >> 16) & 0xFFFFFF)
+            u = bits.to(tl.float32) * 5.9604644775390625e-08
+    else:
+        u = tl.load(noise_ptr + idx, mask=mask, other=0.0)
+    q = (v.to(tl.float64) / step[:, None].to(tl.float64)).to(tl.float32)
+    t = tl.floor(q + u)
+    t = tl.where(tl.abs(t) <= _F32_MAX, t, 0.0)
+    t = tl.where(t > LEVELS, LEVELS, tl.where(t < -LEVELS, -LEVELS, t))
+    return t.to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["sign_seed", "seed"])
+def _thc_rotate_kernel(x_ptr, y_ptr, range_ptr, noise_ptr, n, padded, nblocks, sign_seed,
+                       scale, seed, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                       LOG2: tl.constexpr, LEVELS: tl.constexpr, MODE: tl.constexpr):
+    # ROWS blocks of BLOCK coordinates per program: x (zero beyond n) times the shared sign
+    # (bit i % 64 of SplitMix64 word i // 64; 1: -scale, 0: +scale), the Sylvester Hadamard
+    # butterflies in registers (stage h: a + b, a - b for the pairs h apart, as
+    # thc.hadamard_transform does over the whole tensor), and each block's max |y| (NaN as
+    # +Inf). MODE 0 writes the rotation to y; MODE 1 / 2 quantize it with the block's own
+    # step (range / L rounded up to float32, Thc.steps) and write the codes there instead
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    idx = rows[:, None] * BLOCK + cols[None, :]
+    x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    word = _splitmix(sign_seed.to(tl.uint64), idx // 64)
+    bit = (word >> (idx % 64).to(tl.uint64)) & 1
+    v = x * tl.where(bit != 0, -scale, scale)
+    for s in tl.static_range(LOG2):
+        t = tl.permute(tl.reshape(v, (ROWS * BLOCK // (2 << s), 2, 1 << s)), (0, 2, 1))
+        a, b = tl.split(t)
+        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, BLOCK))
+    inf = tl.full(v.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
+    peak = tl.max(tl.where(v != v, inf, tl.abs(v)), axis=1)
+    tl.store(range_ptr + rows, peak, mask=rows < nblocks)
+    if MODE == 0:
+        tl.store(y_ptr + idx, v, mask=idx < padded)
+    else:
+        exact = peak.to(tl.float64) / LEVELS
+        step = exact.to(tl.float32)
+        up = (step.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+        step = tl.where(step.to(tl.float64) < exact, up, step)
+        codes = _thc_codes(v, step, rows, cols, idx < padded, noise_ptr, seed, BLOCK, LEVELS,
+                           MODE)
+        tl.store(y_ptr + idx, codes, mask=idx < padded)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _thc_quantize_kernel(y_ptr, step_ptr, noise_ptr, codes_ptr, padded, nblocks, seed,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr,
+                         MODE: tl.constexpr):
+    # the codes of a given rotation with given per-block steps (THC's agreed ranges)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    idx = rows[:, None] * BLOCK + cols[None, :]
+    mask = idx < padded
+    v = tl.load(y_ptr + idx, mask=mask, other=0.0)
+    step = tl.load(step_ptr + rows, mask=rows < nblocks, other=1.0)
+    codes = _thc_codes(v, step, rows, cols, mask, noise_ptr, seed, BLOCK, LEVELS, MODE)
+    tl.store(codes_ptr + idx, codes, mask=mask)
 
 
 # ---------------------------------------------------------------------- tensor entry points
@@ -525,6 +780,128 @@ def stochastic_encode(
     return packed
 
 
+#: Segments of a chunk combined per step when finishing qsgd / terngrad statistics.
+FINISH_SEGS = 64
+
+
+def _segment_stats(
+    x: torch.Tensor,
+    stat: torch.Tensor,
+    inv: torch.Tensor | None,
+    chunk: int,
+    nchunks: int,
+    clamp: float,
+    kind_id: int,
+    levels: int,
+) -> None:
+    """Per-chunk statistics of chunks longer than :data:`ROW_MAX`: per-segment partials,
+    then a kernel combining each chunk's in a fixed order (deterministic, no atomics) into
+    ``stat`` and ``inv`` (``inv=None``: the raw float64 statistic into ``stat``)."""
+    nseg = triton.cdiv(chunk, RANGE_BLOCK)
+    partial = torch.empty(nchunks * nseg, dtype=torch.float64, device=x.device)
+    _stat_segment_kernel[(nchunks * nseg,)](
+        x, partial, x.numel(), chunk, nseg, KIND=kind_id, BLOCK=RANGE_BLOCK
+    )
+    rows = 4
+    _stat_finish_kernel[_blocks(nchunks, rows)](
+        partial, stat, stat if inv is None else inv, nchunks, nseg, clamp, KIND=kind_id,
+        LEVELS=levels, ROWS=rows, SEGS=FINISH_SEGS, RAW=inv is None, enable_fp_fusion=False,
+    )
+
+
+def chunk_square_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The float64 sum of squares of each ``chunk`` of ``x`` (float32, float16 or bfloat16;
+    the last chunk may be short) in one read pass, without a float64 copy of the input
+    (TopKC's squared chunk norms; Inf and NaN propagate)."""
+    x = _flat(x)
+    n = x.numel()
+    nchunks = triton.cdiv(n, chunk) if n else 0
+    out = torch.empty(nchunks, dtype=torch.float64, device=x.device)
+    if n == 0:
+        return out
+    if chunk <= ROW_MAX:
+        width = triton.next_power_of_2(chunk)
+        rows = max(1, ROW_MAX // width)
+        _square_sum_rows_kernel[_blocks(nchunks, rows)](
+            x, out, n, chunk, nchunks, ROWS=rows, WIDTH=width
+        )
+    else:
+        _segment_stats(x, out, None, chunk, nchunks, 0.0, 0, 1)
+    return out
+
+
+def _stochastic_fused(
+    x: torch.Tensor,
+    *,
+    kind: Literal["qsgd", "terngrad"],
+    chunk: int,
+    levels: int,
+    bits: int,
+    clamp: float,
+    seed: int,
+    noise: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed codes and the per-chunk statistic (qsgd's norm, terngrad's max) in at most
+    two passes over ``x``: chunks of a power-of-two length from 8 to :data:`ROW_MAX` in one
+    kernel; other lengths up to :data:`ROW_MAX` a statistics kernel (one row per chunk) and
+    the quantize kernel; longer chunks per-segment partials, a kernel combining them per
+    chunk in a fixed order (deterministic, no atomics) and the quantize kernel."""
+    x = _flat(x)
+    n, dev = x.numel(), x.device
+    nchunks = triton.cdiv(n, chunk) if n else 0
+    nbytes = triton.cdiv(n * bits, 8)
+    packed = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    stat = torch.empty(nchunks, dtype=torch.float32, device=dev)
+    if n == 0:
+        return packed, stat
+    inv = torch.empty(nchunks, dtype=torch.float32, device=dev)
+    kind_id = 0 if kind == "qsgd" else 1
+    mode = 1 if noise is None else 2
+    noise_arg = x if noise is None else noise.contiguous()
+    clamp32 = float(torch.tensor(clamp, dtype=torch.float32))  # as the numba kernel's
+    if chunk <= ROW_MAX:
+        width = triton.next_power_of_2(chunk)
+        rows = max(1, ROW_MAX // width)
+        fuse = width == chunk >= 8
+        _stochastic_rows_kernel[_blocks(nchunks, rows)](
+            x, noise_arg, stat, inv, packed, n, chunk, nchunks, nbytes, seed, clamp32,
+            KIND=kind_id, LEVELS=levels, BITS=bits, MODE=mode, ROWS=rows, WIDTH=width,
+            FUSE=fuse, enable_fp_fusion=False,
+        )
+        if fuse:
+            return packed, stat
+    else:
+        _segment_stats(x, stat, inv, chunk, nchunks, clamp32, kind_id, levels)
+    _stochastic_kernel[_blocks(n, 8 * GROUPS)](
+        x, noise_arg, inv, packed, n, chunk, nbytes, seed, KIND=kind_id, LEVELS=levels,
+        BITS=bits, MODE=mode, GROUPS=GROUPS, enable_fp_fusion=False,
+    )
+    return packed, stat
+
+
+def qsgd_encode(
+    x: torch.Tensor,
+    *,
+    chunk: int,
+    levels: int,
+    bits: int,
+    clamp: float,
+    seed: int = 0,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`commpress.codecs.kernels.qsgd_encode`."""
+    return _stochastic_fused(x, kind="qsgd", chunk=chunk, levels=levels, bits=bits,
+                             clamp=clamp, seed=seed, noise=noise)
+
+
+def terngrad_encode(
+    x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`commpress.codecs.kernels.terngrad_encode`."""
+    return _stochastic_fused(x, kind="terngrad", chunk=chunk, levels=1, bits=2, clamp=0.0,
+                             seed=seed, noise=noise)
+
+
 def offset_decode(
     packed: torch.Tensor,
     step: torch.Tensor,
@@ -544,6 +921,107 @@ def offset_decode(
             float(offset), BITS=bits, BLOCK=block, enable_fp_fusion=False,
         )
     return out
+
+
+#: Elements per program when counting and collecting magnitudes at or above a threshold.
+SELECT_BLOCK = 4096
+
+
+def at_least(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch.Tensor]]:
+    """See :func:`commpress.codecs.kernels.at_least` (float32, float16 or bfloat16 input,
+    compared as float32). One read pass counts per block (the count is one host sync); the
+    indices are a second pass that writes each block's hits from an exclusive prefix sum of
+    the counts, so they come out ascending without a sort."""
+    x = _flat(x)
+    n = x.numel()
+    key = int(torch.tensor([threshold], dtype=torch.float32).view(torch.int32)) & INT32_MAX
+    grid = _blocks(n, SELECT_BLOCK)
+    if key == 0 or n == 0:  # every magnitude is >= 0
+        return n, lambda: torch.arange(n, device=x.device)
+    counts = torch.empty(grid[0], dtype=torch.int32, device=x.device)
+    _count_at_least_kernel[grid](x, counts, n, key, BLOCK=SELECT_BLOCK)
+    ends = counts.cumsum(0)
+    total = int(ends[-1])
+
+    def collect() -> torch.Tensor:
+        out = torch.empty(total, dtype=torch.int64, device=x.device)
+        if total:
+            _collect_at_least_kernel[grid](x, ends - counts, out, n, key, BLOCK=SELECT_BLOCK)
+        return out
+
+    return total, collect
+
+
+#: Largest THC rotation block the Triton kernel takes (one block in registers).
+THC_MAX_BLOCK = 4096
+
+
+def _thc_block(block: int) -> int:
+    """Programs' rows for ``block`` (refused beyond :data:`THC_MAX_BLOCK`)."""
+    if block > THC_MAX_BLOCK or block < 1 or block & (block - 1):
+        raise CommpressError(
+            f"the Triton THC kernels take power-of-two blocks up to {THC_MAX_BLOCK}, got {block}"
+        )
+    return max(1, ROW_MAX // block)
+
+
+def _thc_launch(
+    x: torch.Tensor, out: torch.Tensor, *, block: int, padded: int, sign_seed: int,
+    scale: float, levels: int, seed: int, mode: int, noise: torch.Tensor | None,
+) -> torch.Tensor:
+    rows = _thc_block(block)
+    x = _flat(x)
+    nblocks = padded // block
+    ranges = torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    if padded:
+        _thc_rotate_kernel[_blocks(nblocks, rows)](
+            x, out, ranges, x if noise is None else noise.contiguous(), x.numel(), padded,
+            nblocks, sign_seed, scale, seed, ROWS=rows, BLOCK=block,
+            LOG2=block.bit_length() - 1, LEVELS=levels, MODE=mode, enable_fp_fusion=False,
+        )
+    return ranges
+
+
+def thc_rotate(
+    x: torch.Tensor, *, block: int, padded: int, sign_seed: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`commpress.codecs.kernels.thc_rotate`: one read of ``x``, one write of the
+    rotation, the block ranges from registers."""
+    y = torch.empty(padded, dtype=torch.float32, device=x.device)
+    ranges = _thc_launch(x, y, block=block, padded=padded, sign_seed=sign_seed, scale=scale,
+                         levels=1, seed=0, mode=0, noise=None)
+    return y, ranges
+
+
+def thc_encode(
+    x: torch.Tensor, *, block: int, padded: int, sign_seed: int, scale: float, levels: int,
+    seed: int, lane: torch.dtype, noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`commpress.codecs.kernels.thc_encode`: rotation, ranges and codes in one
+    pass, the codes of the numba kernel for the same seed."""
+    codes = torch.empty(padded, dtype=lane, device=x.device)
+    ranges = _thc_launch(x, codes, block=block, padded=padded, sign_seed=sign_seed,
+                         scale=scale, levels=levels, seed=seed,
+                         mode=1 if noise is None else 2, noise=noise)
+    return ranges, codes
+
+
+def thc_quantize(
+    y: torch.Tensor, steps: torch.Tensor, *, block: int, levels: int, seed: int,
+    lane: torch.dtype, noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See :func:`commpress.codecs.kernels.thc_quantize`."""
+    rows = _thc_block(block)
+    y = _flat(y)
+    codes = torch.empty(y.numel(), dtype=lane, device=y.device)
+    nblocks = y.numel() // block
+    if nblocks:
+        _thc_quantize_kernel[_blocks(nblocks, rows)](
+            y, steps.contiguous(), y if noise is None else noise.contiguous(), codes,
+            y.numel(), nblocks, seed, ROWS=rows, BLOCK=block, LEVELS=levels,
+            MODE=1 if noise is None else 2, enable_fp_fusion=False,
+        )
+    return codes
 
 
 def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
@@ -567,11 +1045,18 @@ def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
 
 __all__ = [
     "INTERPRETED",
+    "at_least",
     "chunk_norms",
+    "chunk_square_sums",
     "minmax_decode",
     "minmax_encode",
     "offset_decode",
+    "qsgd_encode",
     "sign_decode",
     "sign_encode_scaled",
     "stochastic_encode",
+    "terngrad_encode",
+    "thc_encode",
+    "thc_quantize",
+    "thc_rotate",
 ]
