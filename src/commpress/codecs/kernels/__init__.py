@@ -282,7 +282,8 @@ def minmax_encode(
     seed: int = 0,
     noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize a 1-D contiguous fp32 tensor per chunk to ``bits``-bit codes.
+    """Quantize a 1-D contiguous float32, bfloat16 or float16 tensor per chunk to ``bits``-bit
+    codes (16-bit inputs are widened exactly in the kernel, never copied).
 
     Returns ``(packed codes, per-chunk min, per-chunk scale)``. With ``stochastic`` the noise
     comes from ``noise`` (``n`` uniforms in [0, 1)) when given, else from the kernels'
@@ -302,34 +303,44 @@ def minmax_decode(
     bits: int,
     n: int,
     out: torch.Tensor | None = None,
+    saturate: bool = False,
 ) -> torch.Tensor:
-    """Inverse of :func:`minmax_encode`: ``n`` fp32 values ``code * scale + min`` (written
-    into ``out``, ``n`` contiguous fp32 values on the codes' device, when given)."""
+    """Inverse of :func:`minmax_encode`: ``n`` values ``code * scale + min`` computed in
+    float32, written into ``out`` when given (``n`` contiguous values on the codes' device:
+    float32, or on the numba backend also bfloat16 or float16, rounded to nearest even as
+    ``.to`` rounds and, with ``saturate``, finite values beyond the dtype's largest clamped
+    to it as :func:`~commpress.codecs.base.saturating_cast` does), else into a new float32
+    tensor."""
     return _impl(packed, "minmax_decode").minmax_decode(
-        packed, lo, scale, chunk=chunk, bits=bits, n=n, out=out
+        packed, lo, scale, chunk=chunk, bits=bits, n=n, out=out, saturate=saturate
     )
 
 
 def sign_encode(x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Sign bits (1 for ``x >= 0``) of a 1-D contiguous fp32 CPU tensor, and ``sum |x|``
+    """Sign bits (1 for ``x >= 0``) of a 1-D contiguous float CPU tensor, and ``sum |x|``
     accumulated in fp64 (numba only; codecs use :func:`sign_encode_scaled`)."""
     return _impl(x, "sign_encode").sign_encode(x)
 
 
 def sign_encode_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sign bits (1 for ``x >= 0``) of a 1-D contiguous fp32 tensor, and ``sign``'s scale:
+    """Sign bits (1 for ``x >= 0``) of a 1-D contiguous float32, bfloat16 or float16
+    tensor, and ``sign``'s scale:
     ``sum |x|`` accumulated in fp64, divided by ``n`` and rounded to fp32 (a 1-element
     tensor on ``x``'s device)."""
     return _impl(x, "sign_encode_scaled").sign_encode_scaled(x)
 
 
 def sign_decode(
-    packed: torch.Tensor, scale: torch.Tensor, n: int, out: torch.Tensor | None = None
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    n: int,
+    out: torch.Tensor | None = None,
+    saturate: bool = False,
 ) -> torch.Tensor:
-    """``n`` fp32 values: ``+scale`` where the bit is 1, ``-scale`` where it is 0 (written
-    into ``out`` when given)."""
+    """``n`` values: ``+scale`` where the bit is 1, ``-scale`` where it is 0 (written into
+    ``out`` when given, as :func:`minmax_decode` writes)."""
     return _impl(packed, "sign_decode").sign_decode(
-        packed, scale, n, out=out
+        packed, scale, n, out=out, saturate=saturate
     )
 
 
@@ -346,7 +357,8 @@ def stochastic_encode(
 ) -> torch.Tensor:
     """Packed ``bits``-bit codes of QSGD (``kind="qsgd"``: ``levels +- floor(|x| inv + u)``
     clamped to ``[0, levels]``) or TernGrad (``"terngrad"``: ``1 + sign(x)`` where ``u <
-    |x| inv``, else 1) for a 1-D contiguous fp32 tensor, with ``inv`` per chunk. ``u``
+    |x| inv``, else 1) for a 1-D contiguous float32 tensor (bfloat16 and float16 too on
+    the numba backend), with ``inv`` per chunk. ``u``
     comes from ``noise`` when given, else from the kernels' generator keyed by ``seed``."""
     return _impl(x, "stochastic_encode").stochastic_encode(
         x, inv, kind=kind, chunk=chunk, levels=levels, bits=bits, seed=seed, noise=noise
@@ -354,7 +366,8 @@ def stochastic_encode(
 
 
 def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
-    """L2 norm of each ``chunk`` of a 1-D contiguous fp32 tensor, summed in float64 and
+    """L2 norm of each ``chunk`` of a 1-D contiguous float32 tensor (bfloat16 and float16 too
+    on the numba backend), summed in float64 and
     rounded to float32 (norms beyond float32's range clamped to ``clamp``; Inf and NaN
     propagate). Within one float32 rounding of the torch path's float32 norms."""
     return _impl(x, "chunk_norms").chunk_norms(x, chunk, clamp)
@@ -369,12 +382,30 @@ def offset_decode(
     offset: float,
     n: int,
     out: torch.Tensor | None = None,
+    saturate: bool = False,
 ) -> torch.Tensor:
-    """``n`` fp32 values ``(code - offset) * step[chunk]`` from packed ``bits``-bit codes
-    (written into ``out`` when given)."""
+    """``n`` values ``(code - offset) * step[chunk]`` from packed ``bits``-bit codes (written
+    into ``out`` when given, as :func:`minmax_decode` writes)."""
     return _impl(packed, "offset_decode").offset_decode(
-        packed, step, chunk=chunk, bits=bits, offset=offset, n=n, out=out
+        packed, step, chunk=chunk, bits=bits, offset=offset, n=n, out=out, saturate=saturate
     )
+
+
+def chunk_range(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of each ``chunk`` of a 1-D contiguous float32, bfloat16 or float16 CPU
+    tensor, as float32 (NaN for a chunk holding a NaN; ``-0.0`` orders below ``+0.0``), in
+    one parallel read."""
+    return _impl(x, "chunk_range").chunk_range(x, chunk)
+
+
+def convert(x: torch.Tensor, out: torch.Tensor, *, saturate: bool = False) -> torch.Tensor:
+    """``out`` (as many contiguous float32, bfloat16 or float16 CPU values as ``x`` holds) =
+    ``x`` (float32, bfloat16 or float16) converted as ``out.copy_(x)`` converts (rounded to
+    nearest even), with ``saturate`` as :func:`~commpress.codecs.base.saturating_cast`: one
+    parallel pass; torch converts between the two 16-bit formats through float32 elementwise
+    at a fraction of memory speed. NaN stays NaN (its payload bits may differ from torch's,
+    which vary with the CPU)."""
+    return _impl(x, "convert").convert(x, out, saturate)
 
 
 def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -411,6 +442,8 @@ __all__ = [
     "available",
     "backend_for",
     "chunk_norms",
+    "chunk_range",
+    "convert",
     "dispatch_counts",
     "first_distinct",
     "minmax_decode",
