@@ -77,8 +77,6 @@ _TINY_SCALE = f32(2.0**-100)  # minmax's pre-scaling thresholds and factors (exa
 _HUGE_SCALE = f32(2.0**100)
 _SHIFT_UP = f32(2.0**64)
 _SHIFT_DOWN = f32(2.0**-64)
-_BF16_MAX = f32(torch.finfo(torch.bfloat16).max)
-_F16_MAX = f32(torch.finfo(torch.float16).max)
 _F16_TINY = f32(2.0**-24)  # float16's smallest subnormal
 prange = range  # replaced by numba.prange in _build()
 
@@ -113,46 +111,37 @@ def _nb_widen(xf: Any, x16: Any, mode: Any, a: Any, b: Any, wide: Any) -> Any:
     return wide[: src.size]
 
 
-def _nb_half(w: Any) -> Any:
-    # the float16 bits nearest (ties to even) to the float32 of bits w, as the hardware
-    # conversion torch uses rounds (NaN: quieted, sign and top payload bits kept)
-    sign = u16((w >> u32(16)) & u32(0x8000))
-    a = w & u32(0x7FFFFFFF)
-    if a > u32(0x7F800000):
-        return sign | u16(0x7E00) | u16((a >> u32(13)) & u32(0x3FF))
-    if a >= u32(0x477FF000):  # 65520 and above round to Inf
-        return sign | u16(0x7C00)
-    if a >= u32(0x38800000):  # a normal float16: rebias, round off 13 bits
-        r = a - u32(0x38000000)
-        return sign | u16((r + u32(0xFFF) + ((r >> u32(13)) & u32(1))) >> u32(13))
-    if a <= u32(0x33000000):  # at most 2^-25: rounds to zero
-        return sign
-    m = (a & u32(0x7FFFFF)) | u32(0x800000)  # a subnormal: m * 2^(e - 150), units of 2^-24
-    shift = u32(126) - (a >> u32(23))
-    r = (m + (u32(1) << (shift - u32(1))) - u32(1) + ((m >> shift) & u32(1))) >> shift
-    return sign | u16(r)
-
-
 def _nb_narrow(vals: Any, omode: Any, sat: Any, dst: Any) -> None:
     # dst = the 16-bit float bits (omode 1: bfloat16, 2: float16) of vals, rounded to nearest
     # even as torch's .to() rounds; with sat, finite values beyond the format's largest become
-    # its largest first (base.saturating_cast). NaN stays a quiet NaN. Overwrites vals.
-    top = _BF16_MAX if omode == 1 else _F16_MAX
-    if sat:
-        for k in range(vals.size):
-            v = vals[k]
-            v = top if (v > top and v < f32(np.inf)) else v
-            vals[k] = -top if (v < -top and v > f32(-np.inf)) else v
+    # its largest (base.saturating_cast). NaN stays a quiet NaN (sign and top payload bits
+    # kept). Branch-free integer loops on the float32 bits: they vectorize.
     bits = vals.view(np.uint32)
+    top = u32(0x7F7F0000) if omode == 1 else u32(0x477FE000)  # the largest finite, as float32
+    cap = top if sat else u32(0x7F800000)
     if omode == 1:
         for k in range(vals.size):
             w = bits[k]
-            r = (w + u32(0x7FFF) + ((w >> u32(16)) & u32(1))) >> u32(16)
-            nan = (w & u32(0x7FFFFFFF)) > u32(0x7F800000)
-            dst[k] = u16((w >> u32(16)) | u32(0x40)) if nan else u16(r)
-    else:
-        for k in range(vals.size):
-            dst[k] = _nb_half(bits[k])
+            a = w & u32(0x7FFFFFFF)
+            a = top if (a > cap and a < u32(0x7F800000)) else a
+            r = (a + u32(0x7FFF) + ((a >> u32(16)) & u32(1))) >> u32(16)
+            r = ((a >> u32(16)) | u32(0x40)) if a > u32(0x7F800000) else r
+            dst[k] = u16(r | ((w >> u32(16)) & u32(0x8000)))
+        return
+    for k in range(vals.size):
+        w = bits[k]
+        a = w & u32(0x7FFFFFFF)
+        a = top if (a > cap and a < u32(0x7F800000)) else a
+        # a normal float16: rebias the exponent, round off 13 bits (a carry is right)
+        r = a - u32(0x38000000)
+        h = (r + u32(0xFFF) + ((r >> u32(13)) & u32(1))) >> u32(13)
+        # below 2^-14: a multiple of 2^-24, rounded to nearest even by rint (exact scaling)
+        t = abs(vals[k])
+        t = t if t < f32(2.0**-14) else f32(2.0**-14)
+        h = h if a >= u32(0x38800000) else u32(np.rint(t * f32(2.0**24)))
+        h = u32(0x7C00) if a >= u32(0x477FF000) else h  # 65520 and above round to Inf
+        h = (u32(0x7E00) | ((a >> u32(13)) & u32(0x3FF))) if a > u32(0x7F800000) else h
+        dst[k] = u16(h | ((w >> u32(16)) & u32(0x8000)))
 
 
 def _nb_target(outf: Any, omode: Any, a: Any, b: Any, wide: Any) -> Any:
@@ -181,11 +170,6 @@ def _nb_convert(
             for k in range(src.size):
                 dst[k] = src[k]
         else:
-            if mode == 0:
-                wide = np.empty(UNIT, np.float32)
-                for k in range(src.size):
-                    wide[k] = src[k]
-                src = wide[: b - a]
             _nb_narrow(src, omode, sat, out16[a:b])
 
 
@@ -945,7 +929,6 @@ def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
 
 _HELPERS = (
     "_nb_widen",
-    "_nb_half",
     "_nb_narrow",
     "_nb_target",
     "_nb_store",
