@@ -26,9 +26,9 @@ value         CPU tensors                     CUDA tensors
 
 :func:`backend_for` says which one a tensor gets; codecs ask ``use_kernels(t, op)`` (the
 chosen backend implements entry point ``op``; without ``op``: ``t`` gets the numba kernels)
-and then call the entry points below, which dispatch on the tensor's device. The lossless
-codec's numba kernels follow the same switch through :func:`requested_backend` (anything but
-``torch`` lets them run).
+and then call the entry points below, which dispatch on the tensor's device. The other
+numba kernel modules (THC's and TopKC's, the lossless codec's) ask :func:`numba_kernels`,
+the same switch, and every numba module is compiled by one loader, :func:`load_numba`.
 
 Both backends give the torch path's payloads bit for bit for deterministic rounding; for
 stochastic rounding they draw their noise from the same counter-based generator, so numba and
@@ -37,12 +37,13 @@ Triton payloads are identical for the same seed, while the torch path draws ``to
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 import numpy as np
 import torch
@@ -74,9 +75,14 @@ TRITON_OPS = frozenset(
 
 _override: str | None = None
 _load_lock = threading.Lock()
-# numba backend: the compiled kernels, or why they are unavailable (tests patch these two)
-_compiled: numba_cpu.NumbaKernels | None = None
-_import_error: str | None = None
+#: The numba kernel modules of this package, each compiled by :func:`load_numba` (through
+#: its ``build()``) on first use: the quantizers' and selections' kernels, THC's and
+#: TopKC's, and the lossless codec's.
+NUMBA_MODULES = ("numba_cpu", "numba_transforms", "numba_netzip")
+# numba backend: the compiled kernels of each module, or why they are unavailable (tests
+# patch these two)
+_numba: dict[str, Any] = {}
+_numba_errors: dict[str, str] = {}
 # Triton backend: the module, or why it is unavailable
 _triton: ModuleType | None = None
 _triton_error: str | None = None
@@ -132,7 +138,7 @@ def backend_for(t: torch.Tensor) -> str:
         if wanted == "numba":
             raise CommpressError(
                 f"{ENV_VAR}=numba (or set_backend('numba')) but the numba kernels are "
-                f"unavailable: {_import_error}"
+                f"unavailable: {numba_error()}"
             )
         return "torch"
     if (device == "cuda" and wanted in ("auto", "triton")) or (
@@ -204,18 +210,48 @@ def warm_up() -> bool:
 
 
 # ---------------------------------------------------------------------- the loader
-def _load() -> numba_cpu.NumbaKernels | None:
-    """The numba backend, compiled on first use; ``None`` (reason in ``_import_error``) when
-    numba is missing or a kernel does not compile."""
-    global _compiled, _import_error
-    if _compiled is None and _import_error is None:
+def load_numba(module: str = "numba_cpu") -> Any:
+    """The compiled kernels of numba kernel module ``module`` (one of
+    :data:`NUMBA_MODULES`; what its ``build()`` returns), compiled or loaded from numba's
+    disk cache on the first call and kept; ``None`` (reason: :func:`numba_error`) when numba
+    is missing or a kernel does not compile. The one loader of every numba kernel of the
+    library; it does not consult the switch (see :func:`numba_kernels`)."""
+    if module not in NUMBA_MODULES:
+        raise CommpressError(f"no numba kernel module {module!r} (one of {NUMBA_MODULES})")
+    compiled = _numba.get(module)
+    if compiled is None and module not in _numba_errors:
         with _load_lock:
-            if _compiled is None and _import_error is None:
+            if module not in _numba and module not in _numba_errors:
                 try:
-                    _compiled = numba_cpu.build()
+                    source = importlib.import_module(f"{__name__}.{module}")
+                    _numba[module] = source.build()
                 except Exception as exc:  # pragma: no cover - depends on the installation
-                    _import_error = f"{type(exc).__name__}: {exc}"
-    return _compiled
+                    _numba_errors[module] = f"{type(exc).__name__}: {exc}"
+        compiled = _numba.get(module)
+    return compiled
+
+
+def numba_error(module: str = "numba_cpu") -> str | None:
+    """Why :func:`load_numba` gave ``None`` for ``module`` (``None`` when it did not)."""
+    return _numba_errors.get(module)
+
+
+def numba_kernels(t: torch.Tensor, module: str) -> Any:
+    """The compiled kernels of ``module`` when ``t`` goes through the numba backend
+    (:func:`backend_for` says ``"numba"``) and they compile, else ``None``; with the numba
+    backend forced (``COMMPRESS_KERNELS=numba``), kernels that do not compile are an error.
+    Kernel modules other than the entry points below ask this before running."""
+    if backend_for(t) != "numba":
+        return None
+    compiled = load_numba(module)
+    if compiled is None and requested_backend() == "numba":
+        raise CommpressError(f"numba kernels are unavailable: {numba_error(module)}")
+    return compiled
+
+
+def _load() -> numba_cpu.NumbaKernels | None:
+    """The numba backend's entry points (:func:`load_numba` of ``numba_cpu``)."""
+    return cast("numba_cpu.NumbaKernels | None", load_numba("numba_cpu"))
 
 
 def _load_triton() -> ModuleType | None:
@@ -238,7 +274,7 @@ def _kernel(name: str) -> Callable[..., Any]:
     """One compiled numba kernel by name (tests call them directly)."""
     compiled = _load()
     if compiled is None:
-        raise CommpressError(f"numba kernels are unavailable: {_import_error}")
+        raise CommpressError(f"numba kernels are unavailable: {numba_error()}")
     return compiled[name]
 
 
@@ -437,6 +473,7 @@ def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
 
 __all__ = [
     "ENV_VAR",
+    "NUMBA_MODULES",
     "TRITON_OPS",
     "at_least",
     "available",
@@ -446,9 +483,12 @@ __all__ = [
     "convert",
     "dispatch_counts",
     "first_distinct",
+    "load_numba",
     "minmax_decode",
     "minmax_encode",
     "note_dispatch",
+    "numba_error",
+    "numba_kernels",
     "offset_decode",
     "requested_backend",
     "scratch32",

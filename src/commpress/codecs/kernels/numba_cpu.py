@@ -77,6 +77,8 @@ _TINY_SCALE = f32(2.0**-100)  # minmax's pre-scaling thresholds and factors (exa
 _HUGE_SCALE = f32(2.0**100)
 _SHIFT_UP = f32(2.0**64)
 _SHIFT_DOWN = f32(2.0**-64)
+_NO_U16 = np.zeros(1, np.uint16)  # the unused array argument of _nb_part_histogram
+_NO_I32 = np.zeros(1, np.int32)
 _F16_TINY = f32(2.0**-24)  # float16's smallest subnormal
 prange = range  # replaced by numba.prange in _build()
 
@@ -476,10 +478,13 @@ def _nb_minmax_encode(
         _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
 
 
-def _nb_minmax_decode(
-    packed: Any, lo_in: Any, scale_in: Any, chunk: Any, bits: Any, n: Any, outf: Any,
-    out16: Any, omode: Any, sat: Any,
+def _nb_decode_codes(
+    packed: Any, first: Any, second: Any, chunk: Any, bits: Any, kind: Any, offset: Any,
+    n: Any, outf: Any, out16: Any, omode: Any, sat: Any,
 ) -> None:
+    # out[i] from the code of coordinate i in chunk c. kind 0 (minmax; first = min, second
+    # = scale): (code * scale * pre + min * pre) / pre, saturated at float32's largest; kind
+    # 1 (qsgd, terngrad; first = step): (code - offset) * step
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
@@ -492,21 +497,26 @@ def _nb_minmax_decode(
         c = a // chunk
         while i < b:
             e = min((c + 1) * chunk, b)
-            pre = _nb_prescale(scale_in[c])
-            step = scale_in[c] * pre
-            base = lo_in[c] * pre
-            post = f32(1.0) / pre  # exact: a power of two
             src = buf[i - a : e - a]
             dst = out[i - a : e - a]
-            for k in range(src.size):
-                v = (f32(src[k]) * step + base) * post
-                # saturate at float32's max (a chunk ending at +-3.4e38 may round one step
-                # past it); NaN compares false and stays NaN
-                if v > _F32_MAX:
-                    v = _F32_MAX
-                elif v < -_F32_MAX:
-                    v = -_F32_MAX
-                dst[k] = v
+            if kind == 1:
+                m = first[c]
+                for k in range(src.size):
+                    dst[k] = (f32(src[k]) - offset) * m
+            else:
+                pre = _nb_prescale(second[c])
+                step = second[c] * pre
+                base = first[c] * pre
+                post = f32(1.0) / pre  # exact: a power of two
+                for k in range(src.size):
+                    v = (f32(src[k]) * step + base) * post
+                    # saturate at float32's max (a chunk ending at +-3.4e38 may round one
+                    # step past it); NaN compares false and stays NaN
+                    if v > _F32_MAX:
+                        v = _F32_MAX
+                    elif v < -_F32_MAX:
+                        v = -_F32_MAX
+                    dst[k] = v
             i = e
             c += 1
         _nb_store(out, out16, omode, sat, a)
@@ -675,37 +685,54 @@ def _nb_chunk_norms(
         norms[c] = f32(norm)
 
 
-def _nb_offset_decode(
-    packed: Any, step: Any, chunk: Any, bits: Any, offset: Any, n: Any, outf: Any,
-    out16: Any, omode: Any, sat: Any,
-) -> None:
-    # out[i] = (f32(code_i) - offset) * step[chunk of i] (qsgd: offset levels, terngrad 1)
-    nunits = (n + UNIT - 1) // UNIT
-    for unit in prange(nunits):
-        a = unit * UNIT
-        b = min(a + UNIT, n)
-        buf = np.empty(UNIT + 8, np.uint8)
-        wide = np.empty(UNIT if omode else 1, np.float32)
-        out = _nb_target(outf, omode, a, b, wide)
-        _nb_unpack_unit(packed, a // 8 * bits, b - a, bits, buf)
-        i = a
-        c = a // chunk
-        while i < b:
-            e = min((c + 1) * chunk, b)
-            m = step[c]
-            src = buf[i - a : e - a]
-            dst = out[i - a : e - a]
-            for k in range(src.size):
-                dst[k] = (f32(src[k]) - offset) * m
-            i = e
-            c += 1
-        _nb_store(out, out16, omode, sat, a)
-
-
 def _nb_mag_key(v: Any) -> Any:
     # |x| as an order-preserving integer (the fp32 bits without the sign); NaN ranks as +inf
     key = v & i32(0x7FFFFFFF)
     return key if key <= _KEY_POS_INF else _KEY_POS_INF
+
+
+def _nb_part_histogram(xi: Any, x16: Any, mode: Any, top: Any, inf_key: Any, hist: Any) -> None:
+    # hist[p] += the histogram of the 16-bit digits of part p's keys (parts of equal length,
+    # in parallel). mode 0: the high digit of the 31-bit magnitude keys of float32 bits xi;
+    # 1: their low digit, for the keys whose high digit is top; 2: the 15-bit magnitude keys
+    # of 16-bit float bits x16, NaN counted as inf_key (+Inf's key)
+    nparts = hist.shape[0]
+    n = x16.size if mode == 2 else xi.size
+    per = (n + nparts - 1) // nparts
+    for p in prange(nparts):
+        a = min(p * per, n)
+        b = min((p + 1) * per, n)
+        h = hist[p]
+        if mode == 2:
+            src16 = x16[a:b]
+            lim = np.int64(inf_key)
+            for i in range(src16.size):
+                key = np.int64(src16[i] & u16(0x7FFF))
+                h[key if key <= lim else lim] += 1
+            continue
+        src = xi[a:b]
+        if mode == 0:
+            for i in range(src.size):
+                h[_nb_mag_key(src[i]) >> i32(16)] += 1
+        else:
+            for i in range(src.size):
+                key = _nb_mag_key(src[i])
+                if (key >> i32(16)) == top:
+                    h[key & i32(0xFFFF)] += 1
+
+
+def _nb_threshold_digit(hist: Any, k: Any, above: Any) -> Any:
+    # (digit, count): walking the digits of the per-part histograms hist[p, digit] from the
+    # highest down, with ``above`` keys already counted above them, the digit at which the
+    # count reaches k, and the count of keys above that digit
+    for digit in range(hist.shape[1] - 1, -1, -1):
+        c = 0
+        for p in range(hist.shape[0]):
+            c += hist[p, digit]
+        if above + c >= k:
+            return digit, above
+        above += c
+    return 0, above
 
 
 def _nb_topk_select(xi: Any, k: Any, nparts: Any, out: Any) -> None:
@@ -715,38 +742,11 @@ def _nb_topk_select(xi: Any, k: Any, nparts: Any, out: Any) -> None:
     n = xi.size
     per = (n + nparts - 1) // nparts
     hist = np.zeros((nparts, 65536), np.int64)
-    for p in prange(nparts):
-        src = xi[min(p * per, n) : min((p + 1) * per, n)]
-        h = hist[p]
-        for i in range(src.size):
-            h[_nb_mag_key(src[i]) >> i32(16)] += 1
-    above = 0
-    top = 0
-    for digit in range(65535, -1, -1):
-        c = 0
-        for p in range(nparts):
-            c += hist[p, digit]
-        if above + c >= k:
-            top = digit
-            break
-        above += c
+    _nb_part_histogram(xi, _NO_U16, 0, 0, 0, hist)
+    top, above = _nb_threshold_digit(hist, k, 0)
     hist[:, :] = 0
-    for p in prange(nparts):
-        src = xi[min(p * per, n) : min((p + 1) * per, n)]
-        h = hist[p]
-        for i in range(src.size):
-            key = _nb_mag_key(src[i])
-            if (key >> i32(16)) == top:
-                h[key & i32(0xFFFF)] += 1
-    low = 0
-    for digit in range(65535, -1, -1):
-        c = 0
-        for p in range(nparts):
-            c += hist[p, digit]
-        if above + c >= k:
-            low = digit
-            break
-        above += c
+    _nb_part_histogram(xi, _NO_U16, 1, top, 0, hist)
+    low, above = _nb_threshold_digit(hist, k, above)
     threshold = i32((top << 16) | low)
     ties = k - above  # how many keys equal to the threshold are taken (the first ones)
     gt = np.zeros(nparts, np.int64)
@@ -894,6 +894,68 @@ def _nb_collect_at_least(xi: Any, key: Any, counts: Any, out: Any) -> None:
     _nb_write_selected(xi, key - i32(1), nparts, per, start, take, out)
 
 
+def _nb_top_keys(bits: Any, inf_key: Any, count: Any, out: Any) -> None:
+    # out = ascending indices of the ``count`` largest magnitudes of 16-bit floats given as
+    # their bits (NaN above +Inf; ties to the lowest indices): a histogram of the keys
+    # finds the threshold, one more pass collects
+    hist = np.zeros((1, 32769), np.int64)
+    h = hist[0]
+    for i in range(bits.size):
+        key = np.int64(bits[i] & u16(0x7FFF))
+        h[key if key <= inf_key else 32768] += 1
+    threshold, above = _nb_threshold_digit(hist, count, 0)
+    ties = count - above
+    j = 0
+    for i in range(bits.size):
+        key = np.int64(bits[i] & u16(0x7FFF))
+        key = key if key <= inf_key else 32768
+        if key > threshold:
+            out[j] = i
+            j += 1
+        elif key == threshold and ties > 0:
+            out[j] = i
+            j += 1
+            ties -= 1
+
+
+def _nb_top16(xb: Any, inf_key: Any, k: Any, nparts: Any, out: Any) -> None:
+    # out = ascending indices of the k largest magnitudes of 16-bit floats given as their
+    # bits (key = bits & 0x7FFF, NaN keys clamped to inf_key: NaN ranks as +Inf), ties to
+    # the lowest indices: per-part histograms of the 32768 keys, then one collecting pass
+    n = xb.size
+    per = (n + nparts - 1) // nparts
+    hist = np.zeros((nparts, 32768), np.int64)
+    _nb_part_histogram(_NO_I32, xb, 2, 0, inf_key, hist)
+    threshold, above = _nb_threshold_digit(hist, k, 0)
+    ties = k - above
+    start = np.zeros(nparts, np.int64)
+    take = np.zeros(nparts, np.int64)
+    pos = 0
+    for p in range(nparts):
+        gt = 0
+        for key in range(threshold + 1, 32768):
+            gt += hist[p, key]
+        take[p] = min(hist[p, threshold], ties)
+        ties -= take[p]
+        start[p] = pos
+        pos += gt + take[p]
+    for p in prange(nparts):
+        a = min(p * per, n)
+        src = xb[a : min((p + 1) * per, n)]
+        j = start[p]
+        left = take[p]
+        for i in range(src.size):
+            key = src[i] & u16(0x7FFF)
+            key = key if key <= inf_key else inf_key
+            if key > threshold:
+                out[j] = a + i
+                j += 1
+            elif key == threshold and left > 0:
+                out[j] = a + i
+                j += 1
+                left -= 1
+
+
 def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
     # the first k distinct values of draws (each in [0, d)), written sorted into out[:k];
     # returns how many distinct values were found (k, or fewer when draws ran out)
@@ -943,25 +1005,26 @@ _HELPERS = (
     "_nb_lane_total",
     "_nb_mag_key",
     "_nb_chunk_keys",
+    "_nb_threshold_digit",
 )
 # helpers that contain parallel loops (compiled with parallel=True)
-_PARALLEL_HELPERS = ("_nb_write_selected", "_nb_segment_keys")
+_PARALLEL_HELPERS = ("_nb_write_selected", "_nb_segment_keys", "_nb_part_histogram")
 _KERNELS = (
     "_nb_convert",
     "_nb_minmax_encode",
-    "_nb_minmax_decode",
+    "_nb_decode_codes",
     "_nb_sign_encode",
     "_nb_sign_decode",
     "_nb_stochastic_encode",
-    "_nb_offset_decode",
     "_nb_chunk_norms",
     "_nb_topk_select",
     "_nb_topk_band",
     "_nb_count_at_least",
     "_nb_collect_at_least",
+    "_nb_top16",
 )
 # kernels without a parallel loop of their own
-_SERIAL = ("_nb_first_distinct", "_nb_chunk_range")
+_SERIAL = ("_nb_first_distinct", "_nb_chunk_range", "_nb_top_keys")
 
 
 def _build() -> dict[str, Callable[..., Any]]:
@@ -1103,9 +1166,9 @@ class NumbaKernels:
         """See :func:`commpress.codecs.kernels.minmax_decode`."""
         result, outf, out16, omode = target(out, n)
         with _launch():
-            self["minmax_decode"](
+            self["decode_codes"](
                 _np(packed.contiguous()), _np(lo.contiguous()), _np(scale.contiguous()),
-                chunk, bits, n, outf, out16, omode, saturate,
+                chunk, bits, 0, np.float32(0.0), n, outf, out16, omode, saturate,
             )
         return result
 
@@ -1206,8 +1269,9 @@ class NumbaKernels:
         """See :func:`commpress.codecs.kernels.offset_decode`."""
         result, outf, out16, omode = target(out, n)
         with _launch():
-            self["offset_decode"](
-                _np(packed.contiguous()), _np(step.contiguous()), chunk, bits,
+            step = step.contiguous()
+            self["decode_codes"](
+                _np(packed.contiguous()), _np(step), _np(step), chunk, bits, 1,
                 np.float32(offset), n, outf, out16, omode, saturate,
             )
         return result
