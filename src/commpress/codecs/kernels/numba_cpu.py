@@ -667,22 +667,26 @@ def _nb_chunk_norms(
     xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, clamp: Any, norms: Any
 ) -> None:
     # norms[c] = L2 norm of chunk c, accumulated in float64 and rounded to float32; norms
-    # beyond float32 (finite inputs near its largest) are clamped to ``clamp``. A chunk is
-    # read UNIT values at a time (whole groups of eight: the same sums as in one piece).
+    # beyond float32 (finite inputs near its largest) are clamped to ``clamp``. A work item
+    # takes about UNIT values of whole chunks; a chunk is read UNIT values at a time (whole
+    # groups of eight: the same sums as in one piece).
     nchunks = norms.size
-    for c in prange(nchunks):
+    per = max(1, UNIT // chunk)
+    for item in prange((nchunks + per - 1) // per):
         wide = np.empty(min(chunk, UNIT) if mode else 1, np.float32)
-        lanes = np.zeros(8, np.float64)
-        s = c * chunk
-        e = min(s + chunk, n)
-        src = wide[:0]
-        for a in range(s, e, UNIT):
-            src = _nb_widen(xf, x16, mode, a, min(a + UNIT, e), wide)
-            _nb_lane_sum(src, True, lanes)
-        norm = np.sqrt(_nb_lane_total(src, True, lanes))
-        if norm > np.float64(clamp) and norm < np.inf:
-            norm = np.float64(clamp)
-        norms[c] = f32(norm)
+        lanes = np.empty(8, np.float64)
+        for c in range(item * per, min((item + 1) * per, nchunks)):
+            lanes[:] = 0.0
+            s = c * chunk
+            e = min(s + chunk, n)
+            src = wide[:0]
+            for a in range(s, e, UNIT):
+                src = _nb_widen(xf, x16, mode, a, min(a + UNIT, e), wide)
+                _nb_lane_sum(src, True, lanes)
+            norm = np.sqrt(_nb_lane_total(src, True, lanes))
+            if norm > np.float64(clamp) and norm < np.inf:
+                norm = np.float64(clamp)
+            norms[c] = f32(norm)
 
 
 def _nb_mag_key(v: Any) -> Any:
