@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from commpress.codecs import CodecContext, get_codec
+from commpress.codecs.kernels import numba_netzip as nk
 from commpress.codecs.kernels import use_backend
 from commpress.codecs.netzip import exponent as ex
 from commpress.codecs.netzip import grouping as gr
-from commpress.codecs.netzip import kernels as nk
 from netzip_cases import DTYPES, assert_bit_exact, bits_of
 
 

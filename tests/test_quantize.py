@@ -566,8 +566,9 @@ def test_fallback_when_numba_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> 
     codec = get_codec("minmax", bits=4, chunk_size=64)
     with kernels.use_backend("numba"):
         expected = codec.encode(x)
-    monkeypatch.setattr(kernels, "_compiled", None)
-    monkeypatch.setattr(kernels, "_import_error", "ModuleNotFoundError: No module named 'numba'")
+    missing = "ModuleNotFoundError: No module named 'numba'"
+    monkeypatch.setattr(kernels, "_numba", {})
+    monkeypatch.setattr(kernels, "_numba_errors", dict.fromkeys(kernels.NUMBA_MODULES, missing))
     with kernels.use_backend("auto"):
         assert not kernels.available() and not kernels.use_kernels(x)
         assert not kernels.warm_up()

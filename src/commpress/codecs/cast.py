@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import torch
 
+from commpress.codecs import kernels
 from commpress.codecs.base import (
     Codec,
     CodecContext,
@@ -78,6 +79,23 @@ class Identity(Codec):
         return Reduced(total=total, local=local)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _cast_into(src: torch.Tensor, dst: torch.Tensor, *, saturate: bool) -> torch.Tensor:
+    """``dst`` (contiguous) = ``src`` converted to ``dst``'s dtype, as ``dst.copy_(src)`` or,
+    with ``saturate``, :func:`saturating_cast` converts. From float16 to bfloat16, and for
+    saturating conversions, the numba kernel does it in one pass on a CPU (torch's
+    float16-to-bfloat16 copy is elementwise, its saturation takes four passes); torch's
+    bfloat16-to-float16 copy is vectorized and as fast, so it stays."""
+    if (src.dtype in _HALF and dst.dtype in _HALF and src.dtype != dst.dtype
+            and (saturate or src.dtype == torch.float16)
+            and kernels.use_kernels(src, "convert")):
+        kernels.convert(src.reshape(-1), dst.view(-1), saturate=saturate)
+        return dst
+    return dst.view(-1).copy_(saturating_cast(src, dst.dtype) if saturate else src.reshape(-1))
+
+
 class _FloatCast(Codec):
     """Shared behaviour of the 16-bit casts."""
 
@@ -96,7 +114,11 @@ class _FloatCast(Codec):
         return "optional"
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
-        return self.make_payload(x, {"values": x.reshape(-1).to(self.wire_dtype)})
+        flat = x.reshape(-1)
+        if x.dtype in _HALF and x.dtype != self.wire_dtype:
+            values = torch.empty(flat.numel(), dtype=self.wire_dtype, device=x.device)
+            return self.make_payload(x, {"values": _cast_into(flat, values, saturate=False)})
+        return self.make_payload(x, {"values": flat.to(self.wire_dtype)})
 
     def wire_bytes(
         self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, *,
@@ -111,12 +133,13 @@ class _FloatCast(Codec):
         self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         v = self.part(payload, "values", numel=payload.numel, dtype=self.wire_dtype)
+        # a widening cast is exact: nothing to saturate
+        saturate = torch.finfo(payload.dtype).max < torch.finfo(self.wire_dtype).max
         if out is None:
-            return saturating_cast(v, payload.dtype).reshape(payload.shape)
-        if torch.finfo(payload.dtype).max >= torch.finfo(self.wire_dtype).max:
-            out.view(-1).copy_(v)  # a widening cast: exact, nothing to saturate
-        else:
-            out.view(-1).copy_(saturating_cast(v, payload.dtype))
+            if payload.dtype not in _HALF or payload.dtype == self.wire_dtype:
+                return saturating_cast(v, payload.dtype).reshape(payload.shape)
+            out = torch.empty(payload.shape, dtype=payload.dtype, device=v.device)
+        _cast_into(v, out, saturate=saturate)
         return out
 
     #: :meth:`reduce` takes ``out=``, the tensor that receives the total.
@@ -171,7 +194,7 @@ class _FloatCast(Codec):
                 or buf.device != x.device):
             buf = torch.empty(x.numel(), dtype=self.wire_dtype, device=x.device)
             scratch["values"] = buf
-        return buf.copy_(x.reshape(-1))
+        return _cast_into(x, buf, saturate=False)
 
 
 @register_codec

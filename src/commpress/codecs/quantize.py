@@ -142,20 +142,17 @@ def _max_abs(view: torch.Tensor) -> torch.Tensor:
 
 
 def _flat32(x: torch.Tensor) -> torch.Tensor:
-    """``x`` flattened to contiguous float32; float16/bfloat16 inputs bound for the CPU
-    kernels are widened into the kernels' reused scratch buffer (no fresh pages), so the
-    result must not outlive the encode."""
-    if x.dtype in (torch.float16, torch.bfloat16) and kernels.use_kernels(x):
-        return kernels.widen(x)
+    """``x`` flattened to contiguous float32 (for the torch path and the Triton norms)."""
     return x.reshape(-1).to(torch.float32).contiguous()
 
 
 def _flat_in(x: torch.Tensor) -> torch.Tensor:
-    """The input of an encode that the kernels do entirely (``minmax``, ``sign``, and
-    ``qsgd`` / ``terngrad`` on Triton): flattened,
-    in its own float16/bfloat16 dtype for the Triton kernels (they widen in registers, which
-    saves a pass), else :func:`_flat32`."""
-    if x.dtype in (torch.float16, torch.bfloat16) and kernels.backend_for(x) == "triton":
+    """The input of an encode that a kernel does: flattened, float16/bfloat16 kept in its
+    own dtype for the numba and Triton kernels (they widen in cache or in registers, which
+    saves a pass over memory), else :func:`_flat32`."""
+    if x.dtype in (torch.float16, torch.bfloat16) and kernels.backend_for(x) in (
+        "numba", "triton"
+    ):
         return x.reshape(-1).contiguous()
     return _flat32(x)
 
@@ -166,13 +163,25 @@ def _triton_op(x: torch.Tensor, op: str) -> bool:
     return kernels.backend_for(x) == "triton" and kernels.use_kernels(x, op)
 
 
-def _direct32(out: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    """Where a CPU decode kernel writes: ``out`` itself when it is float32, the scratch
-    buffer when it is another dtype (then copied, converting, into ``out``), else a fresh
-    tensor (``None``)."""
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _direct(
+    out: torch.Tensor | None, payload: Payload, codes: torch.Tensor
+) -> torch.Tensor | None:
+    """Where a decode kernel writes: on the numba backend, ``out`` itself, or a new tensor of
+    the payload's dtype (the kernels write float32, bfloat16 and float16, rounding in cache:
+    no second pass); on Triton ``out`` when it is float32, else the scratch buffer (then
+    copied, converting, into ``out``) or a fresh float32 tensor (``None``). :func:`_into`
+    finishes either way."""
+    if kernels.backend_for(codes) == "numba" and payload.dtype in _KERNEL_DTYPES:
+        if out is None:
+            return torch.empty(payload.numel, dtype=payload.dtype, device=codes.device)
+        if out.dtype == payload.dtype and out.is_contiguous():
+            return out
     if out is None:
         return None
-    return out if out.dtype == torch.float32 else kernels.scratch32(n, out.device)
+    return out if out.dtype == torch.float32 else kernels.scratch32(payload.numel, out.device)
 
 
 def _uniform(ctx: CodecContext, seed: int, n: int, device: torch.device) -> torch.Tensor:
@@ -436,7 +445,7 @@ class MinMax(Codec):
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
         if kernels.use_kernels(packed, "minmax_decode"):
-            direct = _direct32(out, n)
+            direct = _direct(out, payload, packed)
             result = kernels.minmax_decode(
                 packed, lo, scale, chunk=chunk, bits=self.bits, n=n, out=direct
             )
@@ -531,7 +540,7 @@ class QSGD(Codec):
     wire_bytes = _wire_bytes_from_bits
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
-        flat = _flat_in(x)
+        flat = _flat_in(x) if self.code_bits <= 8 else _flat32(x)
         n = flat.numel()
         s = float(self.levels)
         if n == 0:
@@ -544,7 +553,8 @@ class QSGD(Codec):
                 seed=kernel_seed(ctx, self.seed),
             )
             return self.make_payload(x, {"codes": packed, "norm": norm})
-        flat = flat.float()  # a float16/bfloat16 input kept for the Triton kernels
+        if kernels.backend_for(flat) != "numba":  # 16-bit kept for the fused Triton encode
+            flat = flat.float()
         if self.code_bits <= 8 and kernels.use_kernels(flat, "stochastic_encode"):
             # float64 sums in one pass (the torch path sums in float32, recomputing only
             # overflowing chunks in float64): norms may differ by one float32 rounding
@@ -589,9 +599,10 @@ class QSGD(Codec):
         chunk = chunk_length(n, self.chunk_size)
         step = norm / float(self.levels)
         if bits <= 8 and kernels.use_kernels(packed, "offset_decode"):
-            direct = _direct32(out, n)
+            direct = _direct(out, payload, packed)
             result = kernels.offset_decode(
-                packed, step, chunk=chunk, bits=bits, offset=float(self.levels), n=n, out=direct
+                packed, step, chunk=chunk, bits=bits, offset=float(self.levels), n=n, out=direct,
+                saturate=True,
             )
         else:
             signed = unpack_bits(packed, bits, n).to(torch.int32) - self.levels
@@ -669,9 +680,16 @@ class TernGrad(Codec):
         if _triton_op(flat, "terngrad_encode"):
             packed, m = kernels.terngrad_encode(flat, chunk=chunk, seed=kernel_seed(ctx, self.seed))
             return self.make_payload(x, {"codes": packed, "scale": m})
-        flat = flat.float()  # a float16/bfloat16 input kept for the Triton kernels
+        if kernels.backend_for(flat) != "numba":  # 16-bit kept for the fused Triton encode
+            flat = flat.float()
         if kernels.use_kernels(flat, "stochastic_encode"):
-            m = _per_chunk(flat, chunk, _max_abs)
+            if kernels.use_kernels(flat, "chunk_range"):
+                # numba: one parallel read for the ranges; |max(-min, max)| is _max_abs's
+                # value bit for bit
+                lo, hi = kernels.chunk_range(flat, chunk)
+                m = torch.maximum(lo.neg_(), hi).abs_()
+            else:
+                m = _per_chunk(flat, chunk, _max_abs)
             packed = kernels.stochastic_encode(
                 flat, _safe_reciprocal(m), kind="terngrad", chunk=chunk, levels=1, bits=2,
                 seed=kernel_seed(ctx, self.seed),
@@ -706,7 +724,7 @@ class TernGrad(Codec):
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         chunk = chunk_length(n, self.chunk_size)
         if kernels.use_kernels(packed, "offset_decode"):
-            direct = _direct32(out, n)
+            direct = _direct(out, payload, packed)
             result = kernels.offset_decode(
                 packed, m, chunk=chunk, bits=2, offset=1.0, n=n, out=direct
             )
@@ -789,7 +807,7 @@ class Sign(Codec):
         if n == 0:
             return torch.empty(payload.shape, dtype=payload.dtype, device=packed.device)
         if kernels.use_kernels(packed, "sign_decode"):
-            direct = _direct32(out, n)
+            direct = _direct(out, payload, packed)
             result = kernels.sign_decode(packed, scale, n, out=direct)
         else:
             result = sign_decode_torch(packed, scale, n)

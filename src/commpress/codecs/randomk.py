@@ -212,7 +212,12 @@ class RandomK(Codec):
         if flat.numel():
             # min and max are non-finite iff some element is (NaN propagates): two cheap
             # reductions, no host sync
-            low, high = torch.aminmax(flat)
+            if flat.dtype in (torch.float32, torch.bfloat16, torch.float16) and (
+                kernels.use_kernels(flat, "chunk_range")
+            ):
+                low, high = kernels.chunk_range(flat, flat.numel())  # one parallel read
+            else:
+                low, high = torch.aminmax(flat)
             finite = torch.isfinite(low) & torch.isfinite(high)
             values = torch.where(finite, values, torch.full_like(values, math.nan))
         return values

@@ -30,9 +30,9 @@ value         CPU tensors                     CUDA tensors
 
 :func:`backend_for` says which one a tensor gets; codecs ask ``use_kernels(t, op)`` (the
 chosen backend implements entry point ``op``; without ``op``: ``t`` gets the numba kernels)
-and then call the entry points below, which dispatch on the tensor's device. The lossless
-codec's numba kernels follow the same switch through :func:`requested_backend` (anything but
-``torch`` lets them run).
+and then call the entry points below, which dispatch on the tensor's device. The other
+numba kernel modules (THC's and TopKC's, the lossless codec's) ask :func:`numba_kernels`,
+the same switch, and every numba module is compiled by one loader, :func:`load_numba`.
 
 Both backends give the torch path's payloads bit for bit for deterministic rounding; for
 stochastic rounding they draw their noise from the same counter-based generator, so numba and
@@ -41,12 +41,13 @@ Triton payloads are identical for the same seed, while the torch path draws ``to
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 import numpy as np
 import torch
@@ -85,9 +86,14 @@ TRITON_OPS = frozenset(
 
 _override: str | None = None
 _load_lock = threading.Lock()
-# numba backend: the compiled kernels, or why they are unavailable (tests patch these two)
-_compiled: numba_cpu.NumbaKernels | None = None
-_import_error: str | None = None
+#: The numba kernel modules of this package, each compiled by :func:`load_numba` (through
+#: its ``build()``) on first use: the quantizers' and selections' kernels, THC's and
+#: TopKC's, and the lossless codec's.
+NUMBA_MODULES = ("numba_cpu", "numba_transforms", "numba_netzip")
+# numba backend: the compiled kernels of each module, or why they are unavailable (tests
+# patch these two)
+_numba: dict[str, Any] = {}
+_numba_errors: dict[str, str] = {}
 # Triton backend: the module, or why it is unavailable
 _triton: ModuleType | None = None
 _triton_error: str | None = None
@@ -143,7 +149,7 @@ def backend_for(t: torch.Tensor) -> str:
         if wanted == "numba":
             raise CommpressError(
                 f"{ENV_VAR}=numba (or set_backend('numba')) but the numba kernels are "
-                f"unavailable: {_import_error}"
+                f"unavailable: {numba_error()}"
             )
         return "torch"
     if (device == "cuda" and wanted in ("auto", "triton")) or (
@@ -215,18 +221,48 @@ def warm_up() -> bool:
 
 
 # ---------------------------------------------------------------------- the loader
-def _load() -> numba_cpu.NumbaKernels | None:
-    """The numba backend, compiled on first use; ``None`` (reason in ``_import_error``) when
-    numba is missing or a kernel does not compile."""
-    global _compiled, _import_error
-    if _compiled is None and _import_error is None:
+def load_numba(module: str = "numba_cpu") -> Any:
+    """The compiled kernels of numba kernel module ``module`` (one of
+    :data:`NUMBA_MODULES`; what its ``build()`` returns), compiled or loaded from numba's
+    disk cache on the first call and kept; ``None`` (reason: :func:`numba_error`) when numba
+    is missing or a kernel does not compile. The one loader of every numba kernel of the
+    library; it does not consult the switch (see :func:`numba_kernels`)."""
+    if module not in NUMBA_MODULES:
+        raise CommpressError(f"no numba kernel module {module!r} (one of {NUMBA_MODULES})")
+    compiled = _numba.get(module)
+    if compiled is None and module not in _numba_errors:
         with _load_lock:
-            if _compiled is None and _import_error is None:
+            if module not in _numba and module not in _numba_errors:
                 try:
-                    _compiled = numba_cpu.build()
+                    source = importlib.import_module(f"{__name__}.{module}")
+                    _numba[module] = source.build()
                 except Exception as exc:  # pragma: no cover - depends on the installation
-                    _import_error = f"{type(exc).__name__}: {exc}"
-    return _compiled
+                    _numba_errors[module] = f"{type(exc).__name__}: {exc}"
+        compiled = _numba.get(module)
+    return compiled
+
+
+def numba_error(module: str = "numba_cpu") -> str | None:
+    """Why :func:`load_numba` gave ``None`` for ``module`` (``None`` when it did not)."""
+    return _numba_errors.get(module)
+
+
+def numba_kernels(t: torch.Tensor, module: str) -> Any:
+    """The compiled kernels of ``module`` when ``t`` goes through the numba backend
+    (:func:`backend_for` says ``"numba"``) and they compile, else ``None``; with the numba
+    backend forced (``COMMPRESS_KERNELS=numba``), kernels that do not compile are an error.
+    Kernel modules other than the entry points below ask this before running."""
+    if backend_for(t) != "numba":
+        return None
+    compiled = load_numba(module)
+    if compiled is None and requested_backend() == "numba":
+        raise CommpressError(f"numba kernels are unavailable: {numba_error(module)}")
+    return compiled
+
+
+def _load() -> numba_cpu.NumbaKernels | None:
+    """The numba backend's entry points (:func:`load_numba` of ``numba_cpu``)."""
+    return cast("numba_cpu.NumbaKernels | None", load_numba("numba_cpu"))
 
 
 def _load_triton() -> ModuleType | None:
@@ -249,7 +285,7 @@ def _kernel(name: str) -> Callable[..., Any]:
     """One compiled numba kernel by name (tests call them directly)."""
     compiled = _load()
     if compiled is None:
-        raise CommpressError(f"numba kernels are unavailable: {_import_error}")
+        raise CommpressError(f"numba kernels are unavailable: {numba_error()}")
     return compiled[name]
 
 
@@ -293,7 +329,8 @@ def minmax_encode(
     seed: int = 0,
     noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize a 1-D contiguous fp32 tensor per chunk to ``bits``-bit codes.
+    """Quantize a 1-D contiguous float32, bfloat16 or float16 tensor per chunk to ``bits``-bit
+    codes (16-bit inputs are widened exactly in the kernel, never copied).
 
     Returns ``(packed codes, per-chunk min, per-chunk scale)``. With ``stochastic`` the noise
     comes from ``noise`` (``n`` uniforms in [0, 1)) when given, else from the kernels'
@@ -313,34 +350,44 @@ def minmax_decode(
     bits: int,
     n: int,
     out: torch.Tensor | None = None,
+    saturate: bool = False,
 ) -> torch.Tensor:
-    """Inverse of :func:`minmax_encode`: ``n`` fp32 values ``code * scale + min`` (written
-    into ``out``, ``n`` contiguous fp32 values on the codes' device, when given)."""
+    """Inverse of :func:`minmax_encode`: ``n`` values ``code * scale + min`` computed in
+    float32, written into ``out`` when given (``n`` contiguous values on the codes' device:
+    float32, or on the numba backend also bfloat16 or float16, rounded to nearest even as
+    ``.to`` rounds and, with ``saturate``, finite values beyond the dtype's largest clamped
+    to it as :func:`~commpress.codecs.base.saturating_cast` does), else into a new float32
+    tensor."""
     return _impl(packed, "minmax_decode").minmax_decode(
-        packed, lo, scale, chunk=chunk, bits=bits, n=n, out=out
+        packed, lo, scale, chunk=chunk, bits=bits, n=n, out=out, saturate=saturate
     )
 
 
 def sign_encode(x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Sign bits (1 for ``x >= 0``) of a 1-D contiguous fp32 CPU tensor, and ``sum |x|``
+    """Sign bits (1 for ``x >= 0``) of a 1-D contiguous float CPU tensor, and ``sum |x|``
     accumulated in fp64 (numba only; codecs use :func:`sign_encode_scaled`)."""
     return _impl(x, "sign_encode").sign_encode(x)
 
 
 def sign_encode_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sign bits (1 for ``x >= 0``) of a 1-D contiguous fp32 tensor, and ``sign``'s scale:
+    """Sign bits (1 for ``x >= 0``) of a 1-D contiguous float32, bfloat16 or float16
+    tensor, and ``sign``'s scale:
     ``sum |x|`` accumulated in fp64, divided by ``n`` and rounded to fp32 (a 1-element
     tensor on ``x``'s device)."""
     return _impl(x, "sign_encode_scaled").sign_encode_scaled(x)
 
 
 def sign_decode(
-    packed: torch.Tensor, scale: torch.Tensor, n: int, out: torch.Tensor | None = None
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    n: int,
+    out: torch.Tensor | None = None,
+    saturate: bool = False,
 ) -> torch.Tensor:
-    """``n`` fp32 values: ``+scale`` where the bit is 1, ``-scale`` where it is 0 (written
-    into ``out`` when given)."""
+    """``n`` values: ``+scale`` where the bit is 1, ``-scale`` where it is 0 (written into
+    ``out`` when given, as :func:`minmax_decode` writes)."""
     return _impl(packed, "sign_decode").sign_decode(
-        packed, scale, n, out=out
+        packed, scale, n, out=out, saturate=saturate
     )
 
 
@@ -357,7 +404,8 @@ def stochastic_encode(
 ) -> torch.Tensor:
     """Packed ``bits``-bit codes of QSGD (``kind="qsgd"``: ``levels +- floor(|x| inv + u)``
     clamped to ``[0, levels]``) or TernGrad (``"terngrad"``: ``1 + sign(x)`` where ``u <
-    |x| inv``, else 1) for a 1-D contiguous fp32 tensor, with ``inv`` per chunk. ``u``
+    |x| inv``, else 1) for a 1-D contiguous float32 tensor (bfloat16 and float16 too on
+    the numba backend), with ``inv`` per chunk. ``u``
     comes from ``noise`` when given, else from the kernels' generator keyed by ``seed``."""
     return _impl(x, "stochastic_encode").stochastic_encode(
         x, inv, kind=kind, chunk=chunk, levels=levels, bits=bits, seed=seed, noise=noise
@@ -426,7 +474,8 @@ def thc_quantize(
 
 
 def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
-    """L2 norm of each ``chunk`` of a 1-D contiguous fp32 tensor, summed in float64 and
+    """L2 norm of each ``chunk`` of a 1-D contiguous float32 tensor (bfloat16 and float16 too
+    on the numba backend), summed in float64 and
     rounded to float32 (norms beyond float32's range clamped to ``clamp``; Inf and NaN
     propagate). Within one float32 rounding of the torch path's float32 norms."""
     return _impl(x, "chunk_norms").chunk_norms(x, chunk, clamp)
@@ -441,12 +490,30 @@ def offset_decode(
     offset: float,
     n: int,
     out: torch.Tensor | None = None,
+    saturate: bool = False,
 ) -> torch.Tensor:
-    """``n`` fp32 values ``(code - offset) * step[chunk]`` from packed ``bits``-bit codes
-    (written into ``out`` when given)."""
+    """``n`` values ``(code - offset) * step[chunk]`` from packed ``bits``-bit codes (written
+    into ``out`` when given, as :func:`minmax_decode` writes)."""
     return _impl(packed, "offset_decode").offset_decode(
-        packed, step, chunk=chunk, bits=bits, offset=offset, n=n, out=out
+        packed, step, chunk=chunk, bits=bits, offset=offset, n=n, out=out, saturate=saturate
     )
+
+
+def chunk_range(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of each ``chunk`` of a 1-D contiguous float32, bfloat16 or float16 CPU
+    tensor, as float32 (NaN for a chunk holding a NaN; ``-0.0`` orders below ``+0.0``), in
+    one parallel read."""
+    return _impl(x, "chunk_range").chunk_range(x, chunk)
+
+
+def convert(x: torch.Tensor, out: torch.Tensor, *, saturate: bool = False) -> torch.Tensor:
+    """``out`` (as many contiguous float32, bfloat16 or float16 CPU values as ``x`` holds) =
+    ``x`` (float32, bfloat16 or float16) converted as ``out.copy_(x)`` converts (rounded to
+    nearest even), with ``saturate`` as :func:`~commpress.codecs.base.saturating_cast`: one
+    parallel pass; torch converts between the two 16-bit formats through float32 elementwise
+    at a fraction of memory speed. NaN stays NaN (its payload bits may differ from torch's,
+    which vary with the CPU)."""
+    return _impl(x, "convert").convert(x, out, saturate)
 
 
 def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -478,17 +545,23 @@ def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
 
 __all__ = [
     "ENV_VAR",
+    "NUMBA_MODULES",
     "TRITON_OPS",
     "at_least",
     "available",
     "backend_for",
     "chunk_norms",
     "chunk_square_sums",
+    "chunk_range",
+    "convert",
     "dispatch_counts",
     "first_distinct",
+    "load_numba",
     "minmax_decode",
     "minmax_encode",
     "note_dispatch",
+    "numba_error",
+    "numba_kernels",
     "offset_decode",
     "qsgd_encode",
     "requested_backend",

@@ -38,7 +38,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from commpress.codecs.kernels.common import out32
 from commpress.errors import CommpressError
 
 #: Codes handled by one parallel work item (a multiple of 8, so items own whole bytes).
@@ -66,6 +65,8 @@ def _launch() -> Iterator[None]:
 # Written as plain Python at module level and compiled by _build(): numba's on-disk cache only
 # works for module-level functions, and importing numba is deferred to the first CPU call.
 u8 = np.uint8
+u16 = np.uint16
+u32 = np.uint32
 u64 = np.uint64
 i32 = np.int32
 f32 = np.float32
@@ -76,7 +77,102 @@ _TINY_SCALE = f32(2.0**-100)  # minmax's pre-scaling thresholds and factors (exa
 _HUGE_SCALE = f32(2.0**100)
 _SHIFT_UP = f32(2.0**64)
 _SHIFT_DOWN = f32(2.0**-64)
+_NO_U16 = np.zeros(1, np.uint16)  # the unused array argument of _nb_part_histogram
+_NO_I32 = np.zeros(1, np.int32)
+_F16_TINY = f32(2.0**-24)  # float16's smallest subnormal
 prange = range  # replaced by numba.prange in _build()
+
+# Inputs and outputs of every kernel below come as ``(xf, x16, mode)`` / ``(outf, out16,
+# omode)``: mode 0 is a float32 array ``xf`` (``x16`` a dummy), mode 1 bfloat16 and mode 2
+# float16 given as their uint16 bits in ``x16`` (``xf`` a dummy). 16-bit inputs are widened a
+# work item at a time into a small buffer that stays in cache, and 16-bit outputs rounded from
+# one, so every kernel still reads and writes memory once.
+
+
+def _nb_widen(xf: Any, x16: Any, mode: Any, a: Any, b: Any, wide: Any) -> Any:
+    # x[a:b] as float32 values: a slice of xf, or x16[a:b] widened exactly into wide
+    # (bfloat16: the top half of a float32; float16: rebiased exponent, subnormals scaled)
+    if mode == 0:
+        return xf[a:b]
+    src = x16[a:b]
+    bits = wide.view(np.uint32)
+    if mode == 1:
+        for k in range(src.size):
+            bits[k] = u32(src[k]) << u32(16)
+        return wide[: src.size]
+    for k in range(src.size):
+        h = u32(src[k])
+        w = ((h & u32(0x7FFF)) << u32(13)) + u32(0x38000000)
+        w = w + u32(0x38000000) if w >= u32(0x47800000) else w  # Inf and NaN: exponent 255
+        bits[k] = w | ((h & u32(0x8000)) << u32(16))
+    for k in range(src.size):
+        h = src[k]
+        if h & u16(0x7C00) == u16(0):  # zeros and subnormals: m * 2^-24
+            v = f32(h & u16(0x3FF)) * _F16_TINY
+            wide[k] = -v if h & u16(0x8000) else v
+    return wide[: src.size]
+
+
+def _nb_narrow(vals: Any, omode: Any, sat: Any, dst: Any) -> None:
+    # dst = the 16-bit float bits (omode 1: bfloat16, 2: float16) of vals, rounded to nearest
+    # even as torch's .to() rounds; with sat, finite values beyond the format's largest become
+    # its largest (base.saturating_cast). NaN stays a quiet NaN (sign and top payload bits
+    # kept). Branch-free integer loops on the float32 bits: they vectorize.
+    bits = vals.view(np.uint32)
+    top = u32(0x7F7F0000) if omode == 1 else u32(0x477FE000)  # the largest finite, as float32
+    cap = top if sat else u32(0x7F800000)
+    if omode == 1:
+        for k in range(vals.size):
+            w = bits[k]
+            a = w & u32(0x7FFFFFFF)
+            a = top if (a > cap and a < u32(0x7F800000)) else a
+            r = (a + u32(0x7FFF) + ((a >> u32(16)) & u32(1))) >> u32(16)
+            r = ((a >> u32(16)) | u32(0x40)) if a > u32(0x7F800000) else r
+            dst[k] = u16(r | ((w >> u32(16)) & u32(0x8000)))
+        return
+    for k in range(vals.size):
+        w = bits[k]
+        a = w & u32(0x7FFFFFFF)
+        a = top if (a > cap and a < u32(0x7F800000)) else a
+        # a normal float16: rebias the exponent, round off 13 bits (a carry is right)
+        r = a - u32(0x38000000)
+        h = (r + u32(0xFFF) + ((r >> u32(13)) & u32(1))) >> u32(13)
+        # below 2^-14: a multiple of 2^-24, rounded to nearest even by rint (exact scaling)
+        t = abs(vals[k])
+        t = t if t < f32(2.0**-14) else f32(2.0**-14)
+        h = h if a >= u32(0x38800000) else u32(np.rint(t * f32(2.0**24)))
+        h = u32(0x7C00) if a >= u32(0x477FF000) else h  # 65520 and above round to Inf
+        h = (u32(0x7E00) | ((a >> u32(13)) & u32(0x3FF))) if a > u32(0x7F800000) else h
+        dst[k] = u16(h | ((w >> u32(16)) & u32(0x8000)))
+
+
+def _nb_target(outf: Any, omode: Any, a: Any, b: Any, wide: Any) -> Any:
+    # where a decode writes out[a:b]: outf itself (float32), else wide (then _nb_store)
+    return outf[a:b] if omode == 0 else wide[: b - a]
+
+
+def _nb_store(vals: Any, out16: Any, omode: Any, sat: Any, a: Any) -> None:
+    # the second half of _nb_target: round vals into out16[a:] for a 16-bit output
+    if omode != 0:
+        _nb_narrow(vals, omode, sat, out16[a : a + vals.size])
+
+
+def _nb_convert(
+    xf: Any, x16: Any, mode: Any, n: Any, outf: Any, out16: Any, omode: Any, sat: Any
+) -> None:
+    # out = x converted between float32, bfloat16 and float16 (rounded and saturated as
+    # _nb_narrow), one work item of UNIT values at a time
+    for unit in prange((n + UNIT - 1) // UNIT):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        wide = np.empty(UNIT if mode else 1, np.float32)
+        src = _nb_widen(xf, x16, mode, a, b, wide)
+        if omode == 0:
+            dst = outf[a:b]
+            for k in range(src.size):
+                dst[k] = src[k]
+        else:
+            _nb_narrow(src, omode, sat, out16[a:b])
 
 
 def _nb_uniform(seed: Any, i: Any) -> Any:
@@ -174,13 +270,13 @@ def _nb_unpack_unit(packed: Any, start: Any, count: Any, bits: Any, buf: Any) ->
             buf[8 * g + j] = u8((word >> (u64(j) * ub)) & u64(mask))
 
 
-def _nb_minmax_keys(xi: Any, s: Any, e: Any) -> Any:
-    # min and max of x[s:e] as order-preserving integer keys of the fp32 bit patterns
-    # (key = bits ^ ((bits >> 31) & 0x7FFFFFFF)): integer reductions vectorize without fast
-    # math, and NaNs land outside [key(-inf), key(+inf)] where they are easy to detect.
+def _nb_minmax_keys(src: Any) -> Any:
+    # min and max of the float32 values given as int32 bits ``src``, as order-preserving
+    # integer keys (key = bits ^ ((bits >> 31) & 0x7FFFFFFF)): integer reductions vectorize
+    # without fast math, and NaNs land outside [key(-inf), key(+inf)] where they are easy to
+    # detect.
     lo = i32(0x7FFFFFFF)
     hi = i32(-0x80000000)
-    src = xi[s:e]
     for i in range(src.size):
         v = src[i]
         k = v ^ ((v >> i32(31)) & i32(0x7FFFFFFF))
@@ -228,9 +324,8 @@ def _nb_chunk_params(lo_key: Any, hi_key: Any, levels: Any, scratch: Any) -> Any
 
 
 def _nb_quantize(
-    x: Any,
-    s: Any,
-    e: Any,
+    src: Any,
+    g: Any,
     lo: Any,
     pre: Any,
     inv: Any,
@@ -238,14 +333,12 @@ def _nb_quantize(
     mode: Any,
     seed: Any,
     noise: Any,
-    buf: Any,
-    off: Any,
+    dst: Any,
 ) -> None:
-    # buf[off + k - s] = clamp(floor((x[k] * pre - lo * pre) * inv + u), 0, levels), NaN -> 0
+    # dst[k] = clamp(floor((src[k] * pre - lo * pre) * inv + u), 0, levels), NaN -> 0, where
+    # src[k] is coordinate g + k (the noise's index)
     zero = f32(0.0)
     base = lo * pre
-    src = x[s:e]
-    dst = buf[off : off + e - s]
     if mode == 0:
         half = f32(0.5)
         for k in range(src.size):
@@ -255,12 +348,12 @@ def _nb_quantize(
             dst[k] = u8(t)
     elif mode == 1:
         for k in range(src.size):
-            t = np.floor((src[k] * pre - base) * inv + _nb_uniform(seed, s + k))
+            t = np.floor((src[k] * pre - base) * inv + _nb_uniform(seed, g + k))
             t = t if t >= zero else zero
             t = t if t <= levels else levels
             dst[k] = u8(t)
     else:
-        u = noise[s:e]
+        u = noise[g : g + src.size]
         for k in range(src.size):
             t = np.floor((src[k] * pre - base) * inv + u[k])
             t = t if t >= zero else zero
@@ -268,22 +361,67 @@ def _nb_quantize(
             dst[k] = u8(t)
 
 
+def _nb_segment_keys(
+    xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, spc: Any, seg_lo: Any, seg_hi: Any
+) -> None:
+    # the order-key range of each of the spc segments of every chunk (in parallel)
+    seg_len = (chunk + spc - 1) // spc
+    for g in prange(seg_lo.size):
+        wide = np.empty(seg_len if mode else 1, np.float32)
+        c = g // spc
+        s = c * chunk + (g - c * spc) * seg_len
+        e = min(s + seg_len, min((c + 1) * chunk, n))
+        src = _nb_widen(xf, x16, mode, s, max(s, e), wide)
+        seg_lo[g], seg_hi[g] = _nb_minmax_keys(src.view(np.int32))
+
+
+def _nb_chunk_keys(xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, lo: Any, hi: Any) -> None:
+    # lo[c], hi[c] = the order-key range of chunk c, from segments of at most SEGMENT values
+    spc = (chunk + SEGMENT - 1) // SEGMENT
+    seg_lo = np.empty(lo.size * spc, np.int32)
+    seg_hi = np.empty(lo.size * spc, np.int32)
+    _nb_segment_keys(xf, x16, mode, n, chunk, spc, seg_lo, seg_hi)
+    for c in range(lo.size):
+        lo[c] = seg_lo[c * spc : (c + 1) * spc].min()
+        hi[c] = seg_hi[c * spc : (c + 1) * spc].max()
+
+
+def _nb_chunk_range(xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, lo: Any, hi: Any) -> None:
+    # lo[c], hi[c] = min and max of chunk c as float32 (NaN for a chunk holding a NaN; -0.0
+    # orders below +0.0)
+    lo_key = np.empty(lo.size, np.int32)
+    hi_key = np.empty(lo.size, np.int32)
+    _nb_chunk_keys(xf, x16, mode, n, chunk, lo_key, hi_key)
+    lo_bits = lo.view(np.int32)
+    hi_bits = hi.view(np.int32)
+    for c in range(lo.size):
+        if hi_key[c] > _KEY_POS_INF or lo_key[c] < _KEY_NEG_INF:
+            lo_key[c] = i32(0x7FC00000)
+            hi_key[c] = i32(0x7FC00000)
+        else:
+            lo_key[c] = lo_key[c] ^ ((lo_key[c] >> i32(31)) & i32(0x7FFFFFFF))
+            hi_key[c] = hi_key[c] ^ ((hi_key[c] >> i32(31)) & i32(0x7FFFFFFF))
+        lo_bits[c] = lo_key[c]
+        hi_bits[c] = hi_key[c]
+
+
 def _nb_minmax_encode(
-    x: Any,
+    xf: Any,
+    x16: Any,
+    mode: Any,
+    n: Any,
     chunk: Any,
     bits: Any,
-    mode: Any,
+    rmode: Any,
     seed: Any,
     noise: Any,
     packed: Any,
     lo_out: Any,
     scale_out: Any,
 ) -> None:
-    # mode 0: nearest; 1: stochastic with the internal generator; 2: with ``noise``.
-    n = x.size
+    # rmode 0: nearest; 1: stochastic with the internal generator; 2: with ``noise``.
     nchunks = lo_out.size
     levels = f32((1 << bits) - 1)
-    xi = x.view(np.int32)
     if chunk <= UNIT:
         # One pass: a work item owns whole chunks (and whole output bytes); each chunk is
         # scanned for its range and quantized while it is still in cache.
@@ -293,109 +431,134 @@ def _nb_minmax_encode(
         for item in prange(nitems):
             scratch = np.empty(2, np.int32)
             buf = np.empty(per * chunk + 8, np.uint8)
+            wide = np.empty(per * chunk if mode else 1, np.float32)
             a = item * per * chunk
             b = min(a + per * chunk, n)
+            x = _nb_widen(xf, x16, mode, a, b, wide)
+            xi = x.view(np.int32)
             for c in range(item * per, min((item + 1) * per, nchunks)):
-                s = c * chunk
-                e = min(s + chunk, n)
-                lo_key, hi_key = _nb_minmax_keys(xi, s, e)
+                s = c * chunk - a
+                e = min(s + chunk, b - a)
+                lo_key, hi_key = _nb_minmax_keys(xi[s:e])
                 lo, scale, pre, inv = _nb_chunk_params(lo_key, hi_key, levels, scratch)
                 lo_out[c] = lo
                 scale_out[c] = scale
-                _nb_quantize(x, s, e, lo, pre, inv, levels, mode, seed, noise, buf, s - a)
+                _nb_quantize(x[s:e], a + s, lo, pre, inv, levels, rmode, seed, noise, buf[s:e])
             _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
         return
     # Long chunks: pass 1 finds the ranges of segments in parallel, pass 2 quantizes UNIT
     # consecutive codes per work item.
-    spc = (chunk + SEGMENT - 1) // SEGMENT
-    seg_len = (chunk + spc - 1) // spc
-    nseg = nchunks * spc
-    seg_lo = np.empty(nseg, np.int32)
-    seg_hi = np.empty(nseg, np.int32)
-    for g in prange(nseg):
-        c = g // spc
-        s = c * chunk + (g - c * spc) * seg_len
-        e = min(s + seg_len, min((c + 1) * chunk, n))
-        seg_lo[g], seg_hi[g] = _nb_minmax_keys(xi, s, e)
+    lo_key = np.empty(nchunks, np.int32)
+    hi_key = np.empty(nchunks, np.int32)
+    _nb_chunk_keys(xf, x16, mode, n, chunk, lo_key, hi_key)
     inv_all = np.empty(nchunks, np.float32)
     pre_all = np.empty(nchunks, np.float32)
     scratch = np.empty(2, np.int32)
     for c in range(nchunks):
-        lo_key = seg_lo[c * spc : (c + 1) * spc].min()
-        hi_key = seg_hi[c * spc : (c + 1) * spc].max()
         lo_out[c], scale_out[c], pre_all[c], inv_all[c] = _nb_chunk_params(
-            lo_key, hi_key, levels, scratch
+            lo_key[c], hi_key[c], levels, scratch
         )
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
         buf = np.empty(UNIT + 8, np.uint8)
+        wide = np.empty(UNIT if mode else 1, np.float32)
+        x = _nb_widen(xf, x16, mode, a, b, wide)
         i = a
         c = a // chunk
         while i < b:
             e = min((c + 1) * chunk, b)
             _nb_quantize(
-                x, i, e, lo_out[c], pre_all[c], inv_all[c], levels, mode, seed, noise, buf, i - a
+                x[i - a : e - a], i, lo_out[c], pre_all[c], inv_all[c], levels, rmode, seed,
+                noise, buf[i - a : e - a],
             )
             i = e
             c += 1
         _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
 
 
-def _nb_minmax_decode(
-    packed: Any, lo_in: Any, scale_in: Any, chunk: Any, bits: Any, out: Any
+def _nb_decode_codes(
+    packed: Any, first: Any, second: Any, chunk: Any, bits: Any, kind: Any, offset: Any,
+    n: Any, outf: Any, out16: Any, omode: Any, sat: Any,
 ) -> None:
-    n = out.size
+    # out[i] from the code of coordinate i in chunk c. kind 0 (minmax; first = min, second
+    # = scale): (code * scale * pre + min * pre) / pre, saturated at float32's largest; kind
+    # 1 (qsgd, terngrad; first = step): (code - offset) * step
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
         buf = np.empty(UNIT + 8, np.uint8)
+        wide = np.empty(UNIT if omode else 1, np.float32)
+        out = _nb_target(outf, omode, a, b, wide)
         _nb_unpack_unit(packed, a // 8 * bits, b - a, bits, buf)
         i = a
         c = a // chunk
         while i < b:
             e = min((c + 1) * chunk, b)
-            pre = _nb_prescale(scale_in[c])
-            step = scale_in[c] * pre
-            base = lo_in[c] * pre
-            post = f32(1.0) / pre  # exact: a power of two
             src = buf[i - a : e - a]
-            dst = out[i:e]
-            for k in range(src.size):
-                v = (f32(src[k]) * step + base) * post
-                # saturate at float32's max (a chunk ending at +-3.4e38 may round one step
-                # past it); NaN compares false and stays NaN
-                if v > _F32_MAX:
-                    v = _F32_MAX
-                elif v < -_F32_MAX:
-                    v = -_F32_MAX
-                dst[k] = v
+            dst = out[i - a : e - a]
+            if kind == 1:
+                m = first[c]
+                for k in range(src.size):
+                    dst[k] = (f32(src[k]) - offset) * m
+            else:
+                pre = _nb_prescale(second[c])
+                step = second[c] * pre
+                base = first[c] * pre
+                post = f32(1.0) / pre  # exact: a power of two
+                for k in range(src.size):
+                    v = (f32(src[k]) * step + base) * post
+                    # saturate at float32's max (a chunk ending at +-3.4e38 may round one
+                    # step past it); NaN compares false and stays NaN
+                    if v > _F32_MAX:
+                        v = _F32_MAX
+                    elif v < -_F32_MAX:
+                        v = -_F32_MAX
+                    dst[k] = v
             i = e
             c += 1
+        _nb_store(out, out16, omode, sat, a)
 
 
-def _nb_sign_encode(x: Any, packed: Any, partial: Any) -> None:
-    n = x.size
+def _nb_lane_sum(src: Any, square: Any, lanes: Any) -> None:
+    # lanes[j] += |v| (or v * v with square) of src[8g + j], in float64, over the whole
+    # groups of eight: independent partial sums (one dependency chain would cap the pass at
+    # one add per FP latency); the caller adds the lanes and then the tail in one fixed order
+    full = src.size // 8 * 8
+    if square:
+        for g in range(0, full, 8):
+            for j in range(8):
+                v = np.float64(src[g + j])
+                lanes[j] += v * v
+    else:
+        for g in range(0, full, 8):
+            for j in range(8):
+                lanes[j] += abs(np.float64(src[g + j]))
+
+
+def _nb_lane_total(src: Any, square: Any, lanes: Any) -> Any:
+    # the lanes of _nb_lane_sum added in order, then src's tail past its whole groups
+    acc = 0.0
+    for j in range(8):
+        acc += lanes[j]
+    for k in range(src.size // 8 * 8, src.size):
+        v = np.float64(src[k])
+        acc += v * v if square else abs(v)
+    return acc
+
+
+def _nb_sign_encode(xf: Any, x16: Any, mode: Any, n: Any, packed: Any, partial: Any) -> None:
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        src = x[a:b]
-        # eight independent float64 partial sums (one dependency chain would cap the pass
-        # at one add per FP latency), then one exact-order combination
+        wide = np.empty(UNIT if mode else 1, np.float32)
+        src = _nb_widen(xf, x16, mode, a, b, wide)
         lanes = np.zeros(8, np.float64)
-        full = src.size // 8 * 8
-        for g in range(0, full, 8):
-            for j in range(8):
-                lanes[j] += abs(np.float64(src[g + j]))
-        acc = 0.0
-        for j in range(8):
-            acc += lanes[j]
-        for k in range(full, src.size):
-            acc += abs(np.float64(src[k]))
-        partial[unit] = acc
+        _nb_lane_sum(src, False, lanes)
+        partial[unit] = _nb_lane_total(src, False, lanes)
         dst = packed[a // 8 : (b + 7) // 8]
         full = src.size // 8
         for g in range(full):
@@ -410,15 +573,17 @@ def _nb_sign_encode(x: Any, packed: Any, partial: Any) -> None:
             dst[full] = u8(byte)
 
 
-def _nb_sign_decode(packed: Any, scale: Any, out: Any) -> None:
-    n = out.size
+def _nb_sign_decode(
+    packed: Any, scale: Any, n: Any, outf: Any, out16: Any, omode: Any, sat: Any
+) -> None:
     neg = -scale
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
+        wide = np.empty(UNIT if omode else 1, np.float32)
         src = packed[a // 8 : (b + 7) // 8]
-        dst = out[a:b]
+        dst = _nb_target(outf, omode, a, b, wide)
         full = dst.size // 8
         for g in range(full):
             byte = src[g]
@@ -426,15 +591,19 @@ def _nb_sign_decode(packed: Any, scale: Any, out: Any) -> None:
                 dst[8 * g + j] = scale if (byte >> j) & 1 else neg
         for k in range(8 * full, dst.size):
             dst[k] = scale if (src[full] >> (k - 8 * full)) & 1 else neg
+        _nb_store(dst, out16, omode, sat, a)
 
 
 def _nb_stochastic_encode(
-    x: Any,
+    xf: Any,
+    x16: Any,
+    mode: Any,
+    n: Any,
     chunk: Any,
     kind: Any,
     levels: Any,
     bits: Any,
-    mode: Any,
+    rmode: Any,
     seed: Any,
     noise: Any,
     inv_all: Any,
@@ -442,8 +611,7 @@ def _nb_stochastic_encode(
 ) -> None:
     # kind 0 (qsgd): code = levels +- clamp(floor(|x| * inv + u), 0, levels), NaN -> levels;
     # kind 1 (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1 (x < 0 -> 0, else 2).
-    # mode 1: u from the internal generator keyed by seed; mode 2: u = noise.
-    n = x.size
+    # rmode 1: u from the internal generator keyed by seed; rmode 2: u = noise.
     zero = f32(0.0)
     top = f32(levels)
     nunits = (n + UNIT - 1) // UNIT
@@ -452,16 +620,18 @@ def _nb_stochastic_encode(
         b = min(a + UNIT, n)
         buf = np.empty(UNIT + 8, np.uint8)
         ubuf = np.empty(UNIT, np.float32)
+        wide = np.empty(UNIT if mode else 1, np.float32)
+        x = _nb_widen(xf, x16, mode, a, b, wide)
         i = a
         c = a // chunk
         while i < b:
             e = min((c + 1) * chunk, b)
             inv = inv_all[c]
-            src = x[i:e]
+            src = x[i - a : e - a]
             dst = buf[i - a : e - a]
             u = ubuf[: src.size]
             # branch-free inner loops (they vectorize): the noise first, then the codes
-            if mode == 1:
+            if rmode == 1:
                 # _nb_uniform written out, so that the loop vectorizes
                 base = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
                 for k in range(src.size):
@@ -493,59 +663,80 @@ def _nb_stochastic_encode(
         _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
 
 
-def _nb_chunk_norms(x: Any, chunk: Any, clamp: Any, norms: Any) -> None:
-    # norms[c] = L2 norm of chunk c, accumulated in float64 and rounded to float32; norms
-    # beyond float32 (finite inputs near its largest) are clamped to ``clamp``
-    n = x.size
-    nchunks = norms.size
-    for c in prange(nchunks):
-        src = x[c * chunk : min((c + 1) * chunk, n)]
-        lanes = np.zeros(8, np.float64)  # independent partial sums, as in _nb_sign_encode
-        full = src.size // 8 * 8
-        for g in range(0, full, 8):
-            for j in range(8):
-                v = np.float64(src[g + j])
-                lanes[j] += v * v
-        acc = 0.0
-        for j in range(8):
-            acc += lanes[j]
-        for i in range(full, src.size):
-            v = np.float64(src[i])
-            acc += v * v
-        norm = np.sqrt(acc)
-        if norm > np.float64(clamp) and norm < np.inf:
-            norm = np.float64(clamp)
-        norms[c] = f32(norm)
-
-
-def _nb_offset_decode(
-    packed: Any, step: Any, chunk: Any, bits: Any, offset: Any, out: Any
+def _nb_chunk_norms(
+    xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, clamp: Any, norms: Any
 ) -> None:
-    # out[i] = (f32(code_i) - offset) * step[chunk of i] (qsgd: offset levels, terngrad 1)
-    n = out.size
-    nunits = (n + UNIT - 1) // UNIT
-    for unit in prange(nunits):
-        a = unit * UNIT
-        b = min(a + UNIT, n)
-        buf = np.empty(UNIT + 8, np.uint8)
-        _nb_unpack_unit(packed, a // 8 * bits, b - a, bits, buf)
-        i = a
-        c = a // chunk
-        while i < b:
-            e = min((c + 1) * chunk, b)
-            m = step[c]
-            src = buf[i - a : e - a]
-            dst = out[i:e]
-            for k in range(src.size):
-                dst[k] = (f32(src[k]) - offset) * m
-            i = e
-            c += 1
+    # norms[c] = L2 norm of chunk c, accumulated in float64 and rounded to float32; norms
+    # beyond float32 (finite inputs near its largest) are clamped to ``clamp``. A work item
+    # takes about UNIT values of whole chunks; a chunk is read UNIT values at a time (whole
+    # groups of eight: the same sums as in one piece).
+    nchunks = norms.size
+    per = max(1, UNIT // chunk)
+    for item in prange((nchunks + per - 1) // per):
+        wide = np.empty(min(chunk, UNIT) if mode else 1, np.float32)
+        lanes = np.empty(8, np.float64)
+        for c in range(item * per, min((item + 1) * per, nchunks)):
+            lanes[:] = 0.0
+            s = c * chunk
+            e = min(s + chunk, n)
+            src = wide[:0]
+            for a in range(s, e, UNIT):
+                src = _nb_widen(xf, x16, mode, a, min(a + UNIT, e), wide)
+                _nb_lane_sum(src, True, lanes)
+            norm = np.sqrt(_nb_lane_total(src, True, lanes))
+            if norm > np.float64(clamp) and norm < np.inf:
+                norm = np.float64(clamp)
+            norms[c] = f32(norm)
 
 
 def _nb_mag_key(v: Any) -> Any:
     # |x| as an order-preserving integer (the fp32 bits without the sign); NaN ranks as +inf
     key = v & i32(0x7FFFFFFF)
     return key if key <= _KEY_POS_INF else _KEY_POS_INF
+
+
+def _nb_part_histogram(xi: Any, x16: Any, mode: Any, top: Any, inf_key: Any, hist: Any) -> None:
+    # hist[p] += the histogram of the 16-bit digits of part p's keys (parts of equal length,
+    # in parallel). mode 0: the high digit of the 31-bit magnitude keys of float32 bits xi;
+    # 1: their low digit, for the keys whose high digit is top; 2: the 15-bit magnitude keys
+    # of 16-bit float bits x16, NaN counted as inf_key (+Inf's key)
+    nparts = hist.shape[0]
+    n = x16.size if mode == 2 else xi.size
+    per = (n + nparts - 1) // nparts
+    for p in prange(nparts):
+        a = min(p * per, n)
+        b = min((p + 1) * per, n)
+        h = hist[p]
+        if mode == 2:
+            src16 = x16[a:b]
+            lim = np.int64(inf_key)
+            for i in range(src16.size):
+                key = np.int64(src16[i] & u16(0x7FFF))
+                h[key if key <= lim else lim] += 1
+            continue
+        src = xi[a:b]
+        if mode == 0:
+            for i in range(src.size):
+                h[_nb_mag_key(src[i]) >> i32(16)] += 1
+        else:
+            for i in range(src.size):
+                key = _nb_mag_key(src[i])
+                if (key >> i32(16)) == top:
+                    h[key & i32(0xFFFF)] += 1
+
+
+def _nb_threshold_digit(hist: Any, k: Any, above: Any) -> Any:
+    # (digit, count): walking the digits of the per-part histograms hist[p, digit] from the
+    # highest down, with ``above`` keys already counted above them, the digit at which the
+    # count reaches k, and the count of keys above that digit
+    for digit in range(hist.shape[1] - 1, -1, -1):
+        c = 0
+        for p in range(hist.shape[0]):
+            c += hist[p, digit]
+        if above + c >= k:
+            return digit, above
+        above += c
+    return 0, above
 
 
 def _nb_topk_select(xi: Any, k: Any, nparts: Any, out: Any) -> None:
@@ -555,38 +746,11 @@ def _nb_topk_select(xi: Any, k: Any, nparts: Any, out: Any) -> None:
     n = xi.size
     per = (n + nparts - 1) // nparts
     hist = np.zeros((nparts, 65536), np.int64)
-    for p in prange(nparts):
-        src = xi[min(p * per, n) : min((p + 1) * per, n)]
-        h = hist[p]
-        for i in range(src.size):
-            h[_nb_mag_key(src[i]) >> i32(16)] += 1
-    above = 0
-    top = 0
-    for digit in range(65535, -1, -1):
-        c = 0
-        for p in range(nparts):
-            c += hist[p, digit]
-        if above + c >= k:
-            top = digit
-            break
-        above += c
+    _nb_part_histogram(xi, _NO_U16, 0, 0, 0, hist)
+    top, above = _nb_threshold_digit(hist, k, 0)
     hist[:, :] = 0
-    for p in prange(nparts):
-        src = xi[min(p * per, n) : min((p + 1) * per, n)]
-        h = hist[p]
-        for i in range(src.size):
-            key = _nb_mag_key(src[i])
-            if (key >> i32(16)) == top:
-                h[key & i32(0xFFFF)] += 1
-    low = 0
-    for digit in range(65535, -1, -1):
-        c = 0
-        for p in range(nparts):
-            c += hist[p, digit]
-        if above + c >= k:
-            low = digit
-            break
-        above += c
+    _nb_part_histogram(xi, _NO_U16, 1, top, 0, hist)
+    low, above = _nb_threshold_digit(hist, k, above)
     threshold = i32((top << 16) | low)
     ties = k - above  # how many keys equal to the threshold are taken (the first ones)
     gt = np.zeros(nparts, np.int64)
@@ -734,6 +898,68 @@ def _nb_collect_at_least(xi: Any, key: Any, counts: Any, out: Any) -> None:
     _nb_write_selected(xi, key - i32(1), nparts, per, start, take, out)
 
 
+def _nb_top_keys(bits: Any, inf_key: Any, count: Any, out: Any) -> None:
+    # out = ascending indices of the ``count`` largest magnitudes of 16-bit floats given as
+    # their bits (NaN above +Inf; ties to the lowest indices): a histogram of the keys
+    # finds the threshold, one more pass collects
+    hist = np.zeros((1, 32769), np.int64)
+    h = hist[0]
+    for i in range(bits.size):
+        key = np.int64(bits[i] & u16(0x7FFF))
+        h[key if key <= inf_key else 32768] += 1
+    threshold, above = _nb_threshold_digit(hist, count, 0)
+    ties = count - above
+    j = 0
+    for i in range(bits.size):
+        key = np.int64(bits[i] & u16(0x7FFF))
+        key = key if key <= inf_key else 32768
+        if key > threshold:
+            out[j] = i
+            j += 1
+        elif key == threshold and ties > 0:
+            out[j] = i
+            j += 1
+            ties -= 1
+
+
+def _nb_top16(xb: Any, inf_key: Any, k: Any, nparts: Any, out: Any) -> None:
+    # out = ascending indices of the k largest magnitudes of 16-bit floats given as their
+    # bits (key = bits & 0x7FFF, NaN keys clamped to inf_key: NaN ranks as +Inf), ties to
+    # the lowest indices: per-part histograms of the 32768 keys, then one collecting pass
+    n = xb.size
+    per = (n + nparts - 1) // nparts
+    hist = np.zeros((nparts, 32768), np.int64)
+    _nb_part_histogram(_NO_I32, xb, 2, 0, inf_key, hist)
+    threshold, above = _nb_threshold_digit(hist, k, 0)
+    ties = k - above
+    start = np.zeros(nparts, np.int64)
+    take = np.zeros(nparts, np.int64)
+    pos = 0
+    for p in range(nparts):
+        gt = 0
+        for key in range(threshold + 1, 32768):
+            gt += hist[p, key]
+        take[p] = min(hist[p, threshold], ties)
+        ties -= take[p]
+        start[p] = pos
+        pos += gt + take[p]
+    for p in prange(nparts):
+        a = min(p * per, n)
+        src = xb[a : min((p + 1) * per, n)]
+        j = start[p]
+        left = take[p]
+        for i in range(src.size):
+            key = src[i] & u16(0x7FFF)
+            key = key if key <= inf_key else inf_key
+            if key > threshold:
+                out[j] = a + i
+                j += 1
+            elif key == threshold and left > 0:
+                out[j] = a + i
+                j += 1
+                left -= 1
+
+
 def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
     # the first k distinct values of draws (each in [0, d)), written sorted into out[:k];
     # returns how many distinct values were found (k, or fewer when draws ran out)
@@ -768,6 +994,10 @@ def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
 
 
 _HELPERS = (
+    "_nb_widen",
+    "_nb_narrow",
+    "_nb_target",
+    "_nb_store",
     "_nb_uniform",
     "_nb_pack_unit",
     "_nb_unpack_unit",
@@ -775,24 +1005,30 @@ _HELPERS = (
     "_nb_prescale",
     "_nb_chunk_params",
     "_nb_quantize",
+    "_nb_lane_sum",
+    "_nb_lane_total",
     "_nb_mag_key",
+    "_nb_chunk_keys",
+    "_nb_threshold_digit",
 )
 # helpers that contain parallel loops (compiled with parallel=True)
-_PARALLEL_HELPERS = ("_nb_write_selected",)
+_PARALLEL_HELPERS = ("_nb_write_selected", "_nb_segment_keys", "_nb_part_histogram")
 _KERNELS = (
+    "_nb_convert",
     "_nb_minmax_encode",
-    "_nb_minmax_decode",
+    "_nb_decode_codes",
     "_nb_sign_encode",
     "_nb_sign_decode",
     "_nb_stochastic_encode",
-    "_nb_offset_decode",
     "_nb_chunk_norms",
     "_nb_topk_select",
     "_nb_topk_band",
     "_nb_count_at_least",
     "_nb_collect_at_least",
+    "_nb_top16",
 )
-_SERIAL = ("_nb_first_distinct",)
+# kernels without a parallel loop of their own
+_SERIAL = ("_nb_first_distinct", "_nb_chunk_range", "_nb_top_keys")
 
 
 def _build() -> dict[str, Callable[..., Any]]:
@@ -834,6 +1070,52 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
+#: The kernels' float modes: 0 float32, 1 bfloat16, 2 float16 (see the kernels' comments).
+MODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_DUMMY_F32 = np.zeros(1, np.float32)
+_DUMMY_U16 = np.zeros(1, np.uint16)
+
+
+def _bits16(t: torch.Tensor) -> np.ndarray:
+    """The uint16 bits of a contiguous 16-bit float CPU tensor, as a numpy view."""
+    return _np(t.view(torch.int16)).view(np.uint16)
+
+
+def source(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """``(xf, x16, mode, n)``: a kernel's view of a CPU tensor of float32, bfloat16 or
+    float16 values (flattened; copied only when not contiguous), read in its own dtype."""
+    flat = x.reshape(-1)
+    mode = MODES.get(flat.dtype)
+    if mode is None:
+        raise CommpressError(
+            f"the numba kernels take float32, bfloat16 or float16 tensors, not {flat.dtype}"
+        )
+    flat = flat.contiguous()
+    if mode == 0:
+        return _np(flat), _DUMMY_U16, 0, flat.numel()
+    return _DUMMY_F32, _bits16(flat), mode, flat.numel()
+
+
+def target(
+    out: torch.Tensor | None, n: int
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray, int]:
+    """``(tensor, outf, out16, omode)``: where a decode kernel writes ``n`` values: ``out``
+    (``n`` contiguous float32, bfloat16 or float16 values on the CPU, written in its dtype),
+    or a fresh float32 tensor."""
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32)
+    omode = MODES.get(out.dtype)
+    if omode is None or out.numel() != n or not out.is_contiguous() or out.device.type != "cpu":
+        raise CommpressError(
+            f"kernel output must be {n} contiguous float32, bfloat16 or float16 values on the "
+            f"CPU, got {out.numel()} {out.dtype} values on {out.device}"
+        )
+    flat = out.view(-1)
+    if omode == 0:
+        return flat, _np(flat), _DUMMY_U16, 0
+    return flat, _DUMMY_F32, _bits16(flat), omode
+
+
 class NumbaKernels:
     """The compiled kernels behind tensor entry points (CPU tensors only); one instance,
     made by the loader of :mod:`commpress.codecs.kernels`."""
@@ -857,7 +1139,7 @@ class NumbaKernels:
         noise: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See :func:`commpress.codecs.kernels.minmax_encode`."""
-        n = x.numel()
+        xf, x16, xmode, n = source(x)
         nchunks = -(-n // chunk)
         packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
         lo = torch.empty(nchunks, dtype=torch.float32)
@@ -868,8 +1150,8 @@ class NumbaKernels:
             mode, noise_np = (1 if stochastic else 0), np.zeros(1, np.float32)
         with _launch():
             self["minmax_encode"](
-                _np(x), chunk, bits, mode, np.uint64(seed), noise_np, _np(packed), _np(lo),
-                _np(scale),
+                xf, x16, xmode, n, chunk, bits, mode, np.uint64(seed), noise_np, _np(packed),
+                _np(lo), _np(scale),
             )
         return packed, lo, scale
 
@@ -883,23 +1165,24 @@ class NumbaKernels:
         bits: int,
         n: int,
         out: torch.Tensor | None = None,
+        saturate: bool = False,
     ) -> torch.Tensor:
         """See :func:`commpress.codecs.kernels.minmax_decode`."""
-        out = out32(out, n, packed.device)
+        result, outf, out16, omode = target(out, n)
         with _launch():
-            self["minmax_decode"](
+            self["decode_codes"](
                 _np(packed.contiguous()), _np(lo.contiguous()), _np(scale.contiguous()),
-                chunk, bits, _np(out),
+                chunk, bits, 0, np.float32(0.0), n, outf, out16, omode, saturate,
             )
-        return out
+        return result
 
     def sign_encode(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
         """See :func:`commpress.codecs.kernels.sign_encode`."""
-        n = x.numel()
+        xf, x16, mode, n = source(x)
         packed = torch.empty(-(-n // 8), dtype=torch.uint8)
         partial = np.zeros(-(-n // UNIT), np.float64)
         with _launch():
-            self["sign_encode"](_np(x), _np(packed), partial)
+            self["sign_encode"](xf, x16, mode, n, _np(packed), partial)
         return packed, float(partial.sum())
 
     def sign_encode_scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -908,13 +1191,21 @@ class NumbaKernels:
         return packed, torch.tensor([total / x.numel()], dtype=torch.float64).to(torch.float32)
 
     def sign_decode(
-        self, packed: torch.Tensor, scale: torch.Tensor, n: int, out: torch.Tensor | None = None
+        self,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        n: int,
+        out: torch.Tensor | None = None,
+        saturate: bool = False,
     ) -> torch.Tensor:
         """See :func:`commpress.codecs.kernels.sign_decode`."""
-        out = out32(out, n, packed.device)
+        result, outf, out16, omode = target(out, n)
         with _launch():
-            self["sign_decode"](_np(packed.contiguous()), np.float32(scale.item()), _np(out))
-        return out
+            self["sign_decode"](
+                _np(packed.contiguous()), np.float32(scale.item()), n, outf, out16, omode,
+                saturate,
+            )
+        return result
 
     def stochastic_encode(
         self,
@@ -929,7 +1220,7 @@ class NumbaKernels:
         noise: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See :func:`commpress.codecs.kernels.stochastic_encode`."""
-        n = x.numel()
+        xf, x16, xmode, n = source(x)
         packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
         if noise is not None:
             mode, noise_np = 2, _np(noise)
@@ -937,17 +1228,35 @@ class NumbaKernels:
             mode, noise_np = 1, np.zeros(1, np.float32)
         with _launch():
             self["stochastic_encode"](
-                _np(x), chunk, 0 if kind == "qsgd" else 1, levels, bits, mode, np.uint64(seed),
-                noise_np, _np(inv.contiguous()), _np(packed),
+                xf, x16, xmode, n, chunk, 0 if kind == "qsgd" else 1, levels, bits, mode,
+                np.uint64(seed), noise_np, _np(inv.contiguous()), _np(packed),
             )
         return packed
 
     def chunk_norms(self, x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
         """See :func:`commpress.codecs.kernels.chunk_norms`."""
-        norms = torch.empty(-(-x.numel() // chunk), dtype=torch.float32)
+        xf, x16, mode, n = source(x)
+        norms = torch.empty(-(-n // chunk), dtype=torch.float32)
         with _launch():
-            self["chunk_norms"](_np(x), chunk, np.float32(clamp), _np(norms))
+            self["chunk_norms"](xf, x16, mode, n, chunk, np.float32(clamp), _np(norms))
         return norms
+
+    def chunk_range(self, x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :func:`commpress.codecs.kernels.chunk_range`."""
+        xf, x16, mode, n = source(x)
+        lo = torch.empty(-(-n // chunk), dtype=torch.float32)
+        hi = torch.empty_like(lo)
+        with _launch():
+            self["chunk_range"](xf, x16, mode, n, chunk, _np(lo), _np(hi))
+        return lo, hi
+
+    def convert(self, x: torch.Tensor, out: torch.Tensor, saturate: bool) -> torch.Tensor:
+        """See :func:`commpress.codecs.kernels.convert`."""
+        xf, x16, mode, n = source(x)
+        result, outf, out16, omode = target(out, n)
+        with _launch():
+            self["convert"](xf, x16, mode, n, outf, out16, omode, saturate)
+        return result
 
     def offset_decode(
         self,
@@ -959,15 +1268,17 @@ class NumbaKernels:
         offset: float,
         n: int,
         out: torch.Tensor | None = None,
+        saturate: bool = False,
     ) -> torch.Tensor:
         """See :func:`commpress.codecs.kernels.offset_decode`."""
-        out = out32(out, n, packed.device)
+        result, outf, out16, omode = target(out, n)
         with _launch():
-            self["offset_decode"](
-                _np(packed.contiguous()), _np(step.contiguous()), chunk, bits,
-                np.float32(offset), _np(out),
+            step = step.contiguous()
+            self["decode_codes"](
+                _np(packed.contiguous()), _np(step), _np(step), chunk, bits, 1,
+                np.float32(offset), n, outf, out16, omode, saturate,
             )
-        return out
+        return result
 
     def topk_select(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """See :func:`commpress.codecs.kernels.topk_select`."""
@@ -1015,4 +1326,4 @@ class NumbaKernels:
         return out if found >= k else None
 
 
-__all__ = ["SEGMENT", "UNIT", "NumbaKernels", "build"]
+__all__ = ["MODES", "SEGMENT", "UNIT", "NumbaKernels", "build", "source", "target"]

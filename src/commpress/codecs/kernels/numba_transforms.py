@@ -2,7 +2,11 @@
 
 They follow :mod:`commpress.codecs.kernels`' switch (``COMMPRESS_KERNELS``,
 :func:`kernels.use_backend`) and launch rules (torch's thread count, one launch at a time),
-and are compiled on first use and cached on disk the same way. The plain-torch code in
+and are compiled on first use and cached on disk by the package's one loader
+(:func:`kernels.load_numba`, which calls :func:`build`). The 16-bit top-k selections
+(:func:`top16`, :func:`top_keys`) are wrapped here; their kernels live in
+:mod:`commpress.codecs.kernels.numba_cpu` beside the float32 radix select, whose histogram
+helpers they share. The plain-torch code in
 :mod:`commpress.codecs.thc` and :mod:`commpress.codecs.topkc` stays the tested fallback.
 
 THC: each rotation block of ``B <= LOCAL_BLOCK`` coordinates is loaded once (float32, or
@@ -20,9 +24,8 @@ reproduces the torch path bit for bit.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -40,10 +43,6 @@ _GAMMA = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 
-_load_lock = threading.Lock()
-_compiled: dict[str, Callable[..., Any]] | None = None
-_import_error: str | None = None
-
 u8 = np.uint8
 u16 = np.uint16
 u32 = np.uint32
@@ -52,7 +51,7 @@ f32 = np.float32
 f64 = np.float64
 _BF16_MAX = f32(torch.finfo(torch.bfloat16).max)
 _U24 = f32(2.0**-24)  # 24 random bits times this: a uniform in [0, 1)
-prange = range  # replaced by numba.prange in _build()
+prange = range  # replaced by numba.prange in build()
 
 
 # ---------------------------------------------------------------------- torch-side generator
@@ -85,36 +84,21 @@ def sign_bytes(seed: int, count: int, device: torch.device) -> torch.Tensor:
     return ((words.unsqueeze(1) >> shifts) & 0xFF).to(torch.uint8).reshape(-1)[: -(-count // 8)]
 
 
-# ---------------------------------------------------------------------- loader
-def _load() -> dict[str, Callable[..., Any]] | None:
-    global _compiled, _import_error
-    if _compiled is None and _import_error is None:
-        with _load_lock:
-            if _compiled is None and _import_error is None:
-                try:
-                    _compiled = _build()
-                except Exception as exc:  # pragma: no cover - depends on the installation
-                    _import_error = f"{type(exc).__name__}: {exc}"
-    return _compiled
-
-
+# ---------------------------------------------------------------------- switch and loader
 def use_kernels(t: torch.Tensor) -> bool:
-    """Whether ``t`` goes through these kernels: :func:`kernels.use_kernels` says so and
-    they compiled (``COMMPRESS_KERNELS=numba`` makes a failure to compile an error)."""
-    if not kernels.use_kernels(t):
-        return False
-    if _load() is None:
-        if kernels.requested_backend() == "numba":
-            raise CommpressError(f"numba kernels are unavailable: {_import_error}")
-        return False
-    return True
+    """Whether ``t`` goes through these kernels: the switch gives it the numba backend and
+    they compiled (:func:`kernels.numba_kernels`; ``COMMPRESS_KERNELS=numba`` makes a
+    failure to compile an error)."""
+    return kernels.numba_kernels(t, "numba_transforms") is not None
 
 
 def _kernel(name: str) -> Callable[..., Any]:
-    compiled = _load()
+    compiled = kernels.load_numba("numba_transforms")
     if compiled is None:  # pragma: no cover - callers check use_kernels first
-        raise CommpressError(f"numba kernels are unavailable: {_import_error}")
-    return compiled[name]
+        raise CommpressError(
+            f"numba kernels are unavailable: {kernels.numba_error('numba_transforms')}"
+        )
+    return cast("Callable[..., Any]", compiled[name])
 
 
 # ---------------------------------------------------------------------- numba code
@@ -428,96 +412,19 @@ def _nb_chunk_squares(
         largest[item] = big
 
 
-def _nb_top_keys(bits: Any, inf_key: Any, count: Any, out: Any) -> None:
-    # out = ascending indices of the ``count`` largest magnitudes of 16-bit floats given as
-    # their bits (NaN above +Inf; ties to the lowest indices): a histogram of the keys
-    # finds the threshold, one more pass collects
-    hist = np.zeros(32769, np.int64)
-    for i in range(bits.size):
-        key = np.int64(bits[i] & u16(0x7FFF))
-        hist[key if key <= inf_key else 32768] += 1
-    above = 0
-    threshold = 32768
-    while above + hist[threshold] < count:
-        above += hist[threshold]
-        threshold -= 1
-    ties = count - above
-    j = 0
-    for i in range(bits.size):
-        key = np.int64(bits[i] & u16(0x7FFF))
-        key = key if key <= inf_key else 32768
-        if key > threshold:
-            out[j] = i
-            j += 1
-        elif key == threshold and ties > 0:
-            out[j] = i
-            j += 1
-            ties -= 1
-
-
-def _nb_top16(xb: Any, inf_key: Any, k: Any, nparts: Any, out: Any) -> None:
-    # out = ascending indices of the k largest magnitudes of 16-bit floats given as their
-    # bits (key = bits & 0x7FFF, NaN keys clamped to inf_key: NaN ranks as +Inf), ties to
-    # the lowest indices: per-part histograms of the 32768 keys, then one collecting pass
-    n = xb.size
-    per = (n + nparts - 1) // nparts
-    hist = np.zeros((nparts, 32768), np.int64)
-    for p in prange(nparts):
-        src = xb[min(p * per, n) : min((p + 1) * per, n)]
-        h = hist[p]
-        for i in range(src.size):
-            key = src[i] & u16(0x7FFF)
-            h[key if key <= inf_key else inf_key] += 1
-    above = 0
-    threshold = 32767
-    while True:
-        c = 0
-        for p in range(nparts):
-            c += hist[p, threshold]
-        if above + c >= k:
-            break
-        above += c
-        threshold -= 1
-    ties = k - above
-    start = np.zeros(nparts, np.int64)
-    take = np.zeros(nparts, np.int64)
-    pos = 0
-    for p in range(nparts):
-        gt = 0
-        for key in range(threshold + 1, 32768):
-            gt += hist[p, key]
-        take[p] = min(hist[p, threshold], ties)
-        ties -= take[p]
-        start[p] = pos
-        pos += gt + take[p]
-    for p in prange(nparts):
-        a = min(p * per, n)
-        src = xb[a : min((p + 1) * per, n)]
-        j = start[p]
-        left = take[p]
-        for i in range(src.size):
-            key = src[i] & u16(0x7FFF)
-            key = key if key <= inf_key else inf_key
-            if key > threshold:
-                out[j] = a + i
-                j += 1
-            elif key == threshold and left > 0:
-                out[j] = a + i
-                j += 1
-                left -= 1
-
-
 _HELPERS = (
     "_nb_word", "_nb_first3", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_peak", "_nb_step",
     "_nb_quant",
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
-    "_nb_chunk_squares", "_nb_top16",
+    "_nb_chunk_squares",
 )
 
 
-def _build() -> dict[str, Callable[..., Any]]:
+def build() -> dict[str, Callable[..., Any]]:
+    """Compile (or load from numba's disk cache) every kernel; raises when numba is missing or
+    a kernel does not compile. Called by :func:`kernels.load_numba` only."""
     import numba
 
     module = globals()
@@ -529,7 +436,6 @@ def _build() -> dict[str, Callable[..., Any]]:
         name[len("_nb_") :]: numba.njit(parallel=True, **opts)(module[name])
         for name in _KERNELS
     }
-    compiled["top_keys"] = numba.njit(**opts)(module["_nb_top_keys"])
     return compiled
 
 
@@ -656,7 +562,7 @@ def top_keys(norms: torch.Tensor, count: int) -> torch.Tensor:
     out = torch.empty(count, dtype=torch.int64)
     if count:
         raw = _np(norms.contiguous().view(torch.int16)).view(np.uint16)
-        _kernel("top_keys")(raw, inf_key, count, _np(out))
+        kernels._kernel("top_keys")(raw, inf_key, count, _np(out))
     return out
 
 
@@ -671,7 +577,7 @@ def top16(x: torch.Tensor, k: int) -> torch.Tensor:
         import numba
 
         nparts = numba.get_num_threads()
-        _kernel("top16")(
+        kernels._kernel("top16")(
             _np(x.view(torch.int16)).view(np.uint16), np.uint16(inf_key), k, nparts, _np(out)
         )
     return out

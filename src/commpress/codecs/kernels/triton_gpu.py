@@ -716,6 +716,7 @@ def minmax_decode(
     bits: int,
     n: int,
     out: torch.Tensor | None = None,
+    saturate: bool = False,
 ) -> torch.Tensor:
     """See :func:`commpress.codecs.kernels.minmax_decode`."""
     out = out32(out, n, packed.device)
@@ -743,9 +744,14 @@ def sign_encode_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sign_decode(
-    packed: torch.Tensor, scale: torch.Tensor, n: int, out: torch.Tensor | None = None
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    n: int,
+    out: torch.Tensor | None = None,
+    saturate: bool = False,
 ) -> torch.Tensor:
-    """See :func:`commpress.codecs.kernels.sign_decode`."""
+    """See :func:`commpress.codecs.kernels.sign_decode` (float32 outputs only, so
+    ``saturate`` has nothing to clamp)."""
     out = out32(out, n, packed.device)
     if n:
         block = 8 * GROUPS
@@ -911,6 +917,7 @@ def offset_decode(
     offset: float,
     n: int,
     out: torch.Tensor | None = None,
+    saturate: bool = False,
 ) -> torch.Tensor:
     """See :func:`commpress.codecs.kernels.offset_decode`."""
     out = out32(out, n, packed.device)

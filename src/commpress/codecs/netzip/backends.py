@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
-from commpress.codecs.netzip.kernels import CPU_PROBE, kernel, use_kernels
+from commpress.codecs.kernels.numba_netzip import CPU_PROBE, kernel, use_kernels
 from commpress.errors import ConfigError, PayloadError
 
 BackendName: TypeAlias = Literal["raw", "lz4", "zstd", "huffman", "ans"]
@@ -138,7 +138,7 @@ def choose_backend(data: np.ndarray, *, use_kernel: bool | None = None) -> Backe
     which then cost one compression attempt and stay raw (a section never expands). Integer
     arithmetic only, so every path decides alike; it costs about a microsecond where a trial
     compression cost several. ``use_kernel`` says whether to count with the numba kernel (a
-    caller that already asked :func:`~commpress.codecs.netzip.kernels.use_kernels` passes its
+    caller that already asked :func:`~commpress.codecs.kernels.numba_netzip.use_kernels` passes its
     answer; ``None`` asks it)."""
     size = data.size
     if size < MIN_COMPRESS_BYTES:

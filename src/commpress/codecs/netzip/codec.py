@@ -74,10 +74,10 @@ import torch
 
 from commpress.codecs.base import Codec, CodecContext, Payload, param, require, saturating_cast
 from commpress.codecs.bitpack import packed_nbytes
+from commpress.codecs.kernels import numba_netzip as nk
 from commpress.codecs.netzip import backends as bk
 from commpress.codecs.netzip import exponent as ex
 from commpress.codecs.netzip import grouping as gr
-from commpress.codecs.netzip import kernels as nk
 from commpress.codecs.netzip.framing import (
     CRC,
     DELTA_IDS,

@@ -22,7 +22,7 @@ zeros cost about one bit each before compression and nearly nothing after it. St
 statistics from the whole row.
 
 Everything has a plain-torch implementation that runs on any device. On CPU the fused numba
-kernels of :mod:`commpress.codecs.netzip.kernels` do the whole grouping in one call; both
+kernels of :mod:`commpress.codecs.kernels.numba_netzip` do the whole grouping in one call; both
 paths produce identical planes, which the tests check.
 """
 
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from commpress.codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
+from commpress.codecs.kernels.numba_netzip import CPU_PROBE, kernel, use_kernels
 from commpress.codecs.netzip.grouping import (
     BF16_CODE,
     Layout,
@@ -49,7 +50,6 @@ from commpress.codecs.netzip.grouping import (
     wants_mask,
     widen,
 )
-from commpress.codecs.netzip.kernels import CPU_PROBE, kernel, use_kernels
 from commpress.errors import PayloadError
 
 #: Exponent residuals ``e - P`` in ``[-CODE_OFFSET, 14 - CODE_OFFSET]`` get a 4-bit code.

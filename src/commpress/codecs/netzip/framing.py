@@ -36,7 +36,7 @@ length) give an essentially random 32-bit value: a miss rate of about ``2^-32`` 
 The decoder also validates every length and field of the header, so a stream that passes
 the checksum by accident is still refused when its structure is wrong.
 
-The hash runs as a numba kernel (:mod:`commpress.codecs.netzip.kernels`, compiled on first
+The hash runs as a numba kernel (:mod:`commpress.codecs.kernels.numba_netzip`, compiled on first
 use, cached on disk); without numba :func:`checksum_reference`, the word-by-word
 specification, computes the same value, much more slowly.
 """
@@ -51,10 +51,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from commpress.codecs.netzip import kernels as nk
+from commpress.codecs.kernels import numba_netzip as nk
+from commpress.codecs.kernels.numba_netzip import K1, K2, M1, M2, SEEDS
 from commpress.codecs.netzip.backends import BACKEND_IDS, BACKENDS, compressed_or_raw, decompress
 from commpress.codecs.netzip.grouping import GROUPINGS, Layout, matrix_view
-from commpress.codecs.netzip.kernels import K1, K2, M1, M2, SEEDS
 from commpress.errors import CommpressError, PayloadError
 
 MAGIC = b"NZ"
@@ -423,7 +423,7 @@ _CHECKSUM: list[Any] = []
 
 def _load_checksum() -> list[Any]:
     """The compiled checksum kernel, or ``[None]`` without numba (see
-    :mod:`commpress.codecs.netzip.kernels`: the checksum has no torch path)."""
+    :mod:`commpress.codecs.kernels.numba_netzip`: the checksum has no torch path)."""
     with _checksum_lock:
         if not _CHECKSUM:
             compiled = nk.compiled()

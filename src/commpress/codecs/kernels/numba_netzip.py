@@ -1,21 +1,22 @@
-"""netzip's numba kernels, and the one place that loads them.
+"""The lossless codec's numba kernels (:mod:`commpress.codecs.netzip`).
 
-Every compiled function of the lossless codec lives here as plain Python at module level
-(numba's disk cache needs module-level functions): the fused exponent-grouping kernels
-(encode and decode, a general one and a faster pair for bf16), the stream checksum of
+Every compiled function of netzip lives here as plain Python at module level (numba's disk
+cache needs module-level functions): the fused exponent-grouping kernels (encode and decode,
+a general one and a faster pair for bf16), the stream checksum of
 :mod:`commpress.codecs.netzip.framing`, and the byte histogram that the ``auto`` backend choice
-of :mod:`commpress.codecs.netzip.backends` probes with. :func:`_load` compiles them all on
-first use (in the order of :data:`_KERNELS`, so a kernel is compiled after those it calls;
-cached on disk, single-threaded, ``nogil``).
+of :mod:`commpress.codecs.netzip.backends` probes with. :func:`build` compiles them (in the
+order of :data:`_KERNELS`, so a kernel is compiled after those it calls; cached on disk,
+single-threaded, ``nogil``); it is called by the package's one loader,
+:func:`commpress.codecs.kernels.load_numba`, on first use.
 
-Which implementation runs is decided by the library's one backend switch,
-:func:`commpress.codecs.kernels.requested_backend` (``COMMPRESS_KERNELS`` in the environment,
-or ``kernels.use_backend`` / ``set_backend`` from Python): ``torch`` runs the plain-torch
-(or numpy) paths, ``numba`` makes the kernels' absence an error, ``auto`` uses them when numba
-imports. Both paths write identical bytes (tested). The checksum is the exception: it has no
-torch formulation (its four lanes are sequential), so it uses its kernel whenever numba
-imports and otherwise the word-by-word specification
-(:func:`commpress.codecs.netzip.framing.checksum_reference`), with the same value.
+Which implementation runs is decided by the library's one backend switch, as for every other
+kernel: :func:`use_kernels` is :func:`commpress.codecs.kernels.numba_kernels` (CPU tensors
+that the switch gives the numba backend; ``torch`` runs the plain-torch (or numpy) paths,
+``numba`` makes the kernels' absence an error). Both paths write identical bytes (tested).
+The checksum is the exception: it has no torch formulation (its four lanes are sequential),
+so it uses its kernel whenever numba imports (:func:`compiled`) and otherwise the
+word-by-word specification (:func:`commpress.codecs.netzip.framing.checksum_reference`), with
+the same value.
 
 All arithmetic of the grouping kernels is on int64 values of the signed words, so the same
 code serves int16, int32 and int64 inputs.
@@ -23,46 +24,28 @@ code serves int16, int32 and int64 inputs.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from commpress.codecs import kernels as switch
-from commpress.errors import ConfigError
-
-_lock = threading.Lock()
-_compiled: dict[str, Callable[..., Any]] | None = None
-_import_error: str | None = None
 
 #: A CPU tensor for asking :func:`use_kernels` about the CPU.
 CPU_PROBE = torch.empty(0)
 
 
 def use_kernels(t: torch.Tensor) -> bool:
-    """Whether to run the numba kernels for tensor ``t``: CPU only, as chosen by
-    :func:`commpress.codecs.kernels.requested_backend` (``torch`` disables them, ``numba``
-    makes their absence an error)."""
-    if t.device.type != "cpu":
-        return False
-    wanted = switch.requested_backend()
-    if wanted == "torch":
-        return False
-    if _compiled is not None:
-        return True
-    if _load() is None:
-        if wanted == "numba":
-            raise ConfigError(f"numba kernels are unavailable: {_import_error}")
-        return False
-    return True
+    """Whether to run the numba kernels for tensor ``t``: the switch gives it the numba
+    backend (CPU tensors only) and they compile (:func:`switch.numba_kernels`)."""
+    return switch.numba_kernels(t, "numba_netzip") is not None
 
 
 def compiled() -> dict[str, Callable[..., Any]] | None:
     """Every kernel by name (without the ``_nb_`` prefix), compiled on the first call; None
     when numba is unavailable. Does not consult the backend switch (see :func:`use_kernels`)."""
-    return _compiled if _compiled is not None else _load()
+    return cast("dict[str, Callable[..., Any]] | None", switch.load_numba("numba_netzip"))
 
 
 def kernel(name: str) -> Callable[..., Any]:
@@ -72,25 +55,20 @@ def kernel(name: str) -> Callable[..., Any]:
     return kernels[name]
 
 
-def _load() -> dict[str, Callable[..., Any]] | None:
-    global _compiled, _import_error
-    with _lock:
-        if _compiled is None and _import_error is None:
-            try:
-                import numba
+def build() -> dict[str, Callable[..., Any]]:
+    """Compile (or load from numba's disk cache) every kernel, in :data:`_KERNELS`' order;
+    raises when numba is missing or a kernel does not compile."""
+    import numba
 
-                jit = numba.njit(cache=True, nogil=True, boundscheck=False)
-                done: dict[str, Callable[..., Any]] = {}
-                for name in _KERNELS:  # in order: a kernel may call those compiled before it
-                    fn = globals()[name]
-                    if not isinstance(fn, numba.core.dispatcher.Dispatcher):
-                        fn = jit(fn)
-                        globals()[name] = fn
-                    done[name[len("_nb_") :]] = fn
-                _compiled = done
-            except Exception as exc:  # pragma: no cover - depends on the installation
-                _import_error = f"{type(exc).__name__}: {exc}"
-    return _compiled
+    jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+    done: dict[str, Callable[..., Any]] = {}
+    for name in _KERNELS:  # in order: a kernel may call those compiled before it
+        fn = globals()[name]
+        if not isinstance(fn, numba.core.dispatcher.Dispatcher):
+            fn = jit(fn)
+            globals()[name] = fn
+        done[name[len("_nb_") :]] = fn
+    return done
 
 
 # ---------------------------------------------------------------------- exponent grouping

@@ -1,0 +1,207 @@
+"""The numba kernels on float16 and bfloat16 tensors, read and written in their own dtype.
+
+The kernels widen 16-bit inputs in cache (exactly) and round 16-bit outputs themselves, so a
+16-bit input must give the payload that its float32 widening gives, bit for bit, and a decode
+into a 16-bit tensor must equal the float32 decoding converted by torch (``.to`` or
+``saturating_cast``, as the codec specifies). NaN payload bits are not compared: torch's own
+conversions give different NaN bits on different CPUs (``_same`` compares NaN positions).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commpress.codecs import get_codec, kernels
+from commpress.codecs.base import CodecContext, saturating_cast
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+
+HALF = (torch.bfloat16, torch.float16)
+SIZES = (1, 7, 1000, 16385, 70001)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality of two tensors, NaNs compared by position only."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}[a.element_size()]
+    return torch.equal(a[~nan].contiguous().view(ints), b[~nan].contiguous().view(ints))
+
+
+def _input(n: int, dtype: torch.dtype, seed: int, *, nonfinite: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 3
+    if n > 10:
+        x[n // 3] = 0.0
+        x[n // 2] = -0.0
+        x[-1] = 1e-41 if dtype == torch.bfloat16 else 3e-6  # a subnormal of the dtype
+    if nonfinite and n > 10:
+        x[5] = float("nan")
+        x[n - 3] = float("-inf")
+    return x.to(dtype)
+
+
+def _all_16bit(dtype: torch.dtype) -> torch.Tensor:
+    """Every 16-bit pattern of ``dtype`` (NaNs, infinities, subnormals, both zeros)."""
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def _float_bits(count: int, seed: int) -> torch.Tensor:
+    """Random float32 bit patterns plus the rounding boundaries of both 16-bit formats."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2**31), 2**31, (count,), generator=g, dtype=torch.int64)
+    edges = torch.tensor(
+        [0.0, 65504.0, 65519.996, 65520.0, 65536.0, 2.0**-24, 2.0**-25, 1.5 * 2.0**-25,
+         2.0**-14, 0.99999 * 2.0**-14, 3.3895314e38, 3.3896e38, 3.4e38, float("inf"),
+         float("nan"), 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11],
+        dtype=torch.float32,
+    )
+    scaled = torch.randn(20000, generator=g) * torch.logspace(-9, 6, 20000)
+    return torch.cat([bits.to(torch.int32).view(torch.float32), edges, -edges, scaled])
+
+
+@pytest.mark.parametrize("src", [torch.float32, *HALF])
+@pytest.mark.parametrize("dst", [torch.float32, *HALF])
+@pytest.mark.parametrize("saturate", [False, True])
+def test_convert_rounds_like_torch(src: torch.dtype, dst: torch.dtype, saturate: bool) -> None:
+    x = _float_bits(200_001, seed=1) if src == torch.float32 else _all_16bit(src)
+    want = saturating_cast(x, dst) if saturate else x.to(dst)
+    got = kernels.convert(x, torch.empty(x.numel(), dtype=dst), saturate=saturate)
+    assert _same(got, want)
+
+
+def test_convert_rejects_a_wrong_output() -> None:
+    x = torch.ones(10, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.convert(x, torch.empty(9), saturate=False)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        kernels.convert(x.double(), torch.empty(10), saturate=False)
+
+
+DETERMINISTIC = ("minmax", "minmax:bits=3,chunk_size=100", "minmax:chunk_size=0", "sign")
+STOCHASTIC = (
+    "minmax:rounding=stochastic", "qsgd", "qsgd:chunk_size=0", "terngrad",
+    "terngrad:chunk_size=333", "minmax:bits=2,chunk_size=20000,rounding=stochastic",
+)
+
+
+def _payload(spec: str, x: torch.Tensor, backend: str) -> dict[str, torch.Tensor]:
+    with kernels.use_backend(backend):  # type: ignore[arg-type]
+        return dict(get_codec(spec).encode(x, CodecContext(key="k", step=2)).parts)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("spec", DETERMINISTIC + STOCHASTIC)
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_16bit_inputs_give_the_payload_of_their_float32_widening(
+    dtype: torch.dtype, n: int, spec: str, nonfinite: bool
+) -> None:
+    x = _input(n, dtype, seed=n, nonfinite=nonfinite)
+    got = _payload(spec, x, "numba")
+    want = _payload(spec, x.float(), "numba")
+    assert got.keys() == want.keys()
+    for name in got:
+        assert _same(got[name], want[name]), name
+    if spec in DETERMINISTIC:
+        reference = _payload(spec, x, "torch")  # the plain-torch path, same arithmetic
+        for name in got:
+            # a chunk whose minimum is a zero may send -0.0 here, +0.0 there (docs/kernels.md):
+            # equal values, NaN where the reference has NaN
+            a, b = got[name], reference[name]
+            nan = torch.isnan(a) if a.dtype.is_floating_point else torch.zeros_like(a, dtype=bool)
+            assert torch.equal(nan, torch.isnan(b) if b.dtype.is_floating_point else nan), name
+            assert torch.equal(a[~nan], b[~nan]), name
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("spec", ("minmax", "minmax:bits=1,chunk_size=0", "qsgd", "terngrad",
+                                  "sign", "qsgd:levels=1"))
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_16bit_decodes_equal_the_torch_path(
+    dtype: torch.dtype, n: int, spec: str, nonfinite: bool
+) -> None:
+    codec = get_codec(spec)
+    ctx = CodecContext(key="k", step=2)
+    x = _input(n, dtype, seed=n + 1, nonfinite=nonfinite)
+    payload = codec.encode(x, ctx)
+    with kernels.use_backend("torch"):
+        want = codec.decode(payload, ctx)
+    with kernels.use_backend("numba"):
+        fresh = codec.decode(payload, ctx)
+        into = torch.full_like(x, 7.0)
+        returned = codec.decode(payload, ctx, out=into)
+    assert returned is into
+    assert _same(fresh, want) and _same(into, want)
+
+
+def test_16bit_decode_rounds_ties_to_even_and_saturates_where_the_codec_does() -> None:
+    # values just past bfloat16's largest: qsgd saturates them (saturating_cast), terngrad's
+    # .to rounds them to Inf, as the torch path does
+    big = torch.tensor([3.3895e38, -3.3895e38, 3.0e38, 1.0] * 4, dtype=torch.float32)
+    for spec in ("qsgd:chunk_size=4", "terngrad:chunk_size=4"):
+        codec = get_codec(spec)
+        ctx = CodecContext(key="k")
+        payload = codec.encode(big.to(torch.bfloat16), ctx)
+        payload = payload.replace(parts={**payload.parts, next(
+            k for k in payload.parts if k != "codes"): torch.full((4,), 3.3950e38)})
+        with kernels.use_backend("torch"):
+            want = codec.decode(payload, ctx)
+        with kernels.use_backend("numba"):
+            got = codec.decode(payload, ctx, out=torch.empty(16, dtype=torch.bfloat16))
+        assert _same(got, want), spec
+
+
+@pytest.mark.parametrize("src", HALF)
+@pytest.mark.parametrize("spec", ("fp16", "bf16"))
+@pytest.mark.parametrize("n", (0, *SIZES))
+def test_casts_between_16bit_formats_equal_torch(src: torch.dtype, spec: str, n: int) -> None:
+    codec = get_codec(spec)
+    ctx = CodecContext(key="k")
+    x = _input(n, src, seed=3, nonfinite=True)
+    with kernels.use_backend("torch"):
+        want = codec.encode(x, ctx)
+        want_out = codec.decode(want, ctx)
+    with kernels.use_backend("numba"):
+        got = codec.encode(x, ctx)
+        out = codec.decode(got, ctx)
+        into = codec.decode(got, ctx, out=torch.empty_like(x))
+    assert _same(got.parts["values"], want.parts["values"])
+    assert _same(out, want_out) and _same(into, want_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_randomk_payload_is_the_torch_paths(dtype: torch.dtype) -> None:
+    codec = get_codec("randomk:ratio=0.1")
+    ctx = CodecContext(key="k", step=5)
+    for nonfinite in (False, True):
+        x = _input(70001, dtype, seed=9, nonfinite=nonfinite)
+        with kernels.use_backend("torch"):
+            want = codec.encode(x, ctx).parts["values"]
+        with kernels.use_backend("numba"):
+            got = codec.encode(x, ctx).parts["values"]
+        assert _same(got, want)
+        assert bool(torch.isnan(got).all()) == nonfinite
+
+
+def test_chunk_range_matches_aminmax() -> None:
+    for dtype in (torch.float32, *HALF):
+        for chunk in (1, 5, 16384, 20000, 70001):
+            x = _input(70001, dtype, seed=chunk)
+            lo, hi = kernels.chunk_range(x, chunk)
+            pad = (-x.numel()) % chunk
+            view = torch.cat([x.float(), x.float()[-1:].expand(pad)]).view(-1, chunk)
+            want_lo, want_hi = torch.aminmax(view, dim=1)
+            assert torch.equal(lo, want_lo) and torch.equal(hi, want_hi)
+    x = _input(1000, torch.bfloat16, seed=1, nonfinite=True)
+    lo, hi = kernels.chunk_range(x, 100)
+    assert torch.isnan(lo[0]) and torch.isnan(hi[0])  # x[5] is NaN
+    assert lo[-1] == -torch.inf and torch.isfinite(hi[1:]).all()  # x[997] is -inf
+    assert torch.isfinite(lo[1:-1]).all()
