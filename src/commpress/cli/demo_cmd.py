@@ -2,7 +2,7 @@
 
 Algorithm (the design is argued in docs/demo.md):
 
-1. Resolve the cluster: by default 2 emulated nodes x 1 process joined by 50 Mbit/s links
+1. Resolve the cluster: by default 2 emulated nodes x 1 process joined by 30 Mbit/s links
    (network namespaces + ``tc``; needs root). The cluster is brought up here and its links
    are measured (:meth:`~commpress.cluster.EmulatedCluster.check_links`) before training.
    Without root or namespaces, or with ``--no-cluster``, local processes on loopback, and the
@@ -67,7 +67,7 @@ DEFAULT_CODECS = ("powersgd:rank=4", "sign")
 #: The lossless row.
 LOSSLESS_CODEC = "netzip"
 DEFAULT_LOSSLESS_SEEDS = 1
-DEFAULT_BANDWIDTH = "50mbit"
+DEFAULT_BANDWIDTH = "30mbit"
 DEFAULT_STEPS = 150
 DEFAULT_SEEDS = 3
 DEFAULT_EVAL_EVERY = 10
@@ -105,7 +105,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "demo",
         help="train with DDP on an emulated slow network: time-to-accuracy of codecs vs fp16",
         description="Train the built-in tiny GPT with DDP across real processes on an emulated "
-        "slow network (2 nodes, 50 Mbit/s links by default; local processes without root), "
+        "slow network (2 nodes, 30 Mbit/s links by default; local processes without root), "
         "with the fp16 baseline, a few codecs, the lossless codec and the performance "
         "model's choice, over several seeds; report the time to reach fp16's loss (targets "
         "from fp16's smoothed curve, a step budget, the median speedup and its range over "
@@ -150,8 +150,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="processes per node (on 2 cores more only time-share them)")
     p.add_argument("--bandwidth", default=DEFAULT_BANDWIDTH,
                    help="each node's link rate, tc units (sending the tiny model's fp16 "
-                   "gradients, 1.7 MB, takes ~0.28 s at 50mbit, longer than computing them "
-                   "on 2 CPU cores)")
+                   "gradients, 1.7 MB, takes ~0.47 s at 30mbit, several times longer than "
+                   "computing them on 2 CPU cores)")
     p.add_argument("--latency", default=None, help="round-trip time between nodes, e.g. 1ms "
                    "(needs the kernel's netem)")
     p.add_argument("--no-cluster", action="store_true",
