@@ -78,8 +78,8 @@ BASELINE = "fp16"
 #: Training clocks the times to target can be read on (the first is the default; see
 #: docs/demo.md): each step at its phase's median step time, or the summed step times.
 CLOCKS = ("median", "sum")
-CLOCK_TEXT = {"median": "steps x the run's median step time (warm-up and compressed steps "
-                        "apart)",
+CLOCK_TEXT = {"median": "steps x the run's median step time, warm-up and compressed steps "
+                        "apart",
               "sum": "summed step times"}
 #: Wall-clock time of the default run, measured from a fresh clone (README and docs/demo.md
 #: quote this string; a test checks that they do).
@@ -843,7 +843,7 @@ def run(args: argparse.Namespace) -> int:
               f"per step); {check}")
     alt = [analysis["summaries_other_clock"][r["label"]] for r in rows
            if r["label"] != BASELINE]
-    print(f"on the {analysis['other_clock']} clock ({CLOCK_TEXT[analysis['other_clock']]}): "
+    print(f"with time = {CLOCK_TEXT[analysis['other_clock']]} instead: "
           + ", ".join(f"{s.label} {s.describe()}" for s in alt))
     print(context_line(ctx))
     print(f"\nverdict: {line}")
