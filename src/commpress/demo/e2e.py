@@ -40,6 +40,8 @@ What is measured, per setup:
   ``timing_skip`` steps are charged at the median of the next five steps (their excess, JIT
   compilation and DDP's bucket rebuild, is kept in :attr:`RunResult.startup_s`), so a
   one-off start-up cost that a long run would amortize does not decide a short demo.
+  :attr:`RunResult.eval_times_median_clock` reads the evaluations on :func:`median_clock`
+  instead (every step at its phase's median step time), which load spikes cannot move.
 * **eval loss** every ``eval_every`` steps on fixed validation windows (identical across
   setups), with the training clock at that step.
 * **bytes**: the bytes of every tensor this rank hands to ``torch.distributed`` collectives
