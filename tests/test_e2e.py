@@ -31,6 +31,7 @@ from commpress.demo.e2e import (
     elapsed_clock,
     link_tx_bytes,
     load_results,
+    median_clock,
     resolve_layout,
     run_setups,
 )
@@ -79,6 +80,22 @@ def test_elapsed_clock_charges_startup_at_the_following_median() -> None:
     assert elapsed_clock([0.5, 2.0, 2.0], timing_skip=1) == ([0.5, 2.5, 4.5], 0.0)
     assert elapsed_clock([3.0, 1.0], timing_skip=0) == ([3.0, 4.0], 0.0)
     assert elapsed_clock([], timing_skip=2) == ([], 0.0)
+
+
+def test_median_clock_charges_each_phase_its_median() -> None:
+    # Steps 0-1 start-up, 2-3 warm-up (fp16: 4 s), then compressed steps of 1 s with one
+    # 30 s load spike: the summed clock takes the spike, this one charges it 1 s.
+    times = [9.0, 3.0, 4.0, 4.0, 1.0, 1.0, 30.0, 1.0, 1.0]
+    clock = median_clock(times, timing_skip=2, steady_from=4)
+    assert clock == [4.0, 8.0, 12.0, 16.0, 17.0, 18.0, 19.0, 20.0, 21.0]
+    assert elapsed_clock(times, 2)[0][-1] == 49.0  # 4 + 3 + 4 + 4 + 1 + 1 + 30 + 1 + 1
+    # No warm-up: start-up charged at the steady median; all start-up: their own median.
+    assert median_clock([5.0, 2.0, 2.0, 3.0], timing_skip=1, steady_from=1) == [
+        2.0, 4.0, 6.0, 8.0]
+    assert median_clock([5.0, 1.0], timing_skip=4, steady_from=4) == [3.0, 6.0]
+    assert median_clock([], timing_skip=2, steady_from=2) == []
+    r = _result(eval_steps=[0, 3, 6])  # steady from step 2 on: median of 1, 1, 2, 1 is 1
+    assert r.eval_times_median_clock == [0.0, 3.0, 6.0]
 
 
 def test_run_result_statistics_and_round_trip() -> None:
@@ -195,7 +212,7 @@ def test_analysis_and_rows_over_seeds() -> None:
     results = [run("fp16", 0, 1.0, curve), run("fast", 0, 0.5, curve),
                run("fp16", 1, 1.0, curve), run("fast", 1, 0.25, curve),
                run("stuck", 1, 0.1, [5.0, 4.5, 4.5, 4.5, 4.5])]
-    analysis = analyse(results, baseline="fp16", fractions=(0.5, 1.0), window=3)
+    analysis = analyse(results, baseline="fp16", fractions=(0.5, 1.0), window=3, clock="sum")
     assert analysis["targets"] == {"0": [3.0, 1.5], "1": [3.0, 1.5]}
     s = analysis["summaries"]
     assert s["fp16"].speedups == (1.0, 1.0)
@@ -207,6 +224,35 @@ def test_analysis_and_rows_over_seeds() -> None:
     assert rows[1]["speedup_interval"] == [pytest.approx(2.0), pytest.approx(4.0)]
     assert rows[2]["time_to_final_target_s"] is None and rows[2]["speedup_text"] == "never"
     assert "| fast (advisor)" in demo_cmd.render(rows)
+
+
+def test_analysis_on_the_median_clock_ignores_load_spikes() -> None:
+    """The same curves; the codec's 40 steps take 0.5 s each except 4 spikes of 5.5 s (other
+    jobs). On the summed clock the spikes halve its speedup, on the median clock they do not;
+    each run records the other clock's numbers too."""
+    curve = [5.0, 4.0, 3.0, 2.0, 1.0]
+    steps = [0, 10, 20, 30, 40]
+
+    def run(label: str, times: list[float]) -> RunResult:
+        elapsed = [sum(times[: i + 1]) for i in range(len(times))]
+        return _result(label=label, steps=40, step_times=times, timing_skip=0, steady_from=0,
+                       elapsed=elapsed, eval_steps=steps, eval_losses=curve,
+                       eval_times=[elapsed[s - 1] if s else 0.0 for s in steps])
+
+    spiky = [0.5] * 40
+    for i in (5, 15, 25, 35):
+        spiky[i] = 5.5
+    results = [run("fp16", [1.0] * 40), run("fast", spiky)]
+    median = analyse(results, baseline="fp16", fractions=(0.5, 1.0), window=3)
+    summed = analyse(results, baseline="fp16", fractions=(0.5, 1.0), window=3, clock="sum")
+    assert median["clock"] == "median" and median["other_clock"] == "sum"
+    assert median["summaries"]["fast"].speedups == (pytest.approx(2.0),)
+    assert summed["summaries"]["fast"].speedups == (pytest.approx(1.0),)
+    fast = median["runs"][1]
+    assert fast["speedup_sum_clock"] == pytest.approx(1.0)
+    assert median["summaries_other_clock"]["fast"].speedups == (pytest.approx(1.0),)
+    with pytest.raises(CommpressError, match="--clock"):
+        analyse(results, baseline="fp16", fractions=(1.0,), window=3, clock="mean")
 
 
 def test_cluster_context_follows_the_link() -> None:

@@ -40,6 +40,8 @@ What is measured, per setup:
   ``timing_skip`` steps are charged at the median of the next five steps (their excess, JIT
   compilation and DDP's bucket rebuild, is kept in :attr:`RunResult.startup_s`), so a
   one-off start-up cost that a long run would amortize does not decide a short demo.
+  :attr:`RunResult.eval_times_median_clock` reads the evaluations on :func:`median_clock`
+  instead (every step at its phase's median step time), which load spikes cannot move.
 * **eval loss** every ``eval_every`` steps on fixed validation windows (identical across
   setups), with the training clock at that step.
 * **bytes**: the bytes of every tensor this rank hands to ``torch.distributed`` collectives
@@ -332,6 +334,12 @@ class RunResult:
     def train_time(self) -> float:
         """Training clock at the last step (s)."""
         return self.elapsed[-1] if self.elapsed else 0.0
+
+    @property
+    def eval_times_median_clock(self) -> list[float]:
+        """:attr:`eval_times` on :func:`median_clock` (each step at its phase's median)."""
+        clock = median_clock(self.step_times, self.timing_skip, self.steady_from)
+        return [clock[s - 1] if 0 < s <= len(clock) else 0.0 for s in self.eval_steps]
 
     def time_to_loss(self, target: float) -> float | None:
         """Training-clock seconds at the first evaluation with loss <= ``target``.
@@ -923,6 +931,33 @@ def elapsed_clock(step_times: Sequence[float], timing_skip: int) -> tuple[list[f
     return clock, excess
 
 
+def median_clock(step_times: Sequence[float], timing_skip: int, steady_from: int) -> list[float]:
+    """A training clock that load spikes cannot move: every step charged at its phase's median.
+
+    Two phases: the steps before ``steady_from`` (start-up and the fp16 warm-up) and the
+    steady steps from it on. A step is charged the median of its phase's step times, leaving
+    out the first ``timing_skip`` steps (one-off costs); a phase with no such steps is charged
+    the other phase's median. The clock after step ``i`` is the sum of the charges up to it,
+    so a time to target becomes (in effect) steps to target x the run's typical step time.
+    """
+    times = list(step_times)
+    if not times:
+        return []
+    skip = min(max(0, timing_skip), len(times))
+    start = min(max(skip, steady_from), len(times))
+    early, steady = times[skip:start], times[start:]
+    if not early and not steady:
+        early = steady = times
+    m_early = statistics.median(early) if early else statistics.median(steady)
+    m_steady = statistics.median(steady) if steady else m_early
+    clock: list[float] = []
+    total = 0.0
+    for i in range(len(times)):
+        total += m_early if i < start else m_steady
+        clock.append(total)
+    return clock
+
+
 def _initial_eval(cfg: Mapping[str, Any], corpus: bytes, seed: int | None = None) -> float:
     """Validation loss of the untrained model (the same for every setup of one seed)."""
     from commpress.demo.data import eval_loss
@@ -1194,6 +1229,7 @@ __all__ = [
     "Setup",
     "as_setup",
     "elapsed_clock",
+    "median_clock",
     "link_tx_bytes",
     "load_results",
     "parse_setup_spec",
