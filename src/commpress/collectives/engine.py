@@ -176,7 +176,7 @@ class Route:
         if out is not None and self.plain and codec.reduces_into:
             return protocol_task(
                 codec.reduce(x, ctx, out=out, scratch=scratch),  # type: ignore[call-arg]
-                ex,
+                ex, single_round=not codec.multi_round,
             )
         return self.strategy.task(
             codec, x, ctx, ex, tag=tag, pool=self.pool, local_size=self.local_size
