@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import nullcontext, suppress
@@ -331,6 +332,7 @@ class _BucketPlan:
         choices: per tensor, its plan's codec, reason and feedback.
         dense: the element-wise groups: the indices of their tensors and the group's key.
         single: indices of the tensors reduced one by one.
+        numel: the elements of all the tensors.
     """
 
     signature: tuple[tuple[str, torch.Size, torch.dtype], ...]
@@ -338,6 +340,7 @@ class _BucketPlan:
     choices: list[tuple[Codec, ChoiceReason, bool]]
     dense: list[tuple[list[int], str]]
     single: list[int]
+    numel: int
 
     @classmethod
     def of(cls, signature: tuple[tuple[str, torch.Size, torch.dtype], ...],
@@ -357,7 +360,8 @@ class _BucketPlan:
             for n, indices in enumerate(groups.values())
         ]
         choices = [(p.codec, p.reason, p.feedback) for p in plans]
-        return cls(signature, epoch, choices, dense, single)
+        numel = sum(math.prod(shape) for _, shape, _ in signature)
+        return cls(signature, epoch, choices, dense, single, numel)
 
 
 def _bucket_plans(
@@ -375,7 +379,7 @@ def _bucket_plans(
     against the strategy; otherwise the cached decisions are reused for this step. Every rank
     takes the same branch: both depend only on the tensors and the step, which all ranks share.
     """
-    signature = tuple((key, t.shape, t.dtype) for key, t in items)
+    signature = tuple([(key, t.shape, t.dtype) for key, t in items])
     epoch = state.plan_epoch(step)
     cached = state._buckets.get(bucket_index)
     if cached is not None and cached.epoch == epoch and cached.signature == signature:
@@ -519,6 +523,9 @@ def _check_bucket(
     state._verified[bucket_index] = bucket_fp
 
 
+_NO_STREAM = nullcontext()
+
+
 def _reduce_bucket_now(
     state: DDPCompressionState,
     items: list[tuple[str, torch.Tensor]],
@@ -529,10 +536,16 @@ def _reduce_bucket_now(
     last: bool,
     earlier: Sequence[torch.futures.Future[torch.Tensor]],
 ) -> Steps[torch.Tensor]:
-    ctx_mgr = torch.cuda.stream(stream) if stream is not None else nullcontext()
+    ctx_mgr = torch.cuda.stream(stream) if stream is not None else _NO_STREAM
     with ctx_mgr, error_context(f"DDP comm hook, bucket {bucket_index} at step {step}"):
         ex = _exchange(state, bucket_index)
         bucket, plans = _bucket_plans(state, ex, items, step, bucket_index)
+        # A group of every tensor of the bucket, in order, is the bucket's buffer (the
+        # gradients are views of it, back to back): no need to find its flat view.
+        whole = (
+            buffer if buffer.numel() == bucket.numel and items[0][1].data_ptr() == buffer.data_ptr()
+            else None
+        )
         # Element-wise casts: one flat exchange per (codec, feedback, dtype), first; every
         # other tensor on its own.
         jobs: list[Callable[[engine.Exchanger], Generator[Pending, None, None]]] = [
@@ -540,6 +553,7 @@ def _reduce_bucket_now(
                 engine.dense_with_feedback, state, [items[i] for i in indices],
                 [plans[i] for i in indices], rank=ex.rank, world_size=ex.world_size, step=step,
                 key=key, scratch=state._scratch.setdefault(key, {}),
+                flat=whole if len(indices) == len(items) else None,
             )
             for indices, key in bucket.dense
         ]
@@ -549,7 +563,10 @@ def _reduce_bucket_now(
                 # The group's gradients lie back to back in the bucket buffer, which receives
                 # the means anyway: a codec whose payload is that memory (identity) is summed
                 # in it, without a copy (see Exchange.writable).
-                ex.writable = engine.flat_view([items[i][1] for i in indices])
+                ex.writable = (
+                    whole if whole is not None and len(indices) == len(items)
+                    else engine.flat_view([items[i][1] for i in indices])
+                )
                 break
         # Pipelined with distinct point-to-point tags; buckets run one after the other on the
         # queue.

@@ -149,7 +149,16 @@ class Payload:
 
     def replace(self, **changes: Any) -> Payload:
         """A copy with some fields changed (for example the summed ``parts``)."""
-        return dataclasses.replace(self, **changes)
+        fields = {
+            "codec": self.codec, "fingerprint": self.fingerprint, "shape": self.shape,
+            "dtype": self.dtype, "parts": self.parts, "lane_bits": self.lane_bits,
+            "summed": self.summed,
+        }
+        unknown = changes.keys() - fields.keys()
+        if unknown:
+            raise TypeError(f"Payload.replace: unknown fields {sorted(unknown)}")
+        fields.update(changes)
+        return Payload(**fields)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -180,6 +189,10 @@ class CodecContext:
     average: bool = False
 
     def __post_init__(self) -> None:
+        rank, world, step = self.rank, self.world_size, self.step
+        if (type(rank) is int and type(world) is int and type(step) is int
+                and type(self.key) is str and 0 <= rank < world and step >= 0):
+            return  # the common case, checked in one go (contexts are made for every call)
         for name in ("rank", "world_size", "step"):
             value = getattr(self, name)
             require(

@@ -706,6 +706,17 @@ def all_reduce_task(
             out[n] = flat[pos : pos + t.numel()].to(t.device, t.dtype).reshape(t.shape)
             pos += t.numel()
         return out
+    if len(tensors) == 1:
+        only = tensors[0]
+        if only.dtype == _transport_dtype(only.dtype, request.op) and _in_place(request, only, ex):
+            # One tensor reduced in its own memory (a cast's payload, the caller's buffer):
+            # what the general path below does for it, without its bookkeeping.
+            flat = only.reshape(-1)
+            yield Pending(
+                [dist.all_reduce(flat, _REDUCE_OPS[request.op], group=ex.group, async_op=True)],
+                f"{what} (all-reduce)", last,
+            )
+            return {names[0]: flat.view(only.shape)}
     # Plain reduction: one flat buffer per transport dtype (a copy: requests stay untouched).
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -920,9 +931,13 @@ class Wait:
 
     def __init__(self, ex: Exchange, pending: Pending, final: bool = False) -> None:
         self.ex, self.pending = ex, pending
-        self.final = final and ex.timeout is None and all(
-            work is None or hasattr(work, "get_future") for work in pending.works
-        )
+        if final and ex.timeout is None:
+            for work in pending.works:
+                if work is not None and not hasattr(work, "get_future"):
+                    final = False
+        else:
+            final = False
+        self.final = final
 
     def __call__(self) -> None:
         self.ex.wait(self.pending)

@@ -780,6 +780,35 @@ class CompressionState:
         self._journal(plan, codec_state)
         return self.memory.compensate(plan.key, tensor) if plan.feedback else tensor
 
+    def compensate_group(
+        self, plans: Sequence[Plan], tensors: Sequence[torch.Tensor]
+    ) -> Sequence[torch.Tensor]:
+        """:meth:`compensate` for each of a group of tensors sharing a dense codec and
+        feedback setting (no codec state); without feedback and without a guard, nothing
+        is journaled or added, and ``tensors`` come back as they are."""
+        if not plans[0].feedback and self.guard is None:
+            return tensors
+        return [self.compensate(plan, t) for plan, t in zip(plans, tensors, strict=True)]
+
+    def record_group(self, plans: Sequence[Plan], total: torch.Tensor,
+                     sizes: Sequence[int]) -> None:
+        """:meth:`finish` for a group of tensors without error feedback whose totals lie back
+        to back in the flat ``total`` (``sizes`` elements each, in their dtype): each is
+        counted in its step's record, as :meth:`finish` counts it, in one pass."""
+        record = self._step_record(plans[0].step)
+        measure = self.protects_state()
+        with self._lock:
+            offset = 0
+            for plan, n in zip(plans, sizes, strict=True):
+                spec = _spec(plan.codec)
+                record.tensors += 1
+                record.codecs[spec] = record.codecs.get(spec, 0) + 1
+                record.reasons[plan.reason] = record.reasons.get(plan.reason, 0) + 1
+                if measure or plan.key in record.journal:
+                    piece = total[offset : offset + n]
+                    record.norms.append(torch.linalg.vector_norm(piece, dtype=torch.float64))
+                offset += n
+
     # ------------------------------------------------------------------ steps and rollback
     def _step_record(self, step: int) -> _OpenStep:
         """The open step's record, ending an open earlier (or other) step first."""
