@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commpress
-from commpress.collectives.policy import Guard
+from commpress.collectives.policy import CodecPolicy, Guard
 from dist_utils import run_workers
 
 IN, HIDDEN, OUT, BATCH = 16, 32, 4, 8
@@ -38,7 +38,8 @@ def _assign_worker(rank: int, world: int) -> dict[str, Any]:
     _step(model, rank, 0)
     _step(model, rank, 1)
     before = sorted({p.codec.codec_id for p in state.plans.values()})
-    state.policy = {"*.bias": "identity", "*": "bf16"}
+    # a ready policy object: what the old plan cache missed (it kept sending identity)
+    state.policy = CodecPolicy("bf16", rules={"*.bias": "identity"})
     _step(model, rank, 2)
     after = {k: p.codec.codec_id for k, p in state.plans.items()}
     state.guard = Guard(spike_factor=None)  # trips on non-finite steps

@@ -17,7 +17,10 @@ the bucket's reduction to the process group's
 submission order. Every rank therefore issues the same collectives in the same order, even
 for multi-round codecs (PowerSGD, TopKC) with many buckets in flight, while autograd keeps
 computing the next buckets' gradients. The job writes the averaged gradients into the bucket
-buffer and completes the future DDP waits for.
+buffer and completes the future DDP waits for. A bucket whose one collective is issued at
+once (element-wise casts: identity, fp16, bf16) is issued on the autograd thread while the
+queue is idle and finished in the collective's completion callback, as PyTorch's own hooks
+finish theirs, without a hand-off to the queue's thread.
 """
 
 from __future__ import annotations
@@ -594,7 +597,9 @@ def comm_hook(
        is one tensor named after the parameters it holds.
     2. Record the current step; after the step's last bucket, advance the step counter.
     3. Submit the bucket's job to the process group's ordered queue and return its future.
-       The job, on the queue's thread:
+       The job (its first step on the calling thread when the queue is idle; the rest on the
+       queue's thread, or, when its one collective was issued in that first step, in the
+       collective's completion callback):
 
        a. plans every tensor: the policy's codec, or the schedule's dense fallback (warm-up,
           ``min_numel``, ``min_compression_rate``);
@@ -611,7 +616,8 @@ def comm_hook(
           the step made to the error-feedback memory and codec states is undone, so AMP's
           ``GradScaler`` skips the step and training goes on from the state before it; the
           guard (if set) runs, and the step's :class:`~commpress.collectives.policy.StepStats`
-          is appended to ``state.stats``.
+          is appended to ``state.stats`` (a step one of whose buckets failed is ended too,
+          its changes undone, ``StepStats.failed``).
 
        Before reducing, whenever a bucket's plan differs from the one last checked (first
        step, rebuilt buckets, end of warm-up), every rank's settings and plan fingerprints
@@ -627,7 +633,8 @@ def comm_hook(
     if last:
         state.advance()
     params = bucket.parameters()
-    names = state.names_of(bucket.index(), params)
+    index = bucket.index()
+    names = state.names_of(index, params)
     if state.granularity == "bucket" or not params:
         items = [(_bucket_key(names), buffer)]
     else:
@@ -642,7 +649,7 @@ def comm_hook(
     earlier: tuple[torch.futures.Future[torch.Tensor], ...] = ()
     if last:
         earlier, state._finishing = tuple(state._finishing), []
-    steps = _reduce_bucket(state, items, buffer, step, bucket.index(), stream, last, earlier)
+    steps = _reduce_bucket(state, items, buffer, step, index, stream, last, earlier)
     # A job whose one collective is issued in its first step (a bucket of element-wise casts
     # with one exchange) finishes in that collective's completion callback, off the queue;
     # the last bucket's after the step's earlier buckets. ``raising``: a failure is a real

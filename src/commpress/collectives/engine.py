@@ -451,7 +451,7 @@ def dense_with_feedback(
             dest.copy_(totals)  # the means, in the tensors' dtype, in their memory
         totals = dest
         if not feedback:  # the means are in the tensors already: count them
-            state.record_group(plans, dest, [t.numel() for t in tensors])
+            state.record_group(plans, dest, tensors)
             return
     offset = 0
     for (k, t), x, plan in zip(items, xs, plans, strict=True):

@@ -791,19 +791,23 @@ class CompressionState:
         return [self.compensate(plan, t) for plan, t in zip(plans, tensors, strict=True)]
 
     def record_group(self, plans: Sequence[Plan], total: torch.Tensor,
-                     sizes: Sequence[int]) -> None:
-        """:meth:`finish` for a group of tensors without error feedback whose totals lie back
-        to back in the flat ``total`` (``sizes`` elements each, in their dtype): each is
-        counted in its step's record, as :meth:`finish` counts it, in one pass."""
+                     tensors: Sequence[torch.Tensor]) -> None:
+        """:meth:`finish` for a group of ``tensors`` without error feedback whose totals lie
+        back to back in the flat ``total`` (in their dtype): each is counted in its step's
+        record, as :meth:`finish` counts it, in one pass."""
         record = self._step_record(plans[0].step)
         measure = self.protects_state()
         with self._lock:
+            counted_only = not measure and not record.journal  # no norm of this group
             offset = 0
-            for plan, n in zip(plans, sizes, strict=True):
+            for plan, t in zip(plans, tensors, strict=True):
                 spec = _spec(plan.codec)
                 record.tensors += 1
                 record.codecs[spec] = record.codecs.get(spec, 0) + 1
                 record.reasons[plan.reason] = record.reasons.get(plan.reason, 0) + 1
+                if counted_only:
+                    continue
+                n = t.numel()
                 if measure or plan.key in record.journal:
                     piece = total[offset : offset + n]
                     record.norms.append(torch.linalg.vector_norm(piece, dtype=torch.float64))
