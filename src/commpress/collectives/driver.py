@@ -599,24 +599,13 @@ def plain_sum_task(
         if early:
             buf.div_(ex.world_size)
         if buf.numel():
-            yield Pending([_all_reduce_async(buf, "sum", ex)], "round 0 (all-reduce)", True)
+            yield Pending(
+                [dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group, async_op=True)],
+                "round 0 (all-reduce)", True,
+            )
         if average and not early:
             buf.div_(ex.world_size)
     return Reduced(total=buf.view(x.shape))
-
-
-def _all_reduce_async(buf: torch.Tensor, op: str, ex: Exchange) -> Any:
-    """``dist.all_reduce(buf, op, group=ex.group, async_op=True)`` for a real tensor of ours
-    on an explicit process group: straight to the group's ``allreduce``, skipping the
-    wrapper's checks, which cost as much as the call itself on a small bucket (the
-    tensor is a plain dense tensor of a group this rank belongs to)."""
-    group = ex.group
-    if group is None or not isinstance(group, ProcessGroup) or buf.is_complex():
-        return dist.all_reduce(buf, _REDUCE_OPS[op], group=group, async_op=True)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = _REDUCE_OPS[op]
-    opts.asyncOp = True
-    return group.allreduce([buf], opts)
 
 
 def _divides_first(buf: torch.Tensor, average: bool) -> bool:
@@ -723,7 +712,10 @@ def all_reduce_task(
             # One tensor reduced in its own memory (a cast's payload, the caller's buffer):
             # what the general path below does for it, without its bookkeeping.
             flat = only.reshape(-1)
-            yield Pending([_all_reduce_async(flat, request.op, ex)], f"{what} (all-reduce)", last)
+            yield Pending(
+                [dist.all_reduce(flat, _REDUCE_OPS[request.op], group=ex.group, async_op=True)],
+                f"{what} (all-reduce)", last,
+            )
             return {names[0]: flat.view(only.shape)}
     # Plain reduction: one flat buffer per transport dtype (a copy: requests stay untouched).
     groups: dict[torch.dtype, list[int]] = {}
