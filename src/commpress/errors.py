@@ -87,9 +87,10 @@ class error_context:  # noqa: N801 - used as a function: ``with error_context(..
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        # never suppresses: returns None, re-raises or lets the exception pass
         if exc is None:
-            return False
+            return
         what = self.what
         if isinstance(exc, CommpressError):
             raise prefixed(exc, what) from exc.__cause__
@@ -99,7 +100,6 @@ class error_context:  # noqa: N801 - used as a function: ``with error_context(..
             add_note = getattr(exc, "add_note", None)  # Python >= 3.11
             if add_note is not None:
                 add_note(f"(in {what})")
-        return False
 
 
 def prefixed(exc: CommpressError, what: str) -> CommpressError:

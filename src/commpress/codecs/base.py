@@ -149,16 +149,19 @@ class Payload:
 
     def replace(self, **changes: Any) -> Payload:
         """A copy with some fields changed (for example the summed ``parts``)."""
-        fields = {
-            "codec": self.codec, "fingerprint": self.fingerprint, "shape": self.shape,
-            "dtype": self.dtype, "parts": self.parts, "lane_bits": self.lane_bits,
-            "summed": self.summed,
-        }
-        unknown = changes.keys() - fields.keys()
+        unknown = changes.keys() - _PAYLOAD_FIELDS
         if unknown:
             raise TypeError(f"Payload.replace: unknown fields {sorted(unknown)}")
-        fields.update(changes)
-        return Payload(**fields)
+        get = changes.get
+        return Payload(
+            codec=get("codec", self.codec), fingerprint=get("fingerprint", self.fingerprint),
+            shape=get("shape", self.shape), dtype=get("dtype", self.dtype),
+            parts=get("parts", self.parts), lane_bits=get("lane_bits", self.lane_bits),
+            summed=get("summed", self.summed),
+        )
+
+
+_PAYLOAD_FIELDS = frozenset(f.name for f in dataclasses.fields(Payload))
 
 
 @dataclass(slots=True, kw_only=True)

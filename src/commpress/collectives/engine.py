@@ -466,7 +466,7 @@ def dense_with_feedback(
         offset += n
 
 
-def _concat(xs: list[torch.Tensor]) -> torch.Tensor:
+def _concat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     return xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
 
 

@@ -587,6 +587,8 @@ class CompressionState:
     #: ...``) is checked as the constructor checks it and starts a new :meth:`plan_epoch`,
     #: so that plans cached by callers (the DDP hook's) are made anew.
     _PLAN_SETTINGS: frozenset[str] = frozenset({"policy", "schedule", "error_feedback", "guard"})
+    #: How many times a plan setting was assigned (see :meth:`plan_epoch`).
+    _epoch: int
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._PLAN_SETTINGS:
