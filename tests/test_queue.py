@@ -355,3 +355,81 @@ def test_a_finished_job_leaves_the_queue_idle_for_the_next_first_step() -> None:
         assert ran_on == [threading.get_ident()]
     finally:
         q.shutdown()
+
+
+class _FinalWait:
+    """A wait marked final, as :class:`commpress.collectives.driver.Wait` marks a job's last
+    one: its works' futures, and ``completed`` for their callbacks."""
+
+    final = True
+
+    def __init__(self, fut: Any) -> None:
+        self.fut = fut
+
+    def futures(self) -> list[Any]:
+        return [self.fut]
+
+    def completed(self) -> None:
+        self.fut.value()
+
+    def __call__(self) -> None:
+        self.fut.wait()
+
+
+def _final_job(log: list[tuple[str, int]], name: str, fut: Any, again: bool = False
+               ) -> Generator[Any, None, str]:
+    log.append((f"{name} start", threading.get_ident()))
+    yield _FinalWait(fut)
+    log.append((f"{name} rest", threading.get_ident()))
+    if again:
+        yield _FinalWait(fut)
+    return f"{name} done"
+
+
+def test_a_job_whose_first_wait_is_final_finishes_in_the_works_callback_off_the_queue() -> None:
+    import torch
+
+    q = OrderedQueue("test-final")
+    try:
+        log: list[tuple[str, int]] = []
+        me = threading.get_ident()
+        work_a: torch.futures.Future[None] = torch.futures.Future()
+        fut_a = q.submit_steps(_final_job(log, "a", work_a), raising=True)
+        assert not fut_a.done()
+        # a holds up nothing: b's first step runs here at once, though a's work is pending
+        work_b: torch.futures.Future[None] = torch.futures.Future()
+        fut_b = q.submit_steps(_final_job(log, "b", work_b), after=[fut_a], raising=True)
+        assert [n for n, _ in log] == ["a start", "b start"]
+        assert all(t == me for _, t in log)
+        work_b.set_result(None)  # b's rest follows a's (after=): not yet
+        assert not fut_b.done()
+        done = threading.Thread(target=work_a.set_result, args=(None,))
+        done.start()
+        done.join()
+        assert fut_a.wait() == "a done" and fut_b.wait() == "b done"
+        threads = dict(log)
+        assert threads["a rest"] == done.ident  # in the completing thread's callback
+        assert [n for n, _ in log] == ["a start", "b start", "a rest", "b rest"]
+        # the queue stayed idle for plain jobs throughout
+        assert q.run(lambda: threading.get_ident()) == me
+    finally:
+        q.shutdown()
+
+
+def test_a_failed_final_wait_and_a_wait_after_a_final_one_fail_the_job() -> None:
+    import torch
+
+    q = OrderedQueue("test-final-errors")
+    try:
+        work: torch.futures.Future[None] = torch.futures.Future()
+        fut = q.submit_steps(_final_job([], "a", work), raising=True)
+        work.set_exception(RuntimeError("peer gone"))
+        with pytest.raises(Exception, match="peer gone"):
+            fut.wait()
+        work2: torch.futures.Future[None] = torch.futures.Future()
+        fut2 = q.submit_steps(_final_job([], "b", work2, again=True), raising=True)
+        work2.set_result(None)
+        with pytest.raises(Exception, match="waited again"):
+            fut2.wait()
+    finally:
+        q.shutdown()

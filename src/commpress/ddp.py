@@ -17,7 +17,10 @@ the bucket's reduction to the process group's
 submission order. Every rank therefore issues the same collectives in the same order, even
 for multi-round codecs (PowerSGD, TopKC) with many buckets in flight, while autograd keeps
 computing the next buckets' gradients. The job writes the averaged gradients into the bucket
-buffer and completes the future DDP waits for.
+buffer and completes the future DDP waits for. A bucket whose one collective is issued at
+once (element-wise casts: identity, fp16, bf16) is issued on the autograd thread while the
+queue is idle and finished in the collective's completion callback, as PyTorch's own hooks
+finish theirs, without a hand-off to the queue's thread.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -101,10 +105,10 @@ class DDPCompressionState(CompressionState):
 
     __slots__ = ("granularity", "strategy", "local_size", "param_names", "layouts", "plans",
                  "_verified", "_failed", "_settings", "_names", "_buckets", "_group", "_route",
-                 "_queue", "_scratch")
+                 "_queue", "_scratch", "_finishing")
     _TRANSIENT = (*CompressionState._TRANSIENT, "param_names", "_verified", "_failed",
                   "_settings", "_names", "_buckets", "_group", "_route", "_queue",
-                  "_scratch")
+                  "_scratch", "_finishing")
 
     def __init__(
         self,
@@ -132,6 +136,25 @@ class DDPCompressionState(CompressionState):
         self._settings: int | None = None
         self._forget_caches()
 
+    #: The hook's settings that plans and routes depend on, besides the base class's.
+    _PLAN_SETTINGS = CompressionState._PLAN_SETTINGS | {"granularity", "strategy"}
+
+    def _checked_setting(self, name: str, value: Any) -> Any:
+        if name == "granularity":
+            _checked_layout(value, "auto", None)
+            return value
+        if name == "strategy":
+            _checked_layout("parameter", value, None)
+            return value
+        return super()._checked_setting(name, value)
+
+    def _settings_changed(self) -> None:
+        """A setting was assigned: plans are made anew and compared across ranks again."""
+        super()._settings_changed()
+        object.__setattr__(self, "_settings", None)
+        object.__setattr__(self, "_route", None)
+        object.__setattr__(self, "_verified", {})
+
     def _forget_caches(self) -> None:
         """Drop what the hook caches between steps (rebuilt at the next bucket)."""
         #: (bucket index, parameter ids) -> the bucket's names (see :meth:`names_of`).
@@ -145,6 +168,9 @@ class DDPCompressionState(CompressionState):
         self._group: tuple[int, int, str] | None = None
         self._route: engine.Route | None = None
         self._queue: OrderedQueue | None = None
+        #: the futures of this step's buckets so far (the step's last bucket ends the step
+        #: only after they completed: a bucket may finish in its collective's callback).
+        self._finishing: list[torch.futures.Future[torch.Tensor]] = []
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         super().__setstate__(state)
@@ -309,17 +335,19 @@ class _BucketPlan:
         choices: per tensor, its plan's codec, reason and feedback.
         dense: the element-wise groups: the indices of their tensors and the group's key.
         single: indices of the tensors reduced one by one.
+        numel: the elements of all the tensors.
     """
 
     signature: tuple[tuple[str, torch.Size, torch.dtype], ...]
-    epoch: tuple[bool, bool]
+    epoch: tuple[bool, bool, int]
     choices: list[tuple[Codec, ChoiceReason, bool]]
     dense: list[tuple[list[int], str]]
     single: list[int]
+    numel: int
 
     @classmethod
     def of(cls, signature: tuple[tuple[str, torch.Size, torch.dtype], ...],
-           epoch: tuple[bool, bool], plans: list[Plan], bucket_index: int) -> _BucketPlan:
+           epoch: tuple[bool, bool, int], plans: list[Plan], bucket_index: int) -> _BucketPlan:
         """Group ``plans``: element-wise casts into one flat reduction per (codec, feedback,
         dtype), in order of first appearance; every other tensor on its own."""
         groups: dict[tuple[str, bool, torch.dtype], list[int]] = {}
@@ -335,7 +363,8 @@ class _BucketPlan:
             for n, indices in enumerate(groups.values())
         ]
         choices = [(p.codec, p.reason, p.feedback) for p in plans]
-        return cls(signature, epoch, choices, dense, single)
+        numel = sum(math.prod(shape) for _, shape, _ in signature)
+        return cls(signature, epoch, choices, dense, single, numel)
 
 
 def _bucket_plans(
@@ -353,7 +382,7 @@ def _bucket_plans(
     against the strategy; otherwise the cached decisions are reused for this step. Every rank
     takes the same branch: both depend only on the tensors and the step, which all ranks share.
     """
-    signature = tuple((key, t.shape, t.dtype) for key, t in items)
+    signature = tuple([(key, t.shape, t.dtype) for key, t in items])
     epoch = state.plan_epoch(step)
     cached = state._buckets.get(bucket_index)
     if cached is not None and cached.epoch == epoch and cached.signature == signature:
@@ -403,10 +432,12 @@ def _reduce_bucket(
     bucket_index: int,
     stream: Any,
     last: bool = False,
+    earlier: Sequence[torch.futures.Future[torch.Tensor]] = (),
 ) -> Steps[torch.Tensor]:
     """The queued job, as steps (:data:`~commpress.collectives.queue.Steps`): reduce every
     tensor of one bucket and write the means into the buffer (after the step's ``last``
-    bucket, end the step: :meth:`CompressionState.end_step`).
+    bucket, once the ``earlier`` buckets' futures completed, end the step:
+    :meth:`CompressionState.end_step`; a failed step is ended too, its changes undone).
 
     Tensors whose codec is an element-wise cast (identity, fp16, bf16) are grouped into one
     flat reduction per (codec, feedback, dtype); every other tensor gets its own protocol.
@@ -416,18 +447,38 @@ def _reduce_bucket(
     if state._failed is not None:
         # Ranks may be out of step after a failure: issuing more collectives could pair up
         # mismatched operations (gloo aborts the process), so refuse without communicating.
+        if last:
+            _end_step(state, step, earlier, failed=True)
         raise CommpressError(
             f"DDP comm hook, bucket {bucket_index} at step {step}: not reduced because an "
             f"earlier bucket failed: {state._failed}"
         )
     try:
         return (yield from _reduce_bucket_now(state, items, buffer, step, bucket_index, stream,
-                                              last))
+                                              last, earlier))
     except GeneratorExit:  # dropped unfinished (the queue shut down): not a failure of ours
         raise
     except BaseException as exc:
         state._failed = str(exc) or type(exc).__name__
+        if last:
+            _end_step(state, step, earlier, failed=True)
         raise
+
+
+def _end_step(
+    state: DDPCompressionState,
+    step: int,
+    earlier: Sequence[torch.futures.Future[torch.Tensor]],
+    *,
+    failed: bool = False,
+) -> None:
+    """End ``step`` after its last bucket, once the ``earlier`` buckets' futures completed
+    (their failures are theirs to report); a ``failed`` step's changes are undone."""
+    for fut in earlier:
+        with suppress(Exception):  # that bucket's own future carries its error
+            fut.wait()
+    rank = state._group[0] if state._group is not None else None
+    state.end_step(step, rank=rank, failed=failed or state._failed is not None)
 
 
 _SETTINGS_FIELD = "hook settings (policy, schedule, error feedback, granularity, strategy)"
@@ -475,6 +526,9 @@ def _check_bucket(
     state._verified[bucket_index] = bucket_fp
 
 
+_NO_STREAM = nullcontext()
+
+
 def _reduce_bucket_now(
     state: DDPCompressionState,
     items: list[tuple[str, torch.Tensor]],
@@ -483,11 +537,18 @@ def _reduce_bucket_now(
     bucket_index: int,
     stream: Any,
     last: bool,
+    earlier: Sequence[torch.futures.Future[torch.Tensor]],
 ) -> Steps[torch.Tensor]:
-    ctx_mgr = torch.cuda.stream(stream) if stream is not None else nullcontext()
+    ctx_mgr = torch.cuda.stream(stream) if stream is not None else _NO_STREAM
     with ctx_mgr, error_context(f"DDP comm hook, bucket {bucket_index} at step {step}"):
         ex = _exchange(state, bucket_index)
         bucket, plans = _bucket_plans(state, ex, items, step, bucket_index)
+        # A group of every tensor of the bucket, in order, is the bucket's buffer (the
+        # gradients are views of it, back to back): no need to find its flat view.
+        whole = (
+            buffer if buffer.numel() == bucket.numel and items[0][1].data_ptr() == buffer.data_ptr()
+            else None
+        )
         # Element-wise casts: one flat exchange per (codec, feedback, dtype), first; every
         # other tensor on its own.
         jobs: list[Callable[[engine.Exchanger], Generator[Pending, None, None]]] = [
@@ -495,6 +556,7 @@ def _reduce_bucket_now(
                 engine.dense_with_feedback, state, [items[i] for i in indices],
                 [plans[i] for i in indices], rank=ex.rank, world_size=ex.world_size, step=step,
                 key=key, scratch=state._scratch.setdefault(key, {}),
+                flat=whole if len(indices) == len(items) else None,
             )
             for indices, key in bucket.dense
         ]
@@ -504,7 +566,10 @@ def _reduce_bucket_now(
                 # The group's gradients lie back to back in the bucket buffer, which receives
                 # the means anyway: a codec whose payload is that memory (identity) is summed
                 # in it, without a copy (see Exchange.writable).
-                ex.writable = engine.flat_view([items[i][1] for i in indices])
+                ex.writable = (
+                    whole if whole is not None and len(indices) == len(items)
+                    else engine.flat_view([items[i][1] for i in indices])
+                )
                 break
         # Pipelined with distinct point-to-point tags; buckets run one after the other on the
         # queue.
@@ -512,7 +577,7 @@ def _reduce_bucket_now(
         state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
         if last:
             # undo a non-finite step's changes to the codec states, run the guard, record stats
-            state.end_step(step, rank=ex.rank)
+            _end_step(state, step, earlier)
         if stream is not None:
             stream.synchronize()
     return buffer
@@ -532,7 +597,9 @@ def comm_hook(
        is one tensor named after the parameters it holds.
     2. Record the current step; after the step's last bucket, advance the step counter.
     3. Submit the bucket's job to the process group's ordered queue and return its future.
-       The job, on the queue's thread:
+       The job (its first step on the calling thread when the queue is idle; the rest on the
+       queue's thread, or, when its one collective was issued in that first step, in the
+       collective's completion callback):
 
        a. plans every tensor: the policy's codec, or the schedule's dense fallback (warm-up,
           ``min_numel``, ``min_compression_rate``);
@@ -549,7 +616,8 @@ def comm_hook(
           the step made to the error-feedback memory and codec states is undone, so AMP's
           ``GradScaler`` skips the step and training goes on from the state before it; the
           guard (if set) runs, and the step's :class:`~commpress.collectives.policy.StepStats`
-          is appended to ``state.stats``.
+          is appended to ``state.stats`` (a step one of whose buckets failed is ended too,
+          its changes undone, ``StepStats.failed``).
 
        Before reducing, whenever a bucket's plan differs from the one last checked (first
        step, rebuilt buckets, end of warm-up), every rank's settings and plan fingerprints
@@ -565,7 +633,8 @@ def comm_hook(
     if last:
         state.advance()
     params = bucket.parameters()
-    names = state.names_of(bucket.index(), params)
+    index = bucket.index()
+    names = state.names_of(index, params)
     if state.granularity == "bucket" or not params:
         items = [(_bucket_key(names), buffer)]
     else:
@@ -577,16 +646,19 @@ def comm_hook(
     # On the CPU, an idle queue runs the job's first step (planning, encoding, issuing the
     # first collective) right here, without a hand-off to its thread; under a CUDA stream the
     # whole job runs on the queue's thread (the stream context is per thread).
-    steps = _reduce_bucket(state, items, buffer, step, bucket.index(), stream, last)
-    fut = q.submit_steps(steps, start_here=stream is None)
-    # A failed job's future holds the exception as its *value* (Python's set_exception); DDP
-    # reads the value in C++ and would report "Unable to cast ... to Tensor". Chaining turns
-    # the failure into a real error of the returned future, whose message DDP shows.
-    return fut.then(_value_or_raise)
-
-
-def _value_or_raise(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-    return fut.wait()
+    earlier: tuple[torch.futures.Future[torch.Tensor], ...] = ()
+    if last:
+        earlier, state._finishing = tuple(state._finishing), []
+    steps = _reduce_bucket(state, items, buffer, step, index, stream, last, earlier)
+    # A job whose one collective is issued in its first step (a bucket of element-wise casts
+    # with one exchange) finishes in that collective's completion callback, off the queue;
+    # the last bucket's after the step's earlier buckets. ``raising``: a failure is a real
+    # error of the returned future, whose message DDP shows (a Python future's
+    # set_exception stores the exception as its value, which DDP would fail to cast).
+    fut = q.submit_steps(steps, start_here=stream is None, after=earlier, raising=True)
+    if not last:
+        state._finishing.append(fut)
+    return fut
 
 
 # DDP checks the hook's annotations against the real classes; postponed (string) annotations

@@ -24,8 +24,7 @@ ranks (for example through torchrun's elastic restarts).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from typing import Any
 
 
 class CommpressError(ValueError):
@@ -64,8 +63,7 @@ class MismatchError(ExchangeError):
 WRAPPED: tuple[type[Exception], ...] = (RuntimeError, ValueError, IndexError, OverflowError)
 
 
-@contextmanager
-def error_context(what: str, *, wrap_as: type[CommpressError] | None = None) -> Iterator[None]:
+class error_context:  # noqa: N801 - used as a function: ``with error_context(...)``
     """Re-raise exceptions from the block as :class:`CommpressError` prefixed with ``what``.
 
     A ``CommpressError`` raised inside keeps its type (a :class:`PeerLostError` stays one) and
@@ -75,18 +73,33 @@ def error_context(what: str, *, wrap_as: type[CommpressError] | None = None) -> 
     :class:`PayloadError`: a library failing on a payload's contents); any other exception
     (a bug such as a ``TypeError`` or ``KeyError``) passes through with its type, ``what``
     added as a note.
+
+    A plain class rather than a generator-based context manager: entering and leaving it is
+    two calls, which matters on paths run for every gradient bucket.
     """
-    try:
-        yield
-    except CommpressError as exc:
-        raise prefixed(exc, what) from exc.__cause__
-    except WRAPPED as exc:
-        raise (wrap_as or CommpressError)(f"{what}: {type(exc).__name__}: {exc}") from exc
-    except Exception as exc:
-        add_note = getattr(exc, "add_note", None)  # Python >= 3.11
-        if add_note is not None:
-            add_note(f"(in {what})")
-        raise
+
+    __slots__ = ("what", "wrap_as")
+
+    def __init__(self, what: str, *, wrap_as: type[CommpressError] | None = None) -> None:
+        self.what = what
+        self.wrap_as = wrap_as
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        # never suppresses: returns None, re-raises or lets the exception pass
+        if exc is None:
+            return
+        what = self.what
+        if isinstance(exc, CommpressError):
+            raise prefixed(exc, what) from exc.__cause__
+        if isinstance(exc, WRAPPED):
+            raise (self.wrap_as or CommpressError)(f"{what}: {type(exc).__name__}: {exc}") from exc
+        if isinstance(exc, Exception):
+            add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+            if add_note is not None:
+                add_note(f"(in {what})")
 
 
 def prefixed(exc: CommpressError, what: str) -> CommpressError:

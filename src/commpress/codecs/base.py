@@ -149,7 +149,19 @@ class Payload:
 
     def replace(self, **changes: Any) -> Payload:
         """A copy with some fields changed (for example the summed ``parts``)."""
-        return dataclasses.replace(self, **changes)
+        unknown = changes.keys() - _PAYLOAD_FIELDS
+        if unknown:
+            raise TypeError(f"Payload.replace: unknown fields {sorted(unknown)}")
+        get = changes.get
+        return Payload(
+            codec=get("codec", self.codec), fingerprint=get("fingerprint", self.fingerprint),
+            shape=get("shape", self.shape), dtype=get("dtype", self.dtype),
+            parts=get("parts", self.parts), lane_bits=get("lane_bits", self.lane_bits),
+            summed=get("summed", self.summed),
+        )
+
+
+_PAYLOAD_FIELDS = frozenset(f.name for f in dataclasses.fields(Payload))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -180,6 +192,10 @@ class CodecContext:
     average: bool = False
 
     def __post_init__(self) -> None:
+        rank, world, step = self.rank, self.world_size, self.step
+        if (type(rank) is int and type(world) is int and type(step) is int
+                and type(self.key) is str and 0 <= rank < world and step >= 0):
+            return  # the common case, checked in one go (contexts are made for every call)
         for name in ("rank", "world_size", "step"):
             value = getattr(self, name)
             require(

@@ -74,10 +74,13 @@ class Pending:
     Attributes:
         works: ``torch.distributed`` work handles (``None`` entries are skipped).
         what: a short description for error messages (``"round 0 all-gather"``).
+        last: the task issues no operation after these (what follows their completion is
+            local work); :func:`schedule` then may mark its wait :attr:`Wait.final`.
     """
 
     works: Sequence[Any]
     what: str
+    last: bool = False
 
 
 #: A task issues operations, yields them as :class:`Pending`, is resumed once they complete.
@@ -598,7 +601,7 @@ def plain_sum_task(
         if buf.numel():
             yield Pending(
                 [dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group, async_op=True)],
-                "round 0 (all-reduce)",
+                "round 0 (all-reduce)", True,
             )
         if average and not early:
             buf.div_(ex.world_size)
@@ -645,9 +648,11 @@ def sum_in_place(buf: torch.Tensor, ex: Exchange, *, average: bool) -> None:
 
 
 def all_reduce_task(
-    request: AllReduce, ex: Exchange, *, what: str = "all-reduce"
+    request: AllReduce, ex: Exchange, *, what: str = "all-reduce", last: bool = False
 ) -> Generator[Pending, None, dict[str, torch.Tensor]]:
-    """Task performing one :class:`AllReduce` request; returns the reply dict."""
+    """Task performing one :class:`AllReduce` request; returns the reply dict. Every path
+    yields once: with ``last`` (the caller issues nothing after this request) that yield is
+    marked :attr:`Pending.last`."""
     names = sorted(request.tensors)
     tensors = [request.tensors[n] for n in names]
     if ex.world_size == 1:
@@ -672,7 +677,7 @@ def all_reduce_task(
         bufs = [torch.empty_like(mine) for _ in range(ex.world_size)]
         yield Pending(
             [dist.all_gather(bufs, mine, group=ex.group, async_op=True)],
-            f"{what} (saturating all-reduce as all-gather)",
+            f"{what} (saturating all-reduce as all-gather)", last,
         )
         per_rank = [unpack_bytes(b.to(tensors[0].device), specs) for b in bufs]
         order = list(range(ex.world_size))
@@ -688,7 +693,7 @@ def all_reduce_task(
         flat = flat.to(ex.comm_device(flat.device))
         yield Pending(
             [dist.all_reduce(flat, _REDUCE_OPS["sum"], group=ex.group, async_op=True)],
-            f"{what} (integer all-reduce)",
+            f"{what} (integer all-reduce)", last,
         )
         peak = int(flat.abs().max()) if flat.numel() else 0
         if peak > limit:
@@ -701,6 +706,17 @@ def all_reduce_task(
             out[n] = flat[pos : pos + t.numel()].to(t.device, t.dtype).reshape(t.shape)
             pos += t.numel()
         return out
+    if len(tensors) == 1:
+        only = tensors[0]
+        if only.dtype == _transport_dtype(only.dtype, request.op) and _in_place(request, only, ex):
+            # One tensor reduced in its own memory (a cast's payload, the caller's buffer):
+            # what the general path below does for it, without its bookkeeping.
+            flat = only.reshape(-1)
+            yield Pending(
+                [dist.all_reduce(flat, _REDUCE_OPS[request.op], group=ex.group, async_op=True)],
+                f"{what} (all-reduce)", last,
+            )
+            return {names[0]: flat.view(only.shape)}
     # Plain reduction: one flat buffer per transport dtype (a copy: requests stay untouched).
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -720,7 +736,7 @@ def all_reduce_task(
             works.append(
                 dist.all_reduce(flat, _REDUCE_OPS[request.op], group=ex.group, async_op=True)
             )
-    yield Pending(works, f"{what} (all-reduce)")
+    yield Pending(works, f"{what} (all-reduce)", last)
     out = {}
     for wire, idx in groups.items():
         pos = 0
@@ -753,9 +769,12 @@ def _fixed_size(payload: Payload) -> bool:
 
 
 def all_gather_task(
-    payload: Payload, ex: Exchange, *, fixed_size: bool | None = None, what: str = "all-gather"
+    payload: Payload, ex: Exchange, *, fixed_size: bool | None = None, what: str = "all-gather",
+    last: bool = False,
 ) -> Generator[Pending, None, list[Payload]]:
-    """Task gathering every rank's payload (rank order); returns the list of payloads.
+    """Task gathering every rank's payload (rank order); returns the list of payloads. With
+    ``last`` (the caller issues nothing after it) its payload exchange is marked
+    :attr:`Pending.last`.
 
     Parts travel as one byte buffer per rank. Unless the codec is ``fixed_size`` the part
     shapes are all-gathered first (a small extra exchange) and buffers are padded to the
@@ -802,7 +821,8 @@ def all_gather_task(
         mine = pack_bytes(local, size, device=device)
         bufs = [torch.empty_like(mine) for _ in range(ex.world_size)]
         yield Pending(
-            [dist.all_gather(bufs, mine, group=ex.group, async_op=True)], f"{what} (payloads)"
+            [dist.all_gather(bufs, mine, group=ex.group, async_op=True)], f"{what} (payloads)",
+            last,
         )
     out: list[Payload] = []
     for r, (buf, specs) in enumerate(zip(bufs, specs_by_rank, strict=True)):
@@ -828,6 +848,7 @@ def protocol_task(
     *,
     first: tuple[str, Any] | None = None,
     pool: ThreadPoolExecutor | None = None,
+    single_round: bool = False,
 ) -> Generator[Pending, None, Reduced]:
     """Task driving a codec's :meth:`~commpress.codecs.base.Codec.reduce` generator.
 
@@ -850,7 +871,11 @@ def protocol_task(
             scheduler's thread, at the same points of the task, so the order of collectives is
             the same with and without a pool (and on every rank). ``None``: everything runs on
             the scheduler's thread.
+        single_round: the codec asks for one request only (not ``multi_round``); without a
+            pool, that request's last exchange is then marked :attr:`Pending.last`, and a
+            second request is refused before anything of it is issued.
     """
+    last = single_round and pool is None
     if first is None:
         step = functools.partial(_advance, protocol, None, start=True)
         first = yield from offloaded(pool, step, "encode")
@@ -858,10 +883,19 @@ def protocol_task(
     round_index = 0
     while kind != "done":
         request: Request = value
+        if last and round_index:
+            raise CommpressError(
+                f"{ex.label}: a single-round codec's protocol asked for round {round_index}; "
+                "a codec with more than one exchange must declare multi_round = True"
+            )
         if isinstance(request, AllReduce):
-            reply: Any = yield from all_reduce_task(request, ex, what=f"round {round_index}")
+            reply: Any = yield from all_reduce_task(
+                request, ex, what=f"round {round_index}", last=last
+            )
         elif isinstance(request, AllGather):
-            reply = yield from all_gather_task(request.payload, ex, what=f"round {round_index}")
+            reply = yield from all_gather_task(
+                request.payload, ex, what=f"round {round_index}", last=last
+            )
         else:
             raise CommpressError(
                 f"{ex.label}: the codec's protocol yielded {type(request).__name__}; expected "
@@ -882,6 +916,48 @@ def _check_reduced(value: Any) -> Reduced:
 
 
 # ---------------------------------------------------------------------------- scheduling
+class Wait:
+    """What :func:`schedule` yields: calling it waits for ``pending`` (:meth:`Exchange.wait`).
+
+    ``final`` marks the job's last wait: every operation of the job has been issued and
+    what follows the completion is local work. A queue may then let later jobs issue their
+    operations at once and run the rest of this job when the works complete
+    (:meth:`futures`, see :meth:`~commpress.collectives.queue.OrderedQueue.submit_steps`).
+    It is only set when nothing would be lost by waiting that way: no timeout of ours
+    (the process group's own bounds the wait) and only ``torch.distributed`` works.
+    """
+
+    __slots__ = ("ex", "pending", "final")
+
+    def __init__(self, ex: Exchange, pending: Pending, final: bool = False) -> None:
+        self.ex, self.pending = ex, pending
+        if final and ex.timeout is None:
+            for work in pending.works:
+                if work is not None and not hasattr(work, "get_future"):
+                    final = False
+        else:
+            final = False
+        self.final = final
+
+    def __call__(self) -> None:
+        self.ex.wait(self.pending)
+
+    def futures(self) -> list[torch.futures.Future[Any]]:
+        """The futures of the pending works (completed when the works are)."""
+        return [work.get_future() for work in self.pending.works if work is not None]
+
+    def completed(self) -> None:
+        """What calling it does, once :meth:`futures` completed: raise the works' failure
+        (as :meth:`Exchange.wait` does). For their completion callbacks, where waiting on a
+        work would wait for the callback itself (gloo completes a work after its future)."""
+        start = time.monotonic()
+        for fut in self.futures():
+            try:
+                fut.value()
+            except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError
+                raise self.ex.failure(self.pending.what, exc, start) from exc
+
+
 def run_tasks(
     tasks: Sequence[Task | Callable[[], Task]], ex: Exchange, *, depth: int = 2
 ) -> list[Any]:
@@ -947,9 +1023,10 @@ def schedule(
             if not inflight:
                 continue
             i, task, pending = inflight.popleft()
+            final = pending.last and next_task == len(tasks) and not inflight
             if len(tasks) > 1:
                 pending = Pending(pending.works, f"part {i}: {pending.what}")
-            yield functools.partial(ex.wait, pending)
+            yield Wait(ex, pending, final)
             try:
                 pending = task.send(None)
             except StopIteration as stop:
@@ -994,6 +1071,7 @@ __all__ = [
     "OffloadedWork",
     "Pending",
     "Task",
+    "Wait",
     "all_gather_task",
     "all_reduce_task",
     "code_dtype",

@@ -176,7 +176,7 @@ class Route:
         if out is not None and self.plain and codec.reduces_into:
             return protocol_task(
                 codec.reduce(x, ctx, out=out, scratch=scratch),  # type: ignore[call-arg]
-                ex,
+                ex, single_round=not codec.multi_round,
             )
         return self.strategy.task(
             codec, x, ctx, ex, tag=tag, pool=self.pool, local_size=self.local_size
@@ -417,6 +417,7 @@ def dense_with_feedback(
     step: int,
     key: str,
     scratch: dict[str, torch.Tensor] | None = None,
+    flat: torch.Tensor | None = None,
 ) -> Generator[Any, Any, None]:
     """Several tensors sharing an element-wise codec (``plans`` alike in codec and feedback)
     as one flat exchange, with error feedback kept per tensor (``state.compensate`` and
@@ -428,12 +429,14 @@ def dense_with_feedback(
     gradients) are sent from and written back to that memory as one piece, without
     concatenating or copying them one by one (without feedback, the codec may decode into
     it: :meth:`Route.exchange`'s ``out``); ``scratch`` is a dict the caller keeps for this
-    group across steps, where the codec may keep its payload's buffer.
+    group across steps, where the codec may keep its payload's buffer; ``flat``, when the
+    caller knows it, is what :func:`flat_view` would find (the whole of a DDP bucket's
+    buffer).
     """
     codec, feedback = plans[0].codec, plans[0].feedback
     tensors = [t for _, t in items]
-    xs = [state.compensate(plan, t) for t, plan in zip(tensors, plans, strict=True)]
-    dest = flat_view(tensors)
+    xs = state.compensate_group(plans, tensors)
+    dest = flat if flat is not None else flat_view(tensors)
     # Without feedback, tensors lying back to back are sent from and decoded into that memory.
     out = dest if not feedback else None
     flat = out if out is not None else _concat(xs)
@@ -447,6 +450,9 @@ def dense_with_feedback(
         if totals.data_ptr() != dest.data_ptr() or totals.dtype != dest.dtype:
             dest.copy_(totals)  # the means, in the tensors' dtype, in their memory
         totals = dest
+        if not feedback:  # the means are in the tensors already: count them
+            state.record_group(plans, dest, tensors)
+            return
     offset = 0
     for (k, t), x, plan in zip(items, xs, plans, strict=True):
         n = t.numel()
@@ -460,7 +466,7 @@ def dense_with_feedback(
         offset += n
 
 
-def _concat(xs: list[torch.Tensor]) -> torch.Tensor:
+def _concat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     return xs[0].reshape(-1) if len(xs) == 1 else torch.cat([x.reshape(-1) for x in xs])
 
 

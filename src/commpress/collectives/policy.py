@@ -376,6 +376,8 @@ class StepStats:
             undone (a non-finite step).
         guard: ``"nonfinite"`` or ``"spike"`` when this step tripped the guard, else ``None``.
         guarded: this step was sent with the fallback codec because of an earlier trip.
+        failed: a reduction of this step failed (the step was ended without completing; its
+            changes were undone, and the guard did not look at it).
     """
 
     step: int
@@ -389,6 +391,7 @@ class StepStats:
     rolled_back: bool
     guard: str | None
     guarded: bool
+    failed: bool = False
 
 
 @dataclass(slots=True)
@@ -573,12 +576,53 @@ class CompressionState:
         "_rank",
         "_protects",
         "_lock",
+        "_epoch",
     )
     #: Slots left out of pickles: the process group cannot be pickled, the lock is rebuilt,
     #: an open step's journal is dropped.
-    _TRANSIENT: tuple[str, ...] = ("process_group", "_lock", "_open", "_protects")
+    _TRANSIENT: tuple[str, ...] = ("process_group", "_lock", "_open", "_protects", "_epoch")
     #: Per-step records kept in :attr:`stats`.
     STATS_LIMIT = 1000
+    #: Settings a plan depends on: assigning one (``state.policy = ...``, ``state.guard =
+    #: ...``) is checked as the constructor checks it and starts a new :meth:`plan_epoch`,
+    #: so that plans cached by callers (the DDP hook's) are made anew.
+    _PLAN_SETTINGS: frozenset[str] = frozenset({"policy", "schedule", "error_feedback", "guard"})
+    #: How many times a plan setting was assigned (see :meth:`plan_epoch`).
+    _epoch: int
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._PLAN_SETTINGS:
+            value = self._checked_setting(name, value)
+            object.__setattr__(self, name, value)
+            self._settings_changed()
+            return
+        object.__setattr__(self, name, value)
+
+    def _checked_setting(self, name: str, value: Any) -> Any:
+        """``value`` for plan setting ``name``, checked (and built) as the constructor does."""
+        if name == "policy":
+            policy = CodecPolicy.build(value)
+            for what, codec in policy.codecs():
+                with error_context(f"{what}"):
+                    feedback_applies(codec, getattr(self, "error_feedback", None))
+            return policy
+        if name == "schedule":
+            if not isinstance(value, Schedule):
+                raise CommpressError(f"schedule must be a Schedule, got {type(value).__name__}")
+            return value
+        if name == "error_feedback":
+            checked_options(error_feedback=value, timeout=None, guard=None)
+            return value
+        guard = checked_options(error_feedback=None, timeout=None, guard=value)
+        norms = getattr(self, "_norms", ())
+        # the spike reference keeps the recent healthy norms, as many as the new window takes
+        object.__setattr__(self, "_norms", deque(norms, maxlen=guard.window if guard else 1))
+        return guard
+
+    def _settings_changed(self) -> None:
+        """A plan setting was assigned: new plan epoch, derived settings forgotten."""
+        object.__setattr__(self, "_epoch", getattr(self, "_epoch", 0) + 1)
+        object.__setattr__(self, "_protects", None)
 
     def __init__(
         self,
@@ -651,13 +695,14 @@ class CompressionState:
             choice = self.schedule.choose(policy_codec, shape, dtype, step=step)
         return Plan(key, choice.codec, choice.reason, self.uses_feedback(policy_codec), step)
 
-    def plan_epoch(self, step: int) -> tuple[bool, bool]:
-        """What :meth:`plan` reads of ``step``: whether it is a warm-up step and whether the
-        guard sends it with the fallback codec. Everything else a plan depends on is the
-        tensor's name, shape and dtype and settings fixed at construction, so two steps of the
-        same epoch give a tensor the same codec, reason and feedback (callers such as the DDP
-        hook reuse plans while the epoch and the tensors stay the same)."""
-        return step < self.schedule.warmup_steps, step < self._guard_until
+    def plan_epoch(self, step: int) -> tuple[bool, bool, int]:
+        """What :meth:`plan` reads of ``step`` and of the settings: whether it is a warm-up
+        step, whether the guard sends it with the fallback codec, and how many times a plan
+        setting (policy, schedule, error feedback, guard) was assigned. Everything else a plan
+        depends on is the tensor's name, shape and dtype, so two steps of the same epoch give
+        a tensor the same codec, reason and feedback (callers such as the DDP hook reuse plans
+        while the epoch and the tensors stay the same)."""
+        return step < self.schedule.warmup_steps, step < self._guard_until, self._epoch
 
     def codec_state(self, plan: Plan, device: torch.device) -> dict[str, Any]:
         """The persistent codec state dict for ``plan`` (fresh for dense fallbacks).
@@ -737,6 +782,39 @@ class CompressionState:
         self._journal(plan, codec_state)
         return self.memory.compensate(plan.key, tensor) if plan.feedback else tensor
 
+    def compensate_group(
+        self, plans: Sequence[Plan], tensors: Sequence[torch.Tensor]
+    ) -> Sequence[torch.Tensor]:
+        """:meth:`compensate` for each of a group of tensors sharing a dense codec and
+        feedback setting (no codec state); without feedback and without a guard, nothing
+        is journaled or added, and ``tensors`` come back as they are."""
+        if not plans[0].feedback and self.guard is None:
+            return tensors
+        return [self.compensate(plan, t) for plan, t in zip(plans, tensors, strict=True)]
+
+    def record_group(self, plans: Sequence[Plan], total: torch.Tensor,
+                     tensors: Sequence[torch.Tensor]) -> None:
+        """:meth:`finish` for a group of ``tensors`` without error feedback whose totals lie
+        back to back in the flat ``total`` (in their dtype): each is counted in its step's
+        record, as :meth:`finish` counts it, in one pass."""
+        record = self._step_record(plans[0].step)
+        measure = self.protects_state()
+        with self._lock:
+            counted_only = not measure and not record.journal  # no norm of this group
+            offset = 0
+            for plan, t in zip(plans, tensors, strict=True):
+                spec = _spec(plan.codec)
+                record.tensors += 1
+                record.codecs[spec] = record.codecs.get(spec, 0) + 1
+                record.reasons[plan.reason] = record.reasons.get(plan.reason, 0) + 1
+                if counted_only:
+                    continue
+                n = t.numel()
+                if measure or plan.key in record.journal:
+                    piece = total[offset : offset + n]
+                    record.norms.append(torch.linalg.vector_norm(piece, dtype=torch.float64))
+                offset += n
+
     # ------------------------------------------------------------------ steps and rollback
     def _step_record(self, step: int) -> _OpenStep:
         """The open step's record, ending an open earlier (or other) step first."""
@@ -800,27 +878,34 @@ class CompressionState:
                         torch.linalg.vector_norm(residual, dtype=torch.float64)
                     )
 
-    def end_step(self, step: int | None = None, *, rank: int | None = None) -> StepStats | None:
+    def end_step(
+        self, step: int | None = None, *, rank: int | None = None, failed: bool = False
+    ) -> StepStats | None:
         """End ``step`` (default: whichever step is open): undo its changes to the
         error-feedback memory and codec states if its reduced gradients were non-finite, run
         the guard, and record its :class:`StepStats` (also returned; ``None`` when that step
         is not open). The DDP hook calls it after each step's last bucket; drive it yourself
         after a step's last :meth:`reduce` (a reduction at a later step ends it otherwise).
-        ``rank`` is this process's rank, for the guard's log line (rank 0 logs)."""
+        ``rank`` is this process's rank, for the guard's log line (rank 0 logs). ``failed``:
+        a reduction of the step failed; its changes are undone whatever its gradients, the
+        guard skips it, and its stats say ``failed``."""
         if rank is not None:
             self._rank = rank
         with self._lock:
             record = self._open
             if record is None or (step is not None and record.step != step):
-                return None
+                if failed and record is None and step is not None:
+                    record = _OpenStep(step)  # failed before it changed or counted anything
+                else:
+                    return None
             self._open = None
-        return self._settle(record)
+        return self._settle(record, failed=failed)
 
-    def _settle(self, record: _OpenStep) -> StepStats:
+    def _settle(self, record: _OpenStep, *, failed: bool = False) -> StepStats:
         norms = _to_cpu_floats(record.norms)
         grad_norm = math.sqrt(math.fsum(n * n for n in norms)) if norms else None
         nonfinite = grad_norm is not None and not math.isfinite(grad_norm)
-        if nonfinite:
+        if nonfinite or failed:
             for key, (memory, codec_state, snapshot) in record.journal.items():
                 if memory is not None:
                     self.memory.restore(key, memory)
@@ -828,10 +913,12 @@ class CompressionState:
                     codec_state.clear()
                     codec_state.update(snapshot)
         residual_norm = None
-        if record.residuals and not nonfinite:
+        if record.residuals and not (nonfinite or failed):
             residual_norm = math.sqrt(math.fsum(r * r for r in _to_cpu_floats(record.residuals)))
         guarded = "guard" in record.reasons
-        tripped = self._check_guard(record.step, grad_norm, nonfinite, guarded=guarded)
+        tripped = None if failed else self._check_guard(
+            record.step, grad_norm, nonfinite, guarded=guarded
+        )
         stats = StepStats(
             step=record.step,
             tensors=record.tensors,
@@ -841,9 +928,10 @@ class CompressionState:
             grad_norm=grad_norm,
             residual_norm=residual_norm,
             nonfinite=nonfinite if norms else None,
-            rolled_back=nonfinite and bool(record.journal),
+            rolled_back=(nonfinite or failed) and bool(record.journal),
             guard=tripped,
             guarded=guarded,
+            failed=failed,
         )
         with self._lock:
             self.stats.append(stats)

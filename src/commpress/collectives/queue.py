@@ -17,13 +17,14 @@ and ``torch.futures.collect_all``.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import os
 import queue as _queue
 import threading
 import traceback
 import weakref
-from collections.abc import Callable, Generator, Hashable
+from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import Any, TypeAlias, TypeVar
 
 import torch
@@ -56,6 +57,12 @@ def run_steps(steps: Steps[T], first: Callable[[], Any] | None = None) -> T:
             wait = steps.send(None)
     except StopIteration as stop:
         return stop.value
+
+
+def _value_or_raise(fut: torch.futures.Future[T]) -> T:
+    # A Python future failed with set_exception holds the exception as its value; waiting
+    # here raises it, so the future ``then`` returns fails for real.
+    return fut.wait()
 
 
 class OrderedQueue:
@@ -156,28 +163,66 @@ class OrderedQueue:
                 "destroyed or the process is exiting); no more jobs can be submitted"
             )
 
-    def submit_steps(self, steps: Steps[T], *, start_here: bool = True) -> torch.futures.Future:
+    def submit_steps(
+        self,
+        steps: Steps[T],
+        *,
+        start_here: bool = True,
+        after: Sequence[torch.futures.Future[Any]] = (),
+        raising: bool = False,
+    ) -> torch.futures.Future:
         """Queue a job given as steps (see :func:`run_steps`); returns a future of its result.
 
         When ``start_here`` and the queue is idle (nothing queued or running, and the caller is
         not the worker), the job's first step -- up to its first wait, typically issuing its
         first collective -- runs right here on the calling thread, saving the hand-off to the
         worker thread (whose wake-up costs from tens of microseconds to milliseconds on a busy
-        machine); the rest is queued for the worker. Submitters on other threads wait for that
-        first step, and the rest is queued before their jobs, so jobs still issue their
-        operations strictly in submission order. Otherwise the whole job is queued, as with
-        :meth:`submit`.
+        machine). Submitters on other threads wait for that first step. Then:
+
+        * if that first wait is *final* (a wait object with a true ``final`` attribute and a
+          ``futures()`` and a ``completed()`` method, such as
+          :class:`~commpress.collectives.driver.Wait`: the job
+          has issued every operation it will issue), the job no longer holds up later jobs:
+          its rest (the wait, then local work such as decoding) runs when those futures and
+          the futures in ``after`` complete, in their completion callback, off the queue.
+          Later jobs may issue their operations meanwhile, which keeps the order of every
+          group's operations the submission order. This is how PyTorch's own hooks finish a
+          bucket, and it saves the worker's wake-up and a thread hand-off per job;
+        * otherwise the rest is queued for the worker before any later job, so jobs still
+          issue their operations strictly in submission order.
+
+        Otherwise the whole job is queued, as with :meth:`submit`. ``after``: futures the
+        job's rest must follow when it runs off the queue (a queued job's rest waits for
+        them itself). With ``raising``, a failed job's future raises its error as a real
+        error of the future (as a ``then`` callback's exception does, which C++ callers
+        such as DDP see), not as its value (:meth:`torch.futures.Future.set_exception`).
         """
         me = threading.get_ident()
+        fut: torch.futures.Future | None = None
+        first: Any = None
         if start_here and me != self._worker_ident and me != self._inline_ident:
             with self._lock:
                 self._refuse_if_closed()
                 if self._unfinished == 0:
-                    return self._start_here(steps, me)
-        return self.submit(run_steps, steps)
+                    fut, first = self._start_here(steps, me)
+        if fut is None and first is None:
+            fut = self.submit(run_steps, steps)
+        if fut is None:  # the first wait was final: the rest runs when the works complete
+            futures = [*after, *first.futures()]
+            if not futures:
+                done: torch.futures.Future = torch.futures.Future()
+                done.set_result(None)
+            else:
+                done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+            return done.then(functools.partial(self._finish, next(self._counter), steps, first))
+        return fut.then(_value_or_raise) if raising else fut
 
-    def _start_here(self, steps: Steps[Any], me: int) -> torch.futures.Future:
-        """:meth:`submit_steps`'s first step on the caller's thread (``self._lock`` held)."""
+    def _start_here(
+        self, steps: Steps[Any], me: int
+    ) -> tuple[torch.futures.Future | None, Any]:
+        """:meth:`submit_steps`'s first step on the caller's thread (``self._lock`` held):
+        ``(future, None)``, or ``(None, wait)`` when the first wait is final (nothing is
+        queued then)."""
         fut: torch.futures.Future = torch.futures.Future()
         job_id = next(self._counter)
         self._inline_ident = me
@@ -185,19 +230,43 @@ class OrderedQueue:
             first = next(steps)
         except StopIteration as stop:
             fut.set_result(stop.value)
-            return fut
+            return fut, None
         except BaseException as exc:
             fut.set_exception(
                 exc if isinstance(exc, CommpressError) else self._job_error(job_id, steps, exc)
             )
             if not isinstance(exc, Exception):
                 raise
-            return fut
+            return fut, None
         finally:
             self._inline_ident = None
+        if getattr(first, "final", False):
+            return None, first
         self._unfinished += 1
         self._jobs.put((job_id, fut, run_steps, (steps, first), {}))
-        return fut
+        return fut, None
+
+    def _finish(self, job_id: int, steps: Steps[T], first: Callable[[], Any], _: Any) -> T:
+        """The rest of a job whose first wait was final (in a future's callback): that wait,
+        then the steps to their end, which must not wait for anything else."""
+        try:
+            try:
+                first.completed()  # type: ignore[attr-defined]
+            except BaseException as exc:
+                wait = steps.throw(exc)
+            else:
+                wait = steps.send(None)
+        except StopIteration as stop:
+            return stop.value
+        except CommpressError:
+            raise
+        except Exception as exc:
+            raise self._job_error(job_id, steps, exc) from exc
+        steps.close()
+        raise CommpressError(
+            f"{self.name}: job {job_id} ({getattr(steps, '__qualname__', steps)}) waited "
+            f"again ({wait!r}) after a wait it marked final"
+        )
 
     def on_worker_thread(self) -> bool:
         """Whether the caller is running a job of this queue (on the worker thread, or inline

@@ -34,7 +34,8 @@ class CodecProtocol(ExchangeStrategy):
 
     def task(self, codec: Codec, x: torch.Tensor, ctx: CodecContext, ex: Exchange, *,
              tag: int, pool: Pool, local_size: int) -> Task:
-        return protocol_task(codec.reduce(x, ctx), ex, pool=pool)
+        return protocol_task(codec.reduce(x, ctx), ex, pool=pool,
+                             single_round=not codec.multi_round)
 
 
 AUTO = register_strategy(CodecProtocol())
