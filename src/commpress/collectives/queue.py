@@ -326,7 +326,8 @@ class OrderedQueue:
 
             try:
                 with self._running:
-                    self._run_job(*item, before_completing=finish)
+                    job_id, fut, fn, args, kwargs = item
+                    self._run_job(job_id, fut, fn, args, kwargs, before_completing=finish)
             finally:
                 finish()
 
