@@ -375,8 +375,11 @@ def fit_network(samples: Sequence[tuple[int, Sequence[float]]], processes: int,
         by_size.setdefault(float(b), []).append(y)
     points = sorted((x, statistics.median(v)) for x, v in by_size.items())
     (x0, y0), (x1, y1), (x2, y2) = points[0], points[-2], points[-1]
-    # seconds per byte from the two largest sizes; the latency from the smallest, >= 0
+    # seconds per byte from the two largest sizes (from the largest and the smallest when
+    # noise made those two come out in the wrong order); the latency from the smallest, >= 0
     slope = (y2 - y1) / (x2 - x1)
+    if slope <= 0:
+        slope = (y2 - y0) / (x2 - x0)
     intercept = max(0.0, y0 - slope * x0)
     if intercept == 0.0 and slope > 0:  # the smallest size is faster than the line: through 0
         slope = y2 / x2
