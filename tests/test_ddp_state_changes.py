@@ -103,3 +103,69 @@ def test_a_step_whose_last_bucket_fails_is_ended_and_undone() -> None:
             assert not r["open"]
             assert r["buckets"] >= 2
             assert r["memory_kept"], how  # the failed step's residual changes were undone
+
+
+def _late_decode_failure_worker(rank: int, world: int) -> dict[str, Any]:
+    """Bucket 0's local work after its collective (run in the collective's callback) fails
+    at step 2 on every rank, a second later on rank 1; backward's later buckets must still be
+    issued alike on both ranks, so the next collective pairs up."""
+    import time
+
+    import torch.distributed as dist
+
+    from commpress.ddp import DDPCompressionState
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8192))
+    model = DDP(net, bucket_cap_mb=0.001)  # three buckets
+    state = commpress.ddp.register(model, "fp16", own_group=False)
+
+    def step(s: int) -> None:
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * s + rank))
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+
+    step(0)
+    step(1)
+    original = DDPCompressionState.note_wire_bytes
+    calls = {"n": 0}
+
+    def failing(self: Any, st: int, nbytes: int) -> None:
+        calls["n"] += 1
+        if st == 2 and calls["n"] == 1:  # bucket 0's rest at step 2
+            if rank == 1:
+                time.sleep(1.0)
+            raise RuntimeError("decode failed (on every rank)")
+        original(self, st, nbytes)
+
+    issued = []
+    real = dist.all_reduce
+
+    def counting(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+        issued.append(t.numel())
+        return real(t, *a, **k)
+
+    DDPCompressionState.note_wire_bytes = failing  # type: ignore[method-assign]
+    hook = net[0].weight.register_hook(lambda g: (time.sleep(0.3), g)[1])
+    dist.all_reduce = counting  # type: ignore[assignment]
+    error = ""
+    try:
+        step(2)
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        dist.all_reduce = real  # type: ignore[assignment]
+        DDPCompressionState.note_wire_bytes = original  # type: ignore[method-assign]
+        hook.remove()
+    after = torch.full((3,), float(rank + 1))
+    dist.all_reduce(after)  # pairs up only if both ranks issued the same collectives
+    return {"issued": issued, "error": error, "after": after.tolist(),
+            "failed_step": [s.step for s in state.stats if s.failed]}
+
+
+def test_a_failure_after_a_buckets_collective_leaves_later_buckets_issued_alike() -> None:
+    a, b = run_workers(_late_decode_failure_worker, 2, timeout=120, pg_timeout=20)
+    assert a["issued"] == b["issued"] and len(a["issued"]) >= 3, (a, b)
+    assert a["after"] == b["after"] == [3.0, 3.0, 3.0]
+    assert "decode failed" in a["error"] and "decode failed" in b["error"]
+    assert a["failed_step"] == b["failed_step"] == [2]

@@ -11,6 +11,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
+import torch
 
 from commpress.collectives import OrderedQueue
 from commpress.collectives.queue import run_steps
@@ -431,5 +432,50 @@ def test_a_failed_final_wait_and_a_wait_after_a_final_one_fail_the_job() -> None
         work2.set_result(None)
         with pytest.raises(Exception, match="waited again"):
             fut2.wait()
+    finally:
+        q.shutdown()
+
+
+class _FinalWaitSeen:
+    """A final first wait (as driver.Wait) on one future the test completes by hand."""
+
+    final = True
+
+    def __init__(self, own: torch.futures.Future[Any], seen: list[bool]) -> None:
+        self.own, self.seen = own, seen
+
+    def futures(self) -> list[torch.futures.Future[Any]]:
+        return [self.own]
+
+    def completed(self) -> None:
+        self.seen.append(self.own.done())
+        self.own.value()
+
+
+def test_a_final_job_waits_for_its_own_work_even_when_an_earlier_future_failed() -> None:
+    """The rest of a job finished off the queue runs once its own work *and* every ``after``
+    future completed, failed or not: an ``after`` future that fails first must not start it
+    (``collect_all`` alone completes at the first failure) while its own work still runs."""
+    own: torch.futures.Future[Any] = torch.futures.Future()
+    seen: list[bool] = []
+
+    def job() -> Generator[Any, None, str]:
+        yield _FinalWaitSeen(own, seen)
+        return "done"
+
+    q = OrderedQueue("final-after")
+    try:
+        source: torch.futures.Future[Any] = torch.futures.Future()
+
+        def fail(_: torch.futures.Future[Any]) -> None:
+            raise RuntimeError("an earlier bucket failed")
+
+        earlier = source.then(fail)  # a real error of the future, as DDP's bucket futures
+        fut = q.submit_steps(job(), after=[earlier], raising=True)
+        source.set_result(None)
+        time.sleep(0.05)
+        assert not fut.done() and seen == []  # its own work is still running
+        own.set_result(None)
+        assert fut.wait() == "done" and seen == [True]
     finally:
         q.shutdown()

@@ -31,7 +31,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -453,13 +453,30 @@ def _reduce_bucket(
             f"DDP comm hook, bucket {bucket_index} at step {step}: not reduced because an "
             f"earlier bucket failed: {state._failed}"
         )
+    inner = _reduce_bucket_now(state, items, buffer, step, bucket_index, stream, last, earlier)
+    issued_all = False  # the bucket's final wait was reached: every collective of it issued
     try:
-        return (yield from _reduce_bucket_now(state, items, buffer, step, bucket_index, stream,
-                                              last, earlier))
+        wait = next(inner)
+        while True:  # ``yield from inner``, noting when its final wait goes by
+            issued_all = issued_all or bool(getattr(wait, "final", False))
+            try:
+                yield wait
+            except BaseException as exc:
+                wait = inner.throw(exc)
+                continue
+            wait = inner.send(None)
+    except StopIteration as stop:
+        return stop.value
     except GeneratorExit:  # dropped unfinished (the queue shut down): not a failure of ours
+        inner.close()
         raise
     except BaseException as exc:
-        state._failed = str(exc) or type(exc).__name__
+        # A failure after the bucket's final wait (its decode, in the collective's completion
+        # callback, while later buckets are already being issued) leaves the ranks in step:
+        # refusing the next buckets would happen at a different moment on each rank and
+        # unpair their collectives. It fails this bucket, and the step (see _end_step).
+        if not issued_all:
+            state._failed = str(exc) or type(exc).__name__
         if last:
             _end_step(state, step, earlier, failed=True)
         raise
@@ -475,8 +492,10 @@ def _end_step(
     """End ``step`` after its last bucket, once the ``earlier`` buckets' futures completed
     (their failures are theirs to report); a ``failed`` step's changes are undone."""
     for fut in earlier:
-        with suppress(Exception):  # that bucket's own future carries its error
+        try:
             fut.wait()
+        except Exception:  # that bucket's own future carries its error; the step failed
+            failed = True
     rank = state._group[0] if state._group is not None else None
     state.end_step(step, rank=rank, failed=failed or state._failed is not None)
 

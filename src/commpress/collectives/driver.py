@@ -849,6 +849,7 @@ def protocol_task(
     first: tuple[str, Any] | None = None,
     pool: ThreadPoolExecutor | None = None,
     single_round: bool = False,
+    final: bool = True,
 ) -> Generator[Pending, None, Reduced]:
     """Task driving a codec's :meth:`~commpress.codecs.base.Codec.reduce` generator.
 
@@ -874,6 +875,10 @@ def protocol_task(
         single_round: the codec asks for one request only (not ``multi_round``); without a
             pool, that request's last exchange is then marked :attr:`Pending.last`, and a
             second request is refused before anything of it is issued.
+        final: with ``single_round``, whether that last exchange may be marked last (its
+            wait *final*: a queue may finish the task in the collective's completion
+            callback, on the backend's thread); ``False`` keeps the decode on the scheduler's
+            thread.
     """
     last = single_round and pool is None
     if first is None:
@@ -890,11 +895,11 @@ def protocol_task(
             )
         if isinstance(request, AllReduce):
             reply: Any = yield from all_reduce_task(
-                request, ex, what=f"round {round_index}", last=last
+                request, ex, what=f"round {round_index}", last=last and final
             )
         elif isinstance(request, AllGather):
             reply = yield from all_gather_task(
-                request.payload, ex, what=f"round {round_index}", last=last
+                request.payload, ex, what=f"round {round_index}", last=last and final
             )
         else:
             raise CommpressError(

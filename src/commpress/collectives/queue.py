@@ -59,6 +59,12 @@ def run_steps(steps: Steps[T], first: Callable[[], Any] | None = None) -> T:
         return stop.value
 
 
+def _settled(fut: torch.futures.Future[Any]) -> None:
+    """A ``then`` callback that completes once ``fut`` did, whether it failed or not (its
+    error is left to its own waiters)."""
+    return None
+
+
 def _value_or_raise(fut: torch.futures.Future[T]) -> T:
     # A Python future failed with set_exception holds the exception as its value; waiting
     # here raises it, so the future ``then`` returns fails for real.
@@ -212,8 +218,10 @@ class OrderedQueue:
             if not futures:
                 done: torch.futures.Future = torch.futures.Future()
                 done.set_result(None)
-            else:
-                done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+            elif len(futures) == 1:
+                done = futures[0]
+            else:  # every future settled, failed or not: collect_all fails at the first error
+                done = torch.futures.collect_all([f.then(_settled) for f in futures])
             return done.then(functools.partial(self._finish, next(self._counter), steps, first))
         return fut.then(_value_or_raise) if raising else fut
 

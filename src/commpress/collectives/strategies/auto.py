@@ -34,8 +34,11 @@ class CodecProtocol(ExchangeStrategy):
 
     def task(self, codec: Codec, x: torch.Tensor, ctx: CodecContext, ex: Exchange, *,
              tag: int, pool: Pool, local_size: int) -> Task:
+        # Only an element-wise cast finishes in its collective's callback (``final``: its one
+        # exchange may be marked final); other codecs decode on the queue's thread, not on the
+        # backend's worker thread, where a long decode would hold up later collectives.
         return protocol_task(codec.reduce(x, ctx), ex, pool=pool,
-                             single_round=not codec.multi_round)
+                             single_round=not codec.multi_round, final=codec.elementwise)
 
 
 AUTO = register_strategy(CodecProtocol())
