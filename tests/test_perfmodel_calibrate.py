@@ -30,10 +30,13 @@ def test_network_fit_recovers_alpha_and_bandwidth() -> None:
     # 10% noise on one size shows up as spread
     noisy = [(b, [t * (1.1 if b == 1 << 18 else 1.0) for t in ts]) for b, ts in samples]
     assert 0.03 < fit_network(noisy, n).spread < 0.15
-    # the two largest sizes timed in the wrong order (noise): the slope from the smallest
+    # the two largest sizes timed in the wrong order, or alike (noise): the slope from the
+    # smallest, never an absurd bandwidth
     swapped = [samples[0], (samples[1][0], samples[2][1]), (samples[2][0], samples[1][1])]
     rough = fit_network(swapped, n)
-    assert rough.bandwidth > 0 and rough.spread > 0.5
+    assert rough.bandwidth > 0 and rough.spread > 0.5  # the misfit shows in the spread
+    alike = [samples[0], samples[1], (samples[2][0], [t * 1.001 for t in samples[1][1]])]
+    assert 0 < fit_network(alike, n).bandwidth < 2 * bw
     with pytest.raises(CommpressError, match="two or more sizes"):
         fit_network(samples[:1], n)
     with pytest.raises(CommpressError, match="at least 2 processes"):
@@ -82,6 +85,21 @@ def test_calibrate_command_on_loopback_gloo(tmp_path: Path) -> None:
     low, high = result["results"][0]["speedup_range"]
     assert low <= result["results"][0]["speedup_vs_fp16"] <= high
 
+
+
+def test_job_mode_needs_the_ranks_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    from commpress.perfmodel.calibration import job_environment
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(CommpressError, match="LOCAL_WORLD_SIZE"):
+        job_environment()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert job_environment() == (1, 4, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(CommpressError, match="not a multiple"):
+        job_environment()
 
 
 def test_calibrate_under_torchrun_measures_the_jobs_ranks(tmp_path: Path) -> None:

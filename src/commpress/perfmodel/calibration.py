@@ -375,11 +375,11 @@ def fit_network(samples: Sequence[tuple[int, Sequence[float]]], processes: int,
         by_size.setdefault(float(b), []).append(y)
     points = sorted((x, statistics.median(v)) for x, v in by_size.items())
     (x0, y0), (x1, y1), (x2, y2) = points[0], points[-2], points[-1]
-    # seconds per byte from the two largest sizes (from the largest and the smallest when
-    # noise made those two come out in the wrong order); the latency from the smallest, >= 0
-    slope = (y2 - y1) / (x2 - x1)
-    if slope <= 0:
-        slope = (y2 - y0) / (x2 - x0)
+    # seconds per byte from the two largest sizes, or from the largest and the smallest when
+    # that is steeper; the latency from the smallest, >= 0
+    # (the larger of the two slopes: two largest sizes timed alike by noise would otherwise
+    # give an absurd bandwidth)
+    slope = max((y2 - y1) / (x2 - x1), (y2 - y0) / (x2 - x0))
     intercept = max(0.0, y0 - slope * x0)
     if intercept == 0.0 and slope > 0:  # the smallest size is faster than the line: through 0
         slope = y2 / x2
@@ -522,8 +522,13 @@ def job_environment() -> tuple[int, int, int] | None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world < 2 or "RANK" not in os.environ:
             return None
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         rank = int(os.environ["RANK"])
+        if "LOCAL_WORLD_SIZE" not in os.environ:
+            raise CommpressError(
+                "RANK and WORLD_SIZE are set but LOCAL_WORLD_SIZE (ranks per node) is not: "
+                "launch with torchrun, or set it, so calibrate can tell the nodes apart"
+            )
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     except ValueError as exc:
         raise CommpressError(f"torchrun environment unreadable: {exc}") from exc
     if per_node < 1 or world % per_node:
