@@ -159,6 +159,11 @@ def _late_decode_failure_worker(rank: int, world: int) -> dict[str, Any]:
         hook.remove()
     after = torch.full((3,), float(rank + 1))
     dist.all_reduce(after)  # pairs up only if both ranks issued the same collectives
+    # backward raised at bucket 0's error; the last bucket ends the step in its own
+    # callback, which may still be running: give it up to 10 s
+    deadline = time.monotonic() + 10
+    while not any(s.failed for s in state.stats) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return {"issued": issued, "error": error, "after": after.tolist(),
             "failed_step": [s.step for s in state.stats if s.failed]}
 
