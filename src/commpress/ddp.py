@@ -38,11 +38,18 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed
 
-from commpress.codecs.base import Codec
+from commpress.codecs.base import Codec, CodecContext
 from commpress.collectives import engine
 from commpress.collectives.api import Strategy
 from commpress.collectives.checks import agree
-from commpress.collectives.driver import Exchange, Pending, require_initialized
+from commpress.collectives.driver import (
+    Exchange,
+    Pending,
+    Wait,
+    direct_path_applies,
+    require_initialized,
+    sums_plainly,
+)
 from commpress.collectives.feedback import (
     ChoiceReason,
     FeedbackConfig,
@@ -57,7 +64,13 @@ from commpress.collectives.policy import (
     checked_options,
     load_policy_file,
 )
-from commpress.collectives.queue import OrderedQueue, Steps, queue_for
+from commpress.collectives.queue import (
+    OrderedQueue,
+    Steps,
+    queue_for,
+    resume_final,
+    when_settled,
+)
 from commpress.collectives.strategies import (
     ExchangeStrategy,
     check_in,
@@ -336,6 +349,7 @@ class _BucketPlan:
         dense: the element-wise groups: the indices of their tensors and the group's key.
         single: indices of the tensors reduced one by one.
         numel: the elements of all the tensors.
+        lane: the bucket's :class:`_Lane`, once it has one.
     """
 
     signature: tuple[tuple[str, torch.Size, torch.dtype], ...]
@@ -344,6 +358,9 @@ class _BucketPlan:
     dense: list[tuple[list[int], str]]
     single: list[int]
     numel: int
+    #: set once the bucket was reduced in this plan by the general path, when it is one
+    #: collective that a lane can replay (:class:`_Lane`)
+    lane: _Lane | None = None
 
     @classmethod
     def of(cls, signature: tuple[tuple[str, torch.Size, torch.dtype], ...],
@@ -407,6 +424,185 @@ def _bucket_plans(
     return cached, plans
 
 
+@dataclasses.dataclass(slots=True, frozen=True)
+class _Lane:
+    """A bucket whose reduction is one collective, as the general path ran it at a step of
+    this plan: ready to replay at the next steps without the general path's planning and
+    scheduling (:func:`_replay`, which gives the same results: the same route task, codec,
+    buffers, stats and order of collectives).
+
+    A bucket gets a lane when its tensors form one element-wise group covering the whole
+    bucket buffer, without error feedback, on the CPU (no stream), with no guard, no timeout
+    of ours and no norm to measure (no stateful codec or feedback anywhere in the policy:
+    :meth:`~CompressionState.protects_state`), in a group of two or more ranks, and the
+    route reduces it in one collective issued at once (the identity's plain sum, or a 16-bit
+    cast's protocol that decodes into the buffer). The plan's epoch and the bucket's
+    parameters (by identity) must stay the same; anything else sends the bucket down the
+    general path again.
+
+    Attributes:
+        ids: the ids of the bucket's parameters, in bucket order.
+        keys: the names of its tensors (the plans' keys).
+        key: the element-wise group's key (its codec context's key).
+        scratch: the codec's buffers kept for the group across steps.
+    """
+
+    ids: tuple[int, ...]
+    keys: tuple[str, ...]
+    key: str
+    scratch: dict[str, torch.Tensor]
+
+
+def _lane_of(
+    state: DDPCompressionState,
+    ex: Exchange,
+    bucket: _BucketPlan,
+    plans: list[Plan],
+    ids: tuple[int, ...],
+    whole: torch.Tensor | None,
+    stream: Any,
+) -> _Lane | None:
+    """The lane of a bucket the general path just reduced, or ``None`` when the bucket
+    does not qualify (see :class:`_Lane`)."""
+    if (not ids or stream is not None or whole is None or bucket.single
+            or len(bucket.dense) != 1 or ex.world_size < 2 or state.guard is not None
+            or state.timeout is not None or plans[0].feedback or state.protects_state()):
+        return None
+    codec = plans[0].codec
+    route = _route(state, ex)
+    one_collective = (
+        (sums_plainly(codec) and direct_path_applies(whole, ex))
+        or (codec.reduces_into and not codec.multi_round)
+    )
+    if not (route.plain and one_collective):
+        return None
+    key = bucket.dense[0][1]
+    return _Lane(ids, tuple(p.key for p in plans), key, state._scratch.setdefault(key, {}))
+
+
+def _replay(
+    state: DDPCompressionState,
+    q: OrderedQueue,
+    params: Sequence[torch.Tensor],
+    buffer: torch.Tensor,
+    step: int,
+    bucket_index: int,
+    last: bool,
+    earlier: Sequence[torch.futures.Future[torch.Tensor]],
+) -> torch.futures.Future[torch.Tensor] | None:
+    """The bucket's reduction by its lane (:class:`_Lane`), or ``None`` when it has none
+    that still applies or the queue is busy (the general path then runs it).
+
+    The same steps as the general path for such a bucket, without re-planning and
+    scheduling: the step's plans (the cached choices), the route's task on the bucket
+    buffer (encoding and issuing its collective here, in the queue's order), and, in the
+    collective's completion callback, the decode into the buffer, the step's counts and
+    bytes, and the end of the step after its last bucket."""
+    cached = state._buckets.get(bucket_index)
+    lane = cached.lane if cached is not None else None
+    if (lane is None or state._failed is not None or state.timeout is not None
+            or cached.epoch != state.plan_epoch(step)
+            or buffer.numel() != cached.numel or lane.ids != tuple(map(id, params))):
+        return None
+    plans = [
+        Plan(key, codec, reason, feedback, step)
+        for key, (codec, reason, feedback) in zip(lane.keys, cached.choices, strict=True)
+    ]
+    codec = plans[0].codec
+    ex = _exchange(state, bucket_index)
+    ex.writable = buffer
+    ctx = CodecContext(
+        rank=ex.rank, world_size=ex.world_size, step=step, key=lane.key, need_local=False,
+        average=True,
+    )
+    route = _route(state, ex)
+    what = f"DDP comm hook, bucket {bucket_index} at step {step}"
+
+    def issue() -> tuple[Generator[Pending, None, Any], Pending | None, Any]:
+        task = route.exchange(
+            ex, codec, buffer, ctx, tag=engine.ring_tag(0), out=buffer, scratch=lane.scratch
+        )
+        try:
+            return task, next(task), None
+        except StopIteration as stop:  # nothing to send
+            return task, None, stop.value
+
+    try:
+        with error_context(what):
+            ran, issued = q.run_if_idle(issue)
+    except BaseException as exc:
+        # as the general path: a failure before the collective is issued refuses later
+        # buckets (the ranks may be out of step), and fails the step
+        state._failed = str(exc) or type(exc).__name__
+        if last:
+            _end_step(state, step, earlier, failed=True)
+        if not isinstance(exc, Exception):
+            raise
+        # raised by a callback: a real error of the future, which DDP shows
+        return when_settled([], partial(_raise, exc))
+    if not ran or issued is None:
+        return None
+    # Counted here, on the hook's thread (a lane's state measures no norms: see _lane_of),
+    # so the completion callback, which holds the interpreter while the hook sends the next
+    # bucket, only decodes (and ends the step). A failure here, after the collective, fails
+    # the bucket in that callback, as a failure after the general path's final wait does.
+    error: BaseException | None = None
+    try:
+        for plan in plans:
+            state.plans[plan.key] = plan
+        state.record_group(plans, buffer, params if len(plans) == len(params) else (buffer,))
+        state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
+    except Exception as exc:
+        error = exc
+    task, pending, value = issued
+    finish = partial(_replay_finish, state, ex, task, pending, value, error, buffer, step,
+                     what, last, earlier)
+    works = Wait(ex, pending, True).futures() if pending is not None else []
+    return when_settled([*earlier, *works] if last else works, finish)
+
+
+def _raise(exc: BaseException, _: Any) -> Any:
+    raise exc
+
+
+def _replay_finish(
+    state: DDPCompressionState,
+    ex: Exchange,
+    task: Generator[Pending, None, Any],
+    pending: Pending | None,
+    value: Any,
+    error: BaseException | None,
+    buffer: torch.Tensor,
+    step: int,
+    what: str,
+    last: bool,
+    earlier: Sequence[torch.futures.Future[torch.Tensor]],
+    _: Any,
+) -> torch.Tensor:
+    """:func:`_replay`'s rest, in the completion callback of the bucket's collective (of the
+    step's earlier buckets' too, for its last): the general path's after its final wait.
+    ``error``: what failed after the collective was issued (raised here)."""
+    try:
+        with error_context(what):
+            if error is not None:
+                task.close()
+                raise error
+            if pending is not None:
+                value = resume_final(task, Wait(ex, pending, True))
+            total = value.total
+            if total.data_ptr() != buffer.data_ptr() or total.dtype != buffer.dtype:
+                buffer.copy_(total)
+    except BaseException:
+        # after the collective: the ranks are in step, so this fails the bucket (and the
+        # step) without refusing later ones, as the general path does
+        if last:
+            _end_step(state, step, earlier, failed=True)
+        raise
+    if last:
+        _end_step(state, step, earlier)
+    return buffer
+
+
 def _single_task(
     state: DDPCompressionState,
     ex: Exchange,
@@ -433,6 +629,7 @@ def _reduce_bucket(
     stream: Any,
     last: bool = False,
     earlier: Sequence[torch.futures.Future[torch.Tensor]] = (),
+    ids: tuple[int, ...] = (),
 ) -> Steps[torch.Tensor]:
     """The queued job, as steps (:data:`~commpress.collectives.queue.Steps`): reduce every
     tensor of one bucket and write the means into the buffer (after the step's ``last``
@@ -442,7 +639,9 @@ def _reduce_bucket(
     Tensors whose codec is an element-wise cast (identity, fp16, bf16) are grouped into one
     flat reduction per (codec, feedback, dtype); every other tensor gets its own protocol.
     The reductions are pipelined (``run_tasks``, two in flight): encoding the next tensor
-    overlaps the transfer of the previous one, in the same order on every rank.
+    overlaps the transfer of the previous one, in the same order on every rank. ``ids``:
+    the ids of the bucket's parameters, which a lane for the next steps records
+    (:class:`_Lane`).
     """
     if state._failed is not None:
         # Ranks may be out of step after a failure: issuing more collectives could pair up
@@ -453,7 +652,9 @@ def _reduce_bucket(
             f"DDP comm hook, bucket {bucket_index} at step {step}: not reduced because an "
             f"earlier bucket failed: {state._failed}"
         )
-    inner = _reduce_bucket_now(state, items, buffer, step, bucket_index, stream, last, earlier)
+    inner = _reduce_bucket_now(
+        state, items, buffer, step, bucket_index, stream, last, earlier, ids
+    )
     issued_all = False  # the bucket's final wait was reached: every collective of it issued
     try:
         wait = next(inner)
@@ -557,6 +758,7 @@ def _reduce_bucket_now(
     stream: Any,
     last: bool,
     earlier: Sequence[torch.futures.Future[torch.Tensor]],
+    ids: tuple[int, ...] = (),
 ) -> Steps[torch.Tensor]:
     ctx_mgr = torch.cuda.stream(stream) if stream is not None else _NO_STREAM
     with ctx_mgr, error_context(f"DDP comm hook, bucket {bucket_index} at step {step}"):
@@ -594,6 +796,8 @@ def _reduce_bucket_now(
         # queue.
         yield from engine.schedule_jobs(ex, _route(state, ex), jobs)
         state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
+        if bucket.lane is None:
+            bucket.lane = _lane_of(state, ex, bucket, plans, ids, whole, stream)
         if last:
             # undo a non-finite step's changes to the codec states, run the guard, record stats
             _end_step(state, step, earlier)
@@ -653,28 +857,35 @@ def comm_hook(
         state.advance()
     params = bucket.parameters()
     index = bucket.index()
-    names = state.names_of(index, params)
-    if state.granularity == "bucket" or not params:
-        items = [(_bucket_key(names), buffer)]
-    else:
-        items = list(zip(names, bucket.gradients(), strict=True))
-    stream = torch.cuda.current_stream(buffer.device) if buffer.is_cuda else None
     q = state._queue
     if q is None or not q.alive:
         q = state._queue = queue_for(state.process_group)
-    # On the CPU, an idle queue runs the job's first step (planning, encoding, issuing the
-    # first collective) right here, without a hand-off to its thread; under a CUDA stream the
-    # whole job runs on the queue's thread (the stream context is per thread).
     earlier: tuple[torch.futures.Future[torch.Tensor], ...] = ()
     if last:
         earlier, state._finishing = tuple(state._finishing), []
-    steps = _reduce_bucket(state, items, buffer, step, index, stream, last, earlier)
-    # A job whose one collective is issued in its first step (a bucket of element-wise casts
-    # with one exchange) finishes in that collective's completion callback, off the queue;
-    # the last bucket's after the step's earlier buckets. ``raising``: a failure is a real
-    # error of the returned future, whose message DDP shows (a Python future's
-    # set_exception stores the exception as its value, which DDP would fail to cast).
-    fut = q.submit_steps(steps, start_here=stream is None, after=earlier, raising=True)
+    # A bucket reduced in one collective at an earlier step of the same plan is replayed by
+    # its lane; otherwise (or when the queue is busy) the general path runs.
+    fut = _replay(state, q, params, buffer, step, index, last, earlier)
+    if fut is None:
+        names = state.names_of(index, params)
+        if state.granularity == "bucket" or not params:
+            items = [(_bucket_key(names), buffer)]
+        else:
+            items = list(zip(names, bucket.gradients(), strict=True))
+        stream = torch.cuda.current_stream(buffer.device) if buffer.is_cuda else None
+        # On the CPU, an idle queue runs the job's first step (planning, encoding, issuing
+        # the first collective) right here, without a hand-off to its thread; under a CUDA
+        # stream the whole job runs on the queue's thread (the stream context is per thread).
+        steps = _reduce_bucket(
+            state, items, buffer, step, index, stream, last, earlier, tuple(map(id, params))
+        )
+        # A job whose one collective is issued in its first step (a bucket of element-wise
+        # casts with one exchange) finishes in that collective's completion callback, off
+        # the queue; the last bucket's after the step's earlier buckets. ``raising``: a
+        # failure is a real error of the returned future, whose message DDP shows (a Python
+        # future's set_exception stores the exception as its value, which DDP would fail to
+        # cast).
+        fut = q.submit_steps(steps, start_here=stream is None, after=earlier, raising=True)
     if not last:
         state._finishing.append(fut)
     return fut

@@ -65,6 +65,43 @@ def _settled(fut: torch.futures.Future[Any]) -> None:
     return None
 
 
+def when_settled(
+    futures: Sequence[torch.futures.Future[Any]], callback: Callable[[Any], T]
+) -> torch.futures.Future[T]:
+    """The future of ``callback`` run once every one of ``futures`` completed, failed or not
+    (``torch.futures.collect_all`` alone completes at the first failure); the callback reads
+    their outcomes itself. At once, on this thread, when there are none."""
+    if not futures:
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        done.set_result(None)
+    elif len(futures) == 1:
+        done = futures[0]
+    else:
+        done = torch.futures.collect_all([f.then(_settled) for f in futures])
+    return done.then(callback)
+
+
+def resume_final(steps: Generator[Any, None, T], first: Any) -> T:
+    """Run ``steps`` to their end once the operations of their *final* wait ``first``
+    completed (in those operations' completion callback): ``first.completed()`` (which
+    raises their failure into the steps), then the local work that follows. Steps that
+    wait again are closed and refused (:class:`CommpressError`)."""
+    try:
+        try:
+            first.completed()
+        except BaseException as exc:
+            wait = steps.throw(exc)
+        else:
+            wait = steps.send(None)
+    except StopIteration as stop:
+        return stop.value
+    steps.close()
+    raise CommpressError(
+        f"{getattr(steps, '__qualname__', steps)} waited again ({wait!r}) after a wait it "
+        "marked final"
+    )
+
+
 def _value_or_raise(fut: torch.futures.Future[T]) -> T:
     # A Python future failed with set_exception holds the exception as its value; waiting
     # here raises it, so the future ``then`` returns fails for real.
@@ -214,16 +251,28 @@ class OrderedQueue:
         if fut is None and first is None:
             fut = self.submit(run_steps, steps)
         if fut is None:  # the first wait was final: the rest runs when the works complete
-            futures = [*after, *first.futures()]
-            if not futures:
-                done: torch.futures.Future = torch.futures.Future()
-                done.set_result(None)
-            elif len(futures) == 1:
-                done = futures[0]
-            else:  # every future settled, failed or not: collect_all fails at the first error
-                done = torch.futures.collect_all([f.then(_settled) for f in futures])
-            return done.then(functools.partial(self._finish, next(self._counter), steps, first))
+            return when_settled(
+                [*after, *first.futures()],
+                functools.partial(self._finish, next(self._counter), steps, first),
+            )
         return fut.then(_value_or_raise) if raising else fut
+
+    def run_if_idle(self, fn: Callable[[], T]) -> tuple[bool, T | None]:
+        """``(True, fn())`` with ``fn`` run right here, holding the queue's lock, when the
+        queue is idle (nothing queued or running, not shut down, and the caller is not its
+        worker): no job issues an operation meanwhile, so what ``fn`` issues takes its place
+        in the submission order. ``(False, None)`` otherwise (submit a job instead).
+
+        ``fn`` may issue operations but must neither wait for them nor submit jobs: what
+        follows them runs in their completion callbacks (:func:`when_settled`), as the rest
+        of a job whose first wait is final does (:meth:`submit_steps`)."""
+        me = threading.get_ident()
+        if me == self._worker_ident or me == self._inline_ident:
+            return False, None
+        with self._lock:
+            if self._closed or self._unfinished:
+                return False, None
+            return True, fn()
 
     def _start_here(
         self, steps: Steps[Any], me: int
@@ -258,23 +307,11 @@ class OrderedQueue:
         """The rest of a job whose first wait was final (in a future's callback): that wait,
         then the steps to their end, which must not wait for anything else."""
         try:
-            try:
-                first.completed()  # type: ignore[attr-defined]
-            except BaseException as exc:
-                wait = steps.throw(exc)
-            else:
-                wait = steps.send(None)
-        except StopIteration as stop:
-            return stop.value
+            return resume_final(steps, first)
         except CommpressError:
             raise
         except Exception as exc:
             raise self._job_error(job_id, steps, exc) from exc
-        steps.close()
-        raise CommpressError(
-            f"{self.name}: job {job_id} ({getattr(steps, '__qualname__', steps)}) waited "
-            f"again ({wait!r}) after a wait it marked final"
-        )
 
     def on_worker_thread(self) -> bool:
         """Whether the caller is running a job of this queue (on the worker thread, or inline
@@ -486,4 +523,7 @@ def shutdown_queues(timeout: float = 10.0) -> None:
 
 atexit.register(shutdown_queues, 2.0)
 
-__all__ = ["OrderedQueue", "Steps", "queue_for", "run_steps", "shutdown_queues"]
+__all__ = [
+    "OrderedQueue", "Steps", "queue_for", "resume_final", "run_steps", "shutdown_queues",
+    "when_settled",
+]

@@ -1,0 +1,124 @@
+"""The DDP hook's lanes (``commpress.ddp._Lane``), on 2-rank gloo groups: a bucket reduced in
+one collective at an earlier step of the same plan is replayed without the general path's
+planning and scheduling. A lane must change nothing but the cost: the same gradients bit for
+bit, the same step stats and plans, the same failures, as the general path (the hook with
+lanes turned off)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commpress
+from commpress.collectives.policy import Guard
+from dist_utils import run_workers
+
+STEPS = 5
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4096))
+
+
+def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
+           fail_at: int | None = None) -> dict[str, Any]:
+    from commpress import ddp as hook
+    from commpress.codecs import cast
+
+    replays = {"n": 0}
+    real_replay = hook._replay
+
+    def replay(*args: Any) -> Any:
+        fut = real_replay(*args) if lanes else None
+        replays["n"] += fut is not None
+        return fut
+
+    hook._replay = replay  # type: ignore[assignment]
+    real_cast = cast._cast_into
+    model = DDP(_model(), bucket_cap_mb=0.01)  # several buckets
+    state = commpress.ddp.register(model, codec, **options)
+    grads, errors = [], []
+    for step in range(STEPS):
+        if fail_at is not None and step == fail_at:  # every 16-bit encode fails, every rank
+            def broken(*a: Any, **k: Any) -> Any:
+                raise RuntimeError("injected encode failure")
+            cast._cast_into = broken  # type: ignore[assignment]
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        model.zero_grad(set_to_none=True)
+        try:
+            model(x).square().mean().backward()
+        except RuntimeError as exc:  # DDP raises a bucket's error in backward
+            errors.append((step, "injected encode failure" in str(exc)))
+        finally:
+            cast._cast_into = real_cast  # type: ignore[assignment]
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()
+                                if p.grad is not None]))
+    hook._replay = real_replay  # type: ignore[assignment]
+    stats = [(s.step, s.tensors, s.codecs, s.reasons, s.wire_bytes, s.failed)
+             for s in state.stats]
+    plans = {k: (p.codec.codec_id, p.reason, p.step) for k, p in state.plans.items()}
+    laned = sum(b.lane is not None for b in state._buckets.values())
+    return {"grads": grads, "stats": stats, "plans": plans, "replays": replays["n"],
+            "laned": laned, "errors": errors, "failed": state._failed is not None}
+
+
+def _pair(rank: int, world: int, codec: str, options: dict[str, Any],
+          fail_at: int | None) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    on = _train(rank, True, codec, options, fail_at)
+    dist.barrier()
+    off = _train(rank, False, codec, options, fail_at)
+    return {"on": on, "off": off}
+
+
+CASES = [
+    ("fp16", {}, True),
+    ("bf16", {"granularity": "bucket"}, True),
+    ("identity", {}, True),
+    ("fp16", {"warmup_steps": 2}, True),  # warm-up ends: a new plan epoch, new lanes
+    ("fp16", {"error_feedback": True}, False),  # feedback: the general path
+    ("fp16", {"guard": Guard(spike_factor=None)}, False),  # a guard measures norms
+    ("powersgd:rank=2", {}, False),  # not one element-wise collective
+]
+
+
+@pytest.mark.parametrize(("codec", "options", "laned"), CASES,
+                         ids=[f"{c}-{'-'.join(o) or 'plain'}" for c, o, _ in CASES])
+def test_lanes_replay_the_general_path_exactly(codec: str, options: dict[str, Any],
+                                               laned: bool) -> None:
+    a, b = run_workers(_pair, 2, codec, options, None, timeout=240)
+    for r in (a, b):
+        on, off = r["on"], r["off"]
+        assert off["replays"] == 0
+        if laned:
+            # every bucket has a lane, replayed from the step after its plan was made
+            assert on["laned"] >= 2 and on["replays"] >= 2 * on["laned"], on
+        else:
+            assert on["laned"] == 0 and on["replays"] == 0, on
+        assert len(on["grads"]) == len(off["grads"]) == STEPS
+        for g_on, g_off in zip(on["grads"], off["grads"], strict=True):
+            assert torch.equal(g_on, g_off)
+        assert on["stats"] == off["stats"] and len(on["stats"]) == STEPS
+        assert on["plans"] == off["plans"]
+        assert on["errors"] == off["errors"] == []
+    for g_a, g_b in zip(a["on"]["grads"], b["on"]["grads"], strict=True):
+        assert torch.equal(g_a, g_b)  # identical on every rank
+
+
+def test_a_lane_fails_as_the_general_path_does() -> None:
+    """An encode that fails at step 2 (before the collective is issued): the step fails and
+    is ended, later buckets and steps are refused without communicating, with lanes as
+    without."""
+    for r in run_workers(_pair, 2, "fp16", {}, 2, timeout=240):
+        on, off = r["on"], r["off"]
+        assert on["replays"] == 1  # step 2's first bucket: its lane (DDP rebuilt at step 1)
+        assert on["failed"] and off["failed"]
+        assert [s for s, _ in on["errors"]] == [s for s, _ in off["errors"]] == [2, 3, 4]
+        assert on["errors"][0][1] and off["errors"][0][1]  # step 2 names the injected error
+        assert [s[5] for s in on["stats"]] == [s[5] for s in off["stats"]]
+        assert [s[0] for s in on["stats"] if s[5]] == [2, 3, 4]
