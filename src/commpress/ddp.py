@@ -499,8 +499,10 @@ def _replay(
     collective's completion callback, the decode into the buffer, the step's counts and
     bytes, and the end of the step after its last bucket."""
     cached = state._buckets.get(bucket_index)
-    lane = cached.lane if cached is not None else None
-    if (lane is None or state._failed is not None or state.timeout is not None
+    if cached is None or cached.lane is None:
+        return None
+    lane = cached.lane
+    if (state._failed is not None or state.timeout is not None
             or cached.epoch != state.plan_epoch(step)
             or buffer.numel() != cached.numel or lane.ids != tuple(map(id, params))):
         return None
