@@ -496,9 +496,11 @@ def _reduce_bucket(
     :meth:`CompressionState.end_step`; a failed step is ended too, its changes undone).
 
     Tensors whose codec is an element-wise cast (identity, fp16, bf16) are grouped into one
-    flat reduction per (codec, feedback, dtype); every other tensor gets its own protocol.
-    The reductions are pipelined (``run_tasks``, two in flight): encoding the next tensor
-    overlaps the transfer of the previous one, in the same order on every rank.
+    flat reduction per (codec, feedback, dtype); every other tensor gets its own protocol,
+    and with ``state.batch_rounds`` and a strategy running the codec's protocol those
+    protocols run in lockstep as one job (:func:`_batched_task`: round ``k`` of all of them
+    one merged exchange). The jobs are pipelined (``run_tasks``, two in flight): encoding the
+    next one overlaps the transfer of the previous one, in the same order on every rank.
     """
     if state._failed is not None:
         # Ranks may be out of step after a failure: issuing more collectives could pair up
@@ -690,7 +692,9 @@ def comm_hook(
           per (codec, feedback, dtype), and every other tensor on its own, each exchanged by
           the state's strategy (the codec's protocol, an all-gather, a ring with the codec in
           the wire, or a hierarchical exchange), compensated by error feedback (and DGC
-          momentum) when it applies;
+          momentum) when it applies; with ``batch_rounds`` (default) and the codec's own
+          protocol, those tensors' protocols run in lockstep, round ``k`` of all of them one
+          all-reduce (PowerSGD: two per bucket);
        c. runs those reductions pipelined, two in flight (one for the hierarchical
           strategies), in the same order on every rank;
        d. writes the means (identical on every rank) into the buffer and returns it;
