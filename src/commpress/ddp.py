@@ -39,7 +39,7 @@ import torch
 import torch.distributed
 
 from commpress.codecs.base import Codec, CodecContext
-from commpress.codecs.protocol import Protocol, Request
+from commpress.codecs.protocol import Protocol
 from commpress.collectives import engine
 from commpress.collectives.api import Strategy
 from commpress.collectives.batched import batched_task
@@ -434,10 +434,12 @@ def _single_task(
     t: torch.Tensor,
     plan: Plan,
     step: int,
-    exchange: engine.Exchanger,
-) -> Generator[Pending, None, None]:
-    """Reduce one tensor with its plan's codec by the hook's strategy, compensated before and
-    remembered after (``state.prepare`` / ``state.finish``) when error feedback applies."""
+    exchange: engine.Exchanger | Callable[[Codec, torch.Tensor, CodecContext], Protocol],
+) -> Generator[Any, Any, None]:
+    """Reduce one tensor with its plan's codec by the hook's strategy (or, given
+    :func:`_codec_protocol`, as the codec's own protocol: a generator of requests),
+    compensated before and remembered after (``state.prepare`` / ``state.finish``) when error
+    feedback applies."""
     reduced = yield from engine.with_feedback(
         state, key, t, exchange, rank=ex.rank, world_size=ex.world_size, step=step, plan=plan
     )
@@ -447,18 +449,6 @@ def _single_task(
 def _codec_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext) -> Protocol:
     """The codec's own protocol for ``x`` (what strategy ``auto`` drives)."""
     return codec.reduce(x, ctx)
-
-
-def _tensor_protocol(
-    state: DDPCompressionState, ex: Exchange, key: str, t: torch.Tensor, plan: Plan, step: int
-) -> Generator[Request, Any, None]:
-    """:func:`_single_task` as a protocol: the tensor's codec protocol between
-    ``state.prepare`` and ``state.finish`` (error feedback per tensor); writes the mean."""
-    reduced = yield from engine.with_feedback(
-        state, key, t, _codec_protocol, rank=ex.rank, world_size=ex.world_size, step=step,
-        plan=plan,
-    )
-    t.copy_(reduced.total)
 
 
 def _batched_task(
@@ -474,7 +464,7 @@ def _batched_task(
     merged exchange), each compensated and remembered on its own. ``exchange`` (the
     strategy's) is not used: the strategy runs the codecs' protocols, which this merges."""
     protocols = [
-        _tensor_protocol(state, ex, key, t, plan, step)
+        _single_task(state, ex, key, t, plan, step, _codec_protocol)
         for (key, t), plan in zip(items, plans, strict=True)
     ]
     yield from batched_task(protocols, ex)
