@@ -16,6 +16,10 @@ was before the refactor:
 * ``ddp/...``: the DDP comm hook (``commpress.ddp.register``) with a selection of codecs and
   strategies on 2 ranks, 2 training steps: the tensors sent (except the hook's agreement
   checks, which carry hashes of the settings rather than data) and the final parameters.
+  Cases run with ``batch_rounds=False`` (one exchange per tensor, the bytes recorded before
+  the hook batched rounds) unless they name ``batch_rounds=True`` (the default since: round
+  ``k`` of a bucket's protocols merged into one all-reduce, the same values in another
+  layout on the wire).
 
 A pair a strategy refuses is recorded as ``"refused"``.
 
@@ -63,6 +67,9 @@ DDP_CONFIGS: tuple[dict[str, Any], ...] = (
     {"codec": "topkc", "strategy": "allreduce"},
     {"codec": "topk", "granularity": "bucket", "momentum": 0.9},
     {"codec": "thc", "strategy": "hierarchical", "local_size": 2},
+    # the hook's default: a bucket's protocols in lockstep, round k of all one all-reduce
+    {"codec": "powersgd", "rank": 2, "batch_rounds": True},
+    {"codec": "topkc", "strategy": "allreduce", "batch_rounds": True},
 )
 
 
@@ -248,7 +255,9 @@ def _ddp_worker(rank: int, world: int, configs: list[dict[str, Any]]) -> dict[st
             torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
         )
         model = DDP(net, bucket_cap_mb=0.0005)  # several buckets
-        commpress.ddp.register(model, timeout=60.0, **cfg)
+        # one exchange per tensor unless the case says otherwise: the bytes recorded before
+        # the hook batched rounds
+        commpress.ddp.register(model, timeout=60.0, **{"batch_rounds": False, **cfg})
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         log = _Log()
         current[:] = [log]

@@ -21,7 +21,14 @@ from commpress.perfmodel.codec_costs import (
     wire_profile,
 )
 from commpress.perfmodel.collectives import Cluster
-from commpress.perfmodel.model import HookPlan, Platform, Setup, Workload, predict
+from commpress.perfmodel.model import (
+    HookPlan,
+    Platform,
+    Prediction,
+    Setup,
+    Workload,
+    predict,
+)
 from commpress.perfmodel.timeline import Segment, simulate_step
 
 
@@ -277,3 +284,57 @@ def test_hooked_strategies_refuse_what_the_hook_refuses() -> None:
         assert predict(w, cl, codec, strategy=strategy, hook=HookPlan()).total > 0
     with pytest.raises(CommpressError, match="error_feedback"):
         HookPlan(error_feedback="yes")  # type: ignore[arg-type]
+
+
+def test_hook_granularity_batches_where_the_hook_batches_its_rounds() -> None:
+    """The DDP hook's default (``batch_rounds=True``) merges round k of a bucket's non-cast
+    tensors into one all-reduce: granularity "hook" has "batched"'s collectives there (and
+    "parameter"'s fixed codec costs: one codec call per tensor), and is "parameter" where the
+    hook cannot merge (all-gathers, strategies that do not run the codec's protocol)."""
+    cl = Cluster.build(nodes=2, gpus_per_node=1, inter_bw="100mbit")
+    matrices = [s for s in SHAPES if len(s) == 2]
+
+    def split(segs: list[Segment]) -> tuple[list[Segment], float]:
+        return ([s for s in segs if s.resource == "net"],
+                sum(s.seconds for s in segs if s.kind == "codec"))
+
+    for strategy, codec, merged in (("auto", "powersgd:rank=4", True),
+                                    ("allreduce", "powersgd:rank=4", True),
+                                    ("ring", "sign", False),
+                                    ("auto", "topk:ratio=0.01", False)):
+        cfg = ExchangeConfig(cluster=cl, strategy=strategy)
+        hook = exchange_segments(codec, matrices, cfg, granularity="hook")
+        per = exchange_segments(codec, matrices, cfg, granularity="parameter")
+        if not merged:
+            assert hook == per, (strategy, codec)
+            continue
+        net, codec_s = split(hook)
+        batched_net, batched_codec_s = split(
+            exchange_segments(codec, matrices, cfg, granularity="batched"))
+        assert net == batched_net and len(net) == 2
+        speed = cfg.speeds.lookup(get_codec(codec))
+        # every matrix pays the encode's and the decode's fixed cost, not the bucket once
+        fixed = speed.overhead_s + (speed.overhead_s if speed.decode_overhead_s is None
+                                    else speed.decode_overhead_s)
+        assert codec_s == pytest.approx(batched_codec_s + (len(matrices) - 1) * fixed)
+        assert codec_s == pytest.approx(split(per)[1], rel=0.05)
+    # the hooked prediction: the fp16 group, then one exchange of every PowerSGD matrix with
+    # two all-reduces; batch_rounds=False: two per matrix
+    w = Workload.from_shapes(SHAPES, compute_s=0.1)
+    on = predict(w, cl, "powersgd:rank=4", hook=HookPlan(min_numel=4096))
+    off = predict(w, cl, "powersgd:rank=4", hook=HookPlan(min_numel=4096, batch_rounds=False))
+
+    def collectives(p: Prediction) -> int:
+        return len([e for e in p.timeline.events if e.resource == "net" and e.kind == "comm"])
+
+    assert collectives(off) == 1 + 2 * len(matrices)
+    assert collectives(on) == 1 + 2
+    assert on.wire_bytes == pytest.approx(off.wire_bytes)
+    # merged rounds save latencies but give up overlapping one tensor's encode with the
+    # previous one's transfer: a gain where latency dominates (2 ms per message)
+    slow = Cluster.build(nodes=2, gpus_per_node=1, inter_bw="100mbit", inter_latency="2ms")
+    assert predict(w, slow, "powersgd:rank=4", hook=HookPlan(min_numel=4096)).total < \
+        predict(w, slow, "powersgd:rank=4",
+                hook=HookPlan(min_numel=4096, batch_rounds=False)).total
+    with pytest.raises(CommpressError, match="batch_rounds"):
+        HookPlan(batch_rounds=1)  # type: ignore[arg-type]

@@ -39,8 +39,10 @@ import torch
 import torch.distributed
 
 from commpress.codecs.base import Codec, CodecContext
+from commpress.codecs.protocol import Protocol
 from commpress.collectives import engine
 from commpress.collectives.api import Strategy
+from commpress.collectives.batched import batched_task
 from commpress.collectives.checks import agree
 from commpress.collectives.driver import (
     Exchange,
@@ -114,9 +116,13 @@ class DDPCompressionState(CompressionState):
             directly from a model instead.
         plans: the most recent :class:`~commpress.collectives.policy.Plan` of every key, for
             inspection and tests.
+        batch_rounds: whether a bucket's non-cast tensors are reduced in lockstep, round
+            ``k`` of all of them one merged exchange (see :func:`register`); every rank must
+            agree (part of :meth:`settings_fingerprint`).
     """
 
-    __slots__ = ("granularity", "strategy", "local_size", "param_names", "layouts", "plans",
+    __slots__ = ("granularity", "strategy", "local_size", "batch_rounds", "param_names",
+                 "layouts", "plans",
                  "_verified", "_failed", "_settings", "_names", "_buckets", "_group", "_route",
                  "_queue", "_scratch", "_finishing")
     _TRANSIENT = (*CompressionState._TRANSIENT, "param_names", "_verified", "_failed",
@@ -131,11 +137,13 @@ class DDPCompressionState(CompressionState):
         strategy: Strategy = "auto",
         local_size: int | None = None,
         param_names: Mapping[torch.nn.Parameter, str] | None = None,
+        batch_rounds: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(policy, **kwargs)
         found = _checked_layout(granularity, strategy, local_size)
         self.granularity: Granularity = granularity
+        self.batch_rounds: bool = _checked_batch_rounds(batch_rounds)
         self.strategy: Strategy = strategy
         #: Ranks per node for the hierarchical strategies (``None`` for the others).
         self.local_size = local_size if found.needs_local_size else None
@@ -150,7 +158,8 @@ class DDPCompressionState(CompressionState):
         self._forget_caches()
 
     #: The hook's settings that plans and routes depend on, besides the base class's.
-    _PLAN_SETTINGS = CompressionState._PLAN_SETTINGS | {"granularity", "strategy"}
+    _PLAN_SETTINGS = CompressionState._PLAN_SETTINGS | {"granularity", "strategy",
+                                                        "batch_rounds"}
 
     def _checked_setting(self, name: str, value: Any) -> Any:
         if name == "granularity":
@@ -159,6 +168,8 @@ class DDPCompressionState(CompressionState):
         if name == "strategy":
             _checked_layout("parameter", value, None)
             return value
+        if name == "batch_rounds":
+            return _checked_batch_rounds(value)
         return super()._checked_setting(name, value)
 
     def _settings_changed(self) -> None:
@@ -198,6 +209,8 @@ class DDPCompressionState(CompressionState):
             self.strategy = "auto"
         if not hasattr(self, "local_size"):
             self.local_size = None
+        if not hasattr(self, "batch_rounds"):  # pickled before the hook batched rounds
+            self.batch_rounds = True
 
     def bind(self, model: torch.nn.Module) -> None:
         """Take parameter names from ``model`` (a DDP model or its module), e.g. after
@@ -256,6 +269,7 @@ class DDPCompressionState(CompressionState):
                 "guard": repr(self.guard),
                 "strategy": self.strategy,
                 "local_size": self.local_size,
+                "batch_rounds": self.batch_rounds,
             }
             self._settings = _hash63(json.dumps(desc, sort_keys=True, default=str))
         return self._settings
@@ -293,6 +307,12 @@ def _checked_layout(granularity: Any, strategy: Any, local_size: Any) -> Exchang
             f"local_size must be an int >= 1 (ranks per node) or None, got {local_size!r}"
         )
     return found
+
+
+def _checked_batch_rounds(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise CommpressError(f"batch_rounds must be a bool, got {value!r}")
+    return value
 
 
 def _hash63(text: str) -> int:
@@ -612,14 +632,40 @@ def _single_task(
     t: torch.Tensor,
     plan: Plan,
     step: int,
-    exchange: engine.Exchanger,
-) -> Generator[Pending, None, None]:
-    """Reduce one tensor with its plan's codec by the hook's strategy, compensated before and
-    remembered after (``state.prepare`` / ``state.finish``) when error feedback applies."""
+    exchange: engine.Exchanger | Callable[[Codec, torch.Tensor, CodecContext], Protocol],
+) -> Generator[Any, Any, None]:
+    """Reduce one tensor with its plan's codec by the hook's strategy (or, given
+    :func:`_codec_protocol`, as the codec's own protocol: a generator of requests),
+    compensated before and remembered after (``state.prepare`` / ``state.finish``) when error
+    feedback applies."""
     reduced = yield from engine.with_feedback(
         state, key, t, exchange, rank=ex.rank, world_size=ex.world_size, step=step, plan=plan
     )
     t.copy_(reduced.total)
+
+
+def _codec_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext) -> Protocol:
+    """The codec's own protocol for ``x`` (what strategy ``auto`` drives)."""
+    return codec.reduce(x, ctx)
+
+
+def _batched_task(
+    state: DDPCompressionState,
+    ex: Exchange,
+    items: list[tuple[str, torch.Tensor]],
+    plans: list[Plan],
+    step: int,
+    exchange: engine.Exchanger,
+) -> Generator[Pending, None, None]:
+    """Reduce several tensors of a bucket with their codecs' own protocols in lockstep
+    (:func:`~commpress.collectives.batched.batched_task`: round ``k`` of every tensor is one
+    merged exchange), each compensated and remembered on its own. ``exchange`` (the
+    strategy's) is not used: the strategy runs the codecs' protocols, which this merges."""
+    protocols = [
+        _single_task(state, ex, key, t, plan, step, _codec_protocol)
+        for (key, t), plan in zip(items, plans, strict=True)
+    ]
+    yield from batched_task(protocols, ex)
 
 
 def _reduce_bucket(
@@ -639,10 +685,12 @@ def _reduce_bucket(
     :meth:`CompressionState.end_step`; a failed step is ended too, its changes undone).
 
     Tensors whose codec is an element-wise cast (identity, fp16, bf16) are grouped into one
-    flat reduction per (codec, feedback, dtype); every other tensor gets its own protocol.
-    The reductions are pipelined (``run_tasks``, two in flight): encoding the next tensor
-    overlaps the transfer of the previous one, in the same order on every rank. ``ids``:
-    the ids of the bucket's parameters, which a lane for the next steps records
+    flat reduction per (codec, feedback, dtype); every other tensor gets its own protocol,
+    and with ``state.batch_rounds`` and a strategy running the codec's protocol those
+    protocols run in lockstep as one job (:func:`_batched_task`: round ``k`` of all of them
+    one merged exchange). The jobs are pipelined (``run_tasks``, two in flight): encoding the
+    next one overlaps the transfer of the previous one, in the same order on every rank.
+    ``ids``: the ids of the bucket's parameters, which a lane for the next steps records
     (:class:`_Lane`).
     """
     if state._failed is not None:
@@ -783,7 +831,15 @@ def _reduce_bucket_now(
             )
             for indices, key in bucket.dense
         ]
-        jobs += [partial(_single_task, state, ex, *items[i], plans[i], step) for i in bucket.single]
+        route = _route(state, ex)
+        if len(bucket.single) > 1 and state.batch_rounds and route.plain:
+            # The codec's own protocol, no offload: run the tensors' protocols in lockstep,
+            # round k of all of them one exchange (PowerSGD: 2 all-reduces per bucket).
+            jobs.append(partial(_batched_task, state, ex, [items[i] for i in bucket.single],
+                                [plans[i] for i in bucket.single], step))
+        else:
+            jobs += [partial(_single_task, state, ex, *items[i], plans[i], step)
+                     for i in bucket.single]
         for indices, _ in bucket.dense:
             if not plans[indices[0]].feedback:
                 # The group's gradients lie back to back in the bucket buffer, which receives
@@ -796,7 +852,7 @@ def _reduce_bucket_now(
                 break
         # Pipelined with distinct point-to-point tags; buckets run one after the other on the
         # queue.
-        yield from engine.schedule_jobs(ex, _route(state, ex), jobs)
+        yield from engine.schedule_jobs(ex, route, jobs)
         state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
         if bucket.lane is None:
             bucket.lane = _lane_of(state, ex, bucket, plans, ids, whole, stream)
@@ -832,7 +888,9 @@ def comm_hook(
           per (codec, feedback, dtype), and every other tensor on its own, each exchanged by
           the state's strategy (the codec's protocol, an all-gather, a ring with the codec in
           the wire, or a hierarchical exchange), compensated by error feedback (and DGC
-          momentum) when it applies;
+          momentum) when it applies; with ``batch_rounds`` (default) and the codec's own
+          protocol, those tensors' protocols run in lockstep, round ``k`` of all of them one
+          all-reduce (PowerSGD: two per bucket);
        c. runs those reductions pipelined, two in flight (one for the hierarchical
           strategies), in the same order on every rank;
        d. writes the means (identical on every rank) into the buffer and returns it;
@@ -952,6 +1010,7 @@ class HookConfig:
     timeout: float | None = None
     own_group: bool = True
     guard: Guard | bool | None = None
+    batch_rounds: bool = True
     codec_policy: CodecPolicy = dataclasses.field(init=False, repr=False, compare=False)
     schedule: Schedule = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -979,6 +1038,7 @@ class HookConfig:
             raise ConfigError(
                 f"own_group must be a bool, got {self.own_group!r}"
             )
+        _checked_batch_rounds(self.batch_rounds)
         checked_options(error_feedback=self.error_feedback, timeout=self.timeout,
                         guard=self.guard)
         FeedbackConfig(error_feedback=self.error_feedback is not False,
@@ -1054,6 +1114,7 @@ def register(
     timeout: float | None = None,
     own_group: bool = True,
     guard: Guard | bool | None = None,
+    batch_rounds: bool = True,
     **codec_params: Any,
 ) -> DDPCompressionState:
     """Make ``model`` average its gradients through commpress codecs.
@@ -1133,6 +1194,14 @@ def register(
             :class:`~commpress.collectives.policy.Guard`: after a non-finite step or a
             gradient-norm spike, send lossy tensors with ``fallback_codec`` for a few steps
             (one warning on rank 0). Off by default; non-finite steps are undone either way.
+        batch_rounds: with the strategies that run the codec's own protocol (``"auto"``,
+            ``"allreduce"``), reduce a bucket's non-cast tensors (PowerSGD's matrices) in
+            lockstep: round ``k`` of all of them is one all-reduce of their payloads
+            concatenated (:mod:`commpress.collectives.batched`), so a PowerSGD bucket costs
+            2 all-reduces instead of 2 per matrix, as PyTorch's PowerSGD hook batches them.
+            Codecs, error feedback and codec states stay per tensor; on 2 ranks the result is
+            bit-identical to ``False`` (one exchange per tensor, two in flight), on more ranks
+            equal up to the backend's order of additions. Default ``True``.
 
     Returns:
         The :class:`DDPCompressionState`; save ``state.state_dict()`` with your checkpoint and
@@ -1152,7 +1221,7 @@ def register(
         warmup_codec=warmup_codec, min_numel=min_numel,
         min_compression_rate=min_compression_rate, fallback_codec=fallback_codec,
         granularity=granularity, strategy=strategy, local_size=local_size, timeout=timeout,
-        own_group=own_group, guard=guard,
+        own_group=own_group, guard=guard, batch_rounds=batch_rounds,
     )
     if config is None:
         config = HookConfig(codec="powersgd" if codec is _UNSET else codec,
@@ -1221,6 +1290,7 @@ def _register(
         momentum_masking=config.momentum_masking,
         timeout=timeout,
         guard=config.guard,
+        batch_rounds=config.batch_rounds,
     )
     if exchange.needs_local_size and local_size is not None:
         # The node subgroups are made here, on every rank's main thread in the same order (made

@@ -69,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
     names = bucket_names_from_args(args)
     cluster = cluster_from_args(args)
     kwargs = model_kwargs(args)
-    kwargs.pop("granularity")
     if str(args.max_nmse).lower() == "none":
         max_nmse = None
     else:

@@ -96,11 +96,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how tensors are exchanged (auto: the codec's own protocol)")
     g.add_argument("--algorithm", choices=ALLREDUCE_ALGORITHMS, default="ring",
                    help="all-reduce algorithm (ring)")
-    g.add_argument("--granularity", choices=["parameter", "bucket", "batched"],
-                   default="parameter",
-                   help="codec per parameter tensor (commpress's DDP hook), per flat bucket, "
-                   "or per tensor with the bucket's payloads sent together (batched: "
-                   "PyTorch's PowerSGD hook)")
+    g.add_argument("--granularity", choices=["hook", "parameter", "bucket", "batched"],
+                   default="hook",
+                   help="as commpress's DDP hook reduces a bucket (hook: batched where it "
+                   "batches the rounds of the bucket's tensors, else per parameter), codec "
+                   "per parameter tensor with one exchange each (parameter: the hook with "
+                   "batch_rounds=False), per flat bucket, or per tensor with the bucket's "
+                   "payloads sent together (batched: PyTorch's PowerSGD hook)")
     g.add_argument("--codec-speeds", help=f"codec speed table JSON (from --calibrate-codecs; "
                    f"default ${SPEEDS_ENV} or the built-in assumptions)")
     g.add_argument("--platform", help="platform constants JSON, or the file `commpress "

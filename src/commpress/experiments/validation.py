@@ -647,7 +647,9 @@ class ValidationRun:
                               g.get("procs_per_node", 1)) for g in data["groups"]],
                 profiles=[PlatformProfile.from_dict(p) for p in data["profiles"]],
                 runs=runs, model=str(data["model"]), steps=int(data["steps"]),
-                batch_size=int(data["batch_size"]), hook=HookPlan(**data["hook"]),
+                batch_size=int(data["batch_size"]),
+                # runs recorded before the hook batched rounds were measured without it
+                hook=HookPlan(**{"batch_rounds": False, **data["hook"]}),
                 date=str(data.get("date", "")), command=str(data.get("command", "")),
                 wall_s=float(data.get("wall_s", 0.0)),
                 load=[float(x) for x in data.get("load", [])],

@@ -316,6 +316,7 @@ def advise(
     max_passes: int = 2,
     progress: Callable[[int, int], None] | None = None,
     bucket_names: Sequence[Sequence[str]] | None = None,
+    granularity: str = "hook",
 ) -> Advice:
     """Recommend a codec per bucket, or no compression (see the module docstring).
 
@@ -336,6 +337,9 @@ def advise(
         progress: called with ``(done, total)`` trial counts.
         bucket_names: parameter names per bucket, in the workload's bucket order (see
             :func:`~commpress.perfmodel.model.ddp_bucket_indices`), for :meth:`Advice.policy`.
+        granularity: how a bucket's tensors are reduced, as in
+            :func:`~commpress.perfmodel.model.predict`; ``"hook"`` (default) as commpress's
+            DDP hook does, which takes the advice (a bucket's PowerSGD rounds batched).
     """
     workload = as_workload(model, compute_s=compute_s)
     cl = cluster if isinstance(cluster, Cluster) else Cluster.from_measured(cluster)
@@ -345,7 +349,7 @@ def advise(
         raise CommpressError(f"max_nmse must be >= 0 or None, got {max_nmse!r}")
     specs = list(candidates) if candidates is not None else default_candidates()
     kwargs: dict[str, Any] = dict(strategy=strategy, algorithm=algorithm, speeds=speeds,
-                                  platform=platform, offload=offload)
+                                  platform=platform, offload=offload, granularity=granularity)
     baseline = predict_baseline(workload, cl, algorithm=algorithm, speeds=speeds,
                                 platform=platform)
     options: list[CodecOption] = []
@@ -400,7 +404,8 @@ def advise(
     rng: SpeedupRange | None = None
     if baseline.total / best_total >= min_speedup and any(a != BASELINE_CODEC for a in assign):
         rng = speedup_range(workload, cl, assign, speeds=speeds, platform=platform,
-                            strategy=strategy, algorithm=algorithm, offload=offload)
+                            strategy=strategy, algorithm=algorithm, offload=offload,
+                            granularity=granularity)
         if rng.low <= 1.0:  # the gain is inside the calibration's spread
             assign, best_pred = [BASELINE_CODEC] * n, baseline
     if baseline.total / best_total < min_speedup:

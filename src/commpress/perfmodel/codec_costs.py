@@ -54,7 +54,7 @@ SPEED_FORMATS: tuple[str, ...] = (PROFILE_FORMAT, "commpress-codec-speeds/1")
 #: The registered strategies (:mod:`commpress.collectives.strategies`).
 STRATEGIES: tuple[str, ...] = strategy_names()
 #: How a bucket's tensors are reduced (:func:`exchange_segments`).
-GRANULARITIES: tuple[str, ...] = ("parameter", "bucket", "batched")
+GRANULARITIES: tuple[str, ...] = ("parameter", "bucket", "batched", "hook")
 
 
 # ---------------------------------------------------------------------------- throughput
@@ -934,13 +934,19 @@ class _Planner:
             return self.ring(numel, ranks, link)
         return self.hierarchical(shape if shape else (1,), cost.compress_first)
 
-    def batched(self, shapes: Sequence[tuple[int, ...]]) -> list[Segment]:
+    def batched(
+        self, shapes: Sequence[tuple[int, ...]], *, fixed_per_tensor: bool = False
+    ) -> list[Segment]:
         """A bucket reduced as PyTorch's PowerSGD DDP hook (``powerSGD_hook``) does it: every
         tensor is encoded on its own (each pays its per-element pass and its matrix products)
         but the bucket's tensors are batched, so the codec's fixed cost is paid once per
         bucket for the encode and once for the decode, and round ``k`` of every tensor is one
         all-reduce of their summed payloads (the tensors the codec sends exactly join the
-        first round). Only the codec's own protocol (``auto``/``allreduce``) on the GPU."""
+        first round). Only the codec's own protocol (``auto``/``allreduce``) on the GPU.
+
+        ``fixed_per_tensor``: every tensor pays the codec's fixed costs (commpress's DDP hook,
+        whose lockstep protocols are one codec call per tensor; only the collectives are
+        merged)."""
         cfg = self.cfg
         if cfg.offload is not None or get_strategy(cfg.strategy).cost.pattern != "protocol":
             raise CommpressError("granularity 'batched' models the codec's own protocol on "
@@ -948,11 +954,13 @@ class _Planner:
         ranks = cfg.cluster.world_size
         link = cfg.cluster.bottleneck
         enc = dec = 0.0
+        calls = 0
         rounds: dict[int, list[Any]] = {}
         for shape in shapes:
             numel = math.prod(shape)
             if numel == 0:
                 continue
+            calls += 1
             speed = self._speed_for(shape)
             f_enc, f_dec = codec_flops(self.codec, shape)
             enc += speed.encode_work(numel, f_enc)
@@ -968,7 +976,9 @@ class _Planner:
         scale = cfg.codec_time_scale
         speed = self.speed
         c0_dec = speed.overhead_s if speed.decode_overhead_s is None else speed.decode_overhead_s
-        self._add(segs, "gpu", (speed.overhead_s + enc) * scale, "codec", "encode")
+        fixed = max(calls, 1) if fixed_per_tensor else 1
+        c0_enc, c0_dec = speed.overhead_s * fixed, c0_dec * fixed
+        self._add(segs, "gpu", (c0_enc + enc) * scale, "codec", "encode")
         for k in sorted(rounds):
             kind, nbytes = rounds[k]
             t = coll.allreduce(nbytes, ranks, link, cfg.algorithm)
@@ -1013,6 +1023,22 @@ def codec_flops(codec: Codec, shape: Sequence[int] | None) -> tuple[float, float
     return 4.0 * n * m * r * iters, 2.0 * n * m * r
 
 
+def hook_batches(codec: Codec, shapes: Sequence[Sequence[int]], cfg: ExchangeConfig) -> bool:
+    """Whether commpress's DDP hook (``register(batch_rounds=True)``, its default) reduces a
+    bucket's tensors of ``shapes`` sent with ``codec`` in lockstep, round ``k`` of all of them
+    one all-reduce (:mod:`commpress.collectives.batched`), as granularity ``"batched"``
+    models: the codec's own protocol (a strategy whose cost pattern is ``"protocol"``), no
+    offload, more than one tensor, a codec that is not an element-wise cast (those go as one
+    flat tensor anyway) and whose rounds are all all-reduces (the hook issues all-gathers of
+    a round together, but does not merge them: modelled one tensor at a time)."""
+    if codec.elementwise or cfg.offload is not None or len(shapes) < 2:
+        return False
+    if get_strategy(cfg.strategy).cost.pattern != "protocol":
+        return False
+    ranks = cfg.cluster.world_size
+    return not any(wire_profile(codec, s, ranks, cfg.grad_dtype).gathers for s in shapes)
+
+
 def exchange_segments(
     codec: Codec | str,
     shapes: Sequence[Sequence[int]],
@@ -1027,7 +1053,10 @@ def exchange_segments(
     tensor is reduced on its own, one after the other (as commpress's DDP hook does), so
     shape-aware codecs see matrices and every tensor pays its own latencies; with
     ``"batched"`` every tensor is encoded on its own but the bucket pays one fixed codec cost
-    and one collective per round (PyTorch's PowerSGD hook, :meth:`_Planner.batched`).
+    and one collective per round (PyTorch's PowerSGD hook, :meth:`_Planner.batched`);
+    ``"hook"`` is what commpress's DDP hook does: where it batches the bucket's rounds
+    (:func:`hook_batches`) ``"batched"`` with the codec's fixed costs paid per tensor (one
+    codec call each, the collectives merged), ``"parameter"`` elsewhere.
     """
     c = model_codec(codec)
     if granularity not in GRANULARITIES:
@@ -1035,6 +1064,10 @@ def exchange_segments(
                              f"{granularity!r}")
     planner = _Planner(c, cfg)
     norm = [tuple(int(d) for d in s) for s in shapes]
+    if granularity == "hook":
+        if hook_batches(c, norm, cfg):
+            return planner.batched(norm, fixed_per_tensor=True)
+        granularity = "parameter"
     if granularity == "batched" and not c.elementwise:
         return planner.batched(norm)
     if granularity == "bucket" or c.elementwise:
@@ -1137,6 +1170,7 @@ __all__ = [
     "sparse_entries",
     "calibrate_speeds",
     "exchange_segments",
+    "hook_batches",
     "exchange_wire_bytes",
     "local_roundtrip_segments",
     "measure_nmse",

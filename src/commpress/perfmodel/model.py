@@ -29,6 +29,7 @@ from commpress.perfmodel.codec_costs import (
     SpeedTable,
     exchange_segments,
     exchange_wire_bytes,
+    hook_batches,
     local_roundtrip_segments,
     spec_key,
     wire_profile,
@@ -399,8 +400,11 @@ class HookPlan:
     tensor gets the codec unless it has fewer than ``min_numel`` elements or the codec would
     shrink it less than ``min_compression_rate`` times (then ``fallback_codec``, as
     :class:`commpress.collectives.feedback.Schedule` decides); tensors with an element-wise
-    cast (identity, fp16, bf16) are sent as one flat tensor per cast, first; every other
-    tensor is its own exchange, ``depth`` of them in flight (one with the hierarchical
+    cast (identity, fp16, bf16) are sent as one flat tensor per cast, first; the other
+    tensors, with ``batch_rounds`` and the codec's own protocol (strategies ``auto`` and
+    ``allreduce``), are one exchange whose round ``k`` is one all-reduce of all their payloads
+    (granularity ``"hook"``, :func:`~commpress.perfmodel.codec_costs.hook_batches`), else
+    each its own exchange, ``depth`` of them in flight (one with the hierarchical
     strategies, which the hook runs one at a time). Every exchange uses :func:`predict`'s
     ``strategy``, as ``register(..., strategy=...)`` does.
 
@@ -411,6 +415,8 @@ class HookPlan:
         error_feedback: as in :func:`commpress.ddp.register` (``None``: automatic, on for
             lossy codecs except the fp16/bf16 casts). With the ring and hierarchical
             strategies feedback costs one more ``decode(encode(x))`` per exchange.
+        batch_rounds: as in :func:`commpress.ddp.register` (default ``True``): a bucket's
+            non-cast tensors exchanged in lockstep, one all-reduce per round.
     """
 
     min_numel: int = 0
@@ -418,6 +424,7 @@ class HookPlan:
     fallback_codec: str = "fp16"
     depth: int = 2
     error_feedback: bool | None = None
+    batch_rounds: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or (
@@ -439,6 +446,8 @@ class HookPlan:
                 f"error_feedback must be True, False or None (automatic), got "
                 f"{self.error_feedback!r}"
             )
+        if not isinstance(self.batch_rounds, bool):
+            raise CommpressError(f"batch_rounds must be a bool, got {self.batch_rounds!r}")
 
     def feedback(self, codec: Any) -> bool:
         """Whether error feedback applies to the tensors of a bucket whose codec (before any
@@ -561,9 +570,12 @@ def predict(
         strategy: exchange strategy (:data:`commpress.perfmodel.codec_costs.STRATEGIES`).
         algorithm: all-reduce algorithm: ``ring`` (default), ``tree``, ``rhd``.
         granularity: ``"parameter"`` (each tensor reduced on its own, as commpress's DDP hook
-            does), ``"bucket"`` (each bucket as one flat tensor) or ``"batched"`` (each tensor
-            encoded on its own, the bucket's payloads exchanged together: PyTorch's PowerSGD
-            hook).
+            does with ``batch_rounds=False``), ``"bucket"`` (each bucket as one flat tensor),
+            ``"batched"`` (each tensor encoded on its own, the bucket's payloads exchanged
+            together: PyTorch's PowerSGD hook) or ``"hook"`` (what commpress's DDP hook does
+            by default: where it batches a bucket's rounds
+            (:func:`~commpress.perfmodel.codec_costs.hook_batches`), one all-reduce per round
+            but the codec's fixed costs per tensor; else ``"parameter"``).
         speeds: codec speed table (default: the built-in assumptions).
         offload: run codec work on this device (SqueezeNIC) instead of the GPU.
         platform: fitted platform constants (default: the ideal model).
@@ -600,7 +612,7 @@ def predict(
         if id(s) not in built:
             built[id(s)] = model_codec(s)
         codecs.append(built[id(s)])
-    if hook is not None and granularity == "parameter":
+    if hook is not None and granularity in ("parameter", "hook"):
         return _predict_hooked(workload, cl, codecs, cfg, platform, hook, strategy)
     jobs = []
     cache: dict[tuple[str, tuple[Shape, ...]], Any] = {}
@@ -682,14 +694,20 @@ def _predict_hooked(
     roundtrip = get_strategy(strategy).local_is_roundtrip
     for b, (codec, bucket) in enumerate(zip(codecs, workload.buckets, strict=True)):
         feedback = roundtrip and hook.feedback(codec)
-        for c, shapes in hook.bucket_jobs(codec, bucket):
+        exchanges = hook.bucket_jobs(codec, bucket)
+        singles = [shapes[0] for c, shapes in exchanges if not c.elementwise]
+        if hook.batch_rounds and hook_batches(codec, singles, cfg):
+            # the hook's lockstep exchange of every non-cast tensor (all of them ``codec``)
+            exchanges = [(c, s) for c, s in exchanges if c.elementwise] + [(codec, singles)]
+        for c, shapes in exchanges:
             key = (str(id(c)), feedback, tuple(shapes))
             if key not in cache:
                 flat = c.elementwise
+                granularity = ("bucket" if flat else "hook" if len(shapes) > 1
+                               else "parameter")
                 with error_context(f"planning {spec_key(c)} for {len(shapes)} tensor(s) with "
                                    f"strategy {strategy!r}"):
-                    segs = exchange_segments(c, shapes, cfg,
-                                             granularity="bucket" if flat else "parameter")
+                    segs = exchange_segments(c, shapes, cfg, granularity=granularity)
                 tensors = [(sum(_numel(s) for s in shapes),)] if flat else list(shapes)
                 if feedback:
                     # the hook's flat group is one exchange: one round trip of its length
