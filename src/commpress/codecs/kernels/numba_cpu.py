@@ -594,6 +594,74 @@ def _nb_sign_decode(
         _nb_store(dst, out16, omode, sat, a)
 
 
+def _nb_stoch_codes(
+    src: Any, i: Any, inv: Any, kind: Any, levels: Any, rmode: Any, seed: Any, noise: Any,
+    ubuf: Any, dst: Any,
+) -> None:
+    # dst = the codes of src, coordinates i.. of one chunk, with multiplier inv. kind 0
+    # (qsgd): code = levels +- clamp(floor(|x| * inv + u), 0, levels), NaN -> levels; kind 1
+    # (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1 (x < 0 -> 0, else 2).
+    # rmode 1: u from the internal generator keyed by seed; rmode 2: u = noise. Branch-free
+    # inner loops (they vectorize): the noise first, then the codes.
+    zero = f32(0.0)
+    top = f32(levels)
+    u = ubuf[: src.size]
+    if rmode == 1:
+        # _nb_uniform written out, so that the loop vectorizes
+        base = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
+        for k in range(src.size):
+            z = base + u64(k) * u64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+            z = z ^ (z >> u64(31))
+            u[k] = f32(z >> u64(40)) * f32(5.9604644775390625e-08)
+    else:
+        given = noise[i : i + src.size]
+        for k in range(src.size):
+            u[k] = given[k]
+    if kind == 0:
+        mid = u8(levels)
+        for k in range(src.size):
+            v = src[k]
+            t = np.floor(abs(v) * inv + u[k])
+            t = t if t >= zero else zero
+            t = t if t <= top else top
+            level = u8(t)
+            dst[k] = mid - level if v < zero else mid + level
+    else:
+        for k in range(src.size):
+            v = src[k]
+            keep = u[k] < abs(v) * inv
+            dst[k] = (u8(0) if v < zero else u8(2)) if keep else u8(1)
+
+
+def _nb_stoch_units(
+    xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, kind: Any, levels: Any, bits: Any,
+    rmode: Any, seed: Any, noise: Any, inv_all: Any, packed: Any,
+) -> None:
+    # the packed codes (_nb_stoch_codes) of UNIT consecutive values per work item, in
+    # parallel, with the multiplier of each chunk given
+    nunits = (n + UNIT - 1) // UNIT
+    for unit in prange(nunits):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        buf = np.empty(UNIT + 8, np.uint8)
+        ubuf = np.empty(UNIT, np.float32)
+        wide = np.empty(UNIT if mode else 1, np.float32)
+        x = _nb_widen(xf, x16, mode, a, b, wide)
+        i = a
+        c = a // chunk
+        while i < b:
+            e = min((c + 1) * chunk, b)
+            _nb_stoch_codes(
+                x[i - a : e - a], i, inv_all[c], kind, levels, rmode, seed, noise, ubuf,
+                buf[i - a : e - a],
+            )
+            i = e
+            c += 1
+        _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+
+
 def _nb_stochastic_encode(
     xf: Any,
     x16: Any,
@@ -609,61 +677,125 @@ def _nb_stochastic_encode(
     inv_all: Any,
     packed: Any,
 ) -> None:
-    # kind 0 (qsgd): code = levels +- clamp(floor(|x| * inv + u), 0, levels), NaN -> levels;
-    # kind 1 (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1 (x < 0 -> 0, else 2).
-    # rmode 1: u from the internal generator keyed by seed; rmode 2: u = noise.
-    zero = f32(0.0)
-    top = f32(levels)
-    nunits = (n + UNIT - 1) // UNIT
-    for unit in prange(nunits):
-        a = unit * UNIT
-        b = min(a + UNIT, n)
-        buf = np.empty(UNIT + 8, np.uint8)
-        ubuf = np.empty(UNIT, np.float32)
-        wide = np.empty(UNIT if mode else 1, np.float32)
-        x = _nb_widen(xf, x16, mode, a, b, wide)
-        i = a
-        c = a // chunk
-        while i < b:
-            e = min((c + 1) * chunk, b)
-            inv = inv_all[c]
-            src = x[i - a : e - a]
-            dst = buf[i - a : e - a]
-            u = ubuf[: src.size]
-            # branch-free inner loops (they vectorize): the noise first, then the codes
-            if rmode == 1:
-                # _nb_uniform written out, so that the loop vectorizes
-                base = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
-                for k in range(src.size):
-                    z = base + u64(k) * u64(0x9E3779B97F4A7C15)
-                    z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
-                    z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
-                    z = z ^ (z >> u64(31))
-                    u[k] = f32(z >> u64(40)) * f32(5.9604644775390625e-08)
-            else:
-                given = noise[i:e]
-                for k in range(src.size):
-                    u[k] = given[k]
-            if kind == 0:
-                mid = u8(levels)
-                for k in range(src.size):
-                    v = src[k]
-                    t = np.floor(abs(v) * inv + u[k])
-                    t = t if t >= zero else zero
-                    t = t if t <= top else top
-                    level = u8(t)
-                    dst[k] = mid - level if v < zero else mid + level
-            else:
-                for k in range(src.size):
-                    v = src[k]
-                    keep = u[k] < abs(v) * inv
-                    dst[k] = (u8(0) if v < zero else u8(2)) if keep else u8(1)
-            i = e
-            c += 1
-        _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+    # the codes of _nb_stoch_codes with the multipliers inv_all given per chunk
+    _nb_stoch_units(xf, x16, mode, n, chunk, kind, levels, bits, rmode, seed, noise, inv_all,
+                    packed)
 
 
-def _nb_chunk_norms(
+def _nb_norm(src: Any, clamp: Any, lanes: Any) -> Any:
+    # the L2 norm of src in float64 (_nb_lane_sum's lanes, then its tail), clamped to
+    # ``clamp`` when finite beyond it, rounded to float32
+    lanes[:] = 0.0
+    _nb_lane_sum(src, True, lanes)
+    norm = np.sqrt(_nb_lane_total(src, True, lanes))
+    if norm > np.float64(clamp) and norm < np.inf:
+        norm = np.float64(clamp)
+    return f32(norm)
+
+
+def _nb_max_key(src: Any) -> Any:
+    # the largest magnitude key (float32 bits without the sign) of float32 bits src
+    best = i32(0)
+    for k in range(src.size):
+        key = src[k] & i32(0x7FFFFFFF)
+        best = key if key > best else best
+    return best
+
+
+def _nb_key_value(key: Any, scratch: Any) -> Any:
+    # the float32 of magnitude key ``key``; a NaN key gives the quiet NaN 0x7FC00000
+    scratch[0] = key if key <= _KEY_POS_INF else i32(0x7FC00000)
+    return scratch.view(np.float32)[0]
+
+
+def _nb_stat_inv(stat: Any, kind: Any, levels: Any) -> Any:
+    # the multiplier of |x| in a chunk's codes from its statistic. qsgd (kind 0, the norm):
+    # levels * f32(1 / norm) for a finite norm > 0, as torch computes ``levels / norm``;
+    # terngrad (kind 1, the max |x|): f32(1 / m) where m > 0 and that is finite
+    # (quantize._safe_reciprocal); else 0
+    if kind == 0:
+        if stat > f32(0.0) and stat < f32(np.inf):
+            return (f32(1.0) / stat) * f32(levels)
+        return f32(0.0)
+    r = f32(np.float64(1.0) / np.float64(stat))
+    return r if (stat > f32(0.0) and r < f32(np.inf)) else f32(0.0)
+
+
+def _nb_segment_max_keys(
+    xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, spc: Any, seg: Any
+) -> None:
+    # seg[g] = the largest magnitude key of segment g (spc segments per chunk), in parallel;
+    # bfloat16 bits are compared in place (its magnitude bits are the float32 key's top half)
+    seg_len = (chunk + spc - 1) // spc
+    for g in prange(seg.size):
+        c = g // spc
+        s = c * chunk + (g - c * spc) * seg_len
+        e = max(s, min(s + seg_len, min((c + 1) * chunk, n)))
+        if mode == 1:
+            src16 = x16[s:e]
+            best = u16(0)
+            for k in range(src16.size):
+                key = src16[k] & u16(0x7FFF)
+                best = key if key > best else best
+            seg[g] = i32(best) << i32(16)
+        else:
+            wide = np.empty(seg_len if mode else 1, np.float32)
+            seg[g] = _nb_max_key(_nb_widen(xf, x16, mode, s, e, wide).view(np.int32))
+
+
+def _nb_stochastic_fused(
+    xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, kind: Any, levels: Any, bits: Any,
+    rmode: Any, seed: Any, noise: Any, clamp: Any, stat: Any, packed: Any,
+) -> None:
+    # a whole qsgd (kind 0) or terngrad (kind 1) encode: stat[c] = chunk c's norm (clamped
+    # as _nb_chunk_norms) or max |x|, and the codes of _nb_stoch_codes with the multiplier
+    # _nb_stat_inv of it. Chunks of at most UNIT values: one pass, a work item owning whole
+    # chunks (and whole output bytes), each chunk quantized while in cache; longer chunks:
+    # the statistics first (in parallel), then the codes.
+    nchunks = stat.size
+    if chunk <= UNIT:
+        align = 8 // np.gcd(chunk, 8)
+        per = (max(1, UNIT // chunk) + align - 1) // align * align
+        for item in prange((nchunks + per - 1) // per):
+            a = item * per * chunk
+            b = min(a + per * chunk, n)
+            buf = np.empty(per * chunk + 8, np.uint8)
+            ubuf = np.empty(chunk, np.float32)
+            wide = np.empty(per * chunk if mode else 1, np.float32)
+            lanes = np.empty(8, np.float64)
+            scratch = np.empty(1, np.int32)
+            x = _nb_widen(xf, x16, mode, a, b, wide)
+            for c in range(item * per, min((item + 1) * per, nchunks)):
+                s = c * chunk - a
+                e = min(s + chunk, b - a)
+                if kind == 0:
+                    st = _nb_norm(x[s:e], clamp, lanes)
+                else:
+                    st = _nb_key_value(_nb_max_key(x[s:e].view(np.int32)), scratch)
+                stat[c] = st
+                _nb_stoch_codes(
+                    x[s:e], a + s, _nb_stat_inv(st, kind, levels), kind, levels, rmode, seed,
+                    noise, ubuf, buf[s:e],
+                )
+            _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+        return
+    inv_all = np.empty(nchunks, np.float32)
+    if kind == 0:
+        _nb_norms_into(xf, x16, mode, n, chunk, clamp, stat)
+    else:
+        spc = (chunk + SEGMENT - 1) // SEGMENT
+        seg = np.empty(nchunks * spc, np.int32)
+        _nb_segment_max_keys(xf, x16, mode, n, chunk, spc, seg)
+        scratch = np.empty(1, np.int32)
+        for c in range(nchunks):
+            stat[c] = _nb_key_value(seg[c * spc : (c + 1) * spc].max(), scratch)
+    for c in range(nchunks):
+        inv_all[c] = _nb_stat_inv(stat[c], kind, levels)
+    _nb_stoch_units(xf, x16, mode, n, chunk, kind, levels, bits, rmode, seed, noise, inv_all,
+                    packed)
+
+
+def _nb_norms_into(
     xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, clamp: Any, norms: Any
 ) -> None:
     # norms[c] = L2 norm of chunk c, accumulated in float64 and rounded to float32; norms
@@ -687,6 +819,13 @@ def _nb_chunk_norms(
             if norm > np.float64(clamp) and norm < np.inf:
                 norm = np.float64(clamp)
             norms[c] = f32(norm)
+
+
+def _nb_chunk_norms(
+    xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, clamp: Any, norms: Any
+) -> None:
+    # see _nb_norms_into
+    _nb_norms_into(xf, x16, mode, n, chunk, clamp, norms)
 
 
 def _nb_mag_key(v: Any) -> Any:
@@ -1010,9 +1149,21 @@ _HELPERS = (
     "_nb_mag_key",
     "_nb_chunk_keys",
     "_nb_threshold_digit",
+    "_nb_stoch_codes",
+    "_nb_norm",
+    "_nb_max_key",
+    "_nb_key_value",
+    "_nb_stat_inv",
 )
 # helpers that contain parallel loops (compiled with parallel=True)
-_PARALLEL_HELPERS = ("_nb_write_selected", "_nb_segment_keys", "_nb_part_histogram")
+_PARALLEL_HELPERS = (
+    "_nb_write_selected",
+    "_nb_segment_keys",
+    "_nb_part_histogram",
+    "_nb_stoch_units",
+    "_nb_norms_into",
+    "_nb_segment_max_keys",
+)
 _KERNELS = (
     "_nb_convert",
     "_nb_minmax_encode",
@@ -1020,6 +1171,7 @@ _KERNELS = (
     "_nb_sign_encode",
     "_nb_sign_decode",
     "_nb_stochastic_encode",
+    "_nb_stochastic_fused",
     "_nb_chunk_norms",
     "_nb_topk_select",
     "_nb_topk_band",
@@ -1232,6 +1384,38 @@ class NumbaKernels:
                 np.uint64(seed), noise_np, _np(inv.contiguous()), _np(packed),
             )
         return packed
+
+    def _stochastic_fused(
+        self, x: torch.Tensor, kind: int, chunk: int, levels: int, bits: int, clamp: float,
+        seed: int, noise: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        xf, x16, xmode, n = source(x)
+        packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+        stat = torch.empty(-(-n // chunk), dtype=torch.float32)
+        if noise is not None:
+            mode, noise_np = 2, _np(noise)
+        else:
+            mode, noise_np = 1, np.zeros(1, np.float32)
+        with _launch():
+            self["stochastic_fused"](
+                xf, x16, xmode, n, chunk, kind, levels, bits, mode, np.uint64(seed), noise_np,
+                np.float32(clamp), _np(stat), _np(packed),
+            )
+        return packed, stat
+
+    def qsgd_encode(
+        self, x: torch.Tensor, *, chunk: int, levels: int, bits: int, clamp: float,
+        seed: int = 0, noise: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :func:`commpress.codecs.kernels.qsgd_encode`: one kernel launch, one pass
+        over ``x`` for chunks of at most :data:`UNIT` values."""
+        return self._stochastic_fused(x, 0, chunk, levels, bits, clamp, seed, noise)
+
+    def terngrad_encode(
+        self, x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :func:`commpress.codecs.kernels.terngrad_encode` (one kernel launch)."""
+        return self._stochastic_fused(x, 1, chunk, 1, 2, 0.0, seed, noise)
 
     def chunk_norms(self, x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
         """See :func:`commpress.codecs.kernels.chunk_norms`."""
