@@ -525,17 +525,38 @@ def _nb_decode_codes(
 def _nb_lane_sum(src: Any, square: Any, lanes: Any) -> None:
     # lanes[j] += |v| (or v * v with square) of src[8g + j], in float64, over the whole
     # groups of eight: independent partial sums (one dependency chain would cap the pass at
-    # one add per FP latency); the caller adds the lanes and then the tail in one fixed order
+    # one add per FP latency); the caller adds the lanes and then the tail in one fixed order.
+    # The lanes live in local variables during the loop (an array's elements would be
+    # stored and reloaded at every group).
     full = src.size // 8 * 8
+    a0, a1, a2, a3 = lanes[0], lanes[1], lanes[2], lanes[3]
+    a4, a5, a6, a7 = lanes[4], lanes[5], lanes[6], lanes[7]
     if square:
         for g in range(0, full, 8):
-            for j in range(8):
-                v = np.float64(src[g + j])
-                lanes[j] += v * v
+            v0, v1 = np.float64(src[g]), np.float64(src[g + 1])
+            v2, v3 = np.float64(src[g + 2]), np.float64(src[g + 3])
+            v4, v5 = np.float64(src[g + 4]), np.float64(src[g + 5])
+            v6, v7 = np.float64(src[g + 6]), np.float64(src[g + 7])
+            a0 += v0 * v0
+            a1 += v1 * v1
+            a2 += v2 * v2
+            a3 += v3 * v3
+            a4 += v4 * v4
+            a5 += v5 * v5
+            a6 += v6 * v6
+            a7 += v7 * v7
     else:
         for g in range(0, full, 8):
-            for j in range(8):
-                lanes[j] += abs(np.float64(src[g + j]))
+            a0 += abs(np.float64(src[g]))
+            a1 += abs(np.float64(src[g + 1]))
+            a2 += abs(np.float64(src[g + 2]))
+            a3 += abs(np.float64(src[g + 3]))
+            a4 += abs(np.float64(src[g + 4]))
+            a5 += abs(np.float64(src[g + 5]))
+            a6 += abs(np.float64(src[g + 6]))
+            a7 += abs(np.float64(src[g + 7]))
+    lanes[0], lanes[1], lanes[2], lanes[3] = a0, a1, a2, a3
+    lanes[4], lanes[5], lanes[6], lanes[7] = a4, a5, a6, a7
 
 
 def _nb_lane_total(src: Any, square: Any, lanes: Any) -> Any:
