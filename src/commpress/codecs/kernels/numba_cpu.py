@@ -30,6 +30,7 @@ each of several processes on the same cores slows down by up to 100x from oversu
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -1141,12 +1142,13 @@ def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
         word = bitmap[w]
         while word:
             low = word & (~word + u64(1))  # lowest set bit
-            # its position: count the bits below it
+            # its position: log2 of a power of two, by halving the word six times
             pos = 0
-            probe = low >> u64(1)
-            while probe:
-                probe >>= u64(1)
-                pos += 1
+            probe = low
+            for half in (32, 16, 8, 4, 2, 1):
+                wide = probe >= (u64(1) << u64(half))
+                probe = probe >> u64(half) if wide else probe
+                pos += half if wide else 0
             out[j] = w * 64 + pos
             j += 1
             word ^= low
@@ -1191,9 +1193,7 @@ _KERNELS = (
     "_nb_decode_codes",
     "_nb_sign_encode",
     "_nb_sign_decode",
-    "_nb_stochastic_encode",
     "_nb_stochastic_fused",
-    "_nb_chunk_norms",
     "_nb_topk_select",
     "_nb_topk_band",
     "_nb_count_at_least",
@@ -1201,12 +1201,43 @@ _KERNELS = (
     "_nb_top16",
 )
 # kernels without a parallel loop of their own
-_SERIAL = ("_nb_first_distinct", "_nb_chunk_range", "_nb_top_keys")
+# (the first two are a parallel helper's wrappers)
+_SERIAL = (
+    "_nb_stochastic_encode",
+    "_nb_chunk_norms",
+    "_nb_first_distinct",
+    "_nb_chunk_range",
+    "_nb_top_keys",
+)
+
+
+def _start_threads() -> None:
+    """Start numba's thread pool with its workers sleeping as soon as a kernel ends.
+
+    numba's ``omp`` threading layer runs on the system's libgomp (torch has its own copy),
+    whose idle workers spin by default: on a machine whose cores also run torch's threads,
+    the spinning workers take the cores from the torch operations that follow a launch (on
+    the 2-core development machine a 320k-element ``torch.where`` right after a kernel took
+    20 ms instead of 0.1, and a QSGD encode's small torch operations 70 ms). libgomp reads
+    its wait policy when it is loaded, which is here; a policy the user chose
+    (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` in the environment) is kept, and the
+    environment is left as it was."""
+    from numba.np.ufunc import parallel
+
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        parallel._launch_threads()
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        parallel._launch_threads()
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
 
 
 def _build() -> dict[str, Callable[..., Any]]:
     import numba
 
+    _start_threads()
     # error_model="numpy": float division by zero gives IEEE inf/nan instead of raising
     # (constant chunks have scale 0; their reciprocal is then replaced by 0).
     module = globals()
