@@ -286,6 +286,20 @@ def _nb_minmax_keys(src: Any) -> Any:
     return lo, hi
 
 
+def _nb_minmax_keys16(src: Any) -> Any:
+    # _nb_minmax_keys of bfloat16 values given as int16 bits: the 16-bit order keys
+    # (bits ^ ((bits >> 15) & 0x7FFF)), 32 to a vector. The range of an empty src is
+    # (int16 max, int16 min), which widens to _nb_minmax_keys's empty range.
+    lo = np.int16(0x7FFF)
+    hi = np.int16(-0x8000)
+    for i in range(src.size):
+        v = src[i]
+        k = v ^ ((v >> np.int16(15)) & np.int16(0x7FFF))
+        lo = k if k < lo else lo
+        hi = k if k > hi else hi
+    return lo, hi
+
+
 def _nb_prescale(scale: Any) -> Any:
     # the exact power of two that keeps a chunk's arithmetic inside float32's range (see
     # quantize.minmax_params): 2^64 for tiny scales, 2^-64 for huge ones, else 1
@@ -368,10 +382,17 @@ def _nb_segment_keys(
     # the order-key range of each of the spc segments of every chunk (in parallel)
     seg_len = (chunk + spc - 1) // spc
     for g in prange(seg_lo.size):
-        wide = np.empty(seg_len if mode else 1, np.float32)
         c = g // spc
         s = c * chunk + (g - c * spc) * seg_len
         e = min(s + seg_len, min((c + 1) * chunk, n))
+        if mode == 1:
+            # bfloat16 in place: its 16-bit order key is the top half of its widening's
+            # (the bottom half is 0xFFFF for negative values, else 0)
+            lo, hi = _nb_minmax_keys16(x16[s : max(s, e)].view(np.int16))
+            seg_lo[g] = (i32(lo) << i32(16)) | (i32(0xFFFF) if lo < 0 else i32(0))
+            seg_hi[g] = (i32(hi) << i32(16)) | (i32(0xFFFF) if hi < 0 else i32(0))
+            continue
+        wide = np.empty(seg_len if mode else 1, np.float32)
         src = _nb_widen(xf, x16, mode, s, max(s, e), wide)
         seg_lo[g], seg_hi[g] = _nb_minmax_keys(src.view(np.int32))
 
@@ -1164,6 +1185,7 @@ _HELPERS = (
     "_nb_pack_unit",
     "_nb_unpack_unit",
     "_nb_minmax_keys",
+    "_nb_minmax_keys16",
     "_nb_prescale",
     "_nb_chunk_params",
     "_nb_quantize",
