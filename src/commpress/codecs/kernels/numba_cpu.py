@@ -1302,6 +1302,14 @@ _DUMMY_F32 = np.zeros(1, np.float32)
 _DUMMY_U16 = np.zeros(1, np.uint16)
 
 
+def _noise_arg(noise: torch.Tensor | None) -> tuple[int, np.ndarray]:
+    """A stochastic kernel's rounding mode and noise array: ``noise`` given (mode 2), or the
+    kernels' own generator (mode 1, a dummy array)."""
+    if noise is not None:
+        return 2, _np(noise)
+    return 1, np.zeros(1, np.float32)
+
+
 def _bits16(t: torch.Tensor) -> np.ndarray:
     """The uint16 bits of a contiguous 16-bit float CPU tensor, as a numpy view."""
     return _np(t.view(torch.int16)).view(np.uint16)
@@ -1448,10 +1456,7 @@ class NumbaKernels:
         """See :func:`commpress.codecs.kernels.stochastic_encode`."""
         xf, x16, xmode, n = source(x)
         packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
-        if noise is not None:
-            mode, noise_np = 2, _np(noise)
-        else:
-            mode, noise_np = 1, np.zeros(1, np.float32)
+        mode, noise_np = _noise_arg(noise)
         with _launch():
             self["stochastic_encode"](
                 xf, x16, xmode, n, chunk, 0 if kind == "qsgd" else 1, levels, bits, mode,
@@ -1466,10 +1471,7 @@ class NumbaKernels:
         xf, x16, xmode, n = source(x)
         packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
         stat = torch.empty(-(-n // chunk), dtype=torch.float32)
-        if noise is not None:
-            mode, noise_np = 2, _np(noise)
-        else:
-            mode, noise_np = 1, np.zeros(1, np.float32)
+        mode, noise_np = _noise_arg(noise)
         with _launch():
             self["stochastic_fused"](
                 xf, x16, xmode, n, chunk, kind, levels, bits, mode, np.uint64(seed), noise_np,
