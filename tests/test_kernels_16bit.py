@@ -256,3 +256,32 @@ def test_fused_qsgd_and_terngrad_encodes_equal_the_two_step_kernels(
         assert _same(m, want_m), chunk
         assert bool(torch.isnan(m).any()) == nonfinite
         assert torch.equal(codes, want), chunk
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_numba_pool_starts_passive_and_leaves_the_environment_as_it_was(
+    preset: str | None,
+) -> None:
+    # in a fresh process: loading the kernels starts numba's OpenMP pool with a passive wait
+    # policy (set only while it starts), and keeps a policy the user chose
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os, torch\n"
+        "from commpress.codecs import kernels\n"
+        "assert kernels.available()\n"
+        "x = torch.randn(100000).bfloat16()\n"
+        "kernels.chunk_range(x, 1000)\n"
+        "from numba.np.ufunc import parallel\n"
+        "print(parallel._is_initialized, os.environ.get('OMP_WAIT_POLICY'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if preset is not None:
+        env["OMP_WAIT_POLICY"] = preset
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+        check=True,
+    )
+    assert done.stdout.split() == ["True", str(preset)]

@@ -1246,12 +1246,13 @@ def _start_threads() -> None:
     environment is left as it was."""
     from numba.np.ufunc import parallel
 
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        parallel._launch_threads()
+    # numba's own (private) starter; without it numba starts the pool at the first launch
+    start = getattr(parallel, "_launch_threads", None)
+    if start is None or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
-        parallel._launch_threads()
+        start()
     finally:
         del os.environ["OMP_WAIT_POLICY"]
 
