@@ -157,3 +157,40 @@ def test_ddp_bucket_payloads_are_reused_across_steps() -> None:
         # one fp16 element per gradient element
         assert sum(n for _, _, n in ptrs[3]) == out["params"].numel()
     assert torch.equal(results[0]["params"], results[1]["params"])
+
+
+@pytest.mark.parametrize("codec_id", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_encode_into_scratch_reuses_one_buffer_bit_for_bit(
+    codec_id: str, dtype: torch.dtype
+) -> None:
+    codec = get_codec(codec_id)
+    assert codec.encodes_into
+    ctx = CodecContext(key="scratch")
+    pool: dict[str, torch.Tensor] = {}
+    first, second = _inputs(dtype)
+    ptrs = set()
+    for x in (first, second, first):
+        plain = codec.encode(x, ctx).parts["values"]
+        into = codec.encode(x, ctx, scratch=pool).parts["values"]
+        assert into.dtype == plain.dtype and into.shape == plain.shape
+        assert torch.equal(into.view(torch.int16), plain.view(torch.int16))  # NaN bits too
+        if dtype != codec.wire_dtype:  # type: ignore[attr-defined]
+            ptrs.add(into.data_ptr())
+            assert into.data_ptr() == pool["values"].data_ptr()
+    # one buffer for the three calls (none when the input is already the wire dtype)
+    assert len(ptrs) == (0 if dtype == codec.wire_dtype else 1)  # type: ignore[attr-defined]
+    # another size replaces the buffer
+    if dtype != codec.wire_dtype:  # type: ignore[attr-defined]
+        small = codec.encode(first[:2], ctx, scratch=pool).parts["values"]
+        assert small.numel() == 2 * 257 and pool["values"].numel() == 2 * 257
+
+
+def test_encode_scratch_is_ignored_by_codecs_without_encodes_into() -> None:
+    codec = get_codec("minmax")
+    assert not codec.encodes_into
+    x = _inputs(torch.float32)[0]
+    pool: dict[str, torch.Tensor] = {}
+    payload = codec.encode(x, scratch=pool)
+    assert pool == {}
+    assert torch.equal(payload.parts["codes"], codec.encode(x).parts["codes"])

@@ -205,3 +205,83 @@ def test_chunk_range_matches_aminmax() -> None:
     assert torch.isnan(lo[0]) and torch.isnan(hi[0])  # x[5] is NaN
     assert lo[-1] == -torch.inf and torch.isfinite(hi[1:]).all()  # x[997] is -inf
     assert torch.isfinite(lo[1:-1]).all()
+
+
+def test_bfloat16_chunk_range_in_place_equals_its_widening_bit_for_bit() -> None:
+    # the bfloat16 segments are scanned on their 16-bit order keys: every pattern (both
+    # zeros, NaNs of either sign, infinities, subnormals) gives the float32 path's bits
+    patterns = _all_16bit(torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    shuffled = patterns[torch.randperm(patterns.numel(), generator=g)]
+    for x in (patterns, shuffled, _input(70001, torch.bfloat16, seed=2)):
+        for chunk in (1, 7, 512, 16384, 16385, 40000, x.numel()):
+            lo, hi = kernels.chunk_range(x, chunk)
+            lo32, hi32 = kernels.chunk_range(x.float(), chunk)
+            assert torch.equal(lo.view(torch.int32), lo32.view(torch.int32)), chunk
+            assert torch.equal(hi.view(torch.int32), hi32.view(torch.int32)), chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_fused_qsgd_and_terngrad_encodes_equal_the_two_step_kernels(
+    dtype: torch.dtype, nonfinite: bool
+) -> None:
+    # one launch (statistics, multipliers and codes) against the separate kernels the codecs
+    # called before: the chunk statistics, the multiplier as the codec computes it in torch,
+    # then stochastic_encode, for the same seed; chunks below, at and above kernels.UNIT
+    from commpress.codecs.quantize import _NORM_CLAMP, _safe_reciprocal
+
+    x = _input(70001, dtype, seed=11, nonfinite=nonfinite)
+    x[100:612] = 0.0  # a zero chunk (norm 0, multiplier 0) at chunk 512
+    for chunk in (1, 5, 512, 16384, 20000, 70001):
+        for levels, bits in ((127, 8), (7, 4), (1, 2)):
+            codes, norm = kernels.qsgd_encode(
+                x, chunk=chunk, levels=levels, bits=bits, clamp=_NORM_CLAMP, seed=42
+            )
+            want_norm = kernels.chunk_norms(x, chunk, _NORM_CLAMP)
+            valid = (want_norm > 0) & torch.isfinite(want_norm)
+            inv = torch.where(valid, float(levels) / want_norm, torch.zeros_like(want_norm))
+            want = kernels.stochastic_encode(
+                x, inv, kind="qsgd", chunk=chunk, levels=levels, bits=bits, seed=42
+            )
+            assert _same(norm, want_norm) and torch.equal(codes, want), (chunk, levels)
+        codes, m = kernels.terngrad_encode(x, chunk=chunk, seed=7)
+        lo, hi = kernels.chunk_range(x, chunk)
+        want_m = torch.maximum(lo.neg_(), hi).abs_()
+        want = kernels.stochastic_encode(
+            x, _safe_reciprocal(want_m), kind="terngrad", chunk=chunk, levels=1, bits=2, seed=7
+        )
+        # NaN chunks: the kernel sends the quiet NaN 0x7FC00000, torch's maximum of two NaNs
+        # gave 0x7FFFFFFF here (NaN bits are not stable in torch: compared by position)
+        assert _same(m, want_m), chunk
+        assert bool(torch.isnan(m).any()) == nonfinite
+        assert torch.equal(codes, want), chunk
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_numba_pool_starts_passive_and_leaves_the_environment_as_it_was(
+    preset: str | None,
+) -> None:
+    # in a fresh process: loading the kernels starts numba's OpenMP pool with a passive wait
+    # policy (set only while it starts), and keeps a policy the user chose
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os, torch\n"
+        "from commpress.codecs import kernels\n"
+        "assert kernels.available()\n"
+        "x = torch.randn(100000).bfloat16()\n"
+        "kernels.chunk_range(x, 1000)\n"
+        "from numba.np.ufunc import parallel\n"
+        "print(parallel._is_initialized, os.environ.get('OMP_WAIT_POLICY'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if preset is not None:
+        env["OMP_WAIT_POLICY"] = preset
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+        check=True,
+    )
+    assert done.stdout.split() == ["True", str(preset)]

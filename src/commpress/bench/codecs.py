@@ -9,9 +9,12 @@ For each codec, on the same tensors in one run:
    maps new pages, and first-touch page faults cost as much as the copy), and ``dst.copy_(x)``
    into a buffer reused across calls (hot memcpy). Ratios are against the hot memcpy (the
    goal of issue 16); the clone figure is printed for reference;
-2. time ``encode``, ``decode`` into fresh memory and ``decode(..., out=buffer)`` into a buffer
-   reused across calls (as the collectives do), best of ``--repeat`` runs after a warm-up that
-   also compiles fused kernels, reported as GB/s of *input* bytes (the decoded tensor's);
+2. time ``encode``, ``encode(..., scratch=pool)`` with its payload in buffers reused across
+   calls (codecs with ``encodes_into``, the 16-bit casts, as their ``reduce`` does in the
+   collectives; ``-`` for the others), ``decode`` into fresh memory and ``decode(...,
+   out=buffer)`` into a buffer reused across calls (as the collectives do), best of
+   ``--repeat`` runs after a warm-up that also compiles fused kernels, reported as GB/s of
+   *input* bytes (the decoded tensor's);
 3. report bits per coordinate of the payload and the NMSE of the round trip on a Gaussian and
    a heavy-tailed (Student-t, 2 dof) input;
 4. label each row with the kernel backends its encode and decode dispatched to through
@@ -62,11 +65,19 @@ class CodecRow:
     memcpy_gbps: float
     hot_memcpy_gbps: float
     kernels: str = "-"
+    #: encode with ``scratch=`` (payload memory reused across calls); NaN for codecs without
+    #: ``encodes_into``
+    encode_into_gbps: float = math.nan
 
     @property
     def encode_vs_memcpy(self) -> float:
         """Encode throughput over the hot memcpy's, measured just before it."""
         return self.encode_gbps / self.hot_memcpy_gbps if self.hot_memcpy_gbps else math.nan
+
+    @property
+    def encode_into_vs_memcpy(self) -> float:
+        """Encode-into-reused-buffers throughput over the hot memcpy's (NaN when not run)."""
+        return self.encode_into_gbps / self.hot_memcpy_gbps if self.hot_memcpy_gbps else math.nan
 
     @property
     def decode_vs_memcpy(self) -> float:
@@ -118,6 +129,11 @@ def bench_codec(
     copy, hot = memcpy_gbps(x, repeat)
     nbytes = x.numel() * x.element_size()
     enc = best_time(lambda: codec.encode(x, ctx), repeat)
+    enc_into = math.nan
+    if codec.encodes_into:
+        pool: dict[str, torch.Tensor] = {}
+        codec.encode(x, ctx, scratch=pool)
+        enc_into = best_time(lambda: codec.encode(x, ctx, scratch=pool), repeat)
     dec = best_time(lambda: codec.decode(payload, ctx), repeat)
     dec_into = best_time(lambda: codec.decode(payload, ctx, out=buffer), repeat)
     heavy_out = codec.decode(codec.encode(heavy, ctx), ctx)
@@ -127,6 +143,7 @@ def bench_codec(
         nmse_gaussian=nmse(out, x),
         nmse_heavy=nmse(heavy_out, heavy),
         encode_gbps=nbytes / enc / 1e9,
+        encode_into_gbps=nbytes / enc_into / 1e9,
         decode_gbps=nbytes / dec / 1e9,
         decode_into_gbps=nbytes / dec_into / 1e9,
         memcpy_gbps=copy,
@@ -160,14 +177,15 @@ def run_bench(
 
 def render(rows: Sequence[CodecRow]) -> str:
     headers = [
-        "codec", "kernels", "bits/coord", "NMSE gauss", "NMSE heavy", "enc GB/s", "dec GB/s",
-        "dec->buf GB/s", "memcpy GB/s", "enc/memcpy", "dec->buf/memcpy",
+        "codec", "kernels", "bits/coord", "NMSE gauss", "NMSE heavy", "enc GB/s",
+        "enc->buf GB/s", "dec GB/s", "dec->buf GB/s", "memcpy GB/s", "enc/memcpy",
+        "enc->buf/memcpy", "dec->buf/memcpy",
     ]
     table = [
         [
             r.codec, r.kernels, r.bits_per_coordinate, r.nmse_gaussian, r.nmse_heavy, r.encode_gbps,
-            r.decode_gbps, r.decode_into_gbps, r.hot_memcpy_gbps, r.encode_vs_memcpy,
-            r.decode_vs_memcpy,
+            r.encode_into_gbps, r.decode_gbps, r.decode_into_gbps, r.hot_memcpy_gbps,
+            r.encode_vs_memcpy, r.encode_into_vs_memcpy, r.decode_vs_memcpy,
         ]
         for r in rows
     ]
@@ -176,8 +194,9 @@ def render(rows: Sequence[CodecRow]) -> str:
     return render_table(headers, table) + (
         f"\n\ncopy ceilings (best seen): hot memcpy into a reused buffer {hot:.2f} GB/s, "
         f"clone into fresh memory {fresh:.2f} GB/s. The memcpy column and the ratios use the "
-        f"hot memcpy measured just before each codec; dec->buf decodes with out= into a "
-        f"reused buffer"
+        f"hot memcpy measured just before each codec; enc->buf encodes with scratch= into "
+        f"payload buffers reused across calls (codecs with encodes_into only), dec->buf "
+        f"decodes with out= into a reused buffer"
     )
 
 
@@ -397,7 +416,15 @@ def run(args: argparse.Namespace) -> int:
     print(render(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=2)
+            # NaN (a column not measured for that codec) as null: standard JSON
+            json.dump(
+                [
+                    {k: None if isinstance(v, float) and math.isnan(v) else v
+                     for k, v in asdict(r).items()}
+                    for r in rows
+                ],
+                f, indent=2,
+            )
     return 0
 
 

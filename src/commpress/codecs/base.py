@@ -326,6 +326,9 @@ class Codec(ABC):
     contractive: ClassVar[bool] = True
     #: ``_decode`` accepts ``out=`` and writes the decoding into it (see :meth:`decode`).
     decodes_into: ClassVar[bool] = False
+    #: ``_encode`` accepts ``scratch=`` and writes its large payload parts into buffers kept
+    #: there (see :meth:`encode`): the 16-bit casts.
+    encodes_into: ClassVar[bool] = False
     #: ``reduce`` accepts ``out=`` (write the total into the caller's buffer) and ``scratch=``
     #: (a dict the caller keeps, to reuse payload buffers across steps): the 16-bit casts.
     reduces_into: ClassVar[bool] = False
@@ -419,11 +422,28 @@ class Codec(ABC):
         return cached
 
     # ------------------------------------------------------------------ public API
-    def encode(self, tensor: torch.Tensor, ctx: CodecContext | None = None) -> Payload:
-        """Encode ``tensor`` into a payload (``ctx`` defaults to a single worker at step 0)."""
+    def encode(
+        self,
+        tensor: torch.Tensor,
+        ctx: CodecContext | None = None,
+        *,
+        scratch: dict[str, torch.Tensor] | None = None,
+    ) -> Payload:
+        """Encode ``tensor`` into a payload (``ctx`` defaults to a single worker at step 0).
+
+        ``scratch``, when given, is a dict the caller keeps for this tensor from call to
+        call: codecs with :attr:`encodes_into` write their large payload parts into buffers
+        kept there (made on the first call, replaced when the size, dtype or device no longer
+        fit), so a large payload is not page-faulted anew at every call (a fresh block above
+        malloc's mmap threshold, 32 MB, always is). The payload is then valid only until the
+        next encode with the same dict; its values are bit-identical to a payload encoded
+        without ``scratch``. Other codecs ignore it."""
         x = self.check_input(tensor)
         with error_context(f"{self.codec_id}.encode"):
-            return self._encode(x, ctx if ctx is not None else CodecContext())
+            context = ctx if ctx is not None else CodecContext()
+            if scratch is not None and self.encodes_into:
+                return self._encode(x, context, scratch=scratch)  # type: ignore[call-arg]
+            return self._encode(x, context)
 
     def decode(
         self,
@@ -506,7 +526,10 @@ class Codec(ABC):
     # ------------------------------------------------------------------ hooks to implement
     @abstractmethod
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
-        """Encode a checked floating-point tensor (any shape, possibly empty or 0-d)."""
+        """Encode a checked floating-point tensor (any shape, possibly empty or 0-d).
+
+        A codec that sets ``encodes_into = True`` takes a keyword ``scratch: dict[str,
+        torch.Tensor] | None = None`` too (see :meth:`encode`)."""
 
     @abstractmethod
     def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:

@@ -113,8 +113,16 @@ class _FloatCast(Codec):
         """``"optional"``: the cast is near-exact; error feedback would only cost memory."""
         return "optional"
 
-    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+    encodes_into: ClassVar[bool] = True
+
+    def _encode(
+        self, x: torch.Tensor, ctx: CodecContext,
+        scratch: dict[str, torch.Tensor] | None = None,
+    ) -> Payload:
         flat = x.reshape(-1)
+        if scratch is not None and x.dtype != self.wire_dtype:
+            # the cast into the buffer kept in ``scratch`` (the same values as a new one)
+            return self.make_payload(x, {"values": self._scratch(scratch, x)})
         if x.dtype in _HALF and x.dtype != self.wire_dtype:
             values = torch.empty(flat.numel(), dtype=self.wire_dtype, device=x.device)
             return self.make_payload(x, {"values": _cast_into(flat, values, saturate=False)})
@@ -165,11 +173,9 @@ class _FloatCast(Codec):
         step (a fresh buffer above malloc's mmap threshold, 32 MB, always is).
         """
         fresh = tensor.dtype != self.wire_dtype  # the cast's new tensor, aliased by nothing
-        if fresh and out is not None and scratch is not None:
-            x = self.check_input(tensor)
-            payload = self.make_payload(x, {"values": self._scratch(scratch, x)})
-        else:
-            payload = self.encode(tensor, ctx)
+        payload = self.encode(
+            tensor, ctx, scratch=scratch if fresh and out is not None else None
+        )
         local = self.decode(payload, ctx) if ctx.need_local else None
         values = payload.parts["values"]
         own = fresh

@@ -157,12 +157,6 @@ def _flat_in(x: torch.Tensor) -> torch.Tensor:
     return _flat32(x)
 
 
-def _triton_op(x: torch.Tensor, op: str) -> bool:
-    """Whether ``op``, an entry point only the Triton backend has (a whole fused encode),
-    runs for ``x``."""
-    return kernels.backend_for(x) == "triton" and kernels.use_kernels(x, op)
-
-
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -547,25 +541,16 @@ class QSGD(Codec):
             empty = torch.empty(0, device=x.device)
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "norm": empty})
         chunk = chunk_length(n, self.chunk_size)
-        if self.code_bits <= 8 and _triton_op(flat, "qsgd_encode"):
+        if self.code_bits <= 8 and kernels.use_kernels(flat, "qsgd_encode"):
+            # one launch (numba: one pass for chunks up to kernels.UNIT; Triton: at most
+            # two); norms summed in float64 (the torch path sums in float32, recomputing
+            # only overflowing chunks in float64): they may differ by one float32 rounding
             packed, norm = kernels.qsgd_encode(
                 flat, chunk=chunk, levels=self.levels, bits=self.code_bits, clamp=_NORM_CLAMP,
                 seed=kernel_seed(ctx, self.seed),
             )
             return self.make_payload(x, {"codes": packed, "norm": norm})
-        if kernels.backend_for(flat) != "numba":  # 16-bit kept for the fused Triton encode
-            flat = flat.float()
-        if self.code_bits <= 8 and kernels.use_kernels(flat, "stochastic_encode"):
-            # float64 sums in one pass (the torch path sums in float32, recomputing only
-            # overflowing chunks in float64): norms may differ by one float32 rounding
-            norm = kernels.chunk_norms(flat, chunk, _NORM_CLAMP)
-            valid = (norm > 0) & torch.isfinite(norm)
-            inv = torch.where(valid, s / norm, torch.zeros_like(norm))
-            packed = kernels.stochastic_encode(
-                flat, inv, kind="qsgd", chunk=chunk, levels=self.levels, bits=self.code_bits,
-                seed=kernel_seed(ctx, self.seed),
-            )
-            return self.make_payload(x, {"codes": packed, "norm": norm})
+        flat = _flat32(flat)
         noise = _uniform(ctx, self.seed, n, flat.device)
         norms: list[torch.Tensor] = []
 
@@ -677,24 +662,11 @@ class TernGrad(Codec):
             empty = torch.empty(0, device=x.device)
             return self.make_payload(x, {"codes": empty.to(torch.uint8), "scale": empty})
         chunk = chunk_length(n, self.chunk_size)
-        if _triton_op(flat, "terngrad_encode"):
+        if kernels.use_kernels(flat, "terngrad_encode"):
+            # one launch; the scale is max |x| per chunk, _max_abs's value bit for bit
             packed, m = kernels.terngrad_encode(flat, chunk=chunk, seed=kernel_seed(ctx, self.seed))
             return self.make_payload(x, {"codes": packed, "scale": m})
-        if kernels.backend_for(flat) != "numba":  # 16-bit kept for the fused Triton encode
-            flat = flat.float()
-        if kernels.use_kernels(flat, "stochastic_encode"):
-            if kernels.use_kernels(flat, "chunk_range"):
-                # numba: one parallel read for the ranges; |max(-min, max)| is _max_abs's
-                # value bit for bit
-                lo, hi = kernels.chunk_range(flat, chunk)
-                m = torch.maximum(lo.neg_(), hi).abs_()
-            else:
-                m = _per_chunk(flat, chunk, _max_abs)
-            packed = kernels.stochastic_encode(
-                flat, _safe_reciprocal(m), kind="terngrad", chunk=chunk, levels=1, bits=2,
-                seed=kernel_seed(ctx, self.seed),
-            )
-            return self.make_payload(x, {"codes": packed, "scale": m})
+        flat = _flat32(flat)
         noise = _uniform(ctx, self.seed, n, flat.device)
         scales: list[torch.Tensor] = []
 

@@ -4,8 +4,8 @@ Two kernel backends implement the hot loops of the single-pass codecs (``minmax`
 ``qsgd``, ``terngrad``) and a few selections (top-k, DGC, Random-K):
 
 * :mod:`.numba_cpu`: numba kernels for CPU tensors (every entry point below but the
-  Triton-only ``qsgd_encode``, ``terngrad_encode``, ``chunk_square_sums`` and
-  ``thc_rotate`` / ``thc_encode`` / ``thc_quantize``);
+  Triton-only ``chunk_square_sums`` and ``thc_rotate`` / ``thc_encode`` /
+  ``thc_quantize``);
 * :mod:`.triton_gpu`: Triton kernels for CUDA tensors (the quantizers' entry points, whole
   QSGD / TernGrad encodes, ``at_least`` for the top-k / DGC selections, TopKC's chunk
   sums and THC's encode; ``topk_select`` and Random-K's ``first_distinct`` keep their
@@ -416,9 +416,10 @@ def qsgd_encode(
     x: torch.Tensor, *, chunk: int, levels: int, bits: int, clamp: float, seed: int = 0,
     noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """QSGD's whole encode (Triton only): ``(packed codes, per-chunk norms)``, the norms as
+    """QSGD's whole encode in one launch: ``(packed codes, per-chunk norms)``, the norms as
     :func:`chunk_norms` gives them and the codes as :func:`stochastic_encode` with ``inv =
-    levels / norm``, in at most two passes over ``x`` (fp32, fp16 or bf16)."""
+    levels / norm``, in at most two passes over ``x`` (fp32, fp16 or bf16; numba: one pass
+    for chunks of at most :data:`UNIT` values)."""
     return _impl(x, "qsgd_encode").qsgd_encode(
         x, chunk=chunk, levels=levels, bits=bits, clamp=clamp, seed=seed, noise=noise
     )
@@ -427,8 +428,8 @@ def qsgd_encode(
 def terngrad_encode(
     x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """TernGrad's whole encode (Triton only): ``(packed 2-bit codes, per-chunk max |x|)`` in
-    at most two passes over ``x`` (fp32, fp16 or bf16)."""
+    """TernGrad's whole encode in one launch: ``(packed 2-bit codes, per-chunk max |x|)``
+    in at most two passes over ``x`` (fp32, fp16 or bf16)."""
     return _impl(x, "terngrad_encode").terngrad_encode(x, chunk=chunk, seed=seed, noise=noise)
 
 

@@ -30,6 +30,7 @@ each of several processes on the same cores slows down by up to 100x from oversu
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -285,6 +286,20 @@ def _nb_minmax_keys(src: Any) -> Any:
     return lo, hi
 
 
+def _nb_minmax_keys16(src: Any) -> Any:
+    # _nb_minmax_keys of bfloat16 values given as int16 bits: the 16-bit order keys
+    # (bits ^ ((bits >> 15) & 0x7FFF)), 32 to a vector. The range of an empty src is
+    # (int16 max, int16 min), which widens to _nb_minmax_keys's empty range.
+    lo = np.int16(0x7FFF)
+    hi = np.int16(-0x8000)
+    for i in range(src.size):
+        v = src[i]
+        k = v ^ ((v >> np.int16(15)) & np.int16(0x7FFF))
+        lo = k if k < lo else lo
+        hi = k if k > hi else hi
+    return lo, hi
+
+
 def _nb_prescale(scale: Any) -> Any:
     # the exact power of two that keeps a chunk's arithmetic inside float32's range (see
     # quantize.minmax_params): 2^64 for tiny scales, 2^-64 for huge ones, else 1
@@ -367,10 +382,17 @@ def _nb_segment_keys(
     # the order-key range of each of the spc segments of every chunk (in parallel)
     seg_len = (chunk + spc - 1) // spc
     for g in prange(seg_lo.size):
-        wide = np.empty(seg_len if mode else 1, np.float32)
         c = g // spc
         s = c * chunk + (g - c * spc) * seg_len
         e = min(s + seg_len, min((c + 1) * chunk, n))
+        if mode == 1:
+            # bfloat16 in place: its 16-bit order key is the top half of its widening's
+            # (the bottom half is 0xFFFF for negative values, else 0)
+            lo, hi = _nb_minmax_keys16(x16[s : max(s, e)].view(np.int16))
+            seg_lo[g] = (i32(lo) << i32(16)) | (i32(0xFFFF) if lo < 0 else i32(0))
+            seg_hi[g] = (i32(hi) << i32(16)) | (i32(0xFFFF) if hi < 0 else i32(0))
+            continue
+        wide = np.empty(seg_len if mode else 1, np.float32)
         src = _nb_widen(xf, x16, mode, s, max(s, e), wide)
         seg_lo[g], seg_hi[g] = _nb_minmax_keys(src.view(np.int32))
 
@@ -525,17 +547,38 @@ def _nb_decode_codes(
 def _nb_lane_sum(src: Any, square: Any, lanes: Any) -> None:
     # lanes[j] += |v| (or v * v with square) of src[8g + j], in float64, over the whole
     # groups of eight: independent partial sums (one dependency chain would cap the pass at
-    # one add per FP latency); the caller adds the lanes and then the tail in one fixed order
+    # one add per FP latency); the caller adds the lanes and then the tail in one fixed order.
+    # The lanes live in local variables during the loop (an array's elements would be
+    # stored and reloaded at every group).
     full = src.size // 8 * 8
+    a0, a1, a2, a3 = lanes[0], lanes[1], lanes[2], lanes[3]
+    a4, a5, a6, a7 = lanes[4], lanes[5], lanes[6], lanes[7]
     if square:
         for g in range(0, full, 8):
-            for j in range(8):
-                v = np.float64(src[g + j])
-                lanes[j] += v * v
+            v0, v1 = np.float64(src[g]), np.float64(src[g + 1])
+            v2, v3 = np.float64(src[g + 2]), np.float64(src[g + 3])
+            v4, v5 = np.float64(src[g + 4]), np.float64(src[g + 5])
+            v6, v7 = np.float64(src[g + 6]), np.float64(src[g + 7])
+            a0 += v0 * v0
+            a1 += v1 * v1
+            a2 += v2 * v2
+            a3 += v3 * v3
+            a4 += v4 * v4
+            a5 += v5 * v5
+            a6 += v6 * v6
+            a7 += v7 * v7
     else:
         for g in range(0, full, 8):
-            for j in range(8):
-                lanes[j] += abs(np.float64(src[g + j]))
+            a0 += abs(np.float64(src[g]))
+            a1 += abs(np.float64(src[g + 1]))
+            a2 += abs(np.float64(src[g + 2]))
+            a3 += abs(np.float64(src[g + 3]))
+            a4 += abs(np.float64(src[g + 4]))
+            a5 += abs(np.float64(src[g + 5]))
+            a6 += abs(np.float64(src[g + 6]))
+            a7 += abs(np.float64(src[g + 7]))
+    lanes[0], lanes[1], lanes[2], lanes[3] = a0, a1, a2, a3
+    lanes[4], lanes[5], lanes[6], lanes[7] = a4, a5, a6, a7
 
 
 def _nb_lane_total(src: Any, square: Any, lanes: Any) -> Any:
@@ -594,6 +637,74 @@ def _nb_sign_decode(
         _nb_store(dst, out16, omode, sat, a)
 
 
+def _nb_stoch_codes(
+    src: Any, i: Any, inv: Any, kind: Any, levels: Any, rmode: Any, seed: Any, noise: Any,
+    ubuf: Any, dst: Any,
+) -> None:
+    # dst = the codes of src, coordinates i.. of one chunk, with multiplier inv. kind 0
+    # (qsgd): code = levels +- clamp(floor(|x| * inv + u), 0, levels), NaN -> levels; kind 1
+    # (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1 (x < 0 -> 0, else 2).
+    # rmode 1: u from the internal generator keyed by seed; rmode 2: u = noise. Branch-free
+    # inner loops (they vectorize): the noise first, then the codes.
+    zero = f32(0.0)
+    top = f32(levels)
+    u = ubuf[: src.size]
+    if rmode == 1:
+        # _nb_uniform written out, so that the loop vectorizes
+        base = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
+        for k in range(src.size):
+            z = base + u64(k) * u64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+            z = z ^ (z >> u64(31))
+            u[k] = f32(z >> u64(40)) * f32(5.9604644775390625e-08)
+    else:
+        given = noise[i : i + src.size]
+        for k in range(src.size):
+            u[k] = given[k]
+    if kind == 0:
+        mid = u8(levels)
+        for k in range(src.size):
+            v = src[k]
+            t = np.floor(abs(v) * inv + u[k])
+            t = t if t >= zero else zero
+            t = t if t <= top else top
+            level = u8(t)
+            dst[k] = mid - level if v < zero else mid + level
+    else:
+        for k in range(src.size):
+            v = src[k]
+            keep = u[k] < abs(v) * inv
+            dst[k] = (u8(0) if v < zero else u8(2)) if keep else u8(1)
+
+
+def _nb_stoch_units(
+    xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, kind: Any, levels: Any, bits: Any,
+    rmode: Any, seed: Any, noise: Any, inv_all: Any, packed: Any,
+) -> None:
+    # the packed codes (_nb_stoch_codes) of UNIT consecutive values per work item, in
+    # parallel, with the multiplier of each chunk given
+    nunits = (n + UNIT - 1) // UNIT
+    for unit in prange(nunits):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        buf = np.empty(UNIT + 8, np.uint8)
+        ubuf = np.empty(UNIT, np.float32)
+        wide = np.empty(UNIT if mode else 1, np.float32)
+        x = _nb_widen(xf, x16, mode, a, b, wide)
+        i = a
+        c = a // chunk
+        while i < b:
+            e = min((c + 1) * chunk, b)
+            _nb_stoch_codes(
+                x[i - a : e - a], i, inv_all[c], kind, levels, rmode, seed, noise, ubuf,
+                buf[i - a : e - a],
+            )
+            i = e
+            c += 1
+        _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+
+
 def _nb_stochastic_encode(
     xf: Any,
     x16: Any,
@@ -609,61 +720,125 @@ def _nb_stochastic_encode(
     inv_all: Any,
     packed: Any,
 ) -> None:
-    # kind 0 (qsgd): code = levels +- clamp(floor(|x| * inv + u), 0, levels), NaN -> levels;
-    # kind 1 (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1 (x < 0 -> 0, else 2).
-    # rmode 1: u from the internal generator keyed by seed; rmode 2: u = noise.
-    zero = f32(0.0)
-    top = f32(levels)
-    nunits = (n + UNIT - 1) // UNIT
-    for unit in prange(nunits):
-        a = unit * UNIT
-        b = min(a + UNIT, n)
-        buf = np.empty(UNIT + 8, np.uint8)
-        ubuf = np.empty(UNIT, np.float32)
-        wide = np.empty(UNIT if mode else 1, np.float32)
-        x = _nb_widen(xf, x16, mode, a, b, wide)
-        i = a
-        c = a // chunk
-        while i < b:
-            e = min((c + 1) * chunk, b)
-            inv = inv_all[c]
-            src = x[i - a : e - a]
-            dst = buf[i - a : e - a]
-            u = ubuf[: src.size]
-            # branch-free inner loops (they vectorize): the noise first, then the codes
-            if rmode == 1:
-                # _nb_uniform written out, so that the loop vectorizes
-                base = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
-                for k in range(src.size):
-                    z = base + u64(k) * u64(0x9E3779B97F4A7C15)
-                    z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
-                    z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
-                    z = z ^ (z >> u64(31))
-                    u[k] = f32(z >> u64(40)) * f32(5.9604644775390625e-08)
-            else:
-                given = noise[i:e]
-                for k in range(src.size):
-                    u[k] = given[k]
-            if kind == 0:
-                mid = u8(levels)
-                for k in range(src.size):
-                    v = src[k]
-                    t = np.floor(abs(v) * inv + u[k])
-                    t = t if t >= zero else zero
-                    t = t if t <= top else top
-                    level = u8(t)
-                    dst[k] = mid - level if v < zero else mid + level
-            else:
-                for k in range(src.size):
-                    v = src[k]
-                    keep = u[k] < abs(v) * inv
-                    dst[k] = (u8(0) if v < zero else u8(2)) if keep else u8(1)
-            i = e
-            c += 1
-        _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+    # the codes of _nb_stoch_codes with the multipliers inv_all given per chunk
+    _nb_stoch_units(xf, x16, mode, n, chunk, kind, levels, bits, rmode, seed, noise, inv_all,
+                    packed)
 
 
-def _nb_chunk_norms(
+def _nb_norm(src: Any, clamp: Any, lanes: Any) -> Any:
+    # the L2 norm of src in float64 (_nb_lane_sum's lanes, then its tail), clamped to
+    # ``clamp`` when finite beyond it, rounded to float32
+    lanes[:] = 0.0
+    _nb_lane_sum(src, True, lanes)
+    norm = np.sqrt(_nb_lane_total(src, True, lanes))
+    if norm > np.float64(clamp) and norm < np.inf:
+        norm = np.float64(clamp)
+    return f32(norm)
+
+
+def _nb_max_key(src: Any) -> Any:
+    # the largest magnitude key (float32 bits without the sign) of float32 bits src
+    best = i32(0)
+    for k in range(src.size):
+        key = src[k] & i32(0x7FFFFFFF)
+        best = key if key > best else best
+    return best
+
+
+def _nb_key_value(key: Any, scratch: Any) -> Any:
+    # the float32 of magnitude key ``key``; a NaN key gives the quiet NaN 0x7FC00000
+    scratch[0] = key if key <= _KEY_POS_INF else i32(0x7FC00000)
+    return scratch.view(np.float32)[0]
+
+
+def _nb_stat_inv(stat: Any, kind: Any, levels: Any) -> Any:
+    # the multiplier of |x| in a chunk's codes from its statistic. qsgd (kind 0, the norm):
+    # levels * f32(1 / norm) for a finite norm > 0, as torch computes ``levels / norm``;
+    # terngrad (kind 1, the max |x|): f32(1 / m) where m > 0 and that is finite
+    # (quantize._safe_reciprocal); else 0
+    if kind == 0:
+        if stat > f32(0.0) and stat < f32(np.inf):
+            return (f32(1.0) / stat) * f32(levels)
+        return f32(0.0)
+    r = f32(np.float64(1.0) / np.float64(stat))
+    return r if (stat > f32(0.0) and r < f32(np.inf)) else f32(0.0)
+
+
+def _nb_segment_max_keys(
+    xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, spc: Any, seg: Any
+) -> None:
+    # seg[g] = the largest magnitude key of segment g (spc segments per chunk), in parallel;
+    # bfloat16 bits are compared in place (its magnitude bits are the float32 key's top half)
+    seg_len = (chunk + spc - 1) // spc
+    for g in prange(seg.size):
+        c = g // spc
+        s = c * chunk + (g - c * spc) * seg_len
+        e = max(s, min(s + seg_len, min((c + 1) * chunk, n)))
+        if mode == 1:
+            src16 = x16[s:e]
+            best = u16(0)
+            for k in range(src16.size):
+                key = src16[k] & u16(0x7FFF)
+                best = key if key > best else best
+            seg[g] = i32(best) << i32(16)
+        else:
+            wide = np.empty(seg_len if mode else 1, np.float32)
+            seg[g] = _nb_max_key(_nb_widen(xf, x16, mode, s, e, wide).view(np.int32))
+
+
+def _nb_stochastic_fused(
+    xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, kind: Any, levels: Any, bits: Any,
+    rmode: Any, seed: Any, noise: Any, clamp: Any, stat: Any, packed: Any,
+) -> None:
+    # a whole qsgd (kind 0) or terngrad (kind 1) encode: stat[c] = chunk c's norm (clamped
+    # as _nb_chunk_norms) or max |x|, and the codes of _nb_stoch_codes with the multiplier
+    # _nb_stat_inv of it. Chunks of at most UNIT values: one pass, a work item owning whole
+    # chunks (and whole output bytes), each chunk quantized while in cache; longer chunks:
+    # the statistics first (in parallel), then the codes.
+    nchunks = stat.size
+    if chunk <= UNIT:
+        align = 8 // np.gcd(chunk, 8)
+        per = (max(1, UNIT // chunk) + align - 1) // align * align
+        for item in prange((nchunks + per - 1) // per):
+            a = item * per * chunk
+            b = min(a + per * chunk, n)
+            buf = np.empty(per * chunk + 8, np.uint8)
+            ubuf = np.empty(chunk, np.float32)
+            wide = np.empty(per * chunk if mode else 1, np.float32)
+            lanes = np.empty(8, np.float64)
+            scratch = np.empty(1, np.int32)
+            x = _nb_widen(xf, x16, mode, a, b, wide)
+            for c in range(item * per, min((item + 1) * per, nchunks)):
+                s = c * chunk - a
+                e = min(s + chunk, b - a)
+                if kind == 0:
+                    st = _nb_norm(x[s:e], clamp, lanes)
+                else:
+                    st = _nb_key_value(_nb_max_key(x[s:e].view(np.int32)), scratch)
+                stat[c] = st
+                _nb_stoch_codes(
+                    x[s:e], a + s, _nb_stat_inv(st, kind, levels), kind, levels, rmode, seed,
+                    noise, ubuf, buf[s:e],
+                )
+            _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+        return
+    inv_all = np.empty(nchunks, np.float32)
+    if kind == 0:
+        _nb_norms_into(xf, x16, mode, n, chunk, clamp, stat)
+    else:
+        spc = (chunk + SEGMENT - 1) // SEGMENT
+        seg = np.empty(nchunks * spc, np.int32)
+        _nb_segment_max_keys(xf, x16, mode, n, chunk, spc, seg)
+        scratch = np.empty(1, np.int32)
+        for c in range(nchunks):
+            stat[c] = _nb_key_value(seg[c * spc : (c + 1) * spc].max(), scratch)
+    for c in range(nchunks):
+        inv_all[c] = _nb_stat_inv(stat[c], kind, levels)
+    _nb_stoch_units(xf, x16, mode, n, chunk, kind, levels, bits, rmode, seed, noise, inv_all,
+                    packed)
+
+
+def _nb_norms_into(
     xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, clamp: Any, norms: Any
 ) -> None:
     # norms[c] = L2 norm of chunk c, accumulated in float64 and rounded to float32; norms
@@ -687,6 +862,13 @@ def _nb_chunk_norms(
             if norm > np.float64(clamp) and norm < np.inf:
                 norm = np.float64(clamp)
             norms[c] = f32(norm)
+
+
+def _nb_chunk_norms(
+    xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, clamp: Any, norms: Any
+) -> None:
+    # see _nb_norms_into
+    _nb_norms_into(xf, x16, mode, n, chunk, clamp, norms)
 
 
 def _nb_mag_key(v: Any) -> Any:
@@ -981,12 +1163,13 @@ def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
         word = bitmap[w]
         while word:
             low = word & (~word + u64(1))  # lowest set bit
-            # its position: count the bits below it
+            # its position: log2 of a power of two, by halving the word six times
             pos = 0
-            probe = low >> u64(1)
-            while probe:
-                probe >>= u64(1)
-                pos += 1
+            probe = low
+            for half in (32, 16, 8, 4, 2, 1):
+                wide = probe >= (u64(1) << u64(half))
+                probe = probe >> u64(half) if wide else probe
+                pos += half if wide else 0
             out[j] = w * 64 + pos
             j += 1
             word ^= low
@@ -1002,6 +1185,7 @@ _HELPERS = (
     "_nb_pack_unit",
     "_nb_unpack_unit",
     "_nb_minmax_keys",
+    "_nb_minmax_keys16",
     "_nb_prescale",
     "_nb_chunk_params",
     "_nb_quantize",
@@ -1010,17 +1194,28 @@ _HELPERS = (
     "_nb_mag_key",
     "_nb_chunk_keys",
     "_nb_threshold_digit",
+    "_nb_stoch_codes",
+    "_nb_norm",
+    "_nb_max_key",
+    "_nb_key_value",
+    "_nb_stat_inv",
 )
 # helpers that contain parallel loops (compiled with parallel=True)
-_PARALLEL_HELPERS = ("_nb_write_selected", "_nb_segment_keys", "_nb_part_histogram")
+_PARALLEL_HELPERS = (
+    "_nb_write_selected",
+    "_nb_segment_keys",
+    "_nb_part_histogram",
+    "_nb_stoch_units",
+    "_nb_norms_into",
+    "_nb_segment_max_keys",
+)
 _KERNELS = (
     "_nb_convert",
     "_nb_minmax_encode",
     "_nb_decode_codes",
     "_nb_sign_encode",
     "_nb_sign_decode",
-    "_nb_stochastic_encode",
-    "_nb_chunk_norms",
+    "_nb_stochastic_fused",
     "_nb_topk_select",
     "_nb_topk_band",
     "_nb_count_at_least",
@@ -1028,12 +1223,44 @@ _KERNELS = (
     "_nb_top16",
 )
 # kernels without a parallel loop of their own
-_SERIAL = ("_nb_first_distinct", "_nb_chunk_range", "_nb_top_keys")
+# (the first two are a parallel helper's wrappers)
+_SERIAL = (
+    "_nb_stochastic_encode",
+    "_nb_chunk_norms",
+    "_nb_first_distinct",
+    "_nb_chunk_range",
+    "_nb_top_keys",
+)
+
+
+def _start_threads() -> None:
+    """Start numba's thread pool with its workers sleeping as soon as a kernel ends.
+
+    numba's ``omp`` threading layer runs on the system's libgomp (torch has its own copy),
+    whose idle workers spin by default: on a machine whose cores also run torch's threads,
+    the spinning workers take the cores from the torch operations that follow a launch (on
+    the 2-core development machine a 320k-element ``torch.where`` right after a kernel took
+    20 ms instead of 0.1, and a QSGD encode's small torch operations 70 ms). libgomp reads
+    its wait policy when it is loaded, which is here; a policy the user chose
+    (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` in the environment) is kept, and the
+    environment is left as it was."""
+    from numba.np.ufunc import parallel
+
+    # numba's own (private) starter; without it numba starts the pool at the first launch
+    start = getattr(parallel, "_launch_threads", None)
+    if start is None or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        start()
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
 
 
 def _build() -> dict[str, Callable[..., Any]]:
     import numba
 
+    _start_threads()
     # error_model="numpy": float division by zero gives IEEE inf/nan instead of raising
     # (constant chunks have scale 0; their reciprocal is then replaced by 0).
     module = globals()
@@ -1074,6 +1301,14 @@ def _np(t: torch.Tensor) -> np.ndarray:
 MODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _DUMMY_F32 = np.zeros(1, np.float32)
 _DUMMY_U16 = np.zeros(1, np.uint16)
+
+
+def _noise_arg(noise: torch.Tensor | None) -> tuple[int, np.ndarray]:
+    """A stochastic kernel's rounding mode and noise array: ``noise`` given (mode 2), or the
+    kernels' own generator (mode 1, a dummy array)."""
+    if noise is not None:
+        return 2, _np(noise)
+    return 1, np.zeros(1, np.float32)
 
 
 def _bits16(t: torch.Tensor) -> np.ndarray:
@@ -1222,16 +1457,42 @@ class NumbaKernels:
         """See :func:`commpress.codecs.kernels.stochastic_encode`."""
         xf, x16, xmode, n = source(x)
         packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
-        if noise is not None:
-            mode, noise_np = 2, _np(noise)
-        else:
-            mode, noise_np = 1, np.zeros(1, np.float32)
+        mode, noise_np = _noise_arg(noise)
         with _launch():
             self["stochastic_encode"](
                 xf, x16, xmode, n, chunk, 0 if kind == "qsgd" else 1, levels, bits, mode,
                 np.uint64(seed), noise_np, _np(inv.contiguous()), _np(packed),
             )
         return packed
+
+    def _stochastic_fused(
+        self, x: torch.Tensor, kind: int, chunk: int, levels: int, bits: int, clamp: float,
+        seed: int, noise: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        xf, x16, xmode, n = source(x)
+        packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+        stat = torch.empty(-(-n // chunk), dtype=torch.float32)
+        mode, noise_np = _noise_arg(noise)
+        with _launch():
+            self["stochastic_fused"](
+                xf, x16, xmode, n, chunk, kind, levels, bits, mode, np.uint64(seed), noise_np,
+                np.float32(clamp), _np(stat), _np(packed),
+            )
+        return packed, stat
+
+    def qsgd_encode(
+        self, x: torch.Tensor, *, chunk: int, levels: int, bits: int, clamp: float,
+        seed: int = 0, noise: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :func:`commpress.codecs.kernels.qsgd_encode`: one kernel launch, one pass
+        over ``x`` for chunks of at most :data:`UNIT` values."""
+        return self._stochastic_fused(x, 0, chunk, levels, bits, clamp, seed, noise)
+
+    def terngrad_encode(
+        self, x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :func:`commpress.codecs.kernels.terngrad_encode` (one kernel launch)."""
+        return self._stochastic_fused(x, 1, chunk, 1, 2, 0.0, seed, noise)
 
     def chunk_norms(self, x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
         """See :func:`commpress.codecs.kernels.chunk_norms`."""
