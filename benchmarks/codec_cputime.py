@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable
 import os
 import time
+from collections.abc import Callable
 
 # spinning OpenMP workers (torch's and numba's pools wait actively after each parallel
 # region) would add CPU time that is no work: let them sleep (set before torch loads)
