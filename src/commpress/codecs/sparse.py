@@ -500,15 +500,20 @@ class DGC(_SparsePayload):
         return pair_bytes(self.target(d), d, dtype, _VALUE_DTYPES[self.value_dtype]) + 4
 
     def select_kernel(self, flat: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
-        """:meth:`select` on the magnitudes of a 1-D tensor through the kernels (numba:
-        fp32 on CPU; Triton: fp32, fp16 or bf16, compared as fp32): the same samples,
-        thresholds, counts and indices, without materialising the magnitudes or the mask
-        (each count is one read pass, the indices one more)."""
+        """:meth:`select` on the magnitudes of a 1-D tensor through the kernels (numba on
+        CPU: fp32 bit patterns, fp16/bf16 16-bit keys read in place; Triton: fp32, fp16 or
+        bf16, compared as fp32): the same samples, thresholds, counts and indices, without
+        materialising the magnitudes or the mask (each count is one read pass, the indices
+        one more)."""
+        if flat.dtype in (torch.float16, torch.bfloat16) and not _triton_at_least(flat):
+            count_at = kernels_extra.at_least16
+        else:
+            count_at = kernels.at_least
         return self._select(
             flat.numel(), ctx, flat.device,
             exact=lambda k: top_magnitudes(flat, k),
             sample=lambda positions: magnitudes(flat[positions]),
-            at_least=lambda threshold: kernels.at_least(flat, float(threshold)),
+            at_least=lambda threshold: count_at(flat, float(threshold)),
             importance_of=lambda idx: magnitudes(flat[idx]),
         )
 
@@ -564,8 +569,11 @@ class DGC(_SparsePayload):
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = x.reshape(-1)
         d = flat.numel()
-        if (x.dtype == torch.float32 and kernels.use_kernels(flat, "at_least")) or (
-            x.dtype in (torch.float16, torch.bfloat16) and _triton_at_least(flat)
+        sixteen = x.dtype in (torch.float16, torch.bfloat16)
+        if (
+            (x.dtype == torch.float32 and kernels.use_kernels(flat, "at_least"))
+            or (sixteen and _triton_at_least(flat))
+            or (sixteen and kernels_extra.use_kernels(flat))
         ):
             idx = self.select_kernel(flat.contiguous(), ctx)
         else:
