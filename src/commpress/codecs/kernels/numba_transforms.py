@@ -365,20 +365,9 @@ def _nb_thc_decode(
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
             _nb_fwht(codes[start : start + block], steps[b], buf)
+            _nb_flip(bits, start, sseed)
             factor = factors[b]
             cnt = max(0, min(start + block, n) - start)
-            if omode == 0 and cnt == block and block >= 64 and start % 64 == 0:
-                # a whole float32 block: signs and factor in the sweep that stores it
-                for g in range(0, block, 64):
-                    word = _nb_word(sseed, (start + g) >> 6)
-                    v = bits[g : g + 64]
-                    w = buf[g : g + 64]
-                    dst = outf[start + g : start + g + 64]
-                    for t in range(64):
-                        v[t] ^= u32((word >> u64(t)) & u64(1)) << u32(31)
-                        dst[t] = w[t] * factor
-                continue
-            _nb_flip(bits, start, sseed)
             if omode == 0:
                 dst = outf[start : start + cnt]
                 for k in range(cnt):
