@@ -199,22 +199,6 @@ def _nb_load_signed(xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any,
     m = bits.size
     end = min(start + m, n)
     cnt = max(0, end - start)
-    if cnt == m and m >= 64 and start % 64 == 0:
-        # a whole block: load and flip in one sweep, a sign word per 64 coordinates
-        for g in range(0, m, 64):
-            word = _nb_word(sseed, (start + g) >> 6)
-            v = bits[g : g + 64]
-            if mode == 0:
-                src = xi[start + g : start + g + 64]
-                for t in range(64):
-                    v[t] = u32(src[t]) ^ (u32((word >> u64(t)) & u64(1)) << u32(31))
-            else:
-                srcb = xb[start + g : start + g + 64]
-                for t in range(64):
-                    v[t] = (u32(srcb[t]) << u32(16)) ^ (
-                        u32((word >> u64(t)) & u64(1)) << u32(31)
-                    )
-        return
     if mode == 0:
         src = xi[start : start + cnt]
         for k in range(cnt):
