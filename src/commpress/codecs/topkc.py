@@ -244,7 +244,9 @@ class TopKC(Codec):
             flat = torch.cat([flat, flat.new_zeros(pad)])
         return flat.view(lay.chunks, lay.chunk)
 
-    def _norms(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norms(
+        self, chunks: torch.Tensor, source: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Squared chunk norms in the wire type: float64 arithmetic (|x| up to 3.4e38 squared
         and summed over a chunk stays far inside float64's range), finite values clamped to
         the wire type's largest finite value, NaN for chunks holding a NaN or Inf. Also the
@@ -252,12 +254,15 @@ class TopKC(Codec):
         whose square root bounds every finite ``|x|`` (see :meth:`_bound`).
 
         ``vector_norm(dtype=float64)`` converts its input to float64 first, so rows are taken
-        in slices of about ``_NORM_SLICE`` elements to bound that temporary (32 MiB). The CPU
-        kernels (:meth:`_local_norms`) and the Triton kernels compute the sums of squares in
-        one fused pass instead (the same float64 values up to
+        in slices of about ``_NORM_SLICE`` elements to bound that temporary (32 MiB). With
+        ``source`` (the flat input, for the CPU kernels), and on the Triton kernels, one
+        fused pass computes the sums of squares instead (the same float64 values up to
         summation order and the torch path's square of a square root, so the 16-bit norms
         agree unless a sum lies within a float64 rounding of a 16-bit rounding boundary)."""
         top = torch.finfo(self._norm_dtype).max
+        if source is not None:
+            clamped, largest = kernels_extra.chunk_norms(source, chunks.shape[1], top)
+            return clamped.to(self._norm_dtype), largest
         if (
             chunks.numel()
             and chunks.dtype != torch.float64
@@ -340,42 +345,14 @@ class TopKC(Codec):
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         lay = self.layout(x.numel())
-        source = self._kernel_source(x)
-        chunks = self._chunked(x, lay) if source is None else None
-        norms, largest_sq = self._local_norms(x, lay, source, chunks)
+        chunks = self._chunked(x, lay)
+        norms, largest_sq = self._norms(chunks, self._kernel_source(x))
         bound = self._bound(x, largest_sq)
         chosen = select_chunks(norms, lay.selected)
         e = self.exponent(bound, x.dtype)
-        values = self._values(x, lay, source, chunks, chosen, e)
-        return self._payload(x, norms, values, bound)
-
-    def _local_norms(
-        self, x: torch.Tensor, lay: TopkcLayout, source: torch.Tensor | None,
-        chunks: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_norms` of ``x``: by the CPU kernel from ``source``, else of ``chunks``."""
-        if source is not None:
-            top = torch.finfo(self._norm_dtype).max
-            clamped, largest = kernels_extra.chunk_norms(source, lay.chunk, top)
-            return clamped.to(self._norm_dtype), largest
-        assert chunks is not None
-        return self._norms(chunks)
-
-    def _values(
-        self, x: torch.Tensor, lay: TopkcLayout, source: torch.Tensor | None,
-        chunks: torch.Tensor | None, chosen: torch.Tensor, e: torch.Tensor,
-    ) -> torch.Tensor:
-        """The chosen chunks' values times ``2^-e`` in the value wire type: gathered,
-        scaled and rounded by one CPU kernel from ``source`` (the same float32 product and
-        rounding as :func:`scale_values`), else by torch from ``chunks``."""
-        if source is not None:
-            factor = float(torch.exp2(-e.to(torch.float32)))
-            return kernels_extra.chunk_gather(
-                source, lay.chunk, chosen, factor, self._value_dtype
-            )
-        assert chunks is not None
         picked = chunks.index_select(0, chosen).reshape(-1)
-        return scale_values(picked, self._value_dtype, e)
+        values = scale_values(picked, self._value_dtype, e)
+        return self._payload(x, norms, values, bound)
 
     @staticmethod
     def _kernel_source(x: torch.Tensor) -> torch.Tensor | None:
@@ -398,16 +375,6 @@ class TopKC(Codec):
         chosen = select_chunks(norms, lay.selected)
         work = torch.float64 if payload.dtype == torch.float64 else torch.float32
         e = self.exponent(bound, payload.dtype)
-        if payload.dtype != torch.float64 and kernels_extra.use_kernels(values):
-            # one kernel writes the whole output: chosen chunks unscaled, rounded and
-            # saturated as below, every other chunk zero
-            target = out if out is not None else torch.empty(
-                payload.shape, dtype=payload.dtype
-            )
-            factor = float(torch.exp2(e.to(torch.float32)))
-            return kernels_extra.chunk_scatter(
-                values.reshape(-1), chosen, chunk=lay.chunk, factor=factor, out=target
-            )
         if values.device.type == "cpu" and not bool(e):
             wide = values.to(work)  # 2^0: nothing to scale, nothing can overflow
         else:
@@ -438,9 +405,8 @@ class TopKC(Codec):
         x = self.check_input(tensor)
         with error_context(f"{self.codec_id}.reduce"):
             lay = self.layout(x.numel())
-            source = self._kernel_source(x)
-            chunks = self._chunked(x, lay) if source is None else None
-            local_norms, largest_sq = self._local_norms(x, lay, source, chunks)
+            chunks = self._chunked(x, lay)
+            local_norms, largest_sq = self._norms(chunks, self._kernel_source(x))
             local_bound = self._bound(x, largest_sq)
         reply = yield AllReduce(tensors={"norms": local_norms, "bound": local_bound})
         norms = reply_part(reply, "norms", local_norms)
@@ -448,7 +414,8 @@ class TopKC(Codec):
         with error_context(f"{self.codec_id}.reduce"):
             chosen = select_chunks(norms, lay.selected)
             e = self.exponent(bound, x.dtype)
-            values = self._values(x, lay, source, chunks, chosen, e)
+            picked = chunks.index_select(0, chosen).reshape(-1)
+            values = scale_values(picked, self._value_dtype, e)
             averaging = ctx.average and ctx.world_size > 1
             sent = values / ctx.world_size if averaging else values
         reply = yield AllReduce(tensors={"values": sent})

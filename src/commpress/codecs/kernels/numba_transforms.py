@@ -1,4 +1,5 @@
-"""Fused CPU kernels (numba) for THC's blocked Hadamard rotation and TopKC's chunk norms.
+"""Fused CPU kernels (numba) for THC's blocked Hadamard rotation, TopKC's chunk norms and
+DGC's count and collection at a threshold on 16-bit inputs (their 16-bit keys, read in place).
 
 They follow :mod:`commpress.codecs.kernels`' switch (``COMMPRESS_KERNELS``,
 :func:`kernels.use_backend`) and launch rules (torch's thread count, one launch at a time),
@@ -50,13 +51,8 @@ u64 = np.uint64
 f32 = np.float32
 f64 = np.float64
 _BF16_MAX = f32(torch.finfo(torch.bfloat16).max)
-_F32_MAX = f32(np.finfo(np.float32).max)
 _U24 = f32(2.0**-24)  # 24 random bits times this: a uniform in [0, 1)
 prange = range  # replaced by numba.prange in build()
-_nb_widen = numba_cpu._nb_widen  # numba_cpu's compiled helpers after build()
-_nb_narrow = numba_cpu._nb_narrow
-_nb_target = numba_cpu._nb_target
-_nb_store = numba_cpu._nb_store
 
 
 # ---------------------------------------------------------------------- torch-side generator
@@ -417,81 +413,6 @@ def _nb_chunk_squares(
         largest[item] = big
 
 
-def _nb_chunk_gather(
-    xi: Any, xb: Any, mode: Any, n: Any, chunk: Any, chosen: Any, factor: Any, vmode: Any,
-    out16: Any,
-) -> None:
-    # out16[j*chunk : (j+1)*chunk] = the 16-bit (vmode 1 bfloat16, 2 float16) bits of
-    # f32(chunk chosen[j] of x) * factor, zero past n; rounded as torch's .to() (no
-    # saturation: scale_values' cast). Per work item the chosen chunks' float32 bits are
-    # gathered into one buffer, then scaled and rounded in two long (vectorized) loops.
-    count = chosen.size
-    per = max(1, _ITEM // chunk)
-    for item in prange((count + per - 1) // per):
-        j0 = item * per
-        j1 = min(j0 + per, count)
-        bits = np.empty((j1 - j0) * chunk, np.uint32)
-        vals = bits.view(np.float32)
-        for j in range(j0, j1):
-            s = chosen[j] * chunk
-            cnt = max(0, min(s + chunk, n) - s)
-            dst = bits[(j - j0) * chunk : (j - j0 + 1) * chunk]
-            if mode == 0:
-                src = xi[s : s + cnt]
-                for k in range(cnt):
-                    dst[k] = u32(src[k])
-            else:
-                srcb = xb[s : s + cnt]
-                for k in range(cnt):
-                    dst[k] = u32(srcb[k]) << u32(16)
-            for k in range(cnt, chunk):
-                dst[k] = u32(0)
-        for k in range(vals.size):
-            vals[k] = vals[k] * factor
-        _nb_narrow(vals, vmode, False, out16[j0 * chunk : j1 * chunk])
-
-
-def _nb_chunk_scatter(
-    v16: Any, vmode: Any, chosen: Any, chunk: Any, nchunks: Any, n: Any, factor: Any,
-    outf: Any, out16: Any, omode: Any,
-) -> None:
-    # the whole output in one write: chunk chosen[j] = f32(values of j) * factor (a finite
-    # value whose product overflows saturates at float32's largest: unscale_values), every
-    # other chunk 0, the first n coordinates; a 16-bit output rounded and saturated as
-    # saturating_cast (omode 1 bfloat16, 2 float16; 0 float32 into outf). Per work item:
-    # zero its span, widen and scale its chosen chunks' values (contiguous in v16) in one
-    # loop, copy them in place, round the span (16-bit outputs) in one loop
-    per = max(1, _ITEM // chunk)
-    for item in prange((nchunks + per - 1) // per):
-        c0 = item * per
-        c1 = min(c0 + per, nchunks)
-        a = c0 * chunk
-        b = min(c1 * chunk, n)
-        span = np.empty(b - a if omode else 1, np.float32)
-        dst = _nb_target(outf, omode, a, b, span)
-        for k in range(b - a):
-            dst[k] = f32(0.0)
-        j0 = np.searchsorted(chosen, c0)
-        j1 = np.searchsorted(chosen, c1)
-        if j1 > j0:
-            wide = np.empty((j1 - j0) * chunk, np.float32)
-            src = _nb_widen(outf, v16, vmode, j0 * chunk, j1 * chunk, wide)
-            for k in range(src.size):
-                v = src[k]
-                w = v * factor
-                if abs(w) == f32(np.inf) and abs(v) < f32(np.inf):
-                    w = _F32_MAX if v > f32(0.0) else -_F32_MAX
-                wide[k] = w
-            for j in range(j0, j1):
-                s = chosen[j] * chunk
-                cnt = max(0, min(s + chunk, n) - s)
-                o = s - a
-                w0 = (j - j0) * chunk
-                for k in range(cnt):
-                    dst[o + k] = wide[w0 + k]
-        _nb_store(dst, out16, omode, True, a)
-
-
 def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
     # counts[p] = how many 16-bit magnitude keys of partition p are >= key (NaN keys,
     # above inf_key, count as inf_key: NaN ranks as +Inf)
@@ -534,11 +455,8 @@ _HELPERS = (
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
-    "_nb_chunk_squares", "_nb_chunk_gather", "_nb_chunk_scatter", "_nb_count_at_least16",
-    "_nb_collect_at_least16",
+    "_nb_chunk_squares", "_nb_count_at_least16", "_nb_collect_at_least16",
 )
-#: numba_cpu's helpers these kernels call (16-bit widening and rounding)
-_SHARED = ("_nb_widen", "_nb_narrow", "_nb_target", "_nb_store")
 
 
 def build() -> dict[str, Callable[..., Any]]:
@@ -548,9 +466,6 @@ def build() -> dict[str, Callable[..., Any]]:
 
     module = globals()
     module["prange"] = numba.prange
-    kernels.load_numba("numba_cpu")  # compiles numba_cpu's helpers, which these kernels call
-    for name in _SHARED:
-        module[name] = getattr(numba_cpu, name)
     opts: dict[str, Any] = {"cache": True, "fastmath": False, "error_model": "numpy"}
     for name in _HELPERS:
         module[name] = numba.njit(**opts)(module[name])
@@ -676,47 +591,6 @@ def chunk_norms(
     return out, torch.tensor(float(largest.max(initial=0.0)), dtype=torch.float64)
 
 
-_VALUE_MODES = {torch.bfloat16: 1, torch.float16: 2}
-
-
-def chunk_gather(
-    x: torch.Tensor, chunk: int, chosen: torch.Tensor, factor: float, dtype: torch.dtype
-) -> torch.Tensor:
-    """TopKC's sent values: the chunks ``chosen`` (ascending int64 chunk indices) of a CPU
-    tensor (float32, bfloat16 or float16; the last chunk zero-padded), each value times
-    ``factor`` in float32 and rounded to ``dtype`` (float16 or bfloat16) as torch's ``.to``
-    rounds: ``len(chosen) * chunk`` values, one read of the chosen chunks, no float32 copy."""
-    xi, xb, mode = _source(x)
-    out = torch.empty(chosen.numel() * chunk, dtype=dtype)
-    if chosen.numel():
-        with numba_cpu._launch():
-            _kernel("chunk_gather")(
-                xi, xb, mode, x.numel(), chunk, _np(chosen.contiguous()), np.float32(factor),
-                _VALUE_MODES[dtype], _np(out.view(torch.int16)).view(np.uint16),
-            )
-    return out
-
-
-def chunk_scatter(
-    values: torch.Tensor, chosen: torch.Tensor, *, chunk: int, factor: float,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """TopKC's decode into ``out`` (contiguous float32, bfloat16 or float16 CPU values): the
-    chunks ``chosen`` (ascending) hold ``values`` (float16 or bfloat16, ``chunk`` per chosen
-    chunk) times ``factor`` in float32 (a finite value whose product overflows saturates at
-    float32's largest), rounded to ``out``'s dtype with saturation, every other chunk 0: one
-    write of ``out``, no separate zeroing."""
-    result, outf, out16, omode = numba_cpu.target(out.view(-1), out.numel())
-    n = out.numel()
-    with numba_cpu._launch():
-        _kernel("chunk_scatter")(
-            _np(values.contiguous().view(torch.int16)).view(np.uint16),
-            _VALUE_MODES[values.dtype], _np(chosen.contiguous()), chunk, -(-n // chunk), n,
-            np.float32(factor), outf, out16, omode,
-        )
-    return out
-
-
 def top_keys(norms: torch.Tensor, count: int) -> torch.Tensor:
     """Ascending int64 indices of the ``count`` largest of a 1-D float16 or bfloat16 CPU
     tensor of non-negative values (``0 <= count <= len``), NaN above ``+Inf``, ties to the
@@ -777,9 +651,7 @@ def top16(x: torch.Tensor, k: int) -> torch.Tensor:
 __all__ = [
     "LOCAL_BLOCK",
     "at_least16",
-    "chunk_gather",
     "chunk_norms",
-    "chunk_scatter",
     "sign_bytes",
     "splitmix_words",
     "thc_decode",
