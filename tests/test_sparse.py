@@ -556,9 +556,11 @@ def test_top_magnitudes_kernel_equals_torch_and_exact_topk(name: str, x: torch.T
     "spec", ["dgc", "dgc:ratio=0.05,max_count_factor=1.0", "dgc:adapt_iters=0"]
 )
 @pytest.mark.parametrize("kind", ["gauss", "ties", "nonfinite"])
-def test_dgc_kernel_selection_equals_torch(spec: str, kind: str) -> None:
-    """DGC's kernel path (counts and indices without the magnitude tensor or the mask) sends
-    the same payload as the torch path: same samples, thresholds and indices."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dgc_kernel_selection_equals_torch(spec: str, kind: str, dtype: torch.dtype) -> None:
+    """DGC's kernel path (counts and indices without the magnitude tensor or the mask; 16-bit
+    inputs compared as their 16-bit keys, read in place) sends the same payload as the torch
+    path: same samples, thresholds and indices."""
     from commpress.codecs import kernels
 
     g = torch.Generator().manual_seed(1)
@@ -568,6 +570,8 @@ def test_dgc_kernel_selection_equals_torch(spec: str, kind: str) -> None:
     if kind == "nonfinite":
         x[::1001] = float("nan")
         x[::3001] = float("inf")
+        x[::4001] = float("-inf")
+    x = x.to(dtype)
     codec = get_codec(spec)
     ctx = CodecContext(key="w", step=3, rank=1, world_size=2)
     with kernels.use_backend("numba"):

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from commpress.codecs import kernels
 from commpress.codecs.base import Codec, CodecContext, Payload, param, require, saturating_cast
 from commpress.codecs.common import require_seed
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
@@ -249,12 +250,15 @@ class PowerSGD(Codec):
         if planned is None:
             return self.make_payload(x, {"values": x.reshape(-1)})
         n, m, r = planned
-        mat = x.reshape(n, m).to(torch.float32)
+        # float32 as it is; other dtypes widened into the kernels' reused scratch buffer (a
+        # hot copy: a fresh 2x-sized float32 tensor per call paid its page faults)
+        mat = kernels.widen(x).view(n, m)
         q = self.initial_q(ctx, m, r, x.device)
         k_p, k_q = headroom_log2(1, m), headroom_log2(1, n)  # encode is the 1-worker version
         p_hat = q  # replaced below; power_iterations >= 1
         for _ in range(self.power_iterations):
-            p_hat = orthonormalize(mat @ torch.ldexp(unit_columns(q), _pow2(-k_p, q)))
+            p = _right_product(mat, torch.ldexp(unit_columns(q), _pow2(-k_p, q)))
+            p_hat = orthonormalize(p)
             q = _left_product(mat, torch.ldexp(p_hat, _pow2(-k_q, p_hat)))
         self._store(ctx, q)
         return self.make_payload(x, {"p": p_hat, "q": q})
@@ -273,14 +277,28 @@ class PowerSGD(Codec):
         q = self.part(payload, "q", numel=m * r, dtype=torch.float32).reshape(m, r)
         # q is Q 2^-kQ (see encode): restore the scale after the product, where an
         # out-of-range value can only become +-Inf
-        if out is not None and out.dtype == torch.float32:
-            torch.mm(p, q.T, out=out.view(n, m)).mul_(2.0 ** headroom_log2(1, n))
-            return out
-        result = (p @ q.T).mul_(2.0 ** headroom_log2(1, n))
-        if out is not None:
-            out.view(n, m).copy_(saturating_cast(result, out.dtype))
-            return out
-        return saturating_cast(result, payload.dtype).reshape(payload.shape)
+        factor = 2.0 ** headroom_log2(1, n)
+        if out is None:
+            out = torch.empty(payload.shape, dtype=payload.dtype, device=p.device)
+        rows = out.view(n, m)
+        if rows.dtype == torch.float32:
+            # on a CPU in row blocks: the product and its scaling while the block is in
+            # cache (each entry is the same dot product over r as in one large product)
+            step = _block_rows(m) if rows.device.type == "cpu" else n
+            for a in range(0, n, step):
+                torch.mm(p[a : a + step], q.T, out=rows[a : a + step]).mul_(factor)
+        elif rows.dtype in (torch.bfloat16, torch.float16) and kernels.use_kernels(rows):
+            # a 16-bit output: each row block multiplied in a small float32 buffer and
+            # rounded (saturating) into the output by the kernel, one write of the output
+            step = _block_rows(m)
+            buf = torch.empty(min(step, n), m, dtype=torch.float32)
+            for a in range(0, n, step):
+                b = min(a + step, n)
+                block = torch.mm(p[a:b], q.T, out=buf[: b - a]).mul_(factor)
+                kernels.convert(block, rows[a:b], saturate=True)
+        else:
+            rows.copy_(saturating_cast((p @ q.T).mul_(factor), rows.dtype))
+        return out
 
     def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Protocol:
         """Aggregate with the other workers: one round when sent exactly, otherwise two
@@ -301,7 +319,7 @@ class PowerSGD(Codec):
         p_hat = q_local = q  # replaced below; power_iterations >= 1
         for _ in range(self.power_iterations):
             with error_context(f"{self.codec_id}.reduce"):
-                p_local = mat @ torch.ldexp(unit_columns(q), _pow2(-k_p, q))
+                p_local = _right_product(mat, torch.ldexp(unit_columns(q), _pow2(-k_p, q)))
             p_sum = (yield AllReduce(tensors={"p": p_local}))["p"]
             with error_context(f"{self.codec_id}.reduce"):
                 p_hat = orthonormalize(p_sum)
@@ -323,11 +341,29 @@ class PowerSGD(Codec):
         return Reduced(total=total, local=local)
 
 
+def _right_product(mat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``mat @ q`` computed as ``(q.T @ mat.T).T``: the same product, but MKL's kernel for a
+    transposed operand streams the row-major ``mat`` (2.6x faster on CPU for a 3906 x 4096
+    matrix and rank 4, 5.4 ms against 14 ms on one thread; equal up to float32 rounding of
+    the sums: large matrices' payloads changed in their last bits when it was introduced;
+    the golden payloads' small ones did not)."""
+    return (q.T @ mat.T).T.contiguous()
+
+
 def _left_product(mat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``mat.T @ p`` computed as ``(p.T @ mat).T``: the same product, but the BLAS reads the
     row-major ``mat`` along its rows (about 7x faster on CPU for a 4096 x 4096 matrix and
     rank 4; equal up to float32 rounding of the sums)."""
     return (p.T @ mat).T.contiguous()
+
+
+#: float32 elements of one row block of the decode's product (4 MiB: stays in cache).
+_BLOCK = 1 << 20
+
+
+def _block_rows(m: int) -> int:
+    """Rows of ``m`` columns per block of the decode's product (at least one)."""
+    return max(1, _BLOCK // max(1, m))
 
 
 def _pow2(exponent: int, like: torch.Tensor) -> torch.Tensor:

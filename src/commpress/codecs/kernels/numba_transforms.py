@@ -1,4 +1,5 @@
-"""Fused CPU kernels (numba) for THC's blocked Hadamard rotation and TopKC's chunk norms.
+"""Fused CPU kernels (numba) for THC's blocked Hadamard rotation, TopKC's chunk norms and
+DGC's count and collection at a threshold on 16-bit inputs (their 16-bit keys, read in place).
 
 They follow :mod:`commpress.codecs.kernels`' switch (``COMMPRESS_KERNELS``,
 :func:`kernels.use_backend`) and launch rules (torch's thread count, one launch at a time),
@@ -412,13 +413,49 @@ def _nb_chunk_squares(
         largest[item] = big
 
 
+def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
+    # counts[p] = how many 16-bit magnitude keys of partition p are >= key (NaN keys,
+    # above inf_key, count as inf_key: NaN ranks as +Inf)
+    n = xb.size
+    nparts = counts.size
+    per = (n + nparts - 1) // nparts
+    for p in prange(nparts):
+        src = xb[min(p * per, n) : min((p + 1) * per, n)]
+        c = 0
+        for i in range(src.size):
+            m = src[i] & u16(0x7FFF)
+            m = inf_key if m > inf_key else m
+            c += 1 if m >= key else 0
+        counts[p] = c
+
+
+def _nb_collect_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any, out: Any) -> None:
+    # out = ascending indices of the keys counted by _nb_count_at_least16 (same partitions)
+    n = xb.size
+    nparts = counts.size
+    per = (n + nparts - 1) // nparts
+    start = np.zeros(nparts, np.int64)
+    for p in range(1, nparts):
+        start[p] = start[p - 1] + counts[p - 1]
+    for p in prange(nparts):
+        a = min(p * per, n)
+        src = xb[a : min((p + 1) * per, n)]
+        j = start[p]
+        for i in range(src.size):
+            m = src[i] & u16(0x7FFF)
+            m = inf_key if m > inf_key else m
+            if m >= key:
+                out[j] = a + i
+                j += 1
+
+
 _HELPERS = (
     "_nb_word", "_nb_first3", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_peak", "_nb_step",
     "_nb_quant",
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
-    "_nb_chunk_squares",
+    "_nb_chunk_squares", "_nb_count_at_least16", "_nb_collect_at_least16",
 )
 
 
@@ -566,6 +603,34 @@ def top_keys(norms: torch.Tensor, count: int) -> torch.Tensor:
     return out
 
 
+def at_least16(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch.Tensor]]:
+    """:func:`kernels.at_least` of a 1-D contiguous float16 or bfloat16 CPU tensor, read in
+    place: how many ``|x| >= threshold`` (NaN counting as +Inf; ``threshold`` a magnitude
+    that ``x``'s dtype represents exactly, as DGC's sampled thresholds are), and a function
+    giving their ascending int64 indices. Compares 16-bit magnitude keys, which order like
+    the values; one read pass to count, one more to collect."""
+    inf_key = 0x7F80 if x.dtype == torch.bfloat16 else 0x7C00
+    bits = _np(x.view(torch.int16)).view(np.uint16)
+    t = torch.tensor([threshold], dtype=x.dtype)
+    if float(t) != threshold:  # pragma: no cover - callers pass values of x's dtype
+        raise CommpressError(f"threshold {threshold} is not a {x.dtype} value")
+    key = np.uint16(int(t.view(torch.int16)) & 0x7FFF)
+    with numba_cpu._launch():
+        import numba
+
+        counts = np.zeros(4 * numba.get_num_threads(), np.int64)
+        _kernel("count_at_least16")(bits, np.uint16(inf_key), key, counts)
+    total = int(counts.sum())
+
+    def collect() -> torch.Tensor:
+        out = torch.empty(total, dtype=torch.int64)
+        with numba_cpu._launch():
+            _kernel("collect_at_least16")(bits, np.uint16(inf_key), key, counts, _np(out))
+        return out
+
+    return total, collect
+
+
 def top16(x: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D contiguous float16 or
     bfloat16 CPU tensor (``1 <= k <= len(x)``; NaN ranks as +Inf; ties at the threshold go
@@ -585,6 +650,7 @@ def top16(x: torch.Tensor, k: int) -> torch.Tensor:
 
 __all__ = [
     "LOCAL_BLOCK",
+    "at_least16",
     "chunk_norms",
     "sign_bytes",
     "splitmix_words",
