@@ -472,3 +472,21 @@ def test_decode_refuses_a_wrong_buffer() -> None:
     ):
         with pytest.raises(CommpressError, match="out must be"):
             codec.decode(payload, out=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("codec_id", sorted(EXPECTED_IDS))
+def test_every_codec_encode_takes_scratch_and_ignores_it_or_reuses_it(codec_id: str) -> None:
+    """``Codec.encode(x, ctx, scratch=...)`` is part of the codec API: every codec takes the
+    keyword (those without ``encodes_into`` ignore it) and sends the same payload."""
+    codec = get_codec(codec_id)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
+    ctx = CodecContext(rank=0, world_size=1, step=0, key="t")
+    plain = codec.encode(x, ctx)
+    scratch: dict[str, torch.Tensor] = {}
+    ctx2 = CodecContext(rank=0, world_size=1, step=0, key="t")
+    again = codec.encode(x, ctx2, scratch=scratch)
+    assert plain.parts.keys() == again.parts.keys()
+    for name in plain.parts:
+        assert torch.equal(plain.parts[name], again.parts[name]), name
+    if not codec.encodes_into:
+        assert not scratch

@@ -318,9 +318,13 @@ class NetZip(Codec):
         return bk.choose_backend(section.data)
 
     # ------------------------------------------------------------------ encode
-    def encode(self, tensor: torch.Tensor, ctx: CodecContext | None = None) -> Payload:
-        """As :meth:`Codec.encode`; the default configuration on CPU takes a fast path that
-        needs no context (it keeps no state)."""
+    def encode(
+        self, tensor: torch.Tensor, ctx: CodecContext | None = None, *,
+        scratch: dict[str, torch.Tensor] | None = None,
+    ) -> Payload:
+        """As :meth:`Codec.encode` (``scratch`` is ignored: the payload's size depends on the
+        data); the default configuration on CPU takes a fast path that needs no context (it
+        keeps no state)."""
         x = self.check_input(tensor)
         try:  # what error_context("netzip.encode") does, without a generator per call
             if self.grouping == "exponent" and self.delta == "none" and x.device.type == "cpu":
