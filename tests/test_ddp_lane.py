@@ -25,7 +25,7 @@ def _model() -> torch.nn.Module:
 
 
 def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
-           fail_at: int | None = None) -> dict[str, Any]:
+           fail_at: int | None = None, where: str = "encode") -> dict[str, Any]:
     from commpress import ddp as hook
     from commpress.codecs import cast
 
@@ -38,15 +38,27 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
         return fut
 
     hook._replay = replay  # type: ignore[assignment]
-    real_cast = cast._cast_into
+    real_cast, real_decode = cast._cast_into, cast._FloatCast._decode
     model = DDP(_model(), bucket_cap_mb=0.01)  # several buckets
     state = commpress.ddp.register(model, codec, **options)
     grads, errors = [], []
     for step in range(STEPS):
-        if fail_at is not None and step == fail_at:  # every 16-bit encode fails, every rank
+        if fail_at is not None and step == fail_at:  # every 16-bit encode (before the
+            # collective) or decode (after it) fails at this step, on every rank
             def broken(*a: Any, **k: Any) -> Any:
                 raise RuntimeError("injected encode failure")
-            cast._cast_into = broken  # type: ignore[assignment]
+            if where == "encode":
+                cast._cast_into = broken  # type: ignore[assignment]
+        if where == "decode" and step == 0:
+            # by the step in the codec context: a bucket decoded late, when the loop has
+            # gone on, still fails
+            def failing(self: Any, payload: Any, ctx: Any, out: Any = None) -> Any:
+                if ctx.step == fail_at:
+                    raise RuntimeError("injected encode failure")
+                return real_decode(self, payload, ctx, out)
+            cast._FloatCast._decode = failing  # type: ignore[method-assign]
+        if step == 3 and where == "rename":  # new names: plans (and lanes) made anew
+            state.bind(torch.nn.ModuleDict({"renamed": model.module}))
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
         model.zero_grad(set_to_none=True)
         try:
@@ -58,6 +70,7 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()
                                 if p.grad is not None]))
     hook._replay = real_replay  # type: ignore[assignment]
+    cast._FloatCast._decode = real_decode  # type: ignore[method-assign]
     stats = [(s.step, s.tensors, s.codecs, s.reasons, s.wire_bytes, s.failed)
              for s in state.stats]
     plans = {k: (p.codec.codec_id, p.reason, p.step) for k, p in state.plans.items()}
@@ -67,12 +80,12 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
 
 
 def _pair(rank: int, world: int, codec: str, options: dict[str, Any],
-          fail_at: int | None) -> dict[str, Any]:
+          fail_at: int | None, where: str = "encode") -> dict[str, Any]:
     import torch.distributed as dist
 
-    on = _train(rank, True, codec, options, fail_at)
+    on = _train(rank, True, codec, options, fail_at, where)
     dist.barrier()
-    off = _train(rank, False, codec, options, fail_at)
+    off = _train(rank, False, codec, options, fail_at, where)
     return {"on": on, "off": off}
 
 
@@ -122,3 +135,29 @@ def test_a_lane_fails_as_the_general_path_does() -> None:
         assert on["errors"][0][1] and off["errors"][0][1]  # step 2 names the injected error
         assert [s[5] for s in on["stats"]] == [s[5] for s in off["stats"]]
         assert [s[0] for s in on["stats"] if s[5]] == [2, 3, 4]
+
+
+def test_a_lane_fails_after_its_collective_as_the_general_path_does() -> None:
+    """A decode that fails at step 2 (after the collective, in its callback): that step
+    fails (its stats say so, whichever bucket's callback ends it last), later buckets and
+    steps go on, with lanes as without."""
+    for r in run_workers(_pair, 2, "fp16", {}, 2, "decode", timeout=240):
+        on, off = r["on"], r["off"]
+        assert on["replays"] > 0
+        assert not on["failed"] and not off["failed"]  # nothing refused
+        assert [s for s, _ in on["errors"]] == [s for s, _ in off["errors"]] == [2]
+        assert on["stats"] == off["stats"]
+        assert [s[0] for s in on["stats"] if s[5]] == [2]
+        for g_on, g_off in zip(on["grads"][3:], off["grads"][3:], strict=True):
+            assert torch.equal(g_on, g_off)
+
+
+def test_new_parameter_names_replan_buckets_with_lanes_as_without() -> None:
+    for r in run_workers(_pair, 2, "fp16", {"policy": {"renamed.*": "bf16", "*": "fp16"}},
+                         None, "rename", timeout=240):
+        on, off = r["on"], r["off"]
+        assert on["plans"] == off["plans"]
+        assert {c for c, _, _ in on["plans"].values()} == {"fp16", "bf16"}
+        assert on["stats"] == off["stats"]
+        for g_on, g_off in zip(on["grads"], off["grads"], strict=True):
+            assert torch.equal(g_on, g_off)

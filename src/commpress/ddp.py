@@ -31,7 +31,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -124,10 +124,10 @@ class DDPCompressionState(CompressionState):
     __slots__ = ("granularity", "strategy", "local_size", "batch_rounds", "param_names",
                  "layouts", "plans",
                  "_verified", "_failed", "_settings", "_names", "_buckets", "_group", "_route",
-                 "_queue", "_scratch", "_finishing")
+                 "_queue", "_scratch", "_finishing", "_step_end")
     _TRANSIENT = (*CompressionState._TRANSIENT, "param_names", "_verified", "_failed",
                   "_settings", "_names", "_buckets", "_group", "_route", "_queue",
-                  "_scratch", "_finishing")
+                  "_scratch", "_finishing", "_step_end")
 
     def __init__(
         self,
@@ -195,6 +195,8 @@ class DDPCompressionState(CompressionState):
         #: the futures of this step's buckets so far (the step's last bucket ends the step
         #: only after they completed: a bucket may finish in its collective's callback).
         self._finishing: list[torch.futures.Future[torch.Tensor]] = []
+        #: the future of the last step's last bucket, which ends that step (see comm_hook)
+        self._step_end: torch.futures.Future[torch.Tensor] | None = None
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         super().__setstate__(state)
@@ -218,6 +220,7 @@ class DDPCompressionState(CompressionState):
         module = getattr(model, "module", model)
         self.param_names = {id(p): n for n, p in module.named_parameters()}
         self._names = {}
+        self._buckets = {}  # planned (and laned) under the old names: plan anew
 
     def names_of(self, bucket_index: int, params: Sequence[torch.Tensor]) -> list[str]:
         """The names of a bucket's parameters, in bucket order.
@@ -564,20 +567,11 @@ def _replay(
         return when_settled([], partial(_raise, exc))
     if not ran or issued is None:
         return None
-    # Counted here, on the hook's thread (a lane's state measures no norms: see _lane_of),
-    # so the completion callback, which holds the interpreter while the hook sends the next
-    # bucket, only decodes (and ends the step). A failure here, after the collective, fails
-    # the bucket in that callback, as a failure after the general path's final wait does.
-    error: BaseException | None = None
-    try:
-        for plan in plans:
-            state.plans[plan.key] = plan
-        state.record_group(plans, buffer, params if len(plans) == len(params) else (buffer,))
-        state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
-    except Exception as exc:
-        error = exc
+    for plan in plans:
+        state.plans[plan.key] = plan
     task, pending, value = issued
-    finish = partial(_replay_finish, state, ex, task, pending, value, error, buffer, step,
+    counted = params if len(plans) == len(params) else (buffer,)
+    finish = partial(_replay_finish, state, ex, task, pending, value, buffer, plans, counted,
                      what, last, earlier)
     works = Wait(ex, pending, True).futures() if pending is not None else []
     return when_settled([*earlier, *works] if last else works, finish)
@@ -593,27 +587,28 @@ def _replay_finish(
     task: Generator[Pending, None, Any],
     pending: Pending | None,
     value: Any,
-    error: BaseException | None,
     buffer: torch.Tensor,
-    step: int,
+    plans: list[Plan],
+    counted: Sequence[torch.Tensor],
     what: str,
     last: bool,
     earlier: Sequence[torch.futures.Future[torch.Tensor]],
     _: Any,
 ) -> torch.Tensor:
     """:func:`_replay`'s rest, in the completion callback of the bucket's collective (of the
-    step's earlier buckets' too, for its last): the general path's after its final wait.
-    ``error``: what failed after the collective was issued (raised here)."""
+    step's earlier buckets' too, for its last): the general path's after its final wait,
+    the decode into the buffer, then the counts (``counted``: the tensors of ``plans``) and
+    bytes of the step."""
+    step = plans[0].step
     try:
         with error_context(what):
-            if error is not None:
-                task.close()
-                raise error
             if pending is not None:
                 value = resume_final(task, Wait(ex, pending, True))
             total = value.total
             if total.data_ptr() != buffer.data_ptr() or total.dtype != buffer.dtype:
                 buffer.copy_(total)
+            state.record_group(plans, buffer, counted)
+            state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
     except BaseException:
         # after the collective: the ranks are in step, so this fails the bucket (and the
         # step) without refusing later ones, as the general path does
@@ -910,6 +905,14 @@ def comm_hook(
 
     Tuning lives in :func:`register`'s arguments (codec, policy, schedule, feedback).
     """
+    ending = state._step_end
+    if ending is not None:
+        # The step before this one has ended (its counts settled, a failed step undone)
+        # before this step counts anything. DDP waits for every bucket, but a backward that
+        # raised at a failed bucket returns before the step's last bucket ended it.
+        state._step_end = None
+        with suppress(Exception):  # that step's failure was raised by its own backward
+            ending.wait()
     buffer = bucket.buffer()
     step = state.step
     last = bucket.is_last()
@@ -946,7 +949,9 @@ def comm_hook(
         # future's set_exception stores the exception as its value, which DDP would fail to
         # cast).
         fut = q.submit_steps(steps, start_here=stream is None, after=earlier, raising=True)
-    if not last:
+    if last:
+        state._step_end = fut
+    else:
         state._finishing.append(fut)
     return fut
 

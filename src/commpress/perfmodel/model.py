@@ -582,7 +582,10 @@ def predict(
         hook: model commpress's DDP hook (:class:`HookPlan`: dense fallback for small or
             incompressible tensors, one bucket at a time, tensors pipelined) instead of one
             exchange per bucket issued as soon as the bucket is ready (``None``, PyTorch's
-            own hooks). ``granularity="bucket"`` ignores the plan's per-tensor choices.
+            own hooks). ``granularity="bucket"`` ignores the plan's per-tensor choices; with
+            a plan, ``"parameter"`` and ``"hook"`` both model the hook, which batches a
+            bucket's rounds as the plan's ``batch_rounds`` says (``HookPlan(batch_rounds=
+            False)`` is the hook reducing each tensor on its own).
     """
     platform = platform or Platform()
     cl = _as_cluster(cluster)
