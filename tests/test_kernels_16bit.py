@@ -285,3 +285,31 @@ def test_numba_pool_starts_passive_and_leaves_the_environment_as_it_was(
         check=True,
     )
     assert done.stdout.split() == ["True", str(preset)]
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_starting_numba_keeps_torchs_thread_count(preset: str | None) -> None:
+    """numba's pool start sets the OpenMP thread count to the number of cores, which torch
+    reads as its own: a process limited to one thread ran torch's matmuls on every core
+    afterwards (and got other reduction orders: DDP with netzip drifted from plain DDP by an
+    ulp). The count is put back, with either way of starting the pool."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "before = torch.get_num_threads()\n"
+        "import commpress\n"
+        "commpress.get_codec('minmax').encode(torch.randn(100000))\n"
+        "print(before, torch.get_num_threads())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["OMP_NUM_THREADS"] = "1"
+    if preset is not None:
+        env["OMP_WAIT_POLICY"] = preset
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+        check=True,
+    )
+    assert done.stdout.split() == ["1", "1"]

@@ -1243,18 +1243,31 @@ def _start_threads() -> None:
     20 ms instead of 0.1, and a QSGD encode's small torch operations 70 ms). libgomp reads
     its wait policy when it is loaded, which is here; a policy the user chose
     (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` in the environment) is kept, and the
-    environment is left as it was."""
+    environment is left as it was.
+
+    Starting the pool sets the OpenMP thread count to numba's (the number of cores), which
+    torch reads as its own: a process limited to one thread (``OMP_NUM_THREADS=1``,
+    ``torch.set_num_threads(1)``) would run torch on every core from then on, its results
+    changing with the reduction order. torch's thread count is put back."""
+    import numba
     from numba.np.ufunc import parallel
 
-    # numba's own (private) starter; without it numba starts the pool at the first launch
-    start = getattr(parallel, "_launch_threads", None)
-    if start is None or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    threads = torch.get_num_threads()
     try:
-        start()
+        # numba's own (private) starter; without it, numba's public thread-count query
+        # starts the pool (with the default wait policy)
+        start = getattr(parallel, "_launch_threads", None)
+        if start is None or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+            numba.get_num_threads()
+            return
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        try:
+            start()
+        finally:
+            del os.environ["OMP_WAIT_POLICY"]
     finally:
-        del os.environ["OMP_WAIT_POLICY"]
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def _build() -> dict[str, Callable[..., Any]]:
