@@ -338,3 +338,33 @@ def test_hook_granularity_batches_where_the_hook_batches_its_rounds() -> None:
                 hook=HookPlan(min_numel=4096, batch_rounds=False)).total
     with pytest.raises(CommpressError, match="batch_rounds"):
         HookPlan(batch_rounds=1)  # type: ignore[arg-type]
+
+
+def test_hook_granularity_charges_each_tensor_what_parameter_charges() -> None:
+    """The hook's lockstep exchange (:mod:`commpress.collectives.batched`) still makes one
+    codec call per tensor, each as costly as when that tensor is reduced on its own: PowerSGD
+    sends a vector exactly (one uncompressed all-reduce round, the identity's speed), so a
+    bucket of matrices and biases costs the same codec time in "hook" as in "parameter" (only
+    the collectives differ), not the PowerSGD fixed cost for every bias."""
+    cl = Cluster.build(nodes=2, gpus_per_node=1, inter_bw="100mbit")
+    psgd = get_codec("powersgd:rank=4")
+    assert psgd.plan((128,)) is None and psgd.plan((256, 128)) is not None
+    bucket = list(SHAPES)
+    assert any(len(s) == 1 for s in bucket) and any(len(s) == 2 for s in bucket)
+    # additive and non-additive (max(c0, work)) speeds, fixed costs far apart
+    for additive, eps in ((True, 1e9), (False, 1e6)):
+        speeds = SpeedTable(speeds={
+            "powersgd": CodecSpeed(2e-3, eps, eps, additive=additive, decode_overhead_s=1e-3),
+            "identity": CodecSpeed(1e-5, 10 * eps, 10 * eps, additive=additive),
+        })
+        cfg = ExchangeConfig(cluster=cl, speeds=speeds)
+        hook = exchange_segments(psgd, bucket, cfg, granularity="hook")
+        per = exchange_segments(psgd, bucket, cfg, granularity="parameter")
+
+        def codec_s(segs: list[Segment]) -> float:
+            return sum(s.seconds for s in segs if s.kind == "codec")
+
+        assert codec_s(hook) == pytest.approx(codec_s(per), rel=1e-9)
+        assert [s for s in hook if s.resource == "net"] == [
+            s for s in exchange_segments(psgd, bucket, cfg, granularity="batched")
+            if s.resource == "net"]

@@ -944,9 +944,10 @@ class _Planner:
         all-reduce of their summed payloads (the tensors the codec sends exactly join the
         first round). Only the codec's own protocol (``auto``/``allreduce``) on the GPU.
 
-        ``fixed_per_tensor``: every tensor pays the codec's fixed costs (commpress's DDP hook,
-        whose lockstep protocols are one codec call per tensor; only the collectives are
-        merged)."""
+        ``fixed_per_tensor``: every tensor's codec work costs what it costs reduced on its own
+        (commpress's DDP hook, whose lockstep protocols are one codec call per tensor: each
+        pays its own speed's fixed cost, the identity's for a tensor the codec sends exactly;
+        only the collectives are merged)."""
         cfg = self.cfg
         if cfg.offload is not None or get_strategy(cfg.strategy).cost.pattern != "protocol":
             raise CommpressError("granularity 'batched' models the codec's own protocol on "
@@ -954,17 +955,19 @@ class _Planner:
         ranks = cfg.cluster.world_size
         link = cfg.cluster.bottleneck
         enc = dec = 0.0
-        calls = 0
         rounds: dict[int, list[Any]] = {}
         for shape in shapes:
             numel = math.prod(shape)
             if numel == 0:
                 continue
-            calls += 1
             speed = self._speed_for(shape)
             f_enc, f_dec = codec_flops(self.codec, shape)
-            enc += speed.encode_work(numel, f_enc)
-            dec += speed.decode_work(numel, f_dec)
+            if fixed_per_tensor:
+                enc += speed.encode_time(numel, f_enc)
+                dec += speed.decode_time(numel, f_dec)
+            else:
+                enc += speed.encode_work(numel, f_enc)
+                dec += speed.decode_work(numel, f_dec)
             if ranks > 1:
                 prof = wire_profile(self.codec, shape, ranks, cfg.grad_dtype)
                 if prof.gathers:
@@ -974,10 +977,12 @@ class _Planner:
                     rounds.setdefault(k, [r.kind, 0.0])[1] += r.nbytes
         segs: list[Segment] = []
         scale = cfg.codec_time_scale
-        speed = self.speed
-        c0_dec = speed.overhead_s if speed.decode_overhead_s is None else speed.decode_overhead_s
-        fixed = max(calls, 1) if fixed_per_tensor else 1
-        c0_enc, c0_dec = speed.overhead_s * fixed, c0_dec * fixed
+        c0_enc = c0_dec = 0.0
+        if not fixed_per_tensor:  # one batched codec call for the bucket
+            speed = self.speed
+            c0_enc = speed.overhead_s
+            c0_dec = (speed.overhead_s if speed.decode_overhead_s is None
+                      else speed.decode_overhead_s)
         self._add(segs, "gpu", (c0_enc + enc) * scale, "codec", "encode")
         for k in sorted(rounds):
             kind, nbytes = rounds[k]
@@ -1055,8 +1060,8 @@ def exchange_segments(
     ``"batched"`` every tensor is encoded on its own but the bucket pays one fixed codec cost
     and one collective per round (PyTorch's PowerSGD hook, :meth:`_Planner.batched`);
     ``"hook"`` is what commpress's DDP hook does: where it batches the bucket's rounds
-    (:func:`hook_batches`) ``"batched"`` with the codec's fixed costs paid per tensor (one
-    codec call each, the collectives merged), ``"parameter"`` elsewhere.
+    (:func:`hook_batches`) ``"batched"``'s collectives with ``"parameter"``'s codec work (one
+    codec call per tensor, each costed as reduced on its own), ``"parameter"`` elsewhere.
     """
     c = model_codec(codec)
     if granularity not in GRANULARITIES:
