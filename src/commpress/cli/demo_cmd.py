@@ -83,7 +83,10 @@ CLOCK_TEXT = {"median": "steps x the run's median step time, warm-up and compres
               "sum": "summed step times"}
 #: Wall-clock time of the default run, measured from a fresh clone (README and docs/demo.md
 #: quote this string; a test checks that they do).
-TIME_ESTIMATE = "13-18 minutes on a 2-core machine shared with other jobs (load average 9-30)"
+TIME_ESTIMATE = (
+    "10-18 minutes on a 2-core machine shared with other jobs "
+    "(10 at load average 2-7, up to 18 at 9-30)"
+)
 #: ``--quick``: enough to exercise every part (warm-up, compression, eval, table, plot).
 QUICK_STEPS = 8
 QUICK_EVAL_EVERY = 2
