@@ -571,9 +571,10 @@ def _replay(
         state.plans[plan.key] = plan
     task, pending, value = issued
     counted = params if len(plans) == len(params) else (buffer,)
-    finish = partial(_replay_finish, state, ex, task, pending, value, buffer, plans, counted,
+    wait = Wait(ex, pending, True) if pending is not None else None
+    finish = partial(_replay_finish, state, ex, task, wait, value, buffer, plans, counted,
                      what, last, earlier)
-    works = Wait(ex, pending, True).futures() if pending is not None else []
+    works = wait.futures() if wait is not None else []
     return when_settled([*earlier, *works] if last else works, finish)
 
 
@@ -585,7 +586,7 @@ def _replay_finish(
     state: DDPCompressionState,
     ex: Exchange,
     task: Generator[Pending, None, Any],
-    pending: Pending | None,
+    wait: Wait | None,
     value: Any,
     buffer: torch.Tensor,
     plans: list[Plan],
@@ -602,8 +603,8 @@ def _replay_finish(
     step = plans[0].step
     try:
         with error_context(what):
-            if pending is not None:
-                value = resume_final(task, Wait(ex, pending, True))
+            if wait is not None:
+                value = resume_final(task, wait)
             total = value.total
             if total.data_ptr() != buffer.data_ptr() or total.dtype != buffer.dtype:
                 buffer.copy_(total)
