@@ -75,6 +75,11 @@ class CodecSpeed:
         additive: ``c0 + n / eps`` instead of ``max(c0, n / eps)``.
         flops: matrix-product rate (flop/s) for the codec's products (PowerSGD: ``4 n m r``
             flops to encode an ``n x m`` matrix at rank ``r``, ``2 n m r`` to decode).
+        orth_flops: rate (flop/s) of the encode's orthogonalisation (PowerSGD: ``2 n r^2``
+            flops per power iteration to orthonormalise the ``n x r`` factor, see
+            :func:`codec_orth_flops`), a column-by-column factorisation that runs far below
+            the matrix-product rate; ``inf``: not charged apart (a profile fitted without
+            it, whose ``flops`` rate then absorbs it linearly in ``r``).
         accumulate_eps: entries per second that a sparse codec scatter-adds when it sums
             all-gathered payloads (``inf``: not measured; the sum then costs dense decodes).
         accumulate_s: fixed cost of one payload's scatter-add.
@@ -92,12 +97,13 @@ class CodecSpeed:
     accumulate_s: float = 0.0
     decode_overhead_s: float | None = None
     spread: float = 0.0
+    orth_flops: float = math.inf
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.overhead_s) and self.overhead_s >= 0):
             raise CommpressError(f"codec overhead must be finite and >= 0 s, got "
                                  f"{self.overhead_s!r}")
-        for name in ("encode_eps", "decode_eps", "flops", "accumulate_eps"):
+        for name in ("encode_eps", "decode_eps", "flops", "accumulate_eps", "orth_flops"):
             v = getattr(self, name)
             if not v > 0:
                 raise CommpressError(f"{name} must be > 0 per second, got {v!r}")
@@ -108,22 +114,24 @@ class CodecSpeed:
         if not (math.isfinite(self.spread) and self.spread >= 0):
             raise CommpressError(f"speed spread must be finite and >= 0, got {self.spread!r}")
 
-    def _time(self, numel: float, eps: float, flops: float, c0: float) -> float:
+    def _time(self, numel: float, eps: float, flops: float, c0: float,
+              orth: float = 0.0) -> float:
         if numel <= 0:
             return 0.0
-        work = numel / eps + flops / self.flops
+        work = numel / eps + flops / self.flops + orth / self.orth_flops
         return c0 + work if self.additive else max(c0, work)
 
-    def encode_time(self, numel: float, flops: float = 0.0) -> float:
-        return self._time(numel, self.encode_eps, flops, self.overhead_s)
+    def encode_time(self, numel: float, flops: float = 0.0, orth: float = 0.0) -> float:
+        """``orth``: flops of the encode's orthogonalisation (:func:`codec_orth_flops`)."""
+        return self._time(numel, self.encode_eps, flops, self.overhead_s, orth)
 
     def decode_time(self, numel: float, flops: float = 0.0) -> float:
         c0 = self.overhead_s if self.decode_overhead_s is None else self.decode_overhead_s
         return self._time(numel, self.decode_eps, flops, c0)
 
-    def encode_work(self, numel: float, flops: float = 0.0) -> float:
+    def encode_work(self, numel: float, flops: float = 0.0, orth: float = 0.0) -> float:
         """:meth:`encode_time` without the fixed cost of the call."""
-        return self._time(numel, self.encode_eps, flops, 0.0)
+        return self._time(numel, self.encode_eps, flops, 0.0, orth)
 
     def decode_work(self, numel: float, flops: float = 0.0) -> float:
         """:meth:`decode_time` without the fixed cost of the call."""
@@ -145,7 +153,7 @@ class CodecSpeed:
                                "decode_eps": self.decode_eps}
         if self.additive:
             out["additive"] = True
-        for name in ("flops", "accumulate_eps"):
+        for name in ("flops", "accumulate_eps", "orth_flops"):
             if not math.isinf(getattr(self, name)):
                 out[name] = getattr(self, name)
         if self.accumulate_s:
@@ -167,6 +175,7 @@ class CodecSpeed:
             decode_overhead_s=(None if entry.get("decode_overhead_s") is None
                                else float(entry["decode_overhead_s"])),
             spread=float(entry.get("spread", 0.0)),
+            orth_flops=float(entry.get("orth_flops", math.inf)),
         )
 
 
@@ -238,6 +247,7 @@ class SpeedTable:
         return SpeedTable(
             {k: replace(v, overhead_s=v.overhead_s * c, encode_eps=v.encode_eps / factor,
                         decode_eps=v.decode_eps / factor, flops=v.flops / factor,
+                        orth_flops=v.orth_flops / factor,
                         accumulate_eps=v.accumulate_eps / factor,
                         accumulate_s=v.accumulate_s * c,
                         decode_overhead_s=None if v.decode_overhead_s is None
@@ -769,7 +779,8 @@ class _Planner:
 
     def gpu_enc(self, numel: float, shape: tuple[int, ...] | None = None) -> float:
         flops = codec_flops(self.codec, shape)[0] if shape else 0.0
-        return self._speed_for(shape).encode_time(numel, flops) * self.cfg.codec_time_scale
+        orth = codec_orth_flops(self.codec, shape)
+        return self._speed_for(shape).encode_time(numel, flops, orth) * self.cfg.codec_time_scale
 
     def gpu_dec(self, numel: float, shape: tuple[int, ...] | None = None) -> float:
         flops = codec_flops(self.codec, shape)[1] if shape else 0.0
@@ -962,11 +973,12 @@ class _Planner:
                 continue
             speed = self._speed_for(shape)
             f_enc, f_dec = codec_flops(self.codec, shape)
+            orth = codec_orth_flops(self.codec, shape)
             if fixed_per_tensor:
-                enc += speed.encode_time(numel, f_enc)
+                enc += speed.encode_time(numel, f_enc, orth)
                 dec += speed.decode_time(numel, f_dec)
             else:
-                enc += speed.encode_work(numel, f_enc)
+                enc += speed.encode_work(numel, f_enc, orth)
                 dec += speed.decode_work(numel, f_dec)
             if ranks > 1:
                 prof = wire_profile(self.codec, shape, ranks, cfg.grad_dtype)
@@ -1026,6 +1038,25 @@ def codec_flops(codec: Codec, shape: Sequence[int] | None) -> tuple[float, float
     n, m, r = planned
     iters = int(getattr(codec, "power_iterations", 1) or 1)
     return 4.0 * n * m * r * iters, 2.0 * n * m * r
+
+
+def codec_orth_flops(codec: Codec, shape: Sequence[int] | None) -> float:
+    """Flops of the orthogonalisations in encoding a tensor of ``shape``: PowerSGD
+    orthonormalises its ``n x r`` factor ``P`` once per power iteration, ``2 n r^2`` flops
+    each (Gram-Schmidt: every column projected out of the later ones; Householder QR has the
+    same leading term). Quadratic in the rank where the products are linear: at rank 64 on a
+    ``4096 x 4096`` matrix it is 1/32 of the products' flops, but it runs column by column
+    far below the matrix-product rate (:attr:`CodecSpeed.orth_flops`). 0 for codecs without
+    one and for tensors sent exactly."""
+    plan = getattr(codec, "plan", None)
+    if not shape or not callable(plan):
+        return 0.0
+    planned = plan(tuple(int(d) for d in shape))
+    if planned is None:
+        return 0.0
+    n, _, r = planned
+    iters = int(getattr(codec, "power_iterations", 1) or 1)
+    return 2.0 * n * r * r * iters
 
 
 def hook_batches(codec: Codec, shapes: Sequence[Sequence[int]], cfg: ExchangeConfig) -> bool:
@@ -1172,6 +1203,7 @@ __all__ = [
     "WireProfile",
     "calibrate_protocol_speeds",
     "codec_flops",
+    "codec_orth_flops",
     "sparse_entries",
     "calibrate_speeds",
     "exchange_segments",
