@@ -33,6 +33,7 @@ from commpress.codecs.base import Codec, CodecContext
 from commpress.codecs.protocol import AllGather, AllReduce
 from commpress.codecs.registry import get_codec
 from commpress.codecs.simulate import single_worker
+from commpress.codecs.thc import FUSED_BLOCK_LOG2, Thc
 from commpress.collectives.policy import CompressionState
 from commpress.collectives.strategies import get_strategy, strategy_names
 from commpress.errors import CommpressError, error_context
@@ -58,6 +59,62 @@ GRANULARITIES: tuple[str, ...] = ("parameter", "bucket", "batched", "hook")
 
 
 # ---------------------------------------------------------------------------- throughput
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RotationCost:
+    """What a Hadamard rotation (THC) of a block too large for the codec's fused kernel costs
+    on top of the measured encode or decode (whose kernel rotates blocks of up to
+    ``2^fused_log2`` coordinates in fast on-chip memory, in the same pass as the
+    quantisation).
+
+    A block of ``2^L`` coordinates with ``L > fused_log2`` (THC's ``block_log2="full"``) is
+    rotated in passes over global memory, each reading and writing the padded tensor once
+    and doing ``radix_log2`` butterfly stages: ``restart=True``, the implementation then
+    leaves its fused kernel and runs all ``L`` stages that way (commpress's torch fallback:
+    one stage per pass); ``restart=False``, the fused pass still does ``fused_log2`` stages
+    and ``ceil((L - fused_log2) / radix_log2)`` more passes do the rest (a kernel that
+    rotates across blocks with the on-chip block as its radix).
+
+    Attributes:
+        fused_log2: largest block (log2) the fused kernel rotates.
+        radix_log2: butterfly stages per pass over global memory beyond it.
+        restart: whether all ``L`` stages run in such passes (see above).
+        pass_eps: padded elements per second of one pass.
+    """
+
+    fused_log2: int
+    radix_log2: int
+    restart: bool
+    pass_eps: float
+
+    def __post_init__(self) -> None:
+        if self.fused_log2 < 0 or self.radix_log2 < 1:
+            raise CommpressError(f"rotation needs fused_log2 >= 0 and radix_log2 >= 1, got "
+                                 f"{self.fused_log2!r} and {self.radix_log2!r}")
+        if not self.pass_eps > 0:
+            raise CommpressError(f"rotation pass_eps must be > 0, got {self.pass_eps!r}")
+
+    def passes(self, block: int) -> int:
+        """Passes over global memory to rotate blocks of ``block`` coordinates."""
+        log2 = max(0, int(block).bit_length() - 1)
+        if log2 <= self.fused_log2:
+            return 0
+        todo = log2 if self.restart else log2 - self.fused_log2
+        return -(-todo // self.radix_log2)
+
+    def time(self, padded: float, block: int) -> float:
+        """Extra seconds to rotate ``padded`` coordinates in blocks of ``block``."""
+        return self.passes(block) * padded / self.pass_eps
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fused_log2": self.fused_log2, "radix_log2": self.radix_log2,
+                "restart": self.restart, "pass_eps": self.pass_eps}
+
+    @classmethod
+    def from_dict(cls, entry: Mapping[str, Any]) -> RotationCost:
+        return cls(fused_log2=int(entry["fused_log2"]), radix_log2=int(entry["radix_log2"]),
+                   restart=bool(entry["restart"]), pass_eps=float(entry["pass_eps"]))
+
+
 @dataclass(frozen=True, slots=True)
 class CodecSpeed:
     """Encode/decode time model of one codec.
@@ -98,6 +155,7 @@ class CodecSpeed:
     decode_overhead_s: float | None = None
     spread: float = 0.0
     orth_flops: float = math.inf
+    rotation: RotationCost | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.overhead_s) and self.overhead_s >= 0):
@@ -162,6 +220,8 @@ class CodecSpeed:
             out["decode_overhead_s"] = self.decode_overhead_s
         if self.spread:
             out["spread"] = self.spread
+        if self.rotation is not None:
+            out["rotation"] = self.rotation.to_dict()
         return out
 
     @classmethod
@@ -176,6 +236,8 @@ class CodecSpeed:
                                else float(entry["decode_overhead_s"])),
             spread=float(entry.get("spread", 0.0)),
             orth_flops=float(entry.get("orth_flops", math.inf)),
+            rotation=(None if entry.get("rotation") is None
+                      else RotationCost.from_dict(entry["rotation"])),
         )
 
 
@@ -185,6 +247,22 @@ PROFILE_DIR = Path(__file__).with_name("data")
 BUILTIN_PROFILES: dict[str, str] = {"gpu": "speeds-h100.json", "cpu": "speeds-cpu.json"}
 #: Used for a codec a profile does not list.
 FALLBACK_SPEED = CodecSpeed(100e-6, 5e9, 1e10)
+#: Passes over memory of one butterfly stage of :func:`commpress.codecs.thc.hadamard_transform`
+#: relative to a copy: each stage reads every element twice (the sum and the difference)
+#: and writes it once, 12 bytes per float32 where a copy moves 8.
+BUTTERFLY_STAGE_COPIES = 1.5
+
+
+def code_rotation(table: SpeedTable) -> RotationCost:
+    """How commpress's own THC rotates a block larger than its fused kernel holds
+    (:data:`commpress.codecs.thc.FUSED_BLOCK_LOG2`: 2^12 for the Triton kernel of a GPU
+    profile, 2^15 for the numba kernel of a CPU one): the torch fallback runs all ``log2 B``
+    butterfly stages, one pass each, at the table's measured copy rate (the identity's
+    decode) divided by :data:`BUTTERFLY_STAGE_COPIES`."""
+    device = "cpu" if str(table.provenance.get("device", "")).startswith("cpu") else "gpu"
+    copy = table.lookup(get_codec("identity"))
+    return RotationCost(fused_log2=FUSED_BLOCK_LOG2[device], radix_log2=1, restart=True,
+                        pass_eps=copy.decode_eps / BUTTERFLY_STAGE_COPIES)
 
 
 def _builtin_table(device: str) -> SpeedTable:
@@ -248,6 +326,8 @@ class SpeedTable:
             {k: replace(v, overhead_s=v.overhead_s * c, encode_eps=v.encode_eps / factor,
                         decode_eps=v.decode_eps / factor, flops=v.flops / factor,
                         orth_flops=v.orth_flops / factor,
+                        rotation=None if v.rotation is None else replace(
+                            v.rotation, pass_eps=v.rotation.pass_eps / factor),
                         accumulate_eps=v.accumulate_eps / factor,
                         accumulate_s=v.accumulate_s * c,
                         decode_overhead_s=None if v.decode_overhead_s is None
@@ -780,11 +860,25 @@ class _Planner:
     def gpu_enc(self, numel: float, shape: tuple[int, ...] | None = None) -> float:
         flops = codec_flops(self.codec, shape)[0] if shape else 0.0
         orth = codec_orth_flops(self.codec, shape)
-        return self._speed_for(shape).encode_time(numel, flops, orth) * self.cfg.codec_time_scale
+        speed = self._speed_for(shape)
+        t = speed.encode_time(numel, flops, orth) + self.rotation_time(numel, speed)
+        return t * self.cfg.codec_time_scale
 
     def gpu_dec(self, numel: float, shape: tuple[int, ...] | None = None) -> float:
         flops = codec_flops(self.codec, shape)[1] if shape else 0.0
-        return self._speed_for(shape).decode_time(numel, flops) * self.cfg.codec_time_scale
+        speed = self._speed_for(shape)
+        t = speed.decode_time(numel, flops) + self.rotation_time(numel, speed)
+        return t * self.cfg.codec_time_scale
+
+    def rotation_time(self, numel: float, speed: CodecSpeed) -> float:
+        """THC's rotation of blocks larger than the measured kernel's (``block_log2="full"``:
+        the whole tensor, padded to a power of two), on top of the measured speed; the same
+        for the encode's rotation and the decode's inverse (:class:`RotationCost`)."""
+        if not isinstance(self.codec, Thc) or numel < 1:
+            return 0.0
+        lay = self.codec.layout(int(numel))
+        cost = speed.rotation or code_rotation(self.cfg.speeds)
+        return cost.time(lay.padded, lay.block)
 
     def gathered_sum(self, numel: int, ranks: int) -> float:
         """Summing ``ranks`` all-gathered payloads of a ``numel``-element tensor, as
@@ -1190,6 +1284,7 @@ def measure_nmse(
 
 __all__ = [
     "BUILTIN_PROFILES",
+    "BUTTERFLY_STAGE_COPIES",
     "FALLBACK_SPEED",
     "GRANULARITIES",
     "PROFILE_FORMAT",
@@ -1198,11 +1293,13 @@ __all__ = [
     "CodecSpeed",
     "ExchangeConfig",
     "Offload",
+    "RotationCost",
     "Round",
     "SpeedTable",
     "WireProfile",
     "calibrate_protocol_speeds",
     "codec_flops",
+    "code_rotation",
     "codec_orth_flops",
     "sparse_entries",
     "calibrate_speeds",

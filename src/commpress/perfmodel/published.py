@@ -38,7 +38,7 @@ from typing import Any
 
 from commpress.errors import CommpressError
 from commpress.perfmodel.calibration import nelder_mead
-from commpress.perfmodel.codec_costs import CodecSpeed, SpeedTable
+from commpress.perfmodel.codec_costs import CodecSpeed, RotationCost, SpeedTable
 from commpress.perfmodel.collectives import Cluster
 from commpress.perfmodel.model import Platform, Workload, predict, predict_baseline
 from commpress.perfmodel.timeline import MIN_OVERLAP_EFFICIENCY
@@ -52,23 +52,34 @@ Shape = tuple[int, ...]
 A100_HBM_BYTES_PER_S = 1.555e12
 #: Cost of launching one GPU kernel (the CUDA launch path, a few microseconds).
 KERNEL_LAUNCH_S = 5e-6
+#: Bytes one pass over global memory moves per fp32 coordinate (read it, write it).
+GLOBAL_PASS_BYTES = 8.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FusedKernels:
     """The memory traffic of a codec written as fused GPU kernels: per call, the kernels
-    launched and the bytes read plus written per fp32 gradient coordinate."""
+    launched and the bytes read plus written per fp32 gradient coordinate.
+
+    ``rotation_log2`` (THC): the Hadamard block the fused pass rotates in shared memory. A
+    larger block (full rotation: the whole bucket, padded to a power of two, ``2^L``) does
+    not fit: the fused pass still does ``rotation_log2`` butterfly stages and the remaining
+    ``L - rotation_log2`` run in passes over global memory, each reading and writing the
+    padded bucket (8 B per coordinate) and doing up to ``rotation_log2`` stages (the on-chip
+    block as the radix), for the encode's rotation and again for the decode's inverse."""
 
     encode_kernels: int
     decode_kernels: int
     encode_bytes: float
     decode_bytes: float
+    rotation_log2: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.encode_kernels, self.decode_kernels) < 0 or not (
+        if min(self.encode_kernels, self.decode_kernels, self.rotation_log2) < 0 or not (
             self.encode_bytes > 0 and self.decode_bytes > 0
         ):
-            raise CommpressError("kernel counts must be >= 0 and bytes per coordinate > 0")
+            raise CommpressError("kernel counts and rotation_log2 must be >= 0 and bytes per "
+                                 "coordinate > 0")
 
     def speed(self, hbm_bytes_per_s: float, spread: float) -> CodecSpeed:
         return CodecSpeed(
@@ -78,6 +89,9 @@ class FusedKernels:
             additive=True,
             decode_overhead_s=self.decode_kernels * KERNEL_LAUNCH_S,
             spread=spread,
+            rotation=None if not self.rotation_log2 else RotationCost(
+                fused_log2=self.rotation_log2, radix_log2=self.rotation_log2, restart=False,
+                pass_eps=hbm_bytes_per_s / GLOBAL_PASS_BYTES),
         )
 
 
@@ -87,12 +101,14 @@ class FusedKernels:
 #: chunks' squared norms (read 4 B); decode: zero-fill the bucket (4 B) and the residual
 #: update (read 4 B, write 4 B); the selected chunks (a few % of the coordinates) ignored.
 #: THC encode: the norm pass (4 B) and one fused partial-rotation + quantisation pass (read
-#: 4 B, write q bits); decode: dequantisation + inverse rotation (read q bits, write 4 B).
+#: 4 B, write q bits); decode: dequantisation + inverse rotation (read q bits, write 4 B);
+#: the rotation blocks of the partial configurations (2^12, THC's default ``block_log2``)
+#: stay in shared memory, a full rotation takes more passes (``FusedKernels.rotation_log2``).
 PAPER_KERNELS: dict[str, FusedKernels] = {
     "topkc": FusedKernels(encode_kernels=4, decode_kernels=3, encode_bytes=16.0,
                           decode_bytes=12.0),
     "thc": FusedKernels(encode_kernels=3, decode_kernels=2, encode_bytes=8.5,
-                        decode_bytes=4.5),
+                        decode_bytes=4.5, rotation_log2=12),
 }
 #: How far a roofline may be from what the kernels achieve (they may reach half of it).
 ROOFLINE_SPREAD = 1.0
