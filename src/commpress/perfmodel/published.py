@@ -12,6 +12,7 @@ codec spec of every configuration are in ``data/han2024.json``). :func:`reproduc
    :class:`~commpress.perfmodel.model.Platform`) each task's compute time is solved so that
    the FP16 baseline is reproduced exactly, and the network constants are fitted so that
    the FP32 baselines of both tasks are reproduced too (four numbers, four unknowns);
+   Table 1's TF32 baselines are held out (:func:`heldout_baselines`);
 3. predicts every compressed configuration with the costs of the paper's implementations
    (:func:`paper_speeds`, not fitted: TopKC and THC as fused kernels at the A100's memory
    bandwidth, TopK and PowerSGD from the measured H100 profile; PowerSGD batched per bucket
@@ -258,7 +259,8 @@ class PublishedReport:
             "baseline, measured vs predicted\n"
             f"calibrated on the paper's fp16/fp32 baselines only: bandwidth x"
             f"{p.inter_bandwidth_scale:.3f} of 100 Gbit/s, overlap efficiency "
-            f"{p.overlap_efficiency:.2f}; compute "
+            f"{p.overlap_efficiency:.2f} (each second of a collective during backward adds "
+            f"{1 - p.overlap_efficiency:.2f} s); compute "
             + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.compute_s.items())
             + "; baselines reproduced within "
             + ", ".join(f"{k} {v:+.1%}" for k, v in self.baseline_errors.items())
