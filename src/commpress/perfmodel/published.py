@@ -20,9 +20,11 @@ codec spec of every configuration are in ``data/han2024.json``). :func:`reproduc
    the measured one, with the verdict (gain or loss) of each.
 
 The dense baselines carry a cost that does not grow with their bytes and that the compressed
-runs do not pay (``2 fp16 - fp32`` is above the fastest compressed steps); the fitted overlap
-efficiency (negative) is where the calibration puts it. docs/performance-model.md derives
-this and says what remains per codec family.
+runs do not pay (``2 fp16 - fp32`` is above the fastest compressed steps); the calibration
+puts it in the fitted overlap efficiency ``eta < 0``, an interference term: each second a
+collective runs during backward adds ``1 - eta`` seconds (about 1.4). docs/performance-model.md
+derives this, says what the term may be physically and how far other forms get, and what
+remains per codec family.
 
 ``commpress validate --published`` prints the table.
 """
