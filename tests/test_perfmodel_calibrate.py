@@ -191,6 +191,18 @@ def test_profile_fit_recovers_a_known_cost_model() -> None:
     assert spread == pytest.approx(0.0, abs=1e-9)
 
 
+def test_profile_times_low_rank_codecs_on_two_column_counts() -> None:
+    """One column count (1024) leaves the orthogonalisation (``2 n r^2``) and the products
+    (``4 n m r``) different only through the rank; a second, narrower matrix of the same
+    size separates them."""
+    from commpress.bench.codecs import _profile_shapes
+
+    assert _profile_shapes(1 << 20, low_rank=True) == [(1024, 1024), (4096, 256)]
+    assert _profile_shapes(1 << 24, low_rank=False) == [(16384, 1024)]
+    assert _profile_shapes(4096, low_rank=True) == [(64, 64), (256, 16)]
+    assert _profile_shapes(2, low_rank=True) == [(2, 1)]  # too narrow for a second
+
+
 def test_bench_codecs_profile_writes_a_loadable_profile(tmp_path: Path) -> None:
     out = tmp_path / "prof.json"
     proc = subprocess.run(

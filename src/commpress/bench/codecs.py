@@ -246,6 +246,18 @@ class ProfilePoint:
     orth_flops: float = 0.0
 
 
+def _profile_shapes(n: int, *, low_rank: bool) -> list[tuple[int, int]]:
+    """The matrices a profile times at ``n`` elements: ``rows x 1024`` from 2^20 elements
+    (a square one below); for a low-rank codec also one with a quarter of the columns, so
+    that the orthogonalisation (``2 n r^2``, rows times rank squared) and the products
+    (``n m r``) do not differ through the rank alone and the fit can tell them apart."""
+    cols = min(n, 1024 if n >= 1 << 20 else max(1, int(math.isqrt(n))))
+    shapes = [(max(1, n // cols), cols)]
+    if low_rank and cols >= 4:
+        shapes.append((n // (cols // 4), cols // 4))
+    return shapes
+
+
 def _timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
     """(best, median) of :func:`wall_times`."""
     import statistics
@@ -299,29 +311,30 @@ def profile_codec(
     dec_pts: list[ProfilePoint] = []
     acc_pts: list[ProfilePoint] = []
     for n in sizes:
-        cols = min(n, 1024 if n >= 1 << 20 else max(1, int(math.isqrt(n))))
-        rows = max(1, n // cols)
-        x = gaussian(rows * cols, seed=0).reshape(rows, cols).to(device)
-        for codec in variants:
-            ctx = CodecContext(key="profile", world_size=PROFILE_PEERS)
-            payload = codec.encode(x, ctx)  # warm-up
-            buffer = torch.empty_like(x)
-            codec.decode(payload, ctx, out=buffer)
-            f_enc, f_dec = codec_flops(codec, tuple(x.shape))
-            orth = codec_orth_flops(codec, tuple(x.shape))
-            best, med = _timed(functools.partial(codec.encode, x, ctx), repeat)
-            enc_pts.append(ProfilePoint(numel=x.numel(), flops=f_enc, best_s=best, median_s=med,
-                                        orth_flops=orth))
-            best, med = _timed(functools.partial(codec.decode, payload, ctx, out=buffer), repeat)
-            dec_pts.append(ProfilePoint(numel=x.numel(), flops=f_dec, best_s=best, median_s=med))
-            entries = sparse_entries(codec, x.numel())
-            if codec is base and entries is not None:
-                one, _ = _timed(functools.partial(codec.sum_decoded, [payload], ctx), repeat)
-                many, m_med = _timed(functools.partial(
-                    codec.sum_decoded, [payload] * PROFILE_PEERS, ctx), repeat)
-                per = max(many - one, 1e-9) / (PROFILE_PEERS - 1)
-                acc_pts.append(ProfilePoint(numel=int(entries), flops=0.0, best_s=per,
-                                            median_s=per * m_med / many))
+        for rows, cols in _profile_shapes(n, low_rank=len(variants) > 1):
+            x = gaussian(rows * cols, seed=0).reshape(rows, cols).to(device)
+            for codec in variants:
+                ctx = CodecContext(key="profile", world_size=PROFILE_PEERS)
+                payload = codec.encode(x, ctx)  # warm-up
+                buffer = torch.empty_like(x)
+                codec.decode(payload, ctx, out=buffer)
+                f_enc, f_dec = codec_flops(codec, tuple(x.shape))
+                orth = codec_orth_flops(codec, tuple(x.shape))
+                best, med = _timed(functools.partial(codec.encode, x, ctx), repeat)
+                enc_pts.append(ProfilePoint(numel=x.numel(), flops=f_enc, best_s=best,
+                                            median_s=med, orth_flops=orth))
+                best, med = _timed(
+                    functools.partial(codec.decode, payload, ctx, out=buffer), repeat)
+                dec_pts.append(ProfilePoint(numel=x.numel(), flops=f_dec, best_s=best,
+                                            median_s=med))
+                entries = sparse_entries(codec, x.numel())
+                if codec is base and entries is not None:
+                    one, _ = _timed(functools.partial(codec.sum_decoded, [payload], ctx), repeat)
+                    many, m_med = _timed(functools.partial(
+                        codec.sum_decoded, [payload] * PROFILE_PEERS, ctx), repeat)
+                    per = max(many - one, 1e-9) / (PROFILE_PEERS - 1)
+                    acc_pts.append(ProfilePoint(numel=int(entries), flops=0.0, best_s=per,
+                                                median_s=per * m_med / many))
     flops = base.codec_id == "powersgd"
     if flops and sum(p.flops > 0 for p in enc_pts) >= 2:
         # fit the matrices it compresses; those it sends exactly cost a copy
