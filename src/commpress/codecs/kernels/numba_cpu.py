@@ -82,6 +82,8 @@ _NO_U16 = np.zeros(1, np.uint16)  # the unused array argument of _nb_part_histog
 _NO_I32 = np.zeros(1, np.int32)
 _F16_TINY = f32(2.0**-24)  # float16's smallest subnormal
 prange = range  # replaced by numba.prange in _build()
+_vsum_sq: Any = None  # replaced by _vector_lane_sum(True) in _build()
+_vsum_abs: Any = None  # replaced by _vector_lane_sum(False) in _build()
 
 # Inputs and outputs of every kernel below come as ``(xf, x16, mode)`` / ``(outf, out16,
 # omode)``: mode 0 is a float32 array ``xf`` (``x16`` a dummy), mode 1 bfloat16 and mode 2
@@ -548,37 +550,12 @@ def _nb_lane_sum(src: Any, square: Any, lanes: Any) -> None:
     # lanes[j] += |v| (or v * v with square) of src[8g + j], in float64, over the whole
     # groups of eight: independent partial sums (one dependency chain would cap the pass at
     # one add per FP latency); the caller adds the lanes and then the tail in one fixed order.
-    # The lanes live in local variables during the loop (an array's elements would be
-    # stored and reloaded at every group).
-    full = src.size // 8 * 8
-    a0, a1, a2, a3 = lanes[0], lanes[1], lanes[2], lanes[3]
-    a4, a5, a6, a7 = lanes[4], lanes[5], lanes[6], lanes[7]
+    # The eight lanes are one vector of eight float64 (_vector_lane_sum): the same
+    # operations, in the same order, as eight scalar sums, on every machine.
     if square:
-        for g in range(0, full, 8):
-            v0, v1 = np.float64(src[g]), np.float64(src[g + 1])
-            v2, v3 = np.float64(src[g + 2]), np.float64(src[g + 3])
-            v4, v5 = np.float64(src[g + 4]), np.float64(src[g + 5])
-            v6, v7 = np.float64(src[g + 6]), np.float64(src[g + 7])
-            a0 += v0 * v0
-            a1 += v1 * v1
-            a2 += v2 * v2
-            a3 += v3 * v3
-            a4 += v4 * v4
-            a5 += v5 * v5
-            a6 += v6 * v6
-            a7 += v7 * v7
+        _vsum_sq(src, lanes)
     else:
-        for g in range(0, full, 8):
-            a0 += abs(np.float64(src[g]))
-            a1 += abs(np.float64(src[g + 1]))
-            a2 += abs(np.float64(src[g + 2]))
-            a3 += abs(np.float64(src[g + 3]))
-            a4 += abs(np.float64(src[g + 4]))
-            a5 += abs(np.float64(src[g + 5]))
-            a6 += abs(np.float64(src[g + 6]))
-            a7 += abs(np.float64(src[g + 7]))
-    lanes[0], lanes[1], lanes[2], lanes[3] = a0, a1, a2, a3
-    lanes[4], lanes[5], lanes[6], lanes[7] = a4, a5, a6, a7
+        _vsum_abs(src, lanes)
 
 
 def _nb_lane_total(src: Any, square: Any, lanes: Any) -> Any:
@@ -639,43 +616,48 @@ def _nb_sign_decode(
 
 def _nb_stoch_codes(
     src: Any, i: Any, inv: Any, kind: Any, levels: Any, rmode: Any, seed: Any, noise: Any,
-    ubuf: Any, dst: Any,
+    dst: Any,
 ) -> None:
     # dst = the codes of src, coordinates i.. of one chunk, with multiplier inv. kind 0
     # (qsgd): code = levels +- clamp(floor(|x| * inv + u), 0, levels), NaN -> levels; kind 1
     # (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1 (x < 0 -> 0, else 2).
-    # rmode 1: u from the internal generator keyed by seed; rmode 2: u = noise. Branch-free
-    # inner loops (they vectorize): the noise first, then the codes.
+    # rmode 1: u from the internal generator keyed by seed (_nb_uniform written out in the
+    # loop); rmode 2: u = noise. Branch-free loops that vectorize, the noise drawn in the
+    # loop that uses it; the codes are computed in float32 (exact small integers).
     zero = f32(0.0)
     top = f32(levels)
-    u = ubuf[: src.size]
-    if rmode == 1:
-        # _nb_uniform written out, so that the loop vectorizes
-        base = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
-        for k in range(src.size):
-            z = base + u64(k) * u64(0x9E3779B97F4A7C15)
-            z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
-            z = z ^ (z >> u64(31))
-            u[k] = f32(z >> u64(40)) * f32(5.9604644775390625e-08)
-    else:
-        given = noise[i : i + src.size]
-        for k in range(src.size):
-            u[k] = given[k]
+    gamma = u64(0x9E3779B97F4A7C15)
+    base = seed + u64(i + 1) * gamma
+    given = noise[i : i + src.size] if rmode == 2 else noise[:0]
     if kind == 0:
-        mid = u8(levels)
         for k in range(src.size):
+            if rmode == 1:
+                z = base + u64(k) * gamma
+                z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+                z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+                z = z ^ (z >> u64(31))
+                u = f32(i32(z >> u64(40))) * f32(5.9604644775390625e-08)
+            else:
+                u = given[k]
             v = src[k]
-            t = np.floor(abs(v) * inv + u[k])
+            t = np.floor(abs(v) * inv + u)
             t = t if t >= zero else zero
             t = t if t <= top else top
-            level = u8(t)
-            dst[k] = mid - level if v < zero else mid + level
+            dst[k] = u8(i32(top - t if v < zero else top + t))
     else:
         for k in range(src.size):
+            if rmode == 1:
+                z = base + u64(k) * gamma
+                z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+                z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+                z = z ^ (z >> u64(31))
+                u = f32(i32(z >> u64(40))) * f32(5.9604644775390625e-08)
+            else:
+                u = given[k]
             v = src[k]
-            keep = u[k] < abs(v) * inv
-            dst[k] = (u8(0) if v < zero else u8(2)) if keep else u8(1)
+            keep = u < abs(v) * inv
+            sign = i32(0) if v < zero else i32(2)
+            dst[k] = u8(sign if keep else i32(1))
 
 
 def _nb_stoch_units(
@@ -688,8 +670,8 @@ def _nb_stoch_units(
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        buf = np.empty(UNIT + 8, np.uint8)
-        ubuf = np.empty(UNIT, np.float32)
+        # 8-bit codes are their own packing: written in place
+        buf = packed[a:] if bits == 8 else np.empty(UNIT + 8, np.uint8)
         wide = np.empty(UNIT if mode else 1, np.float32)
         x = _nb_widen(xf, x16, mode, a, b, wide)
         i = a
@@ -697,12 +679,13 @@ def _nb_stoch_units(
         while i < b:
             e = min((c + 1) * chunk, b)
             _nb_stoch_codes(
-                x[i - a : e - a], i, inv_all[c], kind, levels, rmode, seed, noise, ubuf,
+                x[i - a : e - a], i, inv_all[c], kind, levels, rmode, seed, noise,
                 buf[i - a : e - a],
             )
             i = e
             c += 1
-        _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+        if bits != 8:
+            _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
 
 
 def _nb_stochastic_encode(
@@ -802,8 +785,8 @@ def _nb_stochastic_fused(
         for item in prange((nchunks + per - 1) // per):
             a = item * per * chunk
             b = min(a + per * chunk, n)
-            buf = np.empty(per * chunk + 8, np.uint8)
-            ubuf = np.empty(chunk, np.float32)
+            # 8-bit codes are their own packing: written in place
+            buf = packed[a:] if bits == 8 else np.empty(per * chunk + 8, np.uint8)
             wide = np.empty(per * chunk if mode else 1, np.float32)
             lanes = np.empty(8, np.float64)
             scratch = np.empty(1, np.int32)
@@ -818,9 +801,10 @@ def _nb_stochastic_fused(
                 stat[c] = st
                 _nb_stoch_codes(
                     x[s:e], a + s, _nb_stat_inv(st, kind, levels), kind, levels, rmode, seed,
-                    noise, ubuf, buf[s:e],
+                    noise, buf[s:e],
                 )
-            _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+            if bits != 8:
+                _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
         return
     inv_all = np.empty(nchunks, np.float32)
     if kind == 0:
@@ -1270,6 +1254,52 @@ def _start_threads() -> None:
             torch.set_num_threads(threads)
 
 
+def _vector_lane_sum(square: bool) -> Any:
+    """A numba intrinsic ``(src, lanes)``: ``lanes[j] += f64(src[8g + j]) ** 2`` (``square``)
+    or ``|f64(src[8g + j])|`` for every whole group of eight of the contiguous float32
+    ``src``, with the eight lanes held in one ``<8 x double>`` vector: each lane adds its
+    terms in index order, exactly as eight scalar sums do (no fused multiply-add, no
+    reassociation), so the result does not depend on the machine's vector width; LLVM only
+    vectorizes eight scalar chains when its SLP pass is on, which numba leaves off."""
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.core.extending import intrinsic
+
+    @intrinsic  # type: ignore[misc]
+    def lane_sum(typingctx: Any, src: Any, lanes: Any) -> Any:
+        if not (
+            isinstance(src, types.Array) and src.dtype == types.float32 and src.ndim == 1
+            and src.layout == "C" and isinstance(lanes, types.Array)
+            and lanes.dtype == types.float64 and lanes.layout == "C"
+        ):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            s = context.make_array(signature.args[0])(context, builder, args[0])
+            out = context.make_array(signature.args[1])(context, builder, args[1])
+            f32x8 = ir.VectorType(ir.FloatType(), 8)
+            f64x8 = ir.VectorType(ir.DoubleType(), 8)
+            lanes_ptr = builder.bitcast(out.data, f64x8.as_pointer())
+            acc = cgutils.alloca_once(builder, f64x8)
+            builder.store(builder.load(lanes_ptr, align=8), acc)
+            fabs = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(f64x8, [f64x8]), "llvm.fabs.v8f64"
+            )
+            groups = builder.udiv(s.nitems, ir.Constant(s.nitems.type, 8))
+            with cgutils.for_range(builder, groups) as loop:
+                first = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
+                ptr = builder.bitcast(builder.gep(s.data, [first]), f32x8.as_pointer())
+                v = builder.fpext(builder.load(ptr, align=4), f64x8)
+                term = builder.fmul(v, v) if square else builder.call(fabs, [v])
+                builder.store(builder.fadd(builder.load(acc), term), acc)
+            builder.store(builder.load(acc), lanes_ptr, align=8)
+            return context.get_dummy_value()
+
+        return types.void(src, lanes), codegen
+
+    return lane_sum
+
+
 def _build() -> dict[str, Callable[..., Any]]:
     import numba
 
@@ -1278,6 +1308,8 @@ def _build() -> dict[str, Callable[..., Any]]:
     # (constant chunks have scale 0; their reciprocal is then replaced by 0).
     module = globals()
     module["prange"] = numba.prange
+    module["_vsum_sq"] = _vector_lane_sum(True)
+    module["_vsum_abs"] = _vector_lane_sum(False)
     for name in _HELPERS:
         module[name] = numba.njit(cache=True, fastmath=False, error_model="numpy")(module[name])
     for name in _PARALLEL_HELPERS:
