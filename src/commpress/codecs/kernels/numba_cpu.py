@@ -45,6 +45,9 @@ from commpress.errors import CommpressError
 UNIT = 16384
 #: Longest stretch of one chunk scanned for its min/max by one work item.
 SEGMENT = 16384
+#: 16-bit values widened to float32 at a time by the encodes (8 KB: the widened copy stays in
+#: L1; widening a whole work item into a 64 KB buffer ran at a third of the memory's speed).
+WINDOW = 2048
 
 _lock = threading.Lock()
 
@@ -302,6 +305,16 @@ def _nb_minmax_keys16(src: Any) -> Any:
     return lo, hi
 
 
+def _nb_keys_bf16(src: Any) -> Any:
+    # _nb_minmax_keys of the widening of bfloat16 bits src (uint16), compared in place: its
+    # 16-bit order key is the top half of its widening's (the bottom half is 0xFFFF for
+    # negative values, else 0)
+    lo, hi = _nb_minmax_keys16(src.view(np.int16))
+    lo_key = (i32(lo) << i32(16)) | (i32(0xFFFF) if lo < 0 else i32(0))
+    hi_key = (i32(hi) << i32(16)) | (i32(0xFFFF) if hi < 0 else i32(0))
+    return lo_key, hi_key
+
+
 def _nb_prescale(scale: Any) -> Any:
     # the exact power of two that keeps a chunk's arithmetic inside float32's range (see
     # quantize.minmax_params): 2^64 for tiny scales, 2^-64 for huge ones, else 1
@@ -388,11 +401,7 @@ def _nb_segment_keys(
         s = c * chunk + (g - c * spc) * seg_len
         e = min(s + seg_len, min((c + 1) * chunk, n))
         if mode == 1:
-            # bfloat16 in place: its 16-bit order key is the top half of its widening's
-            # (the bottom half is 0xFFFF for negative values, else 0)
-            lo, hi = _nb_minmax_keys16(x16[s : max(s, e)].view(np.int16))
-            seg_lo[g] = (i32(lo) << i32(16)) | (i32(0xFFFF) if lo < 0 else i32(0))
-            seg_hi[g] = (i32(hi) << i32(16)) | (i32(0xFFFF) if hi < 0 else i32(0))
+            seg_lo[g], seg_hi[g] = _nb_keys_bf16(x16[s : max(s, e)])
             continue
         wide = np.empty(seg_len if mode else 1, np.float32)
         src = _nb_widen(xf, x16, mode, s, max(s, e), wide)
@@ -454,21 +463,38 @@ def _nb_minmax_encode(
         nitems = (nchunks + per - 1) // per
         for item in prange(nitems):
             scratch = np.empty(2, np.int32)
-            buf = np.empty(per * chunk + 8, np.uint8)
-            wide = np.empty(per * chunk if mode else 1, np.float32)
             a = item * per * chunk
             b = min(a + per * chunk, n)
-            x = _nb_widen(xf, x16, mode, a, b, wide)
-            xi = x.view(np.int32)
+            # 8-bit codes are their own packing: written in place
+            buf = packed[a:] if bits == 8 else np.empty(per * chunk + 8, np.uint8)
+            step = WINDOW if mode else chunk
+            wide = np.empty(step if mode else 1, np.float32)
             for c in range(item * per, min((item + 1) * per, nchunks)):
-                s = c * chunk - a
-                e = min(s + chunk, b - a)
-                lo_key, hi_key = _nb_minmax_keys(xi[s:e])
+                s = c * chunk
+                e = min(s + chunk, n)
+                x = wide[:0]
+                if mode == 1:
+                    lo_key, hi_key = _nb_keys_bf16(x16[s:e])
+                else:
+                    # over windows (one for float32 inputs and for chunks of at most
+                    # WINDOW values, whose widening is then reused)
+                    lo_key, hi_key = i32(0x7FFFFFFF), i32(-0x80000000)
+                    for w in range(s, e, step):
+                        x = _nb_widen(xf, x16, mode, w, min(w + step, e), wide)
+                        lo_w, hi_w = _nb_minmax_keys(x.view(np.int32))
+                        lo_key, hi_key = min(lo_key, lo_w), max(hi_key, hi_w)
                 lo, scale, pre, inv = _nb_chunk_params(lo_key, hi_key, levels, scratch)
                 lo_out[c] = lo
                 scale_out[c] = scale
-                _nb_quantize(x[s:e], a + s, lo, pre, inv, levels, rmode, seed, noise, buf[s:e])
-            _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+                for w in range(s, e, step):
+                    we = min(w + step, e)
+                    if mode == 1 or e - s > step:
+                        x = _nb_widen(xf, x16, mode, w, we, wide)
+                    _nb_quantize(
+                        x, w, lo, pre, inv, levels, rmode, seed, noise, buf[w - a : we - a]
+                    )
+            if bits != 8:
+                _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
         return
     # Long chunks: pass 1 finds the ranges of segments in parallel, pass 2 quantizes UNIT
     # consecutive codes per work item.
@@ -486,20 +512,24 @@ def _nb_minmax_encode(
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        buf = np.empty(UNIT + 8, np.uint8)
-        wide = np.empty(UNIT if mode else 1, np.float32)
-        x = _nb_widen(xf, x16, mode, a, b, wide)
-        i = a
-        c = a // chunk
-        while i < b:
-            e = min((c + 1) * chunk, b)
-            _nb_quantize(
-                x[i - a : e - a], i, lo_out[c], pre_all[c], inv_all[c], levels, rmode, seed,
-                noise, buf[i - a : e - a],
-            )
-            i = e
-            c += 1
-        _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+        buf = packed[a:] if bits == 8 else np.empty(UNIT + 8, np.uint8)
+        step = WINDOW if mode else UNIT
+        wide = np.empty(step if mode else 1, np.float32)
+        for w in range(a, b, step):
+            we = min(w + step, b)
+            x = _nb_widen(xf, x16, mode, w, we, wide)
+            i = w
+            c = w // chunk
+            while i < we:
+                e = min((c + 1) * chunk, we)
+                _nb_quantize(
+                    x[i - w : e - w], i, lo_out[c], pre_all[c], inv_all[c], levels, rmode,
+                    seed, noise, buf[i - a : e - a],
+                )
+                i = e
+                c += 1
+        if bits != 8:
+            _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
 
 
 def _nb_decode_codes(
@@ -569,28 +599,40 @@ def _nb_lane_total(src: Any, square: Any, lanes: Any) -> Any:
     return acc
 
 
+def _nb_sign_bits(src: Any, dst: Any) -> None:
+    # dst[g] = the bits (src[8g + j] >= 0) << j of src, 8 values per byte (the last byte
+    # partial when src.size is not a multiple of 8)
+    full = src.size // 8
+    for g in range(full):
+        byte = 0
+        for j in range(8):
+            byte |= (1 if src[8 * g + j] >= f32(0.0) else 0) << j
+        dst[g] = u8(byte)
+    if full * 8 < src.size:
+        byte = 0
+        for j in range(src.size - 8 * full):
+            byte |= (1 if src[8 * full + j] >= f32(0.0) else 0) << j
+        dst[full] = u8(byte)
+
+
 def _nb_sign_encode(xf: Any, x16: Any, mode: Any, n: Any, packed: Any, partial: Any) -> None:
+    # the sign bits of UNIT values per work item and their sum of |x| (partial[unit]);
+    # 16-bit inputs are widened WINDOW values (whole groups of eight: the same sums) at a
+    # time
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        wide = np.empty(UNIT if mode else 1, np.float32)
-        src = _nb_widen(xf, x16, mode, a, b, wide)
+        step = WINDOW if mode else UNIT
+        wide = np.empty(step if mode else 1, np.float32)
         lanes = np.zeros(8, np.float64)
-        _nb_lane_sum(src, False, lanes)
+        src = wide[:0]
+        for w in range(a, b, step):
+            we = min(w + step, b)
+            src = _nb_widen(xf, x16, mode, w, we, wide)
+            _nb_lane_sum(src, False, lanes)
+            _nb_sign_bits(src, packed[w // 8 : (we + 7) // 8])
         partial[unit] = _nb_lane_total(src, False, lanes)
-        dst = packed[a // 8 : (b + 7) // 8]
-        full = src.size // 8
-        for g in range(full):
-            byte = 0
-            for j in range(8):
-                byte |= (1 if src[8 * g + j] >= f32(0.0) else 0) << j
-            dst[g] = u8(byte)
-        if full < dst.size:
-            byte = 0
-            for j in range(src.size - 8 * full):
-                byte |= (1 if src[8 * full + j] >= f32(0.0) else 0) << j
-            dst[full] = u8(byte)
 
 
 def _nb_sign_decode(
@@ -672,18 +714,21 @@ def _nb_stoch_units(
         b = min(a + UNIT, n)
         # 8-bit codes are their own packing: written in place
         buf = packed[a:] if bits == 8 else np.empty(UNIT + 8, np.uint8)
-        wide = np.empty(UNIT if mode else 1, np.float32)
-        x = _nb_widen(xf, x16, mode, a, b, wide)
-        i = a
-        c = a // chunk
-        while i < b:
-            e = min((c + 1) * chunk, b)
-            _nb_stoch_codes(
-                x[i - a : e - a], i, inv_all[c], kind, levels, rmode, seed, noise,
-                buf[i - a : e - a],
-            )
-            i = e
-            c += 1
+        wide = np.empty(WINDOW if mode else 1, np.float32)
+        step = WINDOW if mode else UNIT
+        for w in range(a, b, step):
+            we = min(w + step, b)
+            x = _nb_widen(xf, x16, mode, w, we, wide)
+            i = w
+            c = w // chunk
+            while i < we:
+                e = min((c + 1) * chunk, we)
+                _nb_stoch_codes(
+                    x[i - w : e - w], i, inv_all[c], kind, levels, rmode, seed, noise,
+                    buf[i - a : e - a],
+                )
+                i = e
+                c += 1
         if bits != 8:
             _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
 
@@ -708,11 +753,10 @@ def _nb_stochastic_encode(
                     packed)
 
 
-def _nb_norm(src: Any, clamp: Any, lanes: Any) -> Any:
-    # the L2 norm of src in float64 (_nb_lane_sum's lanes, then its tail), clamped to
+def _nb_norm_total(src: Any, clamp: Any, lanes: Any) -> Any:
+    # the L2 norm from the squares' lanes (_nb_lane_sum, square) of a chunk whose last
+    # piece is src (its tail past the whole groups is added last), in float64, clamped to
     # ``clamp`` when finite beyond it, rounded to float32
-    lanes[:] = 0.0
-    _nb_lane_sum(src, True, lanes)
     norm = np.sqrt(_nb_lane_total(src, True, lanes))
     if norm > np.float64(clamp) and norm < np.inf:
         norm = np.float64(clamp)
@@ -787,22 +831,37 @@ def _nb_stochastic_fused(
             b = min(a + per * chunk, n)
             # 8-bit codes are their own packing: written in place
             buf = packed[a:] if bits == 8 else np.empty(per * chunk + 8, np.uint8)
-            wide = np.empty(per * chunk if mode else 1, np.float32)
+            step = WINDOW if mode else chunk
+            wide = np.empty(step if mode else 1, np.float32)
             lanes = np.empty(8, np.float64)
             scratch = np.empty(1, np.int32)
-            x = _nb_widen(xf, x16, mode, a, b, wide)
             for c in range(item * per, min((item + 1) * per, nchunks)):
-                s = c * chunk - a
-                e = min(s + chunk, b - a)
-                if kind == 0:
-                    st = _nb_norm(x[s:e], clamp, lanes)
-                else:
-                    st = _nb_key_value(_nb_max_key(x[s:e].view(np.int32)), scratch)
-                stat[c] = st
-                _nb_stoch_codes(
-                    x[s:e], a + s, _nb_stat_inv(st, kind, levels), kind, levels, rmode, seed,
-                    noise, buf[s:e],
+                s = c * chunk
+                e = min(s + chunk, n)
+                # the statistic over windows of the chunk (one for float32 inputs and for
+                # chunks of at most WINDOW values, whose widening is then reused)
+                lanes[:] = 0.0
+                best = i32(0)
+                x = wide[:0]
+                for w in range(s, e, step):
+                    x = _nb_widen(xf, x16, mode, w, min(w + step, e), wide)
+                    if kind == 0:
+                        _nb_lane_sum(x, True, lanes)
+                    else:
+                        best = max(best, _nb_max_key(x.view(np.int32)))
+                st = (
+                    _nb_norm_total(x, clamp, lanes) if kind == 0
+                    else _nb_key_value(best, scratch)
                 )
+                stat[c] = st
+                inv = _nb_stat_inv(st, kind, levels)
+                for w in range(s, e, step):
+                    we = min(w + step, e)
+                    if e - s > step:
+                        x = _nb_widen(xf, x16, mode, w, we, wide)
+                    _nb_stoch_codes(
+                        x, w, inv, kind, levels, rmode, seed, noise, buf[w - a : we - a]
+                    )
             if bits != 8:
                 _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
         return
@@ -842,10 +901,7 @@ def _nb_norms_into(
             for a in range(s, e, UNIT):
                 src = _nb_widen(xf, x16, mode, a, min(a + UNIT, e), wide)
                 _nb_lane_sum(src, True, lanes)
-            norm = np.sqrt(_nb_lane_total(src, True, lanes))
-            if norm > np.float64(clamp) and norm < np.inf:
-                norm = np.float64(clamp)
-            norms[c] = f32(norm)
+            norms[c] = _nb_norm_total(src, clamp, lanes)
 
 
 def _nb_chunk_norms(
@@ -1170,16 +1226,18 @@ _HELPERS = (
     "_nb_unpack_unit",
     "_nb_minmax_keys",
     "_nb_minmax_keys16",
+    "_nb_keys_bf16",
     "_nb_prescale",
     "_nb_chunk_params",
     "_nb_quantize",
     "_nb_lane_sum",
     "_nb_lane_total",
+    "_nb_sign_bits",
     "_nb_mag_key",
     "_nb_chunk_keys",
     "_nb_threshold_digit",
     "_nb_stoch_codes",
-    "_nb_norm",
+    "_nb_norm_total",
     "_nb_max_key",
     "_nb_key_value",
     "_nb_stat_inv",
