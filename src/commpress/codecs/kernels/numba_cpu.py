@@ -315,6 +315,13 @@ def _nb_keys_bf16(src: Any) -> Any:
     return lo_key, hi_key
 
 
+def _nb_keys_in_place(xf: Any, x16: Any, mode: Any, s: Any, e: Any) -> Any:
+    # the order-key range of x[s:e] for float32 (mode 0) and bfloat16 (mode 1) inputs
+    if mode == 1:
+        return _nb_keys_bf16(x16[s:e])
+    return _nb_minmax_keys(xf[s:e].view(np.int32))
+
+
 def _nb_prescale(scale: Any) -> Any:
     # the exact power of two that keeps a chunk's arithmetic inside float32's range (see
     # quantize.minmax_params): 2^64 for tiny scales, 2^-64 for huge ones, else 1
@@ -325,25 +332,21 @@ def _nb_prescale(scale: Any) -> Any:
     return f32(1.0)
 
 
-def _nb_chunk_params(lo_key: Any, hi_key: Any, levels: Any, scratch: Any) -> Any:
+def _nb_chunk_params(lo_key: Any, hi_key: Any, levels: Any) -> Any:
     # (min, scale, pre, 1/(scale*pre) or 0) of a chunk from its key range; NaN anywhere -> NaN
     # min/scale. The scale is (hi - lo) / levels in float64 rounded up to float32 (capped at
     # float32's max), exactly as quantize.minmax_params computes it.
-    as_float = scratch.view(np.float32)
+    # (scalar bit casts, no round trip through memory: this runs once per chunk)
     if hi_key > _KEY_POS_INF or lo_key < _KEY_NEG_INF:
         lo = f32(np.nan)
         hi = f32(np.nan)
     else:
-        scratch[0] = lo_key ^ ((lo_key >> i32(31)) & i32(0x7FFFFFFF))
-        scratch[1] = hi_key ^ ((hi_key >> i32(31)) & i32(0x7FFFFFFF))
-        lo = as_float[0]
-        hi = as_float[1]
+        lo = i32(lo_key ^ ((lo_key >> i32(31)) & i32(0x7FFFFFFF))).view(np.float32)
+        hi = i32(hi_key ^ ((hi_key >> i32(31)) & i32(0x7FFFFFFF))).view(np.float32)
     exact = (np.float64(hi) - np.float64(lo)) / np.float64(levels)
     scale = f32(exact)
     if np.float64(scale) < exact:  # round up: the next float32 (scale >= 0 here)
-        as_float[0] = scale
-        scratch[0] += i32(1)
-        scale = as_float[0]
+        scale = i32(scale.view(np.int32) + i32(1)).view(np.float32)
     if scale == f32(np.inf) and exact < np.inf:
         scale = _F32_MAX
     pre = _nb_prescale(scale)
@@ -462,37 +465,50 @@ def _nb_minmax_encode(
         per = (max(1, UNIT // chunk) + align - 1) // align * align
         nitems = (nchunks + per - 1) // per
         for item in prange(nitems):
-            scratch = np.empty(2, np.int32)
             a = item * per * chunk
             b = min(a + per * chunk, n)
             # 8-bit codes are their own packing: written in place
             buf = packed[a:] if bits == 8 else np.empty(per * chunk + 8, np.uint8)
             step = WINDOW if mode else chunk
             wide = np.empty(step if mode else 1, np.float32)
-            for c in range(item * per, min((item + 1) * per, nchunks)):
+            c0 = item * per
+            c1 = min(c0 + per, nchunks)
+            nxt = (f32(0.0), f32(0.0), f32(0.0), f32(0.0))
+            for c in range(c0, c1):
                 s = c * chunk
                 e = min(s + chunk, n)
                 x = wide[:0]
-                if mode == 1:
-                    lo_key, hi_key = _nb_keys_bf16(x16[s:e])
-                else:
-                    # over windows (one for float32 inputs and for chunks of at most
-                    # WINDOW values, whose widening is then reused)
+                if mode == 2:
+                    # over windows (one for chunks of at most WINDOW values, whose
+                    # widening is then reused)
                     lo_key, hi_key = i32(0x7FFFFFFF), i32(-0x80000000)
                     for w in range(s, e, step):
                         x = _nb_widen(xf, x16, mode, w, min(w + step, e), wide)
                         lo_w, hi_w = _nb_minmax_keys(x.view(np.int32))
                         lo_key, hi_key = min(lo_key, lo_w), max(hi_key, hi_w)
-                lo, scale, pre, inv = _nb_chunk_params(lo_key, hi_key, levels, scratch)
+                    cur = _nb_chunk_params(lo_key, hi_key, levels)
+                elif c == c0:
+                    cur = _nb_chunk_params(*_nb_keys_in_place(xf, x16, mode, s, e), levels)
+                else:
+                    cur = nxt
+                if mode != 2 and c + 1 < c1:
+                    # float32 and bfloat16 ranges are read in place: the next chunk's now,
+                    # its loads and divisions overlapping this chunk's quantizing
+                    nxt = _nb_chunk_params(
+                        *_nb_keys_in_place(xf, x16, mode, e, min(e + chunk, n)), levels
+                    )
+                lo, scale, pre, inv = cur
                 lo_out[c] = lo
                 scale_out[c] = scale
                 for w in range(s, e, step):
                     we = min(w + step, e)
-                    if mode == 1 or e - s > step:
+                    if mode != 2 or e - s > step:
                         x = _nb_widen(xf, x16, mode, w, we, wide)
-                    _nb_quantize(
-                        x, w, lo, pre, inv, levels, rmode, seed, noise, buf[w - a : we - a]
-                    )
+                    dst = buf[w - a : we - a]
+                    if rmode == 0:  # a constant mode: the other rounding loops fold away
+                        _nb_quantize(x, w, lo, pre, inv, levels, 0, seed, noise, dst)
+                    else:
+                        _nb_quantize(x, w, lo, pre, inv, levels, rmode, seed, noise, dst)
             if bits != 8:
                 _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
         return
@@ -503,10 +519,9 @@ def _nb_minmax_encode(
     _nb_chunk_keys(xf, x16, mode, n, chunk, lo_key, hi_key)
     inv_all = np.empty(nchunks, np.float32)
     pre_all = np.empty(nchunks, np.float32)
-    scratch = np.empty(2, np.int32)
     for c in range(nchunks):
         lo_out[c], scale_out[c], pre_all[c], inv_all[c] = _nb_chunk_params(
-            lo_key[c], hi_key[c], levels, scratch
+            lo_key[c], hi_key[c], levels
         )
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
@@ -1227,6 +1242,7 @@ _HELPERS = (
     "_nb_minmax_keys",
     "_nb_minmax_keys16",
     "_nb_keys_bf16",
+    "_nb_keys_in_place",
     "_nb_prescale",
     "_nb_chunk_params",
     "_nb_quantize",
