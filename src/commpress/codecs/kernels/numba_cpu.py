@@ -901,20 +901,21 @@ def _nb_norms_into(
 ) -> None:
     # norms[c] = L2 norm of chunk c, accumulated in float64 and rounded to float32; norms
     # beyond float32 (finite inputs near its largest) are clamped to ``clamp``. A work item
-    # takes about UNIT values of whole chunks; a chunk is read UNIT values at a time (whole
-    # groups of eight: the same sums as in one piece).
+    # takes about UNIT values of whole chunks; a chunk is read UNIT (16-bit inputs: WINDOW)
+    # values at a time (whole groups of eight: the same sums as in one piece).
     nchunks = norms.size
     per = max(1, UNIT // chunk)
+    step = WINDOW if mode else UNIT
     for item in prange((nchunks + per - 1) // per):
-        wide = np.empty(min(chunk, UNIT) if mode else 1, np.float32)
+        wide = np.empty(step if mode else 1, np.float32)
         lanes = np.empty(8, np.float64)
         for c in range(item * per, min((item + 1) * per, nchunks)):
             lanes[:] = 0.0
             s = c * chunk
             e = min(s + chunk, n)
             src = wide[:0]
-            for a in range(s, e, UNIT):
-                src = _nb_widen(xf, x16, mode, a, min(a + UNIT, e), wide)
+            for a in range(s, e, step):
+                src = _nb_widen(xf, x16, mode, a, min(a + step, e), wide)
                 _nb_lane_sum(src, True, lanes)
             norms[c] = _nb_norm_total(src, clamp, lanes)
 
