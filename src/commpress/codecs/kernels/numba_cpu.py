@@ -523,28 +523,8 @@ def _nb_minmax_encode(
         lo_out[c], scale_out[c], pre_all[c], inv_all[c] = _nb_chunk_params(
             lo_key[c], hi_key[c], levels
         )
-    nunits = (n + UNIT - 1) // UNIT
-    for unit in prange(nunits):
-        a = unit * UNIT
-        b = min(a + UNIT, n)
-        buf = packed[a:] if bits == 8 else np.empty(UNIT + 8, np.uint8)
-        step = WINDOW if mode else UNIT
-        wide = np.empty(step if mode else 1, np.float32)
-        for w in range(a, b, step):
-            we = min(w + step, b)
-            x = _nb_widen(xf, x16, mode, w, we, wide)
-            i = w
-            c = w // chunk
-            while i < we:
-                e = min((c + 1) * chunk, we)
-                _nb_quantize(
-                    x[i - w : e - w], i, lo_out[c], pre_all[c], inv_all[c], levels, rmode,
-                    seed, noise, buf[i - a : e - a],
-                )
-                i = e
-                c += 1
-        if bits != 8:
-            _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+    _nb_stoch_units(xf, x16, mode, n, chunk, 2, (1 << bits) - 1, bits, rmode, seed, noise,
+                    lo_out, pre_all, inv_all, packed)
 
 
 def _nb_decode_codes(
@@ -719,10 +699,11 @@ def _nb_stoch_codes(
 
 def _nb_stoch_units(
     xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, kind: Any, levels: Any, bits: Any,
-    rmode: Any, seed: Any, noise: Any, inv_all: Any, packed: Any,
+    rmode: Any, seed: Any, noise: Any, lo_all: Any, pre_all: Any, inv_all: Any, packed: Any,
 ) -> None:
-    # the packed codes (_nb_stoch_codes) of UNIT consecutive values per work item, in
-    # parallel, with the multiplier of each chunk given
+    # the packed codes of UNIT consecutive values per work item, in parallel, from each
+    # chunk's parameters: kind 0/1 (qsgd/terngrad) those of _nb_stoch_codes with multiplier
+    # inv_all[c]; kind 2 (minmax) those of _nb_quantize with lo_all, pre_all, inv_all
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
@@ -738,10 +719,16 @@ def _nb_stoch_units(
             c = w // chunk
             while i < we:
                 e = min((c + 1) * chunk, we)
-                _nb_stoch_codes(
-                    x[i - w : e - w], i, inv_all[c], kind, levels, rmode, seed, noise,
-                    buf[i - a : e - a],
-                )
+                if kind == 2:
+                    _nb_quantize(
+                        x[i - w : e - w], i, lo_all[c], pre_all[c], inv_all[c], f32(levels),
+                        rmode, seed, noise, buf[i - a : e - a],
+                    )
+                else:
+                    _nb_stoch_codes(
+                        x[i - w : e - w], i, inv_all[c], kind, levels, rmode, seed, noise,
+                        buf[i - a : e - a],
+                    )
                 i = e
                 c += 1
         if bits != 8:
@@ -765,7 +752,7 @@ def _nb_stochastic_encode(
 ) -> None:
     # the codes of _nb_stoch_codes with the multipliers inv_all given per chunk
     _nb_stoch_units(xf, x16, mode, n, chunk, kind, levels, bits, rmode, seed, noise, inv_all,
-                    packed)
+                    inv_all, inv_all, packed)
 
 
 def _nb_norm_total(src: Any, clamp: Any, lanes: Any) -> Any:
@@ -893,7 +880,7 @@ def _nb_stochastic_fused(
     for c in range(nchunks):
         inv_all[c] = _nb_stat_inv(stat[c], kind, levels)
     _nb_stoch_units(xf, x16, mode, n, chunk, kind, levels, bits, rmode, seed, noise, inv_all,
-                    packed)
+                    inv_all, inv_all, packed)
 
 
 def _nb_norms_into(
