@@ -651,6 +651,16 @@ def _nb_sign_decode(
         _nb_store(dst, out16, omode, sat, a)
 
 
+def _nb_draw(base: Any, k: Any) -> Any:
+    # _nb_uniform(seed, i + k) given base = seed + (i + 1) * golden gamma, in float32
+    # (inlined where it is called, so that the calling loop vectorizes)
+    z = base + u64(k) * u64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+    z = z ^ (z >> u64(31))
+    return f32(i32(z >> u64(40))) * f32(5.9604644775390625e-08)
+
+
 def _nb_stoch_codes(
     src: Any, i: Any, inv: Any, kind: Any, levels: Any, rmode: Any, seed: Any, noise: Any,
     dst: Any,
@@ -658,24 +668,16 @@ def _nb_stoch_codes(
     # dst = the codes of src, coordinates i.. of one chunk, with multiplier inv. kind 0
     # (qsgd): code = levels +- clamp(floor(|x| * inv + u), 0, levels), NaN -> levels; kind 1
     # (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1 (x < 0 -> 0, else 2).
-    # rmode 1: u from the internal generator keyed by seed (_nb_uniform written out in the
-    # loop); rmode 2: u = noise. Branch-free loops that vectorize, the noise drawn in the
-    # loop that uses it; the codes are computed in float32 (exact small integers).
+    # rmode 1: u from the internal generator keyed by seed (_nb_draw); rmode 2: u = noise.
+    # Branch-free loops that vectorize, the noise drawn in the loop that uses it; the codes
+    # are computed in float32 (exact small integers).
     zero = f32(0.0)
     top = f32(levels)
-    gamma = u64(0x9E3779B97F4A7C15)
-    base = seed + u64(i + 1) * gamma
+    base = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
     given = noise[i : i + src.size] if rmode == 2 else noise[:0]
     if kind == 0:
         for k in range(src.size):
-            if rmode == 1:
-                z = base + u64(k) * gamma
-                z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
-                z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
-                z = z ^ (z >> u64(31))
-                u = f32(i32(z >> u64(40))) * f32(5.9604644775390625e-08)
-            else:
-                u = given[k]
+            u = _nb_draw(base, k) if rmode == 1 else given[k]
             v = src[k]
             t = np.floor(abs(v) * inv + u)
             t = t if t >= zero else zero
@@ -683,14 +685,7 @@ def _nb_stoch_codes(
             dst[k] = u8(i32(top - t if v < zero else top + t))
     else:
         for k in range(src.size):
-            if rmode == 1:
-                z = base + u64(k) * gamma
-                z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
-                z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
-                z = z ^ (z >> u64(31))
-                u = f32(i32(z >> u64(40))) * f32(5.9604644775390625e-08)
-            else:
-                u = given[k]
+            u = _nb_draw(base, k) if rmode == 1 else given[k]
             v = src[k]
             keep = u < abs(v) * inv
             sign = i32(0) if v < zero else i32(2)
@@ -1246,6 +1241,9 @@ _HELPERS = (
     "_nb_key_value",
     "_nb_stat_inv",
 )
+# helpers inlined where they are called (numba IR inlining: a call in a loop would keep
+# the loop from vectorizing)
+_INLINED = ("_nb_draw",)
 # helpers that contain parallel loops (compiled with parallel=True)
 _PARALLEL_HELPERS = (
     "_nb_write_selected",
@@ -1374,6 +1372,10 @@ def _build() -> dict[str, Callable[..., Any]]:
     module["_vsum_abs"] = _vector_lane_sum(False)
     for name in _HELPERS:
         module[name] = numba.njit(cache=True, fastmath=False, error_model="numpy")(module[name])
+    for name in _INLINED:
+        module[name] = numba.njit(
+            inline="always", cache=True, fastmath=False, error_model="numpy"
+        )(module[name])
     for name in _PARALLEL_HELPERS:
         module[name] = numba.njit(
             cache=True, parallel=True, fastmath=False, error_model="numpy"
