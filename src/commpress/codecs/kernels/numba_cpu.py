@@ -394,6 +394,20 @@ def _nb_quantize(
             dst[k] = u8(t)
 
 
+def _nb_nearest_bf16(src: Any, lo: Any, pre: Any, inv: Any, levels: Any, dst: Any) -> None:
+    # _nb_quantize's nearest rounding (mode 0) of the bfloat16 bits src, widened in the loop
+    # (a scalar bit cast: no buffer)
+    zero = f32(0.0)
+    half = f32(0.5)
+    base = lo * pre
+    for k in range(src.size):
+        v = u32(u32(src[k]) << u32(16)).view(np.float32)
+        t = np.floor((v * pre - base) * inv + half)
+        t = t if t >= zero else zero
+        t = t if t <= levels else levels
+        dst[k] = u8(t)
+
+
 def _nb_segment_keys(
     xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, spc: Any, seg_lo: Any, seg_hi: Any
 ) -> None:
@@ -500,6 +514,9 @@ def _nb_minmax_encode(
                 lo, scale, pre, inv = cur
                 lo_out[c] = lo
                 scale_out[c] = scale
+                if mode == 1 and rmode == 0:
+                    _nb_nearest_bf16(x16[s:e], lo, pre, inv, levels, buf[s - a : e - a])
+                    continue
                 for w in range(s, e, step):
                     we = min(w + step, e)
                     if mode != 2 or e - s > step:
@@ -1229,6 +1246,7 @@ _HELPERS = (
     "_nb_prescale",
     "_nb_chunk_params",
     "_nb_quantize",
+    "_nb_nearest_bf16",
     "_nb_lane_sum",
     "_nb_lane_total",
     "_nb_sign_bits",
