@@ -129,7 +129,12 @@ def _shoot_worker(rank: int, world: int) -> dict[str, Any]:
     """Every reduction :func:`shoot` issues gives the general tasks' result bit for bit, the
     same byte count, and finishes in its collective's completion callback."""
     from commpress.codecs import get_codec
-    from commpress.collectives.driver import Exchange, plain_sum_task, protocol_task, shoot
+    from commpress.collectives.driver import (
+        Exchange,
+        protocol_task,
+        shoot,
+        uncompressed_all_reduce,
+    )
     from commpress.collectives.queue import run_steps, when_settled
 
     out: dict[str, Any] = {}
@@ -142,8 +147,10 @@ def _shoot_worker(rank: int, world: int) -> dict[str, Any]:
         ex.writable = buf
         ctx = CodecContext(rank=rank, world_size=world, key="k", need_local=False,
                            average=average)
-        if codec is None:
-            task = plain_sum_task(buf, ex, average=average)
+        if codec is None:  # the plain sum's blocking path (not built on shoot)
+            reduced = uncompressed_all_reduce(buf, ex, average=average)
+            assert reduced is not None
+            return reduced.total.clone(), ex.stats.get("wire_bytes", 0)
         else:
             c = get_codec(codec)
             into = {"out": buf, "scratch": {}} if c.reduces_into else {}
@@ -151,7 +158,7 @@ def _shoot_worker(rank: int, world: int) -> dict[str, Any]:
         total = run_steps(_waits(task, ex))
         return total.total.clone(), ex.stats.get("wire_bytes", 0)
 
-    for codec in (None, "fp16", "bf16", "sign", "minmax"):
+    for codec in (None, "fp16", "bf16", "identity", "randomk"):
         for average in (False, True):
             ex = Exchange.of(label="shot")
             buf = x.clone()
@@ -168,6 +175,21 @@ def _shoot_worker(rank: int, world: int) -> dict[str, Any]:
             name = f"{codec}-{'mean' if average else 'sum'}"
             out[name] = (torch.equal(got, want), ex.stats.get("wire_bytes", 0) == nbytes,
                          shot.task is None)
+    # an all-gather (which may take two exchanges) is refused before anything is issued, on
+    # every rank alike; a protocol that needs no exchange is done at once
+    ctx = CodecContext(rank=rank, world_size=world, key="k", need_local=False)
+    try:
+        shoot(Exchange.of(label="gather"), x, protocol=get_codec("dgc").reduce(x.clone(), ctx))
+        out["refused"] = "no error"
+    except CommpressError as exc:
+        out["refused"] = str(exc)
+
+    def local() -> Protocol:
+        return Reduced(total=x * 2)
+        yield  # a generator that finishes without a request
+
+    done = shoot(Exchange.of(label="local"), x, protocol=local())
+    out["local"] = done.futures() == [] and torch.equal(done.finish().total, x * 2)
     return out
 
 
@@ -185,14 +207,17 @@ def _waits(task: Any, ex: Any) -> Any:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_shoot_gives_the_general_tasks_results(world: int) -> None:
     for rank, out in enumerate(run_workers(_shoot_worker, world, timeout=120)):
+        assert "asked for AllGather" in out.pop("refused"), rank
+        assert out.pop("local"), rank
         for name, (same, counted, lean) in out.items():
             assert same, f"rank {rank}: {name} differs from the general task"
             assert counted, f"rank {rank}: {name} counts other wire bytes"
-            # the lean path holds the casts' and the plain sum's one in-place all-reduce; the
-            # other codecs (and a group of one, which sends nothing) take the general task
+            # the lean path holds one in-place all-reduce (the casts', the plain sum's, the
+            # identity protocol's); Random-K's request (a copy of its values) and a group of
+            # one, which sends nothing, take the general task
             codec = name.rsplit("-", 1)[0]
             if world > 1:
-                assert lean == (codec in ("None", "fp16", "bf16")), (rank, name)
+                assert lean == (codec != "randomk"), (rank, name)
 
 
 def test_a_shot_protocol_asking_for_a_second_round_is_refused() -> None:

@@ -272,6 +272,29 @@ def test_thc_full_rotation_is_charged_as_the_code_runs_it() -> None:
     assert enc == [pytest.approx(cpu_speed.encode_time(numel))]
 
 
+@pytest.mark.parametrize("granularity", ["parameter", "bucket", "batched", "hook"])
+def test_thc_full_rotation_is_charged_at_every_granularity(granularity: str) -> None:
+    """Every way a bucket can be modelled pays the full rotation's butterfly stages, in the
+    encode and again in the decode, on each tensor (the batched and hook granularities
+    once missed it)."""
+    table = SpeedTable.builtin("gpu")
+    cfg = ExchangeConfig(cluster=Cluster.build(nodes=2, gpus_per_node=1, inter_bw="100gbit"),
+                         speeds=table)
+    copy_eps = table.lookup(get_codec("identity")).decode_eps
+    shapes = [(3_000_000,), (1024, 1024)]  # padded to 2^22 and 2^20
+
+    def codec_s(spec: str) -> float:
+        return sum(s.seconds for s in exchange_segments(spec, shapes, cfg,
+                                                        granularity=granularity)
+                   if s.kind == "codec")
+
+    # each tensor on its own, or (bucket) the bucket's 4,048,576 values as one, padded to 2^22
+    padded = [(22, 1 << 22)] if granularity == "bucket" else [(22, 1 << 22), (20, 1 << 20)]
+    stages = sum(log2 * n for log2, n in padded) * 1.5 / copy_eps
+    extra = codec_s('thc:block_log2="full"') - codec_s("thc")
+    assert extra == pytest.approx(2 * stages, rel=0.02), (granularity, extra, stages)
+
+
 def test_paper_full_rotation_costs_what_table_6_bounds() -> None:
     """The paper's kernels: partial rotation inside the fused pass; a full rotation of a
     bucket padded to 2^L runs the other L - 12 stages in passes of 8 B per coordinate with

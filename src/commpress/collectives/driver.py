@@ -788,8 +788,8 @@ class Shot:
             return _check_reduced(stop.value)
         self.protocol.close()
         raise CommpressError(
-            "a single-round codec's protocol asked for round 1; a codec with more than one "
-            "exchange must declare multi_round = True"
+            f"{self.wait.ex.label}: a single-round codec's protocol asked for round 1; a codec "
+            "with more than one exchange must declare multi_round = True"
         )
 
 
@@ -798,8 +798,10 @@ def shoot(
 ) -> Shot:
     """Issue a single-exchange reduction now and return it in flight (:class:`Shot`).
 
-    With ``protocol`` (a single-round codec protocol: ``codec.reduce(x, ...)``), the codec
-    encodes and its one request is issued; without, ``x`` (which must pass
+    With ``protocol`` (a single-round codec protocol whose one request is an all-reduce:
+    ``codec.reduce(x, ...)``; an all-gather may take two exchanges, which a shot cannot wait
+    for, so it is refused before anything is issued), the codec encodes and its request is
+    issued; without, ``x`` (which must pass
     :func:`direct_path_applies`) is summed as :func:`plain_sum_task` sums it (``average``: a
     mean). Where the request is not one in-place all-reduce of a tensor the backend sums as it
     is, :func:`protocol_task` takes the protocol over from that request and runs it to its
@@ -823,8 +825,14 @@ def shoot(
     kind, request = _advance(protocol, None, start=True)
     if kind == "done":
         return Shot(None, done=_check_reduced(request))
-    if (isinstance(request, AllReduce) and len(request.tensors) == 1 and ex.world_size > 1
-            and not request.saturate and request.int_bits is None):
+    if not isinstance(request, AllReduce):
+        protocol.close()
+        raise CommpressError(
+            f"{ex.label}: a shot takes a protocol whose one request is an all-reduce; this "
+            f"one asked for {type(request).__name__}"
+        )
+    if (len(request.tensors) == 1 and ex.world_size > 1 and not request.saturate
+            and request.int_bits is None):
         ((name, only),) = request.tensors.items()
         if (only.numel() and only.dtype == _transport_dtype(only.dtype, request.op)
                 and _in_place(request, only, ex)):
@@ -835,6 +843,7 @@ def shoot(
                 Wait(ex, Pending([work], "round 0 (all-reduce)", True), True),
                 protocol=protocol, name=name, reply=flat.view(only.shape),
             )
+    # the general task, from that request: an all-reduce is one exchange (one wait)
     general = protocol_task(protocol, ex, first=(kind, request), single_round=True)
     try:
         pending = next(general)

@@ -1074,6 +1074,9 @@ class _Planner:
             else:
                 enc += speed.encode_work(numel, f_enc, orth)
                 dec += speed.decode_work(numel, f_dec)
+            rotation = self.rotation_time(numel, speed)  # THC's full rotation, each way
+            enc += rotation
+            dec += rotation
             if ranks > 1:
                 prof = wire_profile(self.codec, shape, ranks, cfg.grad_dtype)
                 if prof.gathers:

@@ -502,15 +502,15 @@ def _nb_minmax_encode(
                         lo_key, hi_key = min(lo_key, lo_w), max(hi_key, hi_w)
                     cur = _nb_chunk_params(lo_key, hi_key, levels)
                 elif c == c0:
-                    cur = _nb_chunk_params(*_nb_keys_in_place(xf, x16, mode, s, e), levels)
+                    lo_key, hi_key = _nb_keys_in_place(xf, x16, mode, s, e)
+                    cur = _nb_chunk_params(lo_key, hi_key, levels)
                 else:
                     cur = nxt
                 if mode != 2 and c + 1 < c1:
                     # float32 and bfloat16 ranges are read in place: the next chunk's now,
                     # its loads and divisions overlapping this chunk's quantizing
-                    nxt = _nb_chunk_params(
-                        *_nb_keys_in_place(xf, x16, mode, e, min(e + chunk, n)), levels
-                    )
+                    lo_next, hi_next = _nb_keys_in_place(xf, x16, mode, e, min(e + chunk, n))
+                    nxt = _nb_chunk_params(lo_next, hi_next, levels)
                 lo, scale, pre, inv = cur
                 lo_out[c] = lo
                 scale_out[c] = scale
@@ -1343,7 +1343,7 @@ def _vector_lane_sum(square: bool) -> Any:
     from numba.core import cgutils, types
     from numba.core.extending import intrinsic
 
-    @intrinsic  # type: ignore[misc]
+    @intrinsic
     def lane_sum(typingctx: Any, src: Any, lanes: Any) -> Any:
         if not (
             isinstance(src, types.Array) and src.dtype == types.float32 and src.ndim == 1
