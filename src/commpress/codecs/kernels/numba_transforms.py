@@ -641,10 +641,12 @@ def top16(x: torch.Tensor, k: int) -> torch.Tensor:
     with numba_cpu._launch():
         import numba
 
-        nparts = numba.get_num_threads()
-        kernels._kernel("top16")(
-            _np(x.view(torch.int16)).view(np.uint16), np.uint16(inf_key), k, nparts, _np(out)
-        )
+        nparts = 4 * numba.get_num_threads()
+        bits = _np(x.view(torch.int16)).view(np.uint16)
+        # a sampled bound and the candidates above it; when the bound misses, histograms
+        work = numba_cpu.band_work(bits.size, k, nparts)
+        if not kernels._kernel("top16_band")(bits, inf_key, k, nparts, _np(out), work):
+            kernels._kernel("top16")(bits, np.uint16(inf_key), k, nparts, _np(out))
     return out
 
 
