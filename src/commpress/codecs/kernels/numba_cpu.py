@@ -1173,8 +1173,9 @@ def _nb_count_at_least(xi: Any, key: Any, counts: Any) -> None:
     for p in prange(nparts):
         src = xi[min(p * per, n) : min((p + 1) * per, n)]
         c = 0
-        for i in range(src.size):
-            c += 1 if _nb_mag_key(src[i]) >= key else 0
+        if key <= _KEY_POS_INF:  # the raw key then compares as the clamped one
+            for i in range(src.size):
+                c += 1 if (src[i] & i32(0x7FFFFFFF)) >= key else 0
         counts[p] = c
 
 
@@ -1189,6 +1190,25 @@ def _nb_collect_at_least(xi: Any, key: Any, counts: Any, out: Any) -> None:
         start[p] = start[p - 1] + counts[p - 1]
     # keys >= key are keys > key - 1 (key >= 1 here: key 0 selects everything)
     _nb_write_selected(xi, key - i32(1), nparts, per, start, take, out)
+
+
+def _nb_collect_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any, out: Any) -> None:
+    # out = ascending indices of the 16-bit magnitude keys (xb & 0x7FFF, NaN keys clamped to
+    # inf_key) >= key, counted per part (counts, as numba_transforms' count_at_least16
+    # partitions them; key >= 1)
+    n = xb.size
+    nparts = counts.size
+    per = (n + nparts - 1) // nparts
+    start = np.zeros(nparts + 1, np.int64)
+    for p in range(nparts):
+        start[p + 1] = start[p] + counts[p]
+    no_keys = np.empty(1, np.int32)
+    for p in prange(nparts):
+        a = min(p * per, n)
+        _nb_pick(
+            xb[a : min((p + 1) * per, n)], a, u16(0x7FFF), i32(inf_key), i32(key) - i32(1), 0,
+            out[start[p] : start[p + 1]], no_keys, False,
+        )
 
 
 def _nb_top_keys(bits: Any, inf_key: Any, count: Any, out: Any) -> None:
@@ -1334,6 +1354,7 @@ _KERNELS = (
     "_nb_topk_select",
     "_nb_count_at_least",
     "_nb_collect_at_least",
+    "_nb_collect_at_least16",
     "_nb_top16",
 )
 # kernels without a parallel loop of their own

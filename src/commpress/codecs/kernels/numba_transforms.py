@@ -422,31 +422,10 @@ def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
     for p in prange(nparts):
         src = xb[min(p * per, n) : min((p + 1) * per, n)]
         c = 0
-        for i in range(src.size):
-            m = src[i] & u16(0x7FFF)
-            m = inf_key if m > inf_key else m
-            c += 1 if m >= key else 0
+        if key <= inf_key:  # the raw key then compares as the clamped one (a loop that
+            for i in range(src.size):  # vectorizes)
+                c += 1 if (src[i] & u16(0x7FFF)) >= key else 0
         counts[p] = c
-
-
-def _nb_collect_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any, out: Any) -> None:
-    # out = ascending indices of the keys counted by _nb_count_at_least16 (same partitions)
-    n = xb.size
-    nparts = counts.size
-    per = (n + nparts - 1) // nparts
-    start = np.zeros(nparts, np.int64)
-    for p in range(1, nparts):
-        start[p] = start[p - 1] + counts[p - 1]
-    for p in prange(nparts):
-        a = min(p * per, n)
-        src = xb[a : min((p + 1) * per, n)]
-        j = start[p]
-        for i in range(src.size):
-            m = src[i] & u16(0x7FFF)
-            m = inf_key if m > inf_key else m
-            if m >= key:
-                out[j] = a + i
-                j += 1
 
 
 _HELPERS = (
@@ -455,7 +434,7 @@ _HELPERS = (
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
-    "_nb_chunk_squares", "_nb_count_at_least16", "_nb_collect_at_least16",
+    "_nb_chunk_squares", "_nb_count_at_least16",
 )
 
 
@@ -625,7 +604,8 @@ def at_least16(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], tor
     def collect() -> torch.Tensor:
         out = torch.empty(total, dtype=torch.int64)
         with numba_cpu._launch():
-            _kernel("collect_at_least16")(bits, np.uint16(inf_key), key, counts, _np(out))
+            # (the collecting kernel lives beside the float32 one, whose helper it shares)
+            kernels._kernel("collect_at_least16")(bits, inf_key, int(key), counts, _np(out))
         return out
 
     return total, collect
