@@ -1,5 +1,6 @@
 """Fused CPU kernels (numba) for THC's blocked Hadamard rotation, TopKC's chunk norms and
-DGC's count and collection at a threshold on 16-bit inputs (their 16-bit keys, read in place).
+DGC's count at a threshold on 16-bit inputs (their 16-bit keys, read in place; the
+collection is :mod:`~commpress.codecs.kernels.numba_cpu`'s, beside the float32 one).
 
 They follow :mod:`commpress.codecs.kernels`' switch (``COMMPRESS_KERNELS``,
 :func:`kernels.use_backend`) and launch rules (torch's thread count, one launch at a time),
@@ -615,7 +616,8 @@ def top16(x: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D contiguous float16 or
     bfloat16 CPU tensor (``1 <= k <= len(x)``; NaN ranks as +Inf; ties at the threshold go
     to the lowest indices): :func:`kernels.topk_select` of the widened tensor, read in place
-    (16-bit keys: two parallel passes, no float32 copy)."""
+    (16-bit keys, no float32 copy): a sampled bound and one collecting pass, or, when the
+    bound misses, per-part histograms of the keys and one collecting pass."""
     inf_key = 0x7F80 if x.dtype == torch.bfloat16 else 0x7C00
     out = torch.empty(k, dtype=torch.int64)
     with numba_cpu._launch():
