@@ -1273,6 +1273,34 @@ def _nb_top16(xb: Any, inf_key: Any, k: Any, nparts: Any, out: Any) -> None:
                 left -= 1
 
 
+def _nb_lowrank_decode(p: Any, qt: Any, factor: Any, outf: Any, out16: Any, omode: Any) -> None:
+    # PowerSGD's decode: row i of the (n, m) output = (p[i, 0] qt[0] + p[i, 1] qt[1] + ...)
+    # * factor in float32, the products added in rank order without fused multiply-adds
+    # (every entry is the same sequence of operations whatever the thread count); omode 0:
+    # into float32 outf, 1/2: rounded (nearest even, saturating) into the 16-bit bits out16.
+    # Rows are written while they are in cache, one pass over the output.
+    n, r = p.shape
+    m = qt.shape[1]
+    per = max(1, 16384 // max(1, m))
+    for item in prange((n + per - 1) // per):
+        scratch = np.empty(m if omode != 0 else 1, np.float32)
+        for i in range(item * per, min((item + 1) * per, n)):
+            row = outf[i] if omode == 0 else scratch
+            a = p[i, 0]
+            q0 = qt[0]
+            for j in range(m):
+                row[j] = a * q0[j]
+            for k in range(1, r):
+                a = p[i, k]
+                qk = qt[k]
+                for j in range(m):
+                    row[j] += a * qk[j]
+            for j in range(m):
+                row[j] *= factor
+            if omode != 0:
+                _nb_narrow(row, omode, True, out16[i])
+
+
 def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
     # the first k distinct values of draws (each in [0, d)), written sorted into out[:k];
     # returns how many distinct values were found (k, or fewer when draws ran out)
@@ -1355,6 +1383,7 @@ _KERNELS = (
     "_nb_count_at_least",
     "_nb_collect_at_least",
     "_nb_collect_at_least16",
+    "_nb_lowrank_decode",
     "_nb_top16",
 )
 # kernels without a parallel loop of their own
@@ -1750,6 +1779,21 @@ class NumbaKernels:
             return out
 
         return total, collect
+
+    def lowrank_decode(
+        self, p: torch.Tensor, q: torch.Tensor, factor: float, out: torch.Tensor
+    ) -> None:
+        """See :func:`commpress.codecs.kernels.lowrank_decode`."""
+        pn = _np(p.to(torch.float32).contiguous())
+        qt = _np(q.to(torch.float32).T.contiguous())
+        omode = MODES[out.dtype]
+        if omode == 0:
+            outf, out16 = _np(out), np.zeros((1, 1), np.uint16)
+        else:
+            outf = np.zeros((1, 1), np.float32)
+            out16 = _np(out.view(torch.int16)).view(np.uint16)
+        with _launch():
+            self["lowrank_decode"](pn, qt, np.float32(factor), outf, out16, omode)
 
     def first_distinct(self, draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
         """See :func:`commpress.codecs.kernels.first_distinct`."""
