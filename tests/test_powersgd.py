@@ -552,3 +552,32 @@ def test_real_gloo_group_matches_simulation() -> None:
         ys = [torch.randn(5000, generator=torch.Generator().manual_seed(100 + r))
               for r in range(2)]
         assert torch.equal(res[0][cid], simulate(get_codec(cid), ys).total)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "m", "r"), [(1, 1, 1), (7, 300, 3), (257, 5000, 4)])
+def test_lowrank_decode_kernel_adds_the_rank_products_in_order(
+    dtype: torch.dtype, n: int, m: int, r: int
+) -> None:
+    """The numba decode product: every entry is the float32 products of p and q added in rank
+    order, then scaled (torch's elementwise operations in the same order give the same bits),
+    and a 16-bit output is the saturating cast of that, bit for bit."""
+    from commpress.codecs import kernels
+    from commpress.codecs.base import saturating_cast
+
+    if not kernels.available():
+        pytest.skip("numba kernels unavailable")
+    g = torch.Generator().manual_seed(n + m + r)
+    p = torch.randn(n, r, generator=g)
+    q = torch.randn(m, r, generator=g)
+    p[0, 0] = 3e38 if dtype != torch.float16 else 7e4  # beyond the largest: saturates
+    factor = 4.0
+    want = p[:, 0:1] * q[:, 0]
+    for k in range(1, r):
+        want = want + p[:, k : k + 1] * q[:, k]
+    want = saturating_cast(want * factor, dtype)
+    out = torch.empty(n, m, dtype=dtype)
+    with kernels.use_backend("numba"):
+        kernels.lowrank_decode(p, q, factor, out)
+    assert torch.equal(out.view(torch.int16) if dtype != torch.float32 else out,
+                       want.view(torch.int16) if dtype != torch.float32 else want)

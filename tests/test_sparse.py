@@ -552,6 +552,74 @@ def test_top_magnitudes_kernel_equals_torch_and_exact_topk(name: str, x: torch.T
         assert torch.equal(taken, tied[: taken.numel()])
 
 
+def _band(x: torch.Tensor, k: int, nparts: int) -> tuple[bool, torch.Tensor]:
+    """(found, indices) of the numba sampled-bound kernel for a float32 or 16-bit tensor."""
+    from commpress.codecs import kernels
+    from commpress.codecs.kernels import numba_cpu
+
+    out = torch.full((k,), -1, dtype=torch.int64)
+    kernels.warm_up()
+    work = numba_cpu.band_work(x.numel(), k, nparts)
+    if x.dtype == torch.float32:
+        found = kernels._kernel("topk_band")(x.numpy().view(np.int32), k, nparts, out.numpy(), work)
+    else:
+        bits = x.view(torch.int16).numpy().view(np.uint16)
+        inf_key = 0x7F80 if x.dtype == torch.bfloat16 else 0x7C00
+        found = kernels._kernel("top16_band")(bits, inf_key, k, nparts, out.numpy(), work)
+    return bool(found), out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_band_collects_again_when_a_part_holds_more_than_its_room(dtype: torch.dtype) -> None:
+    """The sampled-bound select collects each part's candidates into room for about twice
+    their expected count; when the large magnitudes sit in one part (a layer of larger
+    gradients in a flat bucket), that part overflows and every part is counted and collected
+    again: the indices are still the exact top-k with ties to the lowest indices."""
+    from commpress.codecs.kernels import numba_cpu
+    from commpress.codecs.sparse import exact_top, magnitudes, top_magnitudes
+
+    n = 300001
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, generator=g)
+    x[: n // 4] *= 100.0  # the whole of part 0 (4 parts) is large
+    x[5:50] = 300.0  # ties among the large
+    x = x.to(dtype)
+    k = n // 10
+    _, _, room, _ = numba_cpu._nb_band_sizes(n, k, 4)
+    assert k > room  # part 0 holds at least k candidates: more than its room
+    found, got = _band(x, k, 4)
+    want = exact_top(magnitudes(x), k)
+    assert found and torch.equal(got, want)
+    assert torch.equal(top_magnitudes(x, k), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_band_reports_a_missed_bound_and_the_histogram_select_takes_over(
+    dtype: torch.dtype,
+) -> None:
+    """Large values placed exactly at the sampled positions push the sampled bound above
+    the k-th largest magnitude: the kernel says so (out untouched) and top_magnitudes falls
+    back to the histogram (radix) select, with the same indices as the torch path."""
+    from commpress.codecs import kernels
+    from commpress.codecs.sparse import exact_top, magnitudes, top_magnitudes
+
+    n = 1 << 20
+    s = n // 256
+    stride = n // s
+    j = np.arange(s, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        jitter = ((j * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)).astype(np.int64) % stride
+    positions = torch.from_numpy(np.arange(s, dtype=np.int64) * stride + jitter)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    x[positions] = 1000.0
+    x = x.to(dtype)
+    k = n // 100  # more than the s sampled positions: the bound (1000) misses
+    found, got = _band(x, k, 4)
+    assert not found and bool((got == -1).all())
+    with kernels.use_backend("numba"):
+        assert torch.equal(top_magnitudes(x, k), exact_top(magnitudes(x), k))
+
+
 @pytest.mark.parametrize(
     "spec", ["dgc", "dgc:ratio=0.05,max_count_factor=1.0", "dgc:adapt_iters=0"]
 )

@@ -281,7 +281,17 @@ class PowerSGD(Codec):
         if out is None:
             out = torch.empty(payload.shape, dtype=payload.dtype, device=p.device)
         rows = out.view(n, m)
-        if rows.dtype == torch.float32:
+        if (
+            rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and kernels.use_kernels(rows)
+            and rows.is_contiguous()
+        ):
+            # one numba pass writing each output row while it is in cache: the products
+            # added in rank order without fused multiply-adds, so entries can differ from
+            # BLAS's in their last bits (as the encode's products do), the same on every
+            # machine and thread count; a 16-bit output rounded (saturating) from the row
+            kernels.lowrank_decode(p, q, factor, rows)
+        elif rows.dtype == torch.float32:
             # on a CPU in row blocks: the product and its scaling while the block is in
             # cache (each entry is the same dot product over r as in one large product)
             step = _block_rows(m) if rows.device.type == "cpu" else n
@@ -333,12 +343,21 @@ class PowerSGD(Codec):
             if ctx.average and ctx.world_size > 1:
                 factor /= ctx.world_size
             # a rank-r approximation may overshoot the input's range: saturate the cast
-            total = saturating_cast((p_hat @ q.T).mul_(factor), x.dtype).reshape(x.shape)
+            total = _low_rank(p_hat, q, factor, x.dtype).reshape(x.shape)
             local = None
             if ctx.need_local:
-                local = saturating_cast((p_hat @ q_local.T).mul_(2.0**k_q), x.dtype)
-                local = local.reshape(x.shape)
+                local = _low_rank(p_hat, q_local, 2.0**k_q, x.dtype).reshape(x.shape)
         return Reduced(total=total, local=local)
+
+
+def _low_rank(p: torch.Tensor, q: torch.Tensor, factor: float, dtype: torch.dtype) -> torch.Tensor:
+    """``saturating_cast(p @ q.T * factor, dtype)``, computed as the decode computes it (the
+    numba kernel on a CPU, so the reduce's totals equal the decodings bit for bit)."""
+    out = torch.empty(p.shape[0], q.shape[0], dtype=dtype, device=p.device)
+    if dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.use_kernels(out):
+        kernels.lowrank_decode(p, q, factor, out)
+        return out
+    return saturating_cast((p @ q.T).mul_(factor), dtype)
 
 
 def _right_product(mat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

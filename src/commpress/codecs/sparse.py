@@ -117,9 +117,11 @@ def exact_top(importance: torch.Tensor, k: int) -> torch.Tensor:
 def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D tensor (NaN ranks as
     +inf; ties at the threshold go to the lowest indices). On CPU with the numba kernels a
-    radix select over the fp32 bit patterns (float16/bfloat16: a histogram of their 16-bit
-    magnitude keys, read in place, which orders and ties them as float32 would); else
-    :func:`exact_top` of :func:`magnitudes`. All give the same indices."""
+    sampled lower bound on the ``k``-th largest magnitude key (the fp32 bit patterns;
+    float16/bfloat16: their 16-bit magnitude keys, read in place, which order and tie them
+    as float32 would), one pass collecting the keys at or above it, and the exact threshold
+    among those (a radix or histogram select over the whole tensor when the bound misses);
+    else :func:`exact_top` of :func:`magnitudes`. All give the same indices."""
     d = flat.numel()
     if 0 < k < d and flat.dtype != torch.float64 and kernels.use_kernels(flat, "topk_select"):
         if flat.dtype in (torch.float16, torch.bfloat16) and kernels_extra.use_kernels(flat):

@@ -536,6 +536,15 @@ def at_least(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch
     return _impl(x, "at_least").at_least(x, threshold)
 
 
+def lowrank_decode(p: torch.Tensor, q: torch.Tensor, factor: float, out: torch.Tensor) -> None:
+    """``out`` (a contiguous ``(n, m)`` float32, bfloat16 or float16 CPU tensor) = ``p @ q.T
+    * factor`` for float32 ``p`` ``(n, r)`` and ``q`` ``(m, r)``, ``r >= 1``: each entry the
+    products added in rank order in float32 without fused multiply-adds (so it can differ
+    from BLAS's in the last bits, and is the same on every machine and thread count), a
+    16-bit ``out`` rounded to nearest even and saturating (PowerSGD's decode)."""
+    _impl(out, "lowrank_decode").lowrank_decode(p, q, factor, out)
+
+
 def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
     """The first ``k`` distinct values of ``draws`` (int64 in ``[0, d)``, CPU), sorted
     ascending; ``None`` when ``draws`` holds fewer than ``k`` distinct values."""
@@ -557,6 +566,7 @@ __all__ = [
     "convert",
     "dispatch_counts",
     "first_distinct",
+    "lowrank_decode",
     "load_numba",
     "minmax_decode",
     "minmax_encode",

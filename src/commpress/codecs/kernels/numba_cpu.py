@@ -1013,100 +1013,211 @@ def _nb_topk_select(xi: Any, k: Any, nparts: Any, out: Any) -> None:
     _nb_write_selected(xi, threshold, nparts, per, start, take, out)
 
 
-def _nb_topk_band(xi: Any, k: Any, nparts: Any, out: Any) -> Any:
-    # As _nb_topk_select, but with a lower bound on the threshold taken from a sample: one
-    # pass counts the keys at or above the bound, a second collects them (about k plus a few
-    # sqrt(k) n / sample; keys and indices, in index order), and the exact threshold and the
-    # ties come from those candidates alone. Returns False (out untouched) when the bound is
-    # above the k-th largest key (fewer than k candidates); the caller then radix-selects.
-    n = xi.size
+def _nb_pick(
+    src: Any, a: Any, mask: Any, inf_key: Any, thr: Any, left: Any, idx: Any, keys: Any,
+    want: Any,
+) -> Any:
+    # Appends to idx (and to keys when want) the positions a + i (and the magnitude keys) of
+    # src's elements whose key (src & mask, clamped to inf_key: NaN ranks as +Inf) is > thr,
+    # or == thr for the first ``left`` of those, in ascending order; returns how many, or -1
+    # when idx cannot hold them all. Per chunk, a loop that vectorizes sets a byte flag per
+    # element (the raw key > thr: exact when thr < inf_key and no tie is left to take, else
+    # raw key >= thr, a superset tested again per element), a branch-free loop lists the
+    # 8-flag words with a hit, and each listed word writes its eight elements branch-free
+    # (an unselected element's slot is overwritten by the next): no branch depends on the
+    # data per element or per word (a mispredicted branch per word with a hit cost a third
+    # of the pass).
+    chunk = 1024
+    flags = np.zeros(chunk, np.uint8)
+    words = flags.view(np.uint64)
+    hits = np.zeros(chunk // 8, np.int64)
+    cap = idx.size
+    j = 0
+    n = src.size
+    for g in range(0, n, chunk):
+        blk = src[g : g + chunk]
+        m = blk.size
+        exact = left == 0 and thr < inf_key
+        lo = i32(thr + 1) if exact else i32(thr)
+        for t in range(m):
+            flags[t] = u8(i32(blk[t] & mask) >= lo)
+        if m < chunk:
+            flags[m:] = 0
+        nw = 0
+        for q in range((m + 7) // 8):
+            hits[nw] = q
+            nw += 1 if words[q] != 0 else 0
+        for r in range(nw):
+            base = 8 * hits[r]
+            if exact and j + 8 <= cap and base + 8 <= m:
+                if want:  # (two loops: a test inside one costs a third of the pass)
+                    for t in range(8):
+                        idx[j] = a + g + base + t
+                        key = i32(blk[base + t] & mask)
+                        keys[j] = key if key <= inf_key else inf_key
+                        j += flags[base + t]
+                else:
+                    for t in range(8):
+                        idx[j] = a + g + base + t
+                        j += flags[base + t]
+            else:
+                for t in range(min(8, m - base)):
+                    if flags[base + t] == 0:
+                        continue
+                    key = i32(blk[base + t] & mask)
+                    key = key if key <= inf_key else inf_key
+                    if key > thr or (key == thr and left > 0):
+                        if j == cap:
+                            return -1  # more than idx holds
+                        if key == thr:
+                            left -= 1
+                        idx[j] = a + g + base + t
+                        if want:
+                            keys[j] = key
+                        j += 1
+    return j
+
+
+def _nb_key_threshold(keys: Any, k: Any, hist: Any) -> Any:
+    # (threshold, ties): the k-th largest of the int32 keys in [0, 0x7FFFFFFF] (1 <= k <=
+    # keys.size) by a two-digit radix select, and how many keys equal to it are among the k
+    # largest. hist: int32 scratch of shape (1, 65536); the high digit's histogram spans
+    # the keys' range only (at most 32768 digits: keys of +Inf and NaN are 0x7F800000)
+    base = keys.min() >> i32(16)
+    span = (keys.max() >> i32(16)) - base + 1
+    h = hist[0]
+    h[:span] = 0
+    for c in range(keys.size):
+        h[(keys[c] >> i32(16)) - base] += 1
+    top, above = _nb_threshold_digit(hist[:, :span], k, 0)
+    top += base
+    h[:] = 0
+    for c in range(keys.size):
+        key = keys[c]
+        if (key >> i32(16)) == top:
+            h[key & i32(0xFFFF)] += 1
+    low, above = _nb_threshold_digit(hist, k, above)
+    return i32((top << 16) | low), k - above
+
+
+def _nb_band_sizes(n: Any, k: Any, nparts: Any) -> Any:
+    # (sample size, rank of the bound from the top of the sample, room per part, bytes of
+    # _nb_band's work buffer) for n keys, k of them wanted, in nparts parts
     s = min(n, max(4096, n // 256))
-    sample = np.empty(s, np.int32)
-    for j in range(s):
-        # fixed pseudo-random positions (a hash of j): only the speed depends on them
-        pos = np.int64(_nb_uniform(u64(0x5EED), j) * f32(n))
-        pos = pos if pos < n else n - 1
-        sample[j] = _nb_mag_key(xi[pos])
     ks = np.int64(np.float64(k) * s / n)
-    lo_rank = ks + np.int64(4.0 * np.sqrt(np.float64(ks) + 1.0)) + 8  # from the top
-    lo_key = i32(0) if lo_rank >= s else np.partition(sample, s - 1 - lo_rank)[s - 1 - lo_rank]
+    lo_rank = ks + np.int64(4.0 * np.sqrt(np.float64(ks) + 1.0)) + 8
     per = (n + nparts - 1) // nparts
-    count = np.zeros(nparts, np.int64)
-    for p in prange(nparts):
-        src = xi[min(p * per, n) : min((p + 1) * per, n)]
-        c = 0
-        for i in range(src.size):
-            c += 1 if _nb_mag_key(src[i]) >= lo_key else 0
-        count[p] = c
-    total = count.sum()
-    if total < k:
-        return False
-    off = np.zeros(nparts + 1, np.int64)
-    for p in range(nparts):
-        off[p + 1] = off[p] + count[p]
-    ckeys = np.empty(total, np.int32)
-    cidx = np.empty(total, np.int64)
+    cap = min(per, 2 * ((lo_rank + 1) * per // s) + 4096)
+    return s, lo_rank, cap, nparts * cap * 12 + s * 4 + 65536 * 4
+
+
+def _nb_band(
+    src: Any, mask: Any, inf_key: Any, k: Any, nparts: Any, out: Any, work: Any
+) -> Any:
+    # out[:k] = ascending positions of the k largest magnitude keys (src & mask, clamped to
+    # inf_key) of src (float32 bits as int32, or 16-bit float bits), ties to the lowest
+    # positions. A strided sample (with a fixed pseudo-random offset inside each stride, so
+    # a periodic layout is not sampled at one phase) gives a lower bound on the k-th largest
+    # key; one pass collects the keys at or above it (keys and positions, in order; about k
+    # plus a few sqrt(k) n / sample), and the exact threshold and the ties come from those
+    # candidates alone. Returns False (out untouched) when the bound is above the k-th
+    # largest key (fewer than k candidates): only the speed depends on the sample, never
+    # the chosen set. work: a uint8 buffer of _nb_band_sizes' bytes, kept by the caller
+    # (fresh memory costs page faults on every call)
+    n = src.size
+    s, lo_rank, cap, _ = _nb_band_sizes(n, k, nparts)
+    per = (n + nparts - 1) // nparts
+    pidx = work[: nparts * cap * 8].view(np.int64)
+    rest = work[nparts * cap * 8 :].view(np.int32)
+    pkeys = rest[: nparts * cap]
+    sample = rest[nparts * cap : nparts * cap + s]
+    hist = rest[nparts * cap + s : nparts * cap + s + 65536].reshape((1, 65536))
+    stride = n // s
+    for j in range(s):
+        jitter = np.int64((u64(j) * u64(0x9E3779B97F4A7C15)) >> u64(40)) % stride
+        key = i32(src[j * stride + jitter] & mask)
+        sample[j] = key if key <= inf_key else inf_key
+    # the bound: the (lo_rank + 1)-th largest sampled key (0: every key, when there is none)
+    lo = i32(0) if lo_rank >= s else _nb_key_threshold(sample, lo_rank + 1, hist)[0]
+    got = np.zeros(nparts, np.int64)
     for p in prange(nparts):
         a = min(p * per, n)
-        src = xi[a : min((p + 1) * per, n)]
-        j = off[p]
-        for g in range(0, src.size, 16):
-            # a vectorized test of 16 keys first: most blocks hold no candidate
-            block = src[g : g + 16]
-            hit = False
-            for t in range(block.size):
-                hit |= _nb_mag_key(block[t]) >= lo_key
-            if hit:
-                for t in range(block.size):
-                    key = _nb_mag_key(block[t])
-                    if key >= lo_key:
-                        ckeys[j] = key
-                        cidx[j] = a + g + t
-                        j += 1
-    threshold = np.partition(ckeys, total - k)[total - k]
-    above = 0
-    for j in range(total):
-        above += 1 if ckeys[j] > threshold else 0
-    ties = k - above
+        got[p] = _nb_pick(
+            src[a : min((p + 1) * per, n)], a, mask, inf_key, lo - i32(1), 0,
+            pidx[p * cap : (p + 1) * cap], pkeys[p * cap : (p + 1) * cap], True,
+        )
+    if got.min() >= 0:
+        # the parts' candidates, moved to the front in place (each moves down or stays)
+        total = got.sum()
+        if total < k:
+            return False
+        j = 0
+        for p in range(nparts):
+            for c in range(p * cap, p * cap + got[p]):
+                pidx[j] = pidx[c]
+                pkeys[j] = pkeys[c]
+                j += 1
+        cidx = pidx[:total]
+        ckeys = pkeys[:total]
+    else:
+        count = np.zeros(nparts, np.int64)
+        for p in prange(nparts):
+            part = src[min(p * per, n) : min((p + 1) * per, n)]
+            c = 0
+            for i in range(part.size):
+                # lo <= inf_key, so the raw key compares as the clamped one
+                c += 1 if i32(part[i] & mask) >= lo else 0
+            count[p] = c
+        total = count.sum()
+        if total < k:
+            return False
+        off = np.zeros(nparts + 1, np.int64)
+        for p in range(nparts):
+            off[p + 1] = off[p] + count[p]
+        ckeys = np.empty(total, np.int32)
+        cidx = np.empty(total, np.int64)
+        for p in prange(nparts):
+            a = min(p * per, n)
+            _nb_pick(
+                src[a : min((p + 1) * per, n)], a, mask, inf_key, lo - i32(1), 0,
+                cidx[off[p] : off[p + 1]], ckeys[off[p] : off[p + 1]], True,
+            )
+    threshold, ties = _nb_key_threshold(ckeys, k, hist)
     j = 0
     for c in range(total):
         key = ckeys[c]
-        if key > threshold:
-            out[j] = cidx[c]
-            j += 1
-        elif key == threshold and ties > 0:
-            out[j] = cidx[c]
-            j += 1
-            ties -= 1
+        tie = key == threshold and ties > 0
+        ties -= 1 if tie else 0
+        cidx[j] = cidx[c]  # j <= c: compaction in place
+        j += 1 if key > threshold or tie else 0
+    out[:k] = cidx[:k]
     return True
+
+
+def _nb_topk_band(xi: Any, k: Any, nparts: Any, out: Any, work: Any) -> Any:
+    # _nb_band of float32 bits (31-bit magnitude keys)
+    return _nb_band(xi, i32(0x7FFFFFFF), _KEY_POS_INF, k, nparts, out, work)
+
+
+def _nb_top16_band(xb: Any, inf_key: Any, k: Any, nparts: Any, out: Any, work: Any) -> Any:
+    # _nb_band of 16-bit float bits (15-bit magnitude keys, NaN ranked as inf_key)
+    return _nb_band(xb, u16(0x7FFF), i32(inf_key), k, nparts, out, work)
 
 
 def _nb_write_selected(
     xi: Any, threshold: Any, nparts: Any, per: Any, start: Any, take: Any, out: Any
 ) -> None:
     # out[start[p]:] = indices in partition p with key > threshold, plus its first take[p]
-    # keys equal to it, in ascending order
+    # keys equal to it, in ascending order (start: cumulative, out exactly their total)
     n = xi.size
+    no_keys = np.empty(1, np.int32)
     for p in prange(nparts):
         a = min(p * per, n)
-        src = xi[a : min((p + 1) * per, n)]
-        j = start[p]
-        left = take[p]
-        for g in range(0, src.size, 16):
-            block = src[g : g + 16]
-            hit = False
-            for t in range(block.size):
-                hit |= _nb_mag_key(block[t]) >= threshold
-            if hit:
-                for t in range(block.size):
-                    key = _nb_mag_key(block[t])
-                    if key > threshold:
-                        out[j] = a + g + t
-                        j += 1
-                    elif key == threshold and left > 0:
-                        out[j] = a + g + t
-                        j += 1
-                        left -= 1
+        stop = start[p + 1] if p + 1 < nparts else out.size
+        _nb_pick(
+            xi[a : min((p + 1) * per, n)], a, i32(0x7FFFFFFF), _KEY_POS_INF, threshold,
+            take[p], out[start[p] : stop], no_keys, False,
+        )
 
 
 def _nb_count_at_least(xi: Any, key: Any, counts: Any) -> None:
@@ -1117,8 +1228,9 @@ def _nb_count_at_least(xi: Any, key: Any, counts: Any) -> None:
     for p in prange(nparts):
         src = xi[min(p * per, n) : min((p + 1) * per, n)]
         c = 0
-        for i in range(src.size):
-            c += 1 if _nb_mag_key(src[i]) >= key else 0
+        if key <= _KEY_POS_INF:  # the raw key then compares as the clamped one
+            for i in range(src.size):
+                c += 1 if (src[i] & i32(0x7FFFFFFF)) >= key else 0
         counts[p] = c
 
 
@@ -1133,6 +1245,25 @@ def _nb_collect_at_least(xi: Any, key: Any, counts: Any, out: Any) -> None:
         start[p] = start[p - 1] + counts[p - 1]
     # keys >= key are keys > key - 1 (key >= 1 here: key 0 selects everything)
     _nb_write_selected(xi, key - i32(1), nparts, per, start, take, out)
+
+
+def _nb_collect_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any, out: Any) -> None:
+    # out = ascending indices of the 16-bit magnitude keys (xb & 0x7FFF, NaN keys clamped to
+    # inf_key) >= key, counted per part (counts, as numba_transforms' count_at_least16
+    # partitions them; key >= 1)
+    n = xb.size
+    nparts = counts.size
+    per = (n + nparts - 1) // nparts
+    start = np.zeros(nparts + 1, np.int64)
+    for p in range(nparts):
+        start[p + 1] = start[p] + counts[p]
+    no_keys = np.empty(1, np.int32)
+    for p in prange(nparts):
+        a = min(p * per, n)
+        _nb_pick(
+            xb[a : min((p + 1) * per, n)], a, u16(0x7FFF), i32(inf_key), i32(key) - i32(1), 0,
+            out[start[p] : start[p + 1]], no_keys, False,
+        )
 
 
 def _nb_top_keys(bits: Any, inf_key: Any, count: Any, out: Any) -> None:
@@ -1197,6 +1328,34 @@ def _nb_top16(xb: Any, inf_key: Any, k: Any, nparts: Any, out: Any) -> None:
                 left -= 1
 
 
+def _nb_lowrank_decode(p: Any, qt: Any, factor: Any, outf: Any, out16: Any, omode: Any) -> None:
+    # PowerSGD's decode: row i of the (n, m) output = (p[i, 0] qt[0] + p[i, 1] qt[1] + ...)
+    # * factor in float32, the products added in rank order without fused multiply-adds
+    # (every entry is the same sequence of operations whatever the thread count); omode 0:
+    # into float32 outf, 1/2: rounded (nearest even, saturating) into the 16-bit bits out16.
+    # Rows are written while they are in cache, one pass over the output.
+    n, r = p.shape
+    m = qt.shape[1]
+    per = max(1, 16384 // max(1, m))
+    for item in prange((n + per - 1) // per):
+        scratch = np.empty(m if omode != 0 else 1, np.float32)
+        for i in range(item * per, min((item + 1) * per, n)):
+            row = outf[i] if omode == 0 else scratch
+            a = p[i, 0]
+            q0 = qt[0]
+            for j in range(m):
+                row[j] = a * q0[j]
+            for k in range(1, r):
+                a = p[i, k]
+                qk = qt[k]
+                for j in range(m):
+                    row[j] += a * qk[j]
+            for j in range(m):
+                row[j] *= factor
+            if omode != 0:
+                _nb_narrow(row, omode, True, out16[i])
+
+
 def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
     # the first k distinct values of draws (each in [0, d)), written sorted into out[:k];
     # returns how many distinct values were found (k, or fewer when draws ran out)
@@ -1251,6 +1410,9 @@ _HELPERS = (
     "_nb_lane_total",
     "_nb_sign_bits",
     "_nb_mag_key",
+    "_nb_pick",
+    "_nb_key_threshold",
+    "_nb_band_sizes",
     "_nb_chunk_keys",
     "_nb_threshold_digit",
     "_nb_stoch_codes",
@@ -1265,6 +1427,7 @@ _INLINED = ("_nb_draw",)
 # helpers that contain parallel loops (compiled with parallel=True)
 _PARALLEL_HELPERS = (
     "_nb_write_selected",
+    "_nb_band",
     "_nb_segment_keys",
     "_nb_part_histogram",
     "_nb_stoch_units",
@@ -1279,14 +1442,17 @@ _KERNELS = (
     "_nb_sign_decode",
     "_nb_stochastic_fused",
     "_nb_topk_select",
-    "_nb_topk_band",
     "_nb_count_at_least",
     "_nb_collect_at_least",
+    "_nb_collect_at_least16",
+    "_nb_lowrank_decode",
     "_nb_top16",
 )
 # kernels without a parallel loop of their own
 # (the first two are a parallel helper's wrappers)
 _SERIAL = (
+    "_nb_topk_band",
+    "_nb_top16_band",
     "_nb_stochastic_encode",
     "_nb_chunk_norms",
     "_nb_first_distinct",
@@ -1416,6 +1582,27 @@ def build() -> NumbaKernels:
     """Compile (or load from numba's on-disk cache) every kernel; raises when numba is
     missing or a kernel does not compile."""
     return NumbaKernels(_build())
+
+
+_work = threading.local()
+#: Largest top-k work buffer kept between calls (64 MiB: a 64 MB float32 tensor at ratio
+#: 0.01 takes 5.5 MB).
+WORK_KEPT = 64 << 20
+
+
+def band_work(n: int, k: int, nparts: int) -> np.ndarray:
+    """A work buffer for the sampled top-k selection of ``k`` of ``n`` keys in ``nparts``
+    parts: this thread's, kept and grown on demand up to :data:`WORK_KEPT` bytes (a fresh
+    one costs page faults on every call, as much as the selection's pass over the input), a
+    fresh one beyond. Call after :func:`build` (its size comes from a compiled helper)."""
+    nbytes = int(_nb_band_sizes(n, k, nparts)[3])
+    if nbytes > WORK_KEPT:
+        return np.empty(nbytes, np.uint8)
+    buf = getattr(_work, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(nbytes, np.uint8)
+        _work.buf = buf
+    return buf[:nbytes]
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -1676,7 +1863,8 @@ class NumbaKernels:
 
             nparts = 4 * numba.get_num_threads()
             bits = _np(x).view(np.int32)
-            if not self["topk_band"](bits, k, nparts, _np(out)):
+            work = band_work(bits.size, k, nparts)
+            if not self["topk_band"](bits, k, nparts, _np(out), work):
                 self["topk_select"](bits, k, nparts, _np(out))
         return out
 
@@ -1705,6 +1893,21 @@ class NumbaKernels:
             return out
 
         return total, collect
+
+    def lowrank_decode(
+        self, p: torch.Tensor, q: torch.Tensor, factor: float, out: torch.Tensor
+    ) -> None:
+        """See :func:`commpress.codecs.kernels.lowrank_decode`."""
+        pn = _np(p.to(torch.float32).contiguous())
+        qt = _np(q.to(torch.float32).T.contiguous())
+        omode = MODES[out.dtype]
+        if omode == 0:
+            outf, out16 = _np(out), np.zeros((1, 1), np.uint16)
+        else:
+            outf = np.zeros((1, 1), np.float32)
+            out16 = _np(out.view(torch.int16)).view(np.uint16)
+        with _launch():
+            self["lowrank_decode"](pn, qt, np.float32(factor), outf, out16, omode)
 
     def first_distinct(self, draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
         """See :func:`commpress.codecs.kernels.first_distinct`."""

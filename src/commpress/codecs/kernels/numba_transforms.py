@@ -1,5 +1,6 @@
 """Fused CPU kernels (numba) for THC's blocked Hadamard rotation, TopKC's chunk norms and
-DGC's count and collection at a threshold on 16-bit inputs (their 16-bit keys, read in place).
+DGC's count at a threshold on 16-bit inputs (their 16-bit keys, read in place; the
+collection is :mod:`~commpress.codecs.kernels.numba_cpu`'s, beside the float32 one).
 
 They follow :mod:`commpress.codecs.kernels`' switch (``COMMPRESS_KERNELS``,
 :func:`kernels.use_backend`) and launch rules (torch's thread count, one launch at a time),
@@ -422,31 +423,10 @@ def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
     for p in prange(nparts):
         src = xb[min(p * per, n) : min((p + 1) * per, n)]
         c = 0
-        for i in range(src.size):
-            m = src[i] & u16(0x7FFF)
-            m = inf_key if m > inf_key else m
-            c += 1 if m >= key else 0
+        if key <= inf_key:  # the raw key then compares as the clamped one (a loop that
+            for i in range(src.size):  # vectorizes)
+                c += 1 if (src[i] & u16(0x7FFF)) >= key else 0
         counts[p] = c
-
-
-def _nb_collect_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any, out: Any) -> None:
-    # out = ascending indices of the keys counted by _nb_count_at_least16 (same partitions)
-    n = xb.size
-    nparts = counts.size
-    per = (n + nparts - 1) // nparts
-    start = np.zeros(nparts, np.int64)
-    for p in range(1, nparts):
-        start[p] = start[p - 1] + counts[p - 1]
-    for p in prange(nparts):
-        a = min(p * per, n)
-        src = xb[a : min((p + 1) * per, n)]
-        j = start[p]
-        for i in range(src.size):
-            m = src[i] & u16(0x7FFF)
-            m = inf_key if m > inf_key else m
-            if m >= key:
-                out[j] = a + i
-                j += 1
 
 
 _HELPERS = (
@@ -455,7 +435,7 @@ _HELPERS = (
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
-    "_nb_chunk_squares", "_nb_count_at_least16", "_nb_collect_at_least16",
+    "_nb_chunk_squares", "_nb_count_at_least16",
 )
 
 
@@ -625,7 +605,8 @@ def at_least16(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], tor
     def collect() -> torch.Tensor:
         out = torch.empty(total, dtype=torch.int64)
         with numba_cpu._launch():
-            _kernel("collect_at_least16")(bits, np.uint16(inf_key), key, counts, _np(out))
+            # (the collecting kernel lives beside the float32 one, whose helper it shares)
+            kernels._kernel("collect_at_least16")(bits, inf_key, int(key), counts, _np(out))
         return out
 
     return total, collect
@@ -635,16 +616,19 @@ def top16(x: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D contiguous float16 or
     bfloat16 CPU tensor (``1 <= k <= len(x)``; NaN ranks as +Inf; ties at the threshold go
     to the lowest indices): :func:`kernels.topk_select` of the widened tensor, read in place
-    (16-bit keys: two parallel passes, no float32 copy)."""
+    (16-bit keys, no float32 copy): a sampled bound and one collecting pass, or, when the
+    bound misses, per-part histograms of the keys and one collecting pass."""
     inf_key = 0x7F80 if x.dtype == torch.bfloat16 else 0x7C00
     out = torch.empty(k, dtype=torch.int64)
     with numba_cpu._launch():
         import numba
 
-        nparts = numba.get_num_threads()
-        kernels._kernel("top16")(
-            _np(x.view(torch.int16)).view(np.uint16), np.uint16(inf_key), k, nparts, _np(out)
-        )
+        nparts = 4 * numba.get_num_threads()
+        bits = _np(x.view(torch.int16)).view(np.uint16)
+        # a sampled bound and the candidates above it; when the bound misses, histograms
+        work = numba_cpu.band_work(bits.size, k, nparts)
+        if not kernels._kernel("top16_band")(bits, inf_key, k, nparts, _np(out), work):
+            kernels._kernel("top16")(bits, np.uint16(inf_key), k, nparts, _np(out))
     return out
 
 
