@@ -416,6 +416,18 @@ def _hook_robustness_worker(rank: int, world: int) -> dict[str, Any]:
             out[name] = "no error"
         except Exception as exc:
             out[name] = f"{type(exc).__name__}: {exc}"
+    # ranks on different kernel backends (PowerSGD's numba decode rounds differently from
+    # its torch path): refused like any other setting
+    from commpress.codecs import kernels
+
+    with kernels.use_backend("torch" if rank else "auto"):
+        model = _small_ddp()
+        commpress.ddp.register(model, "powersgd", timeout=20.0)
+        try:
+            _small_train(model, range(2), rank)
+            out["kernels"] = "no error"
+        except Exception as exc:
+            out["kernels"] = f"{type(exc).__name__}: {exc}"
     # 3. the pickled state (PowerSGDState pattern) continues bit-identically on a fresh DDP
     #    model of the same architecture registered with model.register_comm_hook.
     for codec in ({"codec": "topk", "ratio": 0.25}, {"codec": "powersgd", "rank": 1}):
@@ -447,7 +459,7 @@ def test_hook_survives_unused_frozen_no_sync_refuses_mismatches_and_resumes_from
     # bit for bit (see test_lossless_and_fp16_paths_match_plain_ddp_and_pytorch_fp16_hook)
     assert torch.equal(results[0]["identity"], results[0]["plain"])
     assert torch.equal(results[0]["identity-acc"], results[0]["plain-acc"])
-    for name in ("fp16/bf16", "powersgd rank", "topk ratio"):
+    for name in ("fp16/bf16", "powersgd rank", "topk ratio", "kernels"):
         for rank, r in enumerate(results):
             message = r[name]
             # A MismatchError (a CommpressError); DDP shows the exception's own type name.

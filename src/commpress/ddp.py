@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed
 
+from commpress.codecs import kernels
 from commpress.codecs.base import Codec, CodecContext
 from commpress.codecs.protocol import Protocol
 from commpress.collectives import engine
@@ -262,7 +263,8 @@ class DDPCompressionState(CompressionState):
 
     def settings_fingerprint(self) -> int:
         """A stable 63-bit hash of the policy, schedule, feedback settings, granularity,
-        strategy and local size (what every rank must agree on), computed once."""
+        strategy, local size and CPU kernel backend (what every rank must agree on),
+        computed once."""
         if self._settings is None:
             desc = {
                 "policy": self.policy.describe(),
@@ -274,6 +276,9 @@ class DDPCompressionState(CompressionState):
                 "strategy": self.strategy,
                 "local_size": self.local_size,
                 "batch_rounds": self.batch_rounds,
+                # the kernel backend: a codec's numba kernel may round differently from its
+                # torch path (PowerSGD's decode), so ranks must run the same one
+                "kernels": [kernels.requested_backend(), kernels.backend_for(torch.empty(0))],
             }
             self._settings = _hash63(json.dumps(desc, sort_keys=True, default=str))
         return self._settings
