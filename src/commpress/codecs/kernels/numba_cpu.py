@@ -114,37 +114,83 @@ def _nb_widen(xf: Any, x16: Any, mode: Any, a: Any, b: Any, wide: Any) -> Any:
     return wide[: src.size]
 
 
+_INF_BITS = u32(0x7F800000)  # float32 +inf's bits; above it (magnitudes): NaNs
+_BF16_TOP = u32(0x7F7F0000)  # bfloat16's largest finite value, as float32 bits
+_F16_TOP = u32(0x477FE000)  # float16's largest finite value (65504), as float32 bits
+_F16_MIN_NORMAL = f32(2.0**-14)
+_TWO_24 = f32(2.0**24)
+
+# The conversions below work on the float32 bits with every intermediate wrapped in u32():
+# numba computes uint32 arithmetic in 64 bits, which halves the vector width (a decode
+# loop rounding to bfloat16 ran 2x slower so). They are scalar functions that numba inlines
+# into the callers' loops; a loop converts in the same pass that computes its values (a
+# second pass over a float32 buffer, even in cache, cost 1.7x). A branch on the input or
+# output mode inside a loop stops its vectorization (3-4x slower), so each mode gets its
+# own loop.
+
+
+def _nb_cap(omode: Any, sat: Any) -> Any:
+    # the magnitude bits above which a finite value saturates (omode 1: bfloat16, 2:
+    # float16; without sat, none: +inf's bits)
+    if not sat:
+        return _INF_BITS
+    return _BF16_TOP if omode == 1 else _F16_TOP
+
+
+def _nb_bf16(v: Any, cap: Any) -> Any:
+    # the bfloat16 bits of float32 v, rounded to nearest even as torch's .to() rounds;
+    # finite magnitudes above cap become bfloat16's largest (base.saturating_cast). NaN
+    # stays a quiet NaN (sign and top payload bits kept).
+    w = f32(v).view(u32)
+    a = u32(w & u32(0x7FFFFFFF))
+    a = _BF16_TOP if (a > cap and a < _INF_BITS) else a
+    r = u32(u32(a + u32(0x7FFF)) + u32(u32(a >> u32(16)) & u32(1))) >> u32(16)
+    r = u32(u32(a >> u32(16)) | u32(0x40)) if a > _INF_BITS else u32(r)
+    return u16(u32(r) | u32(u32(w >> u32(16)) & u32(0x8000)))
+
+
+def _nb_f16(v: Any, cap: Any) -> Any:
+    # the float16 bits of float32 v, as _nb_bf16 (65520 and above round to Inf unless
+    # saturated)
+    w = f32(v).view(u32)
+    a = u32(w & u32(0x7FFFFFFF))
+    a = _F16_TOP if (a > cap and a < _INF_BITS) else a
+    # a normal float16: rebias the exponent, round off 13 bits (a carry is right)
+    r = u32(a - u32(0x38000000))
+    h = u32(u32(u32(r + u32(0xFFF)) + u32(u32(r >> u32(13)) & u32(1))) >> u32(13))
+    # below 2^-14: a multiple of 2^-24, rounded to nearest even by rint (exact scaling)
+    t = min(abs(f32(v)), _F16_MIN_NORMAL)
+    h = h if a >= u32(0x38800000) else u32(np.rint(t * _TWO_24))
+    h = u32(0x7C00) if a >= u32(0x477FF000) else h
+    h = u32(u32(0x7E00) | u32(u32(a >> u32(13)) & u32(0x3FF))) if a > _INF_BITS else h
+    return u16(u32(h) | u32(u32(w >> u32(16)) & u32(0x8000)))
+
+
+def _nb_bf16_value(h: Any) -> Any:
+    # the float32 value of bfloat16 bits h (exact: its top half)
+    return u32(u32(h) << u32(16)).view(f32)
+
+
+def _nb_f16_value(h: Any) -> Any:
+    # the float32 value of float16 bits h (exact): rebiased exponent, subnormals m * 2^-24
+    h32 = u32(h)
+    w = u32(u32(u32(h32 & u32(0x7FFF)) << u32(13)) + u32(0x38000000))
+    w = u32(w + u32(0x38000000)) if w >= u32(0x47800000) else w  # Inf and NaN: exponent 255
+    v = u32(w | u32(u32(h32 & u32(0x8000)) << u32(16))).view(f32)
+    m = f32(u32(h32 & u32(0x3FF))) * _F16_TINY
+    m = -m if u32(h32 & u32(0x8000)) else m
+    return m if u32(h32 & u32(0x7C00)) == u32(0) else v
+
+
 def _nb_narrow(vals: Any, omode: Any, sat: Any, dst: Any) -> None:
-    # dst = the 16-bit float bits (omode 1: bfloat16, 2: float16) of vals, rounded to nearest
-    # even as torch's .to() rounds; with sat, finite values beyond the format's largest become
-    # its largest (base.saturating_cast). NaN stays a quiet NaN (sign and top payload bits
-    # kept). Branch-free integer loops on the float32 bits: they vectorize.
-    bits = vals.view(np.uint32)
-    top = u32(0x7F7F0000) if omode == 1 else u32(0x477FE000)  # the largest finite, as float32
-    cap = top if sat else u32(0x7F800000)
+    # dst = the 16-bit float bits (omode 1: bfloat16, 2: float16) of vals (_nb_bf16, _nb_f16)
+    cap = _nb_cap(omode, sat)
     if omode == 1:
         for k in range(vals.size):
-            w = bits[k]
-            a = w & u32(0x7FFFFFFF)
-            a = top if (a > cap and a < u32(0x7F800000)) else a
-            r = (a + u32(0x7FFF) + ((a >> u32(16)) & u32(1))) >> u32(16)
-            r = ((a >> u32(16)) | u32(0x40)) if a > u32(0x7F800000) else r
-            dst[k] = u16(r | ((w >> u32(16)) & u32(0x8000)))
-        return
-    for k in range(vals.size):
-        w = bits[k]
-        a = w & u32(0x7FFFFFFF)
-        a = top if (a > cap and a < u32(0x7F800000)) else a
-        # a normal float16: rebias the exponent, round off 13 bits (a carry is right)
-        r = a - u32(0x38000000)
-        h = (r + u32(0xFFF) + ((r >> u32(13)) & u32(1))) >> u32(13)
-        # below 2^-14: a multiple of 2^-24, rounded to nearest even by rint (exact scaling)
-        t = abs(vals[k])
-        t = t if t < f32(2.0**-14) else f32(2.0**-14)
-        h = h if a >= u32(0x38800000) else u32(np.rint(t * f32(2.0**24)))
-        h = u32(0x7C00) if a >= u32(0x477FF000) else h  # 65520 and above round to Inf
-        h = (u32(0x7E00) | ((a >> u32(13)) & u32(0x3FF))) if a > u32(0x7F800000) else h
-        dst[k] = u16(h | ((w >> u32(16)) & u32(0x8000)))
+            dst[k] = _nb_bf16(vals[k], cap)
+    else:
+        for k in range(vals.size):
+            dst[k] = _nb_f16(vals[k], cap)
 
 
 def _nb_target(outf: Any, omode: Any, a: Any, b: Any, wide: Any) -> Any:
@@ -162,18 +208,47 @@ def _nb_convert(
     xf: Any, x16: Any, mode: Any, n: Any, outf: Any, out16: Any, omode: Any, sat: Any
 ) -> None:
     # out = x converted between float32, bfloat16 and float16 (rounded and saturated as
-    # _nb_narrow), one work item of UNIT values at a time
+    # _nb_bf16 / _nb_f16), one pass, a work item of UNIT values at a time
+    cap = _nb_cap(omode, sat)
     for unit in prange((n + UNIT - 1) // UNIT):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        wide = np.empty(UNIT if mode else 1, np.float32)
-        src = _nb_widen(xf, x16, mode, a, b, wide)
         if omode == 0:
             dst = outf[a:b]
-            for k in range(src.size):
-                dst[k] = src[k]
-        else:
-            _nb_narrow(src, omode, sat, out16[a:b])
+            if mode == 0:
+                src = xf[a:b]
+                for k in range(dst.size):
+                    dst[k] = src[k]
+            elif mode == 1:
+                s16 = x16[a:b]
+                for k in range(dst.size):
+                    dst[k] = _nb_bf16_value(s16[k])
+            else:
+                s16 = x16[a:b]
+                for k in range(dst.size):
+                    dst[k] = _nb_f16_value(s16[k])
+            continue
+        d16 = out16[a:b]
+        if mode == omode:  # a 16-bit value fits its own format: nothing to round or saturate
+            s16 = x16[a:b]
+            for k in range(d16.size):
+                d16[k] = s16[k]
+        elif mode == 0:
+            src = xf[a:b]
+            if omode == 1:
+                for k in range(d16.size):
+                    d16[k] = _nb_bf16(src[k], cap)
+            else:
+                for k in range(d16.size):
+                    d16[k] = _nb_f16(src[k], cap)
+        elif mode == 1:  # bfloat16 to float16
+            s16 = x16[a:b]
+            for k in range(d16.size):
+                d16[k] = _nb_f16(_nb_bf16_value(s16[k]), cap)
+        else:  # float16 to bfloat16
+            s16 = x16[a:b]
+            for k in range(d16.size):
+                d16[k] = _nb_bf16(_nb_f16_value(s16[k]), cap)
 
 
 def _nb_uniform(seed: Any, i: Any) -> Any:
@@ -500,48 +575,83 @@ def _nb_minmax_encode(
         _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
 
 
+def _nb_offset_run(
+    src: Any, offset: Any, m: Any, outf: Any, out16: Any, omode: Any, cap: Any, i: Any
+) -> None:
+    # out[i : i + src.size] = (code - offset) * m, in out's format (one loop per format)
+    if omode == 0:
+        dst = outf[i : i + src.size]
+        for k in range(src.size):
+            dst[k] = (f32(src[k]) - offset) * m
+    elif omode == 1:
+        d16 = out16[i : i + src.size]
+        for k in range(src.size):
+            d16[k] = _nb_bf16((f32(src[k]) - offset) * m, cap)
+    else:
+        d16 = out16[i : i + src.size]
+        for k in range(src.size):
+            d16[k] = _nb_f16((f32(src[k]) - offset) * m, cap)
+
+
+def _nb_minmax_value(code: Any, step: Any, base: Any, post: Any) -> Any:
+    # (code * step + base) * post, saturated at float32's max (a chunk ending at +-3.4e38
+    # may round one step past it); NaN compares false and stays NaN
+    v = (f32(code) * step + base) * post
+    v = _F32_MAX if v > _F32_MAX else v
+    return -_F32_MAX if v < -_F32_MAX else v
+
+
+def _nb_minmax_run(
+    src: Any, step: Any, base: Any, post: Any, outf: Any, out16: Any, omode: Any, cap: Any,
+    i: Any,
+) -> None:
+    # out[i : i + src.size] = the minmax decoding of codes src, in out's format
+    if omode == 0:
+        dst = outf[i : i + src.size]
+        for k in range(src.size):
+            dst[k] = _nb_minmax_value(src[k], step, base, post)
+    elif omode == 1:
+        d16 = out16[i : i + src.size]
+        for k in range(src.size):
+            d16[k] = _nb_bf16(_nb_minmax_value(src[k], step, base, post), cap)
+    else:
+        d16 = out16[i : i + src.size]
+        for k in range(src.size):
+            d16[k] = _nb_f16(_nb_minmax_value(src[k], step, base, post), cap)
+
+
 def _nb_decode_codes(
     packed: Any, first: Any, second: Any, chunk: Any, bits: Any, kind: Any, offset: Any,
     n: Any, outf: Any, out16: Any, omode: Any, sat: Any,
 ) -> None:
     # out[i] from the code of coordinate i in chunk c. kind 0 (minmax; first = min, second
     # = scale): (code * scale * pre + min * pre) / pre, saturated at float32's largest; kind
-    # 1 (qsgd, terngrad; first = step): (code - offset) * step
+    # 1 (qsgd, terngrad; first = step): (code - offset) * step. One pass: 8-bit codes are
+    # read in place, narrower ones unpacked a work item at a time into a buffer in cache,
+    # and 16-bit outputs rounded in the loop that computes the values.
+    cap = _nb_cap(omode, sat)
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        buf = np.empty(UNIT + 8, np.uint8)
-        wide = np.empty(UNIT if omode else 1, np.float32)
-        out = _nb_target(outf, omode, a, b, wide)
-        _nb_unpack_unit(packed, a // 8 * bits, b - a, bits, buf)
+        buf = np.empty(UNIT + 8 if bits != 8 else 1, np.uint8)
+        if bits != 8:
+            _nb_unpack_unit(packed, a // 8 * bits, b - a, bits, buf)
         i = a
         c = a // chunk
         while i < b:
             e = min((c + 1) * chunk, b)
-            src = buf[i - a : e - a]
-            dst = out[i - a : e - a]
+            src = packed[i:e] if bits == 8 else buf[i - a : e - a]
             if kind == 1:
-                m = first[c]
-                for k in range(src.size):
-                    dst[k] = (f32(src[k]) - offset) * m
+                _nb_offset_run(src, offset, first[c], outf, out16, omode, cap, i)
             else:
                 pre = _nb_prescale(second[c])
-                step = second[c] * pre
-                base = first[c] * pre
                 post = f32(1.0) / pre  # exact: a power of two
-                for k in range(src.size):
-                    v = (f32(src[k]) * step + base) * post
-                    # saturate at float32's max (a chunk ending at +-3.4e38 may round one
-                    # step past it); NaN compares false and stays NaN
-                    if v > _F32_MAX:
-                        v = _F32_MAX
-                    elif v < -_F32_MAX:
-                        v = -_F32_MAX
-                    dst[k] = v
+                _nb_minmax_run(
+                    src, second[c] * pre, first[c] * pre, post, outf, out16, omode, cap, i
+                )
             i = e
             c += 1
-        _nb_store(out, out16, omode, sat, a)
 
 
 def _nb_lane_sum(src: Any, square: Any, lanes: Any) -> None:
@@ -616,25 +726,36 @@ def _nb_sign_encode(xf: Any, x16: Any, mode: Any, n: Any, packed: Any, partial: 
             dst[full] = u8(byte)
 
 
+def _nb_sign_run(src: Any, hi: Any, lo: Any, dst: Any) -> None:
+    # dst[k] = hi where bit k of src is 1, else lo
+    full = dst.size // 8
+    for g in range(full):
+        byte = src[g]
+        for j in range(8):
+            dst[8 * g + j] = hi if (byte >> j) & 1 else lo
+    for k in range(8 * full, dst.size):
+        dst[k] = hi if (src[full] >> (k - 8 * full)) & 1 else lo
+
+
 def _nb_sign_decode(
     packed: Any, scale: Any, n: Any, outf: Any, out16: Any, omode: Any, sat: Any
 ) -> None:
-    neg = -scale
+    # +scale where the bit is 1, -scale where it is 0; a 16-bit output gets the two values'
+    # rounded bits, computed once
+    cap = _nb_cap(omode, sat)
+    if omode == 1:
+        hi16, lo16 = _nb_bf16(scale, cap), _nb_bf16(-scale, cap)
+    else:
+        hi16, lo16 = _nb_f16(scale, cap), _nb_f16(-scale, cap)
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        wide = np.empty(UNIT if omode else 1, np.float32)
         src = packed[a // 8 : (b + 7) // 8]
-        dst = _nb_target(outf, omode, a, b, wide)
-        full = dst.size // 8
-        for g in range(full):
-            byte = src[g]
-            for j in range(8):
-                dst[8 * g + j] = scale if (byte >> j) & 1 else neg
-        for k in range(8 * full, dst.size):
-            dst[k] = scale if (src[full] >> (k - 8 * full)) & 1 else neg
-        _nb_store(dst, out16, omode, sat, a)
+        if omode == 0:
+            _nb_sign_run(src, scale, -scale, outf[a:b])
+        else:
+            _nb_sign_run(src, hi16, lo16, out16[a:b])
 
 
 def _nb_stoch_codes(
@@ -1178,6 +1299,15 @@ def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
 
 _HELPERS = (
     "_nb_widen",
+    "_nb_cap",
+    "_nb_bf16",
+    "_nb_f16",
+    "_nb_bf16_value",
+    "_nb_f16_value",
+    "_nb_offset_run",
+    "_nb_minmax_value",
+    "_nb_minmax_run",
+    "_nb_sign_run",
     "_nb_narrow",
     "_nb_target",
     "_nb_store",
