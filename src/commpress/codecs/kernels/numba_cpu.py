@@ -1263,38 +1263,90 @@ def _nb_top16(xb: Any, inf_key: Any, k: Any, nparts: Any, out: Any) -> None:
                 left -= 1
 
 
-def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
+# bit position of a power of two p: _DEBRUIJN_POS[(p * _DEBRUIJN) >> 58]
+_DEBRUIJN = u64(0x03F79D71B4CB0A89)
+_DEBRUIJN_POS = np.zeros(64, np.int64)
+for _i in range(64):
+    _DEBRUIJN_POS[((0x03F79D71B4CB0A89 << _i) & (2**64 - 1)) >> 58] = _i
+
+
+def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any, bitmap: Any, summary: Any) -> Any:
     # the first k distinct values of draws (each in [0, d)), written sorted into out[:k];
-    # returns how many distinct values were found (k, or fewer when draws ran out)
-    bitmap = np.zeros((d + 63) // 64, np.uint64)
+    # returns how many distinct values were found (k, or fewer when draws ran out).
+    # bitmap (>= ceil(d / 64) words) and summary (one bit per bitmap word) come zeroed and
+    # are left zeroed; the sorted walk visits only the words the summary marks.
     count = 0
     for i in range(draws.size):
         v = draws[i]
         w = v >> 6
         bit = u64(1) << u64(v & 63)
-        if not bitmap[w] & bit:
-            bitmap[w] |= bit
+        word = bitmap[w]
+        if not word & bit:
+            bitmap[w] = word | bit
+            summary[w >> 6] |= u64(1) << u64(w & 63)
             count += 1
             if count == k:
                 break
-    if count < k:
-        return count
     j = 0
-    for w in range(bitmap.size):
-        word = bitmap[w]
-        while word:
-            low = word & (~word + u64(1))  # lowest set bit
-            # its position: log2 of a power of two, by halving the word six times
-            pos = 0
-            probe = low
-            for half in (32, 16, 8, 4, 2, 1):
-                wide = probe >= (u64(1) << u64(half))
-                probe = probe >> u64(half) if wide else probe
-                pos += half if wide else 0
-            out[j] = w * 64 + pos
-            j += 1
-            word ^= low
+    for s in range((d + 4095) // 4096):
+        marks = summary[s]
+        if marks == u64(0):
+            continue
+        summary[s] = u64(0)
+        while marks:
+            low = marks & (~marks + u64(1))  # lowest set bit
+            marks ^= low
+            w = s * 64 + _DEBRUIJN_POS[(low * _DEBRUIJN) >> u64(58)]
+            word = bitmap[w]
+            bitmap[w] = u64(0)
+            while word:
+                lowest = word & (~word + u64(1))
+                word ^= lowest
+                out[j] = w * 64 + _DEBRUIJN_POS[(lowest * _DEBRUIJN) >> u64(58)]
+                j += 1
     return count
+
+
+def _nb_gather_finite(
+    xf: Any, x16: Any, mode: Any, n: Any, idx: Any, valf: Any, val16: Any, bad: Any
+) -> None:
+    # val[j] = x[idx[j]] (idx ascending; the values' bits, in x's format) and bad[unit] = 1
+    # when the unit's values hold a NaN or Inf: one read of x, each value gathered while
+    # its work item is in cache
+    for unit in prange((n + UNIT - 1) // UNIT):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        lo = np.searchsorted(idx, a)
+        hi = np.searchsorted(idx, b)
+        top = u32(0)
+        if mode == 0:
+            src = xf[a:b].view(np.uint32)
+            for k in range(src.size):
+                top = max(top, u32(src[k] & u32(0x7FFFFFFF)))
+            bad[unit] = top >= _INF_BITS
+            for j in range(lo, hi):
+                valf[j] = xf[idx[j]]
+        else:
+            s16 = x16[a:b]
+            for k in range(s16.size):
+                top = max(top, u32(u32(s16[k]) & u32(0x7FFF)))
+            bad[unit] = top >= (u32(0x7F80) if mode == 1 else u32(0x7C00))
+            for j in range(lo, hi):
+                val16[j] = x16[idx[j]]
+
+
+def _nb_spread(idx: Any, vals: Any, out: Any) -> None:
+    # out = zeros with out[idx[j]] = vals[j] (idx ascending), a work item at a time: each
+    # value is written while its zeroed work item is in cache
+    n = out.size
+    for unit in prange((n + UNIT - 1) // UNIT):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        dst = out[a:b]
+        for k in range(dst.size):
+            dst[k] = 0
+        for j in range(np.searchsorted(idx, a), np.searchsorted(idx, b)):
+            out[idx[j]] = vals[j]
 
 
 _HELPERS = (
@@ -1351,6 +1403,8 @@ _KERNELS = (
     "_nb_count_at_least",
     "_nb_collect_at_least",
     "_nb_top16",
+    "_nb_gather_finite",
+    "_nb_spread",
 )
 # kernels without a parallel loop of their own
 # (the first two are a parallel helper's wrappers)
@@ -1726,8 +1780,50 @@ class NumbaKernels:
         """See :func:`commpress.codecs.kernels.first_distinct`."""
         out = torch.empty(k, dtype=torch.int64)
         with _launch():
-            found = self["first_distinct"](_np(draws.contiguous()), k, d, _np(out))
+            bitmap, summary = _sampler_bitmaps(d)
+            found = self["first_distinct"](
+                _np(draws.contiguous()), k, d, _np(out), bitmap, summary
+            )
         return out if found >= k else None
+
+    def gather_finite(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """See :func:`commpress.codecs.kernels.gather_finite`."""
+        xf, x16, mode, n = source(x)
+        values = torch.empty(idx.numel(), dtype=x.dtype)
+        bad = np.zeros(-(-n // UNIT), np.bool_)
+        valf, val16 = (_np(values), _DUMMY_U16) if mode == 0 else (_DUMMY_F32, _bits16(values))
+        with _launch():
+            self["gather_finite"](xf, x16, mode, n, _np(idx.contiguous()), valf, val16, bad)
+        return values, not bad.any()
+
+    def spread(self, idx: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
+        """See :func:`commpress.codecs.kernels.spread`."""
+        flat = out.view(-1)
+        if flat.dtype in (torch.float16, torch.bfloat16):
+            dst, src = _bits16(flat), _bits16(values.contiguous())
+        else:
+            dst, src = _np(flat), _np(values.contiguous())
+        with _launch():
+            self["spread"](_np(idx.contiguous()), src, dst)
+
+
+#: Random-K's sampler bitmaps, kept zeroed between calls for up to 2^28 coordinates (a
+#: fresh 4 MB bitmap for 32 M coordinates cost up to 2 ms of page faults, about as much as
+#: the draw); larger ones are made per call.
+_SAMPLER_KEEP = 1 << 28
+_sampler: list[np.ndarray] = [np.zeros(0, np.uint64), np.zeros(0, np.uint64)]
+
+
+def _sampler_bitmaps(d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Zeroed bitmaps for :func:`_nb_first_distinct` over ``[0, d)`` (called under the
+    launch lock; the kernel leaves them zeroed)."""
+    words, marks = -(-d // 64), -(-d // 4096)
+    if d > _SAMPLER_KEEP:
+        return np.zeros(words, np.uint64), np.zeros(marks, np.uint64)
+    if _sampler[0].size < words:
+        _sampler[0] = np.zeros(words, np.uint64)
+        _sampler[1] = np.zeros(marks, np.uint64)
+    return _sampler[0], _sampler[1]
 
 
 __all__ = ["MODES", "SEGMENT", "UNIT", "NumbaKernels", "build", "source", "target"]
