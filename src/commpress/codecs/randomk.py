@@ -222,8 +222,8 @@ class RandomK(Codec):
         # min and max are non-finite iff some element is (NaN propagates): two cheap
         # reductions, no host sync
         low, high = torch.aminmax(flat)
-        finite = torch.isfinite(low) & torch.isfinite(high)
-        return torch.where(finite, values, torch.full_like(values, math.nan))
+        every = torch.isfinite(low) & torch.isfinite(high)
+        return torch.where(every, values, torch.full_like(values, math.nan))
 
     def _expand(
         self,

@@ -1479,7 +1479,7 @@ def _prefetcher() -> Any:
     from numba.core import cgutils, types
     from numba.extending import intrinsic
 
-    @intrinsic  # type: ignore[misc]
+    @intrinsic
     def prefetch(typingctx: Any, arr: Any, idx: Any) -> Any:
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             aryty = signature.args[0]
@@ -1498,7 +1498,7 @@ def _prefetcher() -> Any:
         return types.void(arr, idx), codegen
 
     def probe(a: Any) -> None:
-        prefetch(a, 0)
+        prefetch(a, 0)  # type: ignore[call-arg]
 
     try:
         numba.njit(probe)(np.zeros(1, np.uint64))
