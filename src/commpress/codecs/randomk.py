@@ -252,7 +252,7 @@ class RandomK(Codec):
                 v = torch.where(overflowed, torch.copysign(top, v), scaled)
             # element-wise, so casting the k values equals casting the scattered tensor
             if spread:
-                # zeros and values written in one pass over out (each block in cache)
+                # zeros, then the values stored with their lines prefetched
                 kernels.spread(idx, saturating_cast(v, payload.dtype), out)
             else:
                 scatter_into(out.view(-1), idx, saturating_cast(v, payload.dtype))

@@ -1334,9 +1334,9 @@ def _nb_gather_finite(
         b = min(a + UNIT, n)
         lo = np.searchsorted(idx, a)
         hi = np.searchsorted(idx, b)
-        top = u32(0)
         if mode == 0:
             src = xf[a:b].view(np.uint32)
+            top = u32(0)
             for k in range(src.size):
                 top = max(top, u32(src[k] & u32(0x7FFFFFFF)))
             bad[unit] = top >= _INF_BITS
@@ -1344,25 +1344,23 @@ def _nb_gather_finite(
                 valf[j] = xf[idx[j]]
         else:
             s16 = x16[a:b]
+            top16 = u16(0)  # 16-bit lanes (the 32-bit maximum took 1.3x as long)
             for k in range(s16.size):
-                top = max(top, u32(u32(s16[k]) & u32(0x7FFF)))
-            bad[unit] = top >= (u32(0x7F80) if mode == 1 else u32(0x7C00))
+                v = u16(s16[k] & u16(0x7FFF))
+                top16 = v if v > top16 else top16
+            bad[unit] = top16 >= (u16(0x7F80) if mode == 1 else u16(0x7C00))
             for j in range(lo, hi):
                 val16[j] = x16[idx[j]]
 
 
 def _nb_spread(idx: Any, vals: Any, out: Any) -> None:
-    # out = zeros with out[idx[j]] = vals[j] (idx ascending), a work item at a time: each
-    # value is written while its zeroed work item is in cache
-    n = out.size
-    for unit in prange((n + UNIT - 1) // UNIT):
-        a = unit * UNIT
-        b = min(a + UNIT, n)
-        dst = out[a:b]
-        for k in range(dst.size):
-            dst[k] = 0
-        for j in range(np.searchsorted(idx, a), np.searchsorted(idx, b)):
-            out[idx[j]] = vals[j]
+    # out[idx[j]] = vals[j] (out zeroed by the caller: torch's memset writes without first
+    # reading the lines, which a zeroing loop here did, 1.2x slower in all), each line
+    # prefetched a few values ahead: the scattered stores missed the cache one by one
+    for j in range(idx.size):
+        if j + _LOOKAHEAD < idx.size:
+            _nb_prefetch(out, idx[j + _LOOKAHEAD])
+        out[idx[j]] = vals[j]
 
 
 _HELPERS = (
@@ -1420,7 +1418,6 @@ _KERNELS = (
     "_nb_collect_at_least",
     "_nb_top16",
     "_nb_gather_finite",
-    "_nb_spread",
 )
 # kernels without a parallel loop of their own
 # (the first two are a parallel helper's wrappers)
@@ -1428,6 +1425,7 @@ _SERIAL = (
     "_nb_stochastic_encode",
     "_nb_chunk_norms",
     "_nb_first_distinct",
+    "_nb_spread",
     "_nb_chunk_range",
     "_nb_top_keys",
 )
@@ -1861,6 +1859,7 @@ class NumbaKernels:
             dst, src = _bits16(flat), _bits16(values.contiguous())
         else:
             dst, src = _np(flat), _np(values.contiguous())
+        flat.zero_()
         with _launch():
             self["spread"](_np(idx.contiguous()), src, dst)
 
