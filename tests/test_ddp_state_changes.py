@@ -127,16 +127,26 @@ def _late_decode_failure_worker(rank: int, world: int) -> dict[str, Any]:
 
     step(0)
     step(1)
+    # a bucket's rest counts its bytes: on the general path by note_wire_bytes, on a lane
+    # (steps 0-1 reduced these buckets in one collective each) by count_tally
     original = DDPCompressionState.note_wire_bytes
+    original_tally = DDPCompressionState.count_tally
     calls = {"n": 0}
 
-    def failing(self: Any, st: int, nbytes: int) -> None:
+    def fail_first(st: int) -> None:
         calls["n"] += 1
         if st == 2 and calls["n"] == 1:  # bucket 0's rest at step 2
             if rank == 1:
                 time.sleep(1.0)
             raise RuntimeError("decode failed (on every rank)")
+
+    def failing(self: Any, st: int, nbytes: int) -> None:
+        fail_first(st)
         original(self, st, nbytes)
+
+    def failing_tally(self: Any, st: int, tally: Any, nbytes: int) -> None:
+        fail_first(st)
+        original_tally(self, st, tally, nbytes)
 
     issued = []
     real = dist.all_reduce
@@ -146,6 +156,7 @@ def _late_decode_failure_worker(rank: int, world: int) -> dict[str, Any]:
         return real(t, *a, **k)
 
     DDPCompressionState.note_wire_bytes = failing  # type: ignore[method-assign]
+    DDPCompressionState.count_tally = failing_tally  # type: ignore[method-assign]
     hook = net[0].weight.register_hook(lambda g: (time.sleep(0.3), g)[1])
     dist.all_reduce = counting  # type: ignore[assignment]
     error = ""
@@ -156,6 +167,7 @@ def _late_decode_failure_worker(rank: int, world: int) -> dict[str, Any]:
     finally:
         dist.all_reduce = real  # type: ignore[assignment]
         DDPCompressionState.note_wire_bytes = original  # type: ignore[method-assign]
+        DDPCompressionState.count_tally = original_tally  # type: ignore[method-assign]
         hook.remove()
     after = torch.full((3,), float(rank + 1))
     dist.all_reduce(after)  # pairs up only if both ranks issued the same collectives

@@ -122,3 +122,99 @@ def test_driver_requests_match_the_simulator(world: int) -> None:
         # 4 bytes of peak + 40 int32 lanes + (rank + 1) float32 marker values; nothing is
         # exchanged (or counted) by a group of one.
         assert out["two_round_bytes"] == (4 + 160 + 4 * (rank + 1) if world > 1 else 0)
+
+
+# ---------------------------------------------------------------------------- shoot
+def _shoot_worker(rank: int, world: int) -> dict[str, Any]:
+    """Every reduction :func:`shoot` issues gives the general tasks' result bit for bit, the
+    same byte count, and finishes in its collective's completion callback."""
+    from commpress.codecs import get_codec
+    from commpress.collectives.driver import Exchange, plain_sum_task, protocol_task, shoot
+    from commpress.collectives.queue import run_steps, when_settled
+
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(4099, generator=g) * 3
+
+    def general(codec: str | None, average: bool) -> tuple[torch.Tensor, int]:
+        ex = Exchange.of(label="general")
+        buf = x.clone()
+        ex.writable = buf
+        ctx = CodecContext(rank=rank, world_size=world, key="k", need_local=False,
+                           average=average)
+        if codec is None:
+            task = plain_sum_task(buf, ex, average=average)
+        else:
+            c = get_codec(codec)
+            into = {"out": buf, "scratch": {}} if c.reduces_into else {}
+            task = protocol_task(c.reduce(buf, ctx, **into), ex, single_round=True)
+        total = run_steps(_waits(task, ex))
+        return total.total.clone(), ex.stats.get("wire_bytes", 0)
+
+    for codec in (None, "fp16", "bf16", "sign", "minmax"):
+        for average in (False, True):
+            ex = Exchange.of(label="shot")
+            buf = x.clone()
+            ex.writable = buf
+            ctx = CodecContext(rank=rank, world_size=world, key="k", need_local=False,
+                               average=average)
+            c = None if codec is None else get_codec(codec)
+            into = {"out": buf, "scratch": {}} if c is not None and c.reduces_into else {}
+            protocol = None if c is None else c.reduce(buf, ctx, **into)
+            shot = shoot(ex, buf, protocol=protocol, average=average)
+            fut = when_settled(shot.futures(), lambda _, s=shot: s.finish().total)
+            got = fut.wait()
+            want, nbytes = general(codec, average)
+            name = f"{codec}-{'mean' if average else 'sum'}"
+            out[name] = (torch.equal(got, want), ex.stats.get("wire_bytes", 0) == nbytes,
+                         shot.task is None)
+    return out
+
+
+def _waits(task: Any, ex: Any) -> Any:
+    """A task as queue steps: each pending operation waited for where it is yielded."""
+    try:
+        pending = next(task)
+        while True:
+            yield lambda p=pending: ex.wait(p)
+            pending = task.send(None)
+    except StopIteration as stop:
+        return stop.value
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shoot_gives_the_general_tasks_results(world: int) -> None:
+    for rank, out in enumerate(run_workers(_shoot_worker, world, timeout=120)):
+        for name, (same, counted, lean) in out.items():
+            assert same, f"rank {rank}: {name} differs from the general task"
+            assert counted, f"rank {rank}: {name} counts other wire bytes"
+            # the lean path holds the casts' and the plain sum's one in-place all-reduce; the
+            # other codecs (and a group of one, which sends nothing) take the general task
+            codec = name.rsplit("-", 1)[0]
+            if world > 1:
+                assert lean == (codec in ("None", "fp16", "bf16")), (rank, name)
+
+
+def test_a_shot_protocol_asking_for_a_second_round_is_refused() -> None:
+    out = run_workers(_second_round_worker, 2, timeout=60)
+    for msg in out:
+        assert "asked for round 1" in msg
+
+
+def _second_round_worker(rank: int, world: int) -> str:
+    from commpress.collectives.driver import Exchange, shoot
+
+    def two() -> Protocol:
+        buf = torch.ones(8)
+        got = yield AllReduce(tensors={"v": buf}, scratch=True)
+        yield AllReduce(tensors={"v": got["v"]}, scratch=True)
+        return Reduced(total=got["v"])
+
+    shot = shoot(Exchange.of(label="t"), torch.ones(8), protocol=two())
+    for fut in shot.futures():
+        fut.wait()
+    try:
+        shot.finish()
+    except CommpressError as exc:
+        return str(exc)
+    return "no error"

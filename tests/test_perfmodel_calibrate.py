@@ -4,6 +4,7 @@ predictions with a range from the calibration's spread."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -169,11 +170,37 @@ def test_profile_fit_recovers_a_known_cost_model() -> None:
     pts = [ProfilePoint(numel=n, flops=f, best_s=c0 + n / eps + f / rate,
                         median_s=c0 + n / eps + f / rate)
            for n, f in ((4096, 1e5), (1 << 20, 4e6), (1 << 20, 6.4e7), (1 << 24, 1e9))]
-    got_c0, got_eps, got_rate, spread = _fit(pts, True)
+    got_c0, got_eps, got_rate, got_orth, spread = _fit(pts, True)
     assert got_c0 == pytest.approx(c0, rel=1e-6)
     assert got_eps == pytest.approx(eps, rel=1e-6)
     assert got_rate == pytest.approx(rate, rel=1e-6)
+    assert math.isinf(got_orth)  # no point has orthogonalisation flops: not fitted
     assert spread == pytest.approx(0.0, abs=1e-9)
+    # with PowerSGD's orthogonalisation (2 n r^2 at its own, far lower rate) as a 4th term
+    orth_rate = 2e10
+    shapes = [(64, 64, 1), (64, 64, 4), (1024, 1024, 1), (1024, 1024, 16), (1024, 1024, 64),
+              (16384, 1024, 4), (16384, 1024, 64)]
+    pts = []
+    for n, m, r in shapes:
+        f, o = 4.0 * n * m * r, 2.0 * n * r * r
+        t = c0 + n * m / eps + f / rate + o / orth_rate
+        pts.append(ProfilePoint(numel=n * m, flops=f, best_s=t, median_s=t, orth_flops=o))
+    got_c0, got_eps, got_rate, got_orth, spread = _fit(pts, True)
+    assert (got_c0, got_eps, got_rate, got_orth) == pytest.approx(
+        (c0, eps, rate, orth_rate), rel=1e-6)
+    assert spread == pytest.approx(0.0, abs=1e-9)
+
+
+def test_profile_times_low_rank_codecs_on_two_column_counts() -> None:
+    """One column count (1024) leaves the orthogonalisation (``2 n r^2``) and the products
+    (``4 n m r``) different only through the rank; a second, narrower matrix of the same
+    size separates them."""
+    from commpress.bench.codecs import _profile_shapes
+
+    assert _profile_shapes(1 << 20, low_rank=True) == [(1024, 1024), (4096, 256)]
+    assert _profile_shapes(1 << 24, low_rank=False) == [(16384, 1024)]
+    assert _profile_shapes(4096, low_rank=True) == [(64, 64), (256, 16)]
+    assert _profile_shapes(2, low_rank=True) == [(2, 1)]  # too narrow for a second
 
 
 def test_bench_codecs_profile_writes_a_loadable_profile(tmp_path: Path) -> None:

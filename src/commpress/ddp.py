@@ -47,6 +47,7 @@ from commpress.collectives.checks import agree
 from commpress.collectives.driver import (
     Exchange,
     Pending,
+    Shot,
     Wait,
     direct_path_applies,
     require_initialized,
@@ -63,6 +64,7 @@ from commpress.collectives.policy import (
     CompressionState,
     Guard,
     Plan,
+    Tally,
     checked_options,
     load_policy_file,
 )
@@ -70,7 +72,6 @@ from commpress.collectives.queue import (
     OrderedQueue,
     Steps,
     queue_for,
-    resume_final,
     when_settled,
 )
 from commpress.collectives.strategies import (
@@ -468,12 +469,14 @@ class _Lane:
         keys: the names of its tensors (the plans' keys).
         key: the element-wise group's key (its codec context's key).
         scratch: the codec's buffers kept for the group across steps.
+        tally: what the group adds to a step's record (its tensors, codecs and reasons).
     """
 
     ids: tuple[int, ...]
     keys: tuple[str, ...]
     key: str
     scratch: dict[str, torch.Tensor]
+    tally: Tally
 
 
 def _lane_of(
@@ -500,7 +503,10 @@ def _lane_of(
     if not (route.plain and one_collective):
         return None
     key = bucket.dense[0][1]
-    return _Lane(ids, tuple(p.key for p in plans), key, state._scratch.setdefault(key, {}))
+    return _Lane(
+        ids, tuple(p.key for p in plans), key, state._scratch.setdefault(key, {}),
+        state.tally(plans),
+    )
 
 
 def _replay(
@@ -543,14 +549,18 @@ def _replay(
     route = _route(state, ex)
     what = f"DDP comm hook, bucket {bucket_index} at step {step}"
 
-    def issue() -> tuple[Generator[Pending, None, Any], Pending | None, Any]:
+    def issue() -> Shot:
+        shot = route.shoot(ex, codec, buffer, ctx, out=buffer, scratch=lane.scratch)
+        if shot is not None:
+            return shot
+        # not one exchange after all (the lane's checks say it is): the general task
         task = route.exchange(
             ex, codec, buffer, ctx, tag=engine.ring_tag(0), out=buffer, scratch=lane.scratch
         )
         try:
-            return task, next(task), None
+            return Shot(Wait(ex, next(task), True), task=task)
         except StopIteration as stop:  # nothing to send
-            return task, None, stop.value
+            return Shot(None, done=stop.value)
 
     try:
         with error_context(what):
@@ -569,13 +579,9 @@ def _replay(
         return None
     for plan in plans:
         state.plans[plan.key] = plan
-    task, pending, value = issued
-    counted = params if len(plans) == len(params) else (buffer,)
-    wait = Wait(ex, pending, True) if pending is not None else None
-    finish = partial(_replay_finish, state, ex, task, wait, value, buffer, plans, counted,
-                     what, last, earlier)
-    works = wait.futures() if wait is not None else []
-    return when_settled([*earlier, *works] if last else works, finish)
+    finish = partial(_replay_finish, state, ex, issued, buffer, step, lane.tally, what, last,
+                     earlier)
+    return when_settled([*earlier, *issued.futures()] if last else issued.futures(), finish)
 
 
 def _raise(exc: BaseException, _: Any) -> Any:
@@ -585,12 +591,10 @@ def _raise(exc: BaseException, _: Any) -> Any:
 def _replay_finish(
     state: DDPCompressionState,
     ex: Exchange,
-    task: Generator[Pending, None, Any],
-    wait: Wait | None,
-    value: Any,
+    shot: Shot,
     buffer: torch.Tensor,
-    plans: list[Plan],
-    counted: Sequence[torch.Tensor],
+    step: int,
+    tally: Tally,
     what: str,
     last: bool,
     earlier: Sequence[torch.futures.Future[torch.Tensor]],
@@ -598,18 +602,13 @@ def _replay_finish(
 ) -> torch.Tensor:
     """:func:`_replay`'s rest, in the completion callback of the bucket's collective (of the
     step's earlier buckets' too, for its last): the general path's after its final wait,
-    the decode into the buffer, then the counts (``counted``: the tensors of ``plans``) and
-    bytes of the step."""
-    step = plans[0].step
+    the decode into the buffer, then the step's counts (the group's ``tally``) and bytes."""
     try:
         with error_context(what):
-            if wait is not None:
-                value = resume_final(task, wait)
-            total = value.total
+            total = shot.finish().total
             if total.data_ptr() != buffer.data_ptr() or total.dtype != buffer.dtype:
                 buffer.copy_(total)
-            state.record_group(plans, buffer, counted)
-            state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
+            state.count_tally(step, tally, ex.stats.get("wire_bytes", 0))
     except BaseException:
         # after the collective: the ranks are in step, so this fails the bucket (and the
         # step) without refusing later ones, as the general path does

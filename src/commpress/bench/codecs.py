@@ -236,12 +236,26 @@ def _nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
 
 @dataclass(slots=True, kw_only=True)
 class ProfilePoint:
-    """One timed call: ``numel`` elements, ``flops`` of matrix products, best and median."""
+    """One timed call: ``numel`` elements, ``flops`` of matrix products, best and median;
+    ``orth_flops`` of orthogonalisation (PowerSGD's encode, ``2 n r^2``)."""
 
     numel: int
     flops: float
     best_s: float
     median_s: float
+    orth_flops: float = 0.0
+
+
+def _profile_shapes(n: int, *, low_rank: bool) -> list[tuple[int, int]]:
+    """The matrices a profile times at ``n`` elements: ``rows x 1024`` from 2^20 elements
+    (a square one below); for a low-rank codec also one with a quarter of the columns, so
+    that the orthogonalisation (``2 n r^2``, rows times rank squared) and the products
+    (``n m r``) do not differ through the rank alone and the fit can tell them apart."""
+    cols = min(n, 1024 if n >= 1 << 20 else max(1, int(math.isqrt(n))))
+    shapes = [(max(1, n // cols), cols)]
+    if low_rank and cols >= 4:
+        shapes.append((n // (cols // 4), cols // 4))
+    return shapes
 
 
 def _timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
@@ -252,22 +266,27 @@ def _timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
-def _fit(points: Sequence[ProfilePoint], with_flops: bool) -> tuple[float, float, float, float]:
-    """``(c0, eps, flop_rate, spread)`` of ``t = c0 + n / eps + flops / flop_rate`` fitted to
-    the best times; ``spread`` is the larger of the largest relative deviation of a point
-    from the fit and the median (over sizes) of median / best - 1 (run-to-run jitter)."""
-    rows = [[1.0, float(p.numel)] + ([p.flops] if with_flops else []) for p in points]
+def _fit(points: Sequence[ProfilePoint], with_flops: bool
+         ) -> tuple[float, float, float, float, float]:
+    """``(c0, eps, flop_rate, orth_rate, spread)`` of ``t = c0 + n / eps + flops / flop_rate
+    + orth_flops / orth_rate`` fitted to the best times (the orthogonalisation term only when
+    some point has ``orth_flops``); ``spread`` is the larger of the largest relative deviation
+    of a point from the fit and the median (over sizes) of median / best - 1 (jitter)."""
+    with_orth = with_flops and any(p.orth_flops > 0 for p in points)
+    rows = [[1.0, float(p.numel)] + ([p.flops] if with_flops else [])
+            + ([p.orth_flops] if with_orth else []) for p in points]
     y = [p.best_s for p in points]
     coef = _nnls(rows, y)
     c0 = coef[0]
     eps = 1.0 / coef[1] if coef[1] > 0 else math.inf
     rate = 1.0 / coef[2] if with_flops and coef[2] > 0 else math.inf
+    orth = 1.0 / coef[3] if with_orth and coef[3] > 0 else math.inf
     import statistics
 
     residual = max(abs(sum(a * b for a, b in zip(r, coef, strict=False)) - p.best_s) / p.best_s
                    for r, p in zip(rows, points, strict=True))
     jitter = statistics.median(p.median_s / p.best_s - 1.0 for p in points)
-    return c0, eps, rate, max(residual, jitter)
+    return c0, eps, rate, orth, max(residual, jitter)
 
 
 def profile_codec(
@@ -276,7 +295,12 @@ def profile_codec(
     """Time ``spec``'s encode, decode (into a reused buffer) and, for sparse codecs, the
     scatter-add of gathered payloads at every size (PowerSGD also at :data:`PROFILE_RANKS`)
     and fit :class:`~commpress.perfmodel.codec_costs.CodecSpeed` (additive form)."""
-    from commpress.perfmodel.codec_costs import CodecSpeed, codec_flops, sparse_entries
+    from commpress.perfmodel.codec_costs import (
+        CodecSpeed,
+        codec_flops,
+        codec_orth_flops,
+        sparse_entries,
+    )
 
     base = get_codec(spec)
     variants = [base]
@@ -287,41 +311,45 @@ def profile_codec(
     dec_pts: list[ProfilePoint] = []
     acc_pts: list[ProfilePoint] = []
     for n in sizes:
-        cols = min(n, 1024 if n >= 1 << 20 else max(1, int(math.isqrt(n))))
-        rows = max(1, n // cols)
-        x = gaussian(rows * cols, seed=0).reshape(rows, cols).to(device)
-        for codec in variants:
-            ctx = CodecContext(key="profile", world_size=PROFILE_PEERS)
-            payload = codec.encode(x, ctx)  # warm-up
-            buffer = torch.empty_like(x)
-            codec.decode(payload, ctx, out=buffer)
-            f_enc, f_dec = codec_flops(codec, tuple(x.shape))
-            best, med = _timed(functools.partial(codec.encode, x, ctx), repeat)
-            enc_pts.append(ProfilePoint(numel=x.numel(), flops=f_enc, best_s=best, median_s=med))
-            best, med = _timed(functools.partial(codec.decode, payload, ctx, out=buffer), repeat)
-            dec_pts.append(ProfilePoint(numel=x.numel(), flops=f_dec, best_s=best, median_s=med))
-            entries = sparse_entries(codec, x.numel())
-            if codec is base and entries is not None:
-                one, _ = _timed(functools.partial(codec.sum_decoded, [payload], ctx), repeat)
-                many, m_med = _timed(functools.partial(
-                    codec.sum_decoded, [payload] * PROFILE_PEERS, ctx), repeat)
-                per = max(many - one, 1e-9) / (PROFILE_PEERS - 1)
-                acc_pts.append(ProfilePoint(numel=int(entries), flops=0.0, best_s=per,
-                                            median_s=per * m_med / many))
+        for rows, cols in _profile_shapes(n, low_rank=len(variants) > 1):
+            x = gaussian(rows * cols, seed=0).reshape(rows, cols).to(device)
+            for codec in variants:
+                ctx = CodecContext(key="profile", world_size=PROFILE_PEERS)
+                payload = codec.encode(x, ctx)  # warm-up
+                buffer = torch.empty_like(x)
+                codec.decode(payload, ctx, out=buffer)
+                f_enc, f_dec = codec_flops(codec, tuple(x.shape))
+                orth = codec_orth_flops(codec, tuple(x.shape))
+                best, med = _timed(functools.partial(codec.encode, x, ctx), repeat)
+                enc_pts.append(ProfilePoint(numel=x.numel(), flops=f_enc, best_s=best,
+                                            median_s=med, orth_flops=orth))
+                best, med = _timed(
+                    functools.partial(codec.decode, payload, ctx, out=buffer), repeat)
+                dec_pts.append(ProfilePoint(numel=x.numel(), flops=f_dec, best_s=best,
+                                            median_s=med))
+                entries = sparse_entries(codec, x.numel())
+                if codec is base and entries is not None:
+                    one, _ = _timed(functools.partial(codec.sum_decoded, [payload], ctx), repeat)
+                    many, m_med = _timed(functools.partial(
+                        codec.sum_decoded, [payload] * PROFILE_PEERS, ctx), repeat)
+                    per = max(many - one, 1e-9) / (PROFILE_PEERS - 1)
+                    acc_pts.append(ProfilePoint(numel=int(entries), flops=0.0, best_s=per,
+                                                median_s=per * m_med / many))
     flops = base.codec_id == "powersgd"
     if flops and sum(p.flops > 0 for p in enc_pts) >= 2:
         # fit the matrices it compresses; those it sends exactly cost a copy
         enc_pts = [p for p in enc_pts if p.flops > 0]
         dec_pts = [p for p in dec_pts if p.flops > 0]
-    c_e, eps_e, rate_e, spread_e = _fit(enc_pts, flops)
-    c_d, eps_d, rate_d, spread_d = _fit(dec_pts, flops)
+    c_e, eps_e, rate_e, orth_e, spread_e = _fit(enc_pts, flops)
+    c_d, eps_d, rate_d, _, spread_d = _fit(dec_pts, flops)
     rate = min(rate_e, rate_d)
     accumulate, acc_s = math.inf, 0.0
     if acc_pts:
-        acc_s, accumulate, _, _ = _fit(acc_pts, False)
+        acc_s, accumulate, _, _, _ = _fit(acc_pts, False)
     speed = CodecSpeed(
         c_e, eps_e, eps_d, additive=True, flops=rate, accumulate_eps=accumulate,
         accumulate_s=acc_s, decode_overhead_s=c_d, spread=max(spread_e, spread_d),
+        orth_flops=orth_e,
     )
     samples = {
         "encode": [asdict(p) for p in enc_pts],
@@ -368,7 +396,8 @@ def measure_profile(
             "command": command,
             "sizes": list(sizes),
             "repeat": repeat,
-            "model": "t = overhead_s + n / eps + flops / flops_rate (fitted, best of repeat)",
+            "model": "t = overhead_s + n / eps + flops / flops_rate + orth_flops / orth_rate "
+                     "(fitted, best of repeat)",
         },
         "speeds": speeds,
         "samples": samples,

@@ -40,6 +40,12 @@ from commpress.errors import ConfigError, PayloadError, error_context
 #: Seed offsets, so that the shared rotation and the per-rank rounding noise never coincide.
 #: Largest rotation block of the Triton kernel (``kernels.triton_gpu.THC_MAX_BLOCK``).
 _TRITON_MAX_BLOCK = 4096
+#: Largest rotation block (log2) each fused kernel rotates in one pass with the quantisation:
+#: the Triton kernel on a GPU, the numba kernel on a CPU; a larger block (``"full"``) runs
+#: :func:`hadamard_transform`, one butterfly stage per pass over memory (the performance
+#: model prices it so).
+FUSED_BLOCK_LOG2: dict[str, int] = {"gpu": _TRITON_MAX_BLOCK.bit_length() - 1,
+                                    "cpu": kernels_extra.LOCAL_BLOCK.bit_length() - 1}
 _SIGN_STREAM = 0x7C1
 _ROUND_STREAM = 0x7C2
 

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from commpress.codecs.base import Codec, Payload
 from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced, Request
 from commpress.codecs.simulate import reduce_tensors
-from commpress.collectives.queue import Steps, run_steps
+from commpress.collectives.queue import Steps, resume_final, run_steps
 from commpress.errors import (
     CommpressError,
     ExchangeError,
@@ -593,19 +593,10 @@ def plain_sum_task(
     """Task computing :func:`uncompressed_all_reduce` (``x`` must pass
     :func:`direct_path_applies`): the all-reduce is issued, yielded to the scheduler, and the
     mean divided after it (float16: before, as :func:`sum_in_place` does)."""
-    buf = _plain_buffer(x, ex)
-    if ex.world_size > 1:
-        early = _divides_first(buf, average)
-        if early:
-            buf.div_(ex.world_size)
-        if buf.numel():
-            yield Pending(
-                [dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group, async_op=True)],
-                "round 0 (all-reduce)", True,
-            )
-        if average and not early:
-            buf.div_(ex.world_size)
-    return Reduced(total=buf.view(x.shape))
+    shot = shoot(ex, x, average=average)
+    if shot.wait is not None:
+        yield shot.wait.pending
+    return shot.finish()
 
 
 def _divides_first(buf: torch.Tensor, average: bool) -> bool:
@@ -748,6 +739,108 @@ def all_reduce_task(
             out[names[i]] = piece.to(t.device, t.dtype)
             pos += t.numel()
     return out
+
+
+class Shot:
+    """One reduction whose only exchange, issued, is in flight: :meth:`finish` completes it
+    once :meth:`futures` did (in their completion callback).
+
+    Made by :func:`shoot`. For a request that is one in-place all-reduce (the identity's
+    plain sum, a 16-bit cast's protocol) it holds just that collective and finishes without
+    the task layers (:func:`plain_sum_task`, :func:`protocol_task` and
+    :func:`all_reduce_task`, which a DDP bucket would otherwise traverse twice per step);
+    for any other it holds the general task and its final wait. The results, the counts and
+    the errors are the same either way.
+    """
+
+    __slots__ = ("wait", "task", "protocol", "name", "reply", "divide", "done")
+
+    def __init__(
+        self, wait: Wait | None, *, task: Task | None = None, protocol: Protocol | None = None,
+        name: str = "", reply: torch.Tensor | None = None, divide: int = 0,
+        done: Reduced | None = None,
+    ) -> None:
+        self.wait, self.task, self.protocol = wait, task, protocol
+        self.name, self.reply, self.divide, self.done = name, reply, divide, done
+
+    def futures(self) -> list[torch.futures.Future[Any]]:
+        """The futures of the exchange in flight (none when nothing was sent)."""
+        return [] if self.wait is None else self.wait.futures()
+
+    def finish(self) -> Reduced:
+        """The reduction's result, once :meth:`futures` completed; raises the exchange's
+        failure as its task would have (:meth:`Wait.completed`)."""
+        if self.done is not None:
+            return self.done
+        assert self.wait is not None
+        if self.task is not None:
+            return resume_final(self.task, self.wait)
+        self.wait.completed()
+        reply = self.reply
+        assert reply is not None
+        if self.protocol is None:  # a plain sum: its mean's division after the sum
+            if self.divide:
+                reply.div_(self.divide)
+            return Reduced(total=reply)
+        try:
+            self.protocol.send({self.name: reply})
+        except StopIteration as stop:
+            return _check_reduced(stop.value)
+        self.protocol.close()
+        raise CommpressError(
+            "a single-round codec's protocol asked for round 1; a codec with more than one "
+            "exchange must declare multi_round = True"
+        )
+
+
+def shoot(
+    ex: Exchange, x: torch.Tensor, *, protocol: Protocol | None = None, average: bool = False,
+) -> Shot:
+    """Issue a single-exchange reduction now and return it in flight (:class:`Shot`).
+
+    With ``protocol`` (a single-round codec protocol: ``codec.reduce(x, ...)``), the codec
+    encodes and its one request is issued; without, ``x`` (which must pass
+    :func:`direct_path_applies`) is summed as :func:`plain_sum_task` sums it (``average``: a
+    mean). Where the request is not one in-place all-reduce of a tensor the backend sums as it
+    is, :func:`protocol_task` takes the protocol over from that request and runs it to its
+    final wait. Everything issued, counted and computed is what :func:`protocol_task` or
+    :func:`plain_sum_task` does.
+    """
+    if protocol is None:
+        buf = _plain_buffer(x, ex)
+        if ex.world_size == 1:
+            return Shot(None, done=Reduced(total=buf.view(x.shape)))
+        early = _divides_first(buf, average)
+        if early:
+            buf.div_(ex.world_size)
+        if not buf.numel():
+            return Shot(None, done=Reduced(total=buf.view(x.shape)))
+        work = dist.all_reduce(buf, _REDUCE_OPS["sum"], group=ex.group, async_op=True)
+        return Shot(
+            Wait(ex, Pending([work], "round 0 (all-reduce)", True), True),
+            reply=buf.view(x.shape), divide=ex.world_size if average and not early else 0,
+        )
+    kind, request = _advance(protocol, None, start=True)
+    if kind == "done":
+        return Shot(None, done=_check_reduced(request))
+    if (isinstance(request, AllReduce) and len(request.tensors) == 1 and ex.world_size > 1
+            and not request.saturate and request.int_bits is None):
+        ((name, only),) = request.tensors.items()
+        if (only.numel() and only.dtype == _transport_dtype(only.dtype, request.op)
+                and _in_place(request, only, ex)):
+            ex.count(request.wire_bytes)
+            flat = only.reshape(-1)
+            work = dist.all_reduce(flat, _REDUCE_OPS[request.op], group=ex.group, async_op=True)
+            return Shot(
+                Wait(ex, Pending([work], "round 0 (all-reduce)", True), True),
+                protocol=protocol, name=name, reply=flat.view(only.shape),
+            )
+    general = protocol_task(protocol, ex, first=(kind, request), single_round=True)
+    try:
+        pending = next(general)
+    except StopIteration as stop:
+        return Shot(None, done=_check_reduced(stop.value))
+    return Shot(Wait(ex, pending, True), task=general)
 
 
 def _in_place(request: AllReduce, t: torch.Tensor, ex: Exchange) -> bool:

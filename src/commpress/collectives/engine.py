@@ -39,10 +39,12 @@ from commpress.collectives import checks
 from commpress.collectives.driver import (
     Exchange,
     Pending,
+    Shot,
     direct_path_applies,
     plain_sum_task,
     protocol_task,
     schedule,
+    shoot,
     sums_plainly,
     uncompressed_all_reduce,
 )
@@ -181,6 +183,24 @@ class Route:
         return self.strategy.task(
             codec, x, ctx, ex, tag=tag, pool=self.pool, local_size=self.local_size
         )
+
+    def shoot(
+        self, ex: Exchange, codec: Codec, x: torch.Tensor, ctx: CodecContext, *,
+        out: torch.Tensor, scratch: dict[str, torch.Tensor],
+    ) -> Shot | None:
+        """:meth:`exchange`'s reduction issued now and left in flight
+        (:func:`~commpress.collectives.driver.shoot`), where it is one exchange: the
+        identity's plain sum, or a single-round codec's own protocol decoding into ``out``;
+        ``None`` for any other (run :meth:`exchange`'s task)."""
+        if (self.plain and not ctx.need_local and sums_plainly(codec)
+                and direct_path_applies(x, ex)):
+            return shoot(ex, x, average=ctx.average)
+        if self.plain and codec.reduces_into and not codec.multi_round:
+            return shoot(
+                ex, x,
+                protocol=codec.reduce(x, ctx, out=out, scratch=scratch),  # type: ignore[call-arg]
+            )
+        return None
 
 
 def run_jobs(

@@ -410,6 +410,16 @@ class _OpenStep:
     wire_bytes: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Tally:
+    """What a group of tensors adds to a step's record (:meth:`CompressionState.tally`): its
+    tensors, and their counts per codec spec and per plan reason."""
+
+    tensors: int
+    codecs: tuple[tuple[str, int], ...]
+    reasons: tuple[tuple[str, int], ...]
+
+
 def _shallow(value: Any) -> Any:
     """A copy of nested dicts/lists/tuples that shares their tensors (codecs replace state
     tensors instead of changing them, so references are enough to restore a state)."""
@@ -814,6 +824,30 @@ class CompressionState:
                     piece = total[offset : offset + n]
                     record.norms.append(torch.linalg.vector_norm(piece, dtype=torch.float64))
                 offset += n
+
+    def tally(self, plans: Sequence[Plan]) -> Tally:
+        """What :meth:`record_group` counts for ``plans`` when it has no norm to measure, as
+        one tally to add at every step that reduces the same group (:meth:`count_tally`)."""
+        codecs: dict[str, int] = {}
+        reasons: dict[str, int] = {}
+        for plan in plans:
+            spec = _spec(plan.codec)
+            codecs[spec] = codecs.get(spec, 0) + 1
+            reasons[plan.reason] = reasons.get(plan.reason, 0) + 1
+        return Tally(len(plans), tuple(codecs.items()), tuple(reasons.items()))
+
+    def count_tally(self, step: int, tally: Tally, wire_bytes: int) -> None:
+        """:meth:`record_group` of a group without a norm to measure (no error feedback,
+        stateful codec or guard in the policy: not :meth:`protects_state`), by its
+        :meth:`tally`, and :meth:`note_wire_bytes`, in one update of the step's record."""
+        record = self._step_record(step)
+        with self._lock:
+            record.tensors += tally.tensors
+            for spec, n in tally.codecs:
+                record.codecs[spec] = record.codecs.get(spec, 0) + n
+            for reason, n in tally.reasons:
+                record.reasons[reason] = record.reasons.get(reason, 0) + n
+            record.wire_bytes += int(wire_bytes)
 
     # ------------------------------------------------------------------ steps and rollback
     def _step_record(self, step: int) -> _OpenStep:

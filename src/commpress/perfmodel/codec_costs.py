@@ -33,6 +33,7 @@ from commpress.codecs.base import Codec, CodecContext
 from commpress.codecs.protocol import AllGather, AllReduce
 from commpress.codecs.registry import get_codec
 from commpress.codecs.simulate import single_worker
+from commpress.codecs.thc import FUSED_BLOCK_LOG2, Thc
 from commpress.collectives.policy import CompressionState
 from commpress.collectives.strategies import get_strategy, strategy_names
 from commpress.errors import CommpressError, error_context
@@ -58,6 +59,62 @@ GRANULARITIES: tuple[str, ...] = ("parameter", "bucket", "batched", "hook")
 
 
 # ---------------------------------------------------------------------------- throughput
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RotationCost:
+    """What a Hadamard rotation (THC) of a block too large for the codec's fused kernel costs
+    on top of the measured encode or decode (whose kernel rotates blocks of up to
+    ``2^fused_log2`` coordinates in fast on-chip memory, in the same pass as the
+    quantisation).
+
+    A block of ``2^L`` coordinates with ``L > fused_log2`` (THC's ``block_log2="full"``) is
+    rotated in passes over global memory, each reading and writing the padded tensor once
+    and doing ``radix_log2`` butterfly stages: ``restart=True``, the implementation then
+    leaves its fused kernel and runs all ``L`` stages that way (commpress's torch fallback:
+    one stage per pass); ``restart=False``, the fused pass still does ``fused_log2`` stages
+    and ``ceil((L - fused_log2) / radix_log2)`` more passes do the rest (a kernel that
+    rotates across blocks with the on-chip block as its radix).
+
+    Attributes:
+        fused_log2: largest block (log2) the fused kernel rotates.
+        radix_log2: butterfly stages per pass over global memory beyond it.
+        restart: whether all ``L`` stages run in such passes (see above).
+        pass_eps: padded elements per second of one pass.
+    """
+
+    fused_log2: int
+    radix_log2: int
+    restart: bool
+    pass_eps: float
+
+    def __post_init__(self) -> None:
+        if self.fused_log2 < 0 or self.radix_log2 < 1:
+            raise CommpressError(f"rotation needs fused_log2 >= 0 and radix_log2 >= 1, got "
+                                 f"{self.fused_log2!r} and {self.radix_log2!r}")
+        if not self.pass_eps > 0:
+            raise CommpressError(f"rotation pass_eps must be > 0, got {self.pass_eps!r}")
+
+    def passes(self, block: int) -> int:
+        """Passes over global memory to rotate blocks of ``block`` coordinates."""
+        log2 = max(0, int(block).bit_length() - 1)
+        if log2 <= self.fused_log2:
+            return 0
+        todo = log2 if self.restart else log2 - self.fused_log2
+        return -(-todo // self.radix_log2)
+
+    def time(self, padded: float, block: int) -> float:
+        """Extra seconds to rotate ``padded`` coordinates in blocks of ``block``."""
+        return self.passes(block) * padded / self.pass_eps
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fused_log2": self.fused_log2, "radix_log2": self.radix_log2,
+                "restart": self.restart, "pass_eps": self.pass_eps}
+
+    @classmethod
+    def from_dict(cls, entry: Mapping[str, Any]) -> RotationCost:
+        return cls(fused_log2=int(entry["fused_log2"]), radix_log2=int(entry["radix_log2"]),
+                   restart=bool(entry["restart"]), pass_eps=float(entry["pass_eps"]))
+
+
 @dataclass(frozen=True, slots=True)
 class CodecSpeed:
     """Encode/decode time model of one codec.
@@ -75,6 +132,11 @@ class CodecSpeed:
         additive: ``c0 + n / eps`` instead of ``max(c0, n / eps)``.
         flops: matrix-product rate (flop/s) for the codec's products (PowerSGD: ``4 n m r``
             flops to encode an ``n x m`` matrix at rank ``r``, ``2 n m r`` to decode).
+        orth_flops: rate (flop/s) of the encode's orthogonalisation (PowerSGD: ``2 n r^2``
+            flops per power iteration to orthonormalise the ``n x r`` factor, see
+            :func:`codec_orth_flops`), a column-by-column factorisation that runs far below
+            the matrix-product rate; ``inf``: not charged apart (a profile fitted without
+            it, whose ``flops`` rate then absorbs it linearly in ``r``).
         accumulate_eps: entries per second that a sparse codec scatter-adds when it sums
             all-gathered payloads (``inf``: not measured; the sum then costs dense decodes).
         accumulate_s: fixed cost of one payload's scatter-add.
@@ -92,12 +154,14 @@ class CodecSpeed:
     accumulate_s: float = 0.0
     decode_overhead_s: float | None = None
     spread: float = 0.0
+    orth_flops: float = math.inf
+    rotation: RotationCost | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.overhead_s) and self.overhead_s >= 0):
             raise CommpressError(f"codec overhead must be finite and >= 0 s, got "
                                  f"{self.overhead_s!r}")
-        for name in ("encode_eps", "decode_eps", "flops", "accumulate_eps"):
+        for name in ("encode_eps", "decode_eps", "flops", "accumulate_eps", "orth_flops"):
             v = getattr(self, name)
             if not v > 0:
                 raise CommpressError(f"{name} must be > 0 per second, got {v!r}")
@@ -108,22 +172,24 @@ class CodecSpeed:
         if not (math.isfinite(self.spread) and self.spread >= 0):
             raise CommpressError(f"speed spread must be finite and >= 0, got {self.spread!r}")
 
-    def _time(self, numel: float, eps: float, flops: float, c0: float) -> float:
+    def _time(self, numel: float, eps: float, flops: float, c0: float,
+              orth: float = 0.0) -> float:
         if numel <= 0:
             return 0.0
-        work = numel / eps + flops / self.flops
+        work = numel / eps + flops / self.flops + orth / self.orth_flops
         return c0 + work if self.additive else max(c0, work)
 
-    def encode_time(self, numel: float, flops: float = 0.0) -> float:
-        return self._time(numel, self.encode_eps, flops, self.overhead_s)
+    def encode_time(self, numel: float, flops: float = 0.0, orth: float = 0.0) -> float:
+        """``orth``: flops of the encode's orthogonalisation (:func:`codec_orth_flops`)."""
+        return self._time(numel, self.encode_eps, flops, self.overhead_s, orth)
 
     def decode_time(self, numel: float, flops: float = 0.0) -> float:
         c0 = self.overhead_s if self.decode_overhead_s is None else self.decode_overhead_s
         return self._time(numel, self.decode_eps, flops, c0)
 
-    def encode_work(self, numel: float, flops: float = 0.0) -> float:
+    def encode_work(self, numel: float, flops: float = 0.0, orth: float = 0.0) -> float:
         """:meth:`encode_time` without the fixed cost of the call."""
-        return self._time(numel, self.encode_eps, flops, 0.0)
+        return self._time(numel, self.encode_eps, flops, 0.0, orth)
 
     def decode_work(self, numel: float, flops: float = 0.0) -> float:
         """:meth:`decode_time` without the fixed cost of the call."""
@@ -145,7 +211,7 @@ class CodecSpeed:
                                "decode_eps": self.decode_eps}
         if self.additive:
             out["additive"] = True
-        for name in ("flops", "accumulate_eps"):
+        for name in ("flops", "accumulate_eps", "orth_flops"):
             if not math.isinf(getattr(self, name)):
                 out[name] = getattr(self, name)
         if self.accumulate_s:
@@ -154,6 +220,8 @@ class CodecSpeed:
             out["decode_overhead_s"] = self.decode_overhead_s
         if self.spread:
             out["spread"] = self.spread
+        if self.rotation is not None:
+            out["rotation"] = self.rotation.to_dict()
         return out
 
     @classmethod
@@ -167,6 +235,9 @@ class CodecSpeed:
             decode_overhead_s=(None if entry.get("decode_overhead_s") is None
                                else float(entry["decode_overhead_s"])),
             spread=float(entry.get("spread", 0.0)),
+            orth_flops=float(entry.get("orth_flops", math.inf)),
+            rotation=(None if entry.get("rotation") is None
+                      else RotationCost.from_dict(entry["rotation"])),
         )
 
 
@@ -176,6 +247,22 @@ PROFILE_DIR = Path(__file__).with_name("data")
 BUILTIN_PROFILES: dict[str, str] = {"gpu": "speeds-h100.json", "cpu": "speeds-cpu.json"}
 #: Used for a codec a profile does not list.
 FALLBACK_SPEED = CodecSpeed(100e-6, 5e9, 1e10)
+#: Passes over memory of one butterfly stage of :func:`commpress.codecs.thc.hadamard_transform`
+#: relative to a copy: each stage reads every element twice (the sum and the difference)
+#: and writes it once, 12 bytes per float32 where a copy moves 8.
+BUTTERFLY_STAGE_COPIES = 1.5
+
+
+def code_rotation(table: SpeedTable) -> RotationCost:
+    """How commpress's own THC rotates a block larger than its fused kernel holds
+    (:data:`commpress.codecs.thc.FUSED_BLOCK_LOG2`: 2^12 for the Triton kernel of a GPU
+    profile, 2^15 for the numba kernel of a CPU one): the torch fallback runs all ``log2 B``
+    butterfly stages, one pass each, at the table's measured copy rate (the identity's
+    decode) divided by :data:`BUTTERFLY_STAGE_COPIES`."""
+    device = "cpu" if str(table.provenance.get("device", "")).startswith("cpu") else "gpu"
+    copy = table.lookup(get_codec("identity"))
+    return RotationCost(fused_log2=FUSED_BLOCK_LOG2[device], radix_log2=1, restart=True,
+                        pass_eps=copy.decode_eps / BUTTERFLY_STAGE_COPIES)
 
 
 def _builtin_table(device: str) -> SpeedTable:
@@ -238,6 +325,9 @@ class SpeedTable:
         return SpeedTable(
             {k: replace(v, overhead_s=v.overhead_s * c, encode_eps=v.encode_eps / factor,
                         decode_eps=v.decode_eps / factor, flops=v.flops / factor,
+                        orth_flops=v.orth_flops / factor,
+                        rotation=None if v.rotation is None else replace(
+                            v.rotation, pass_eps=v.rotation.pass_eps / factor),
                         accumulate_eps=v.accumulate_eps / factor,
                         accumulate_s=v.accumulate_s * c,
                         decode_overhead_s=None if v.decode_overhead_s is None
@@ -769,11 +859,26 @@ class _Planner:
 
     def gpu_enc(self, numel: float, shape: tuple[int, ...] | None = None) -> float:
         flops = codec_flops(self.codec, shape)[0] if shape else 0.0
-        return self._speed_for(shape).encode_time(numel, flops) * self.cfg.codec_time_scale
+        orth = codec_orth_flops(self.codec, shape)
+        speed = self._speed_for(shape)
+        t = speed.encode_time(numel, flops, orth) + self.rotation_time(numel, speed)
+        return t * self.cfg.codec_time_scale
 
     def gpu_dec(self, numel: float, shape: tuple[int, ...] | None = None) -> float:
         flops = codec_flops(self.codec, shape)[1] if shape else 0.0
-        return self._speed_for(shape).decode_time(numel, flops) * self.cfg.codec_time_scale
+        speed = self._speed_for(shape)
+        t = speed.decode_time(numel, flops) + self.rotation_time(numel, speed)
+        return t * self.cfg.codec_time_scale
+
+    def rotation_time(self, numel: float, speed: CodecSpeed) -> float:
+        """THC's rotation of blocks larger than the measured kernel's (``block_log2="full"``:
+        the whole tensor, padded to a power of two), on top of the measured speed; the same
+        for the encode's rotation and the decode's inverse (:class:`RotationCost`)."""
+        if not isinstance(self.codec, Thc) or numel < 1:
+            return 0.0
+        lay = self.codec.layout(int(numel))
+        cost = speed.rotation or code_rotation(self.cfg.speeds)
+        return cost.time(lay.padded, lay.block)
 
     def gathered_sum(self, numel: int, ranks: int) -> float:
         """Summing ``ranks`` all-gathered payloads of a ``numel``-element tensor, as
@@ -962,11 +1067,12 @@ class _Planner:
                 continue
             speed = self._speed_for(shape)
             f_enc, f_dec = codec_flops(self.codec, shape)
+            orth = codec_orth_flops(self.codec, shape)
             if fixed_per_tensor:
-                enc += speed.encode_time(numel, f_enc)
+                enc += speed.encode_time(numel, f_enc, orth)
                 dec += speed.decode_time(numel, f_dec)
             else:
-                enc += speed.encode_work(numel, f_enc)
+                enc += speed.encode_work(numel, f_enc, orth)
                 dec += speed.decode_work(numel, f_dec)
             if ranks > 1:
                 prof = wire_profile(self.codec, shape, ranks, cfg.grad_dtype)
@@ -1026,6 +1132,25 @@ def codec_flops(codec: Codec, shape: Sequence[int] | None) -> tuple[float, float
     n, m, r = planned
     iters = int(getattr(codec, "power_iterations", 1) or 1)
     return 4.0 * n * m * r * iters, 2.0 * n * m * r
+
+
+def codec_orth_flops(codec: Codec, shape: Sequence[int] | None) -> float:
+    """Flops of the orthogonalisations in encoding a tensor of ``shape``: PowerSGD
+    orthonormalises its ``n x r`` factor ``P`` once per power iteration, ``2 n r^2`` flops
+    each (Gram-Schmidt: every column projected out of the later ones; Householder QR has the
+    same leading term). Quadratic in the rank where the products are linear: at rank 64 on a
+    ``4096 x 4096`` matrix it is 1/32 of the products' flops, but it runs column by column
+    far below the matrix-product rate (:attr:`CodecSpeed.orth_flops`). 0 for codecs without
+    one and for tensors sent exactly."""
+    plan = getattr(codec, "plan", None)
+    if not shape or not callable(plan):
+        return 0.0
+    planned = plan(tuple(int(d) for d in shape))
+    if planned is None:
+        return 0.0
+    n, _, r = planned
+    iters = int(getattr(codec, "power_iterations", 1) or 1)
+    return 2.0 * n * r * r * iters
 
 
 def hook_batches(codec: Codec, shapes: Sequence[Sequence[int]], cfg: ExchangeConfig) -> bool:
@@ -1159,6 +1284,7 @@ def measure_nmse(
 
 __all__ = [
     "BUILTIN_PROFILES",
+    "BUTTERFLY_STAGE_COPIES",
     "FALLBACK_SPEED",
     "GRANULARITIES",
     "PROFILE_FORMAT",
@@ -1167,11 +1293,14 @@ __all__ = [
     "CodecSpeed",
     "ExchangeConfig",
     "Offload",
+    "RotationCost",
     "Round",
     "SpeedTable",
     "WireProfile",
     "calibrate_protocol_speeds",
     "codec_flops",
+    "code_rotation",
+    "codec_orth_flops",
     "sparse_entries",
     "calibrate_speeds",
     "exchange_segments",

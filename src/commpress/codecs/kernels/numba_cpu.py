@@ -45,6 +45,9 @@ from commpress.errors import CommpressError
 UNIT = 16384
 #: Longest stretch of one chunk scanned for its min/max by one work item.
 SEGMENT = 16384
+#: 16-bit values widened to float32 at a time by the encodes (8 KB: the widened copy stays in
+#: L1; widening a whole work item into a 64 KB buffer ran at a third of the memory's speed).
+WINDOW = 2048
 
 _lock = threading.Lock()
 
@@ -82,6 +85,8 @@ _NO_U16 = np.zeros(1, np.uint16)  # the unused array argument of _nb_part_histog
 _NO_I32 = np.zeros(1, np.int32)
 _F16_TINY = f32(2.0**-24)  # float16's smallest subnormal
 prange = range  # replaced by numba.prange in _build()
+_vsum_sq: Any = None  # replaced by _vector_lane_sum(True) in _build()
+_vsum_abs: Any = None  # replaced by _vector_lane_sum(False) in _build()
 
 # Inputs and outputs of every kernel below come as ``(xf, x16, mode)`` / ``(outf, out16,
 # omode)``: mode 0 is a float32 array ``xf`` (``x16`` a dummy), mode 1 bfloat16 and mode 2
@@ -369,6 +374,23 @@ def _nb_minmax_keys16(src: Any) -> Any:
     return lo, hi
 
 
+def _nb_keys_bf16(src: Any) -> Any:
+    # _nb_minmax_keys of the widening of bfloat16 bits src (uint16), compared in place: its
+    # 16-bit order key is the top half of its widening's (the bottom half is 0xFFFF for
+    # negative values, else 0)
+    lo, hi = _nb_minmax_keys16(src.view(np.int16))
+    lo_key = (i32(lo) << i32(16)) | (i32(0xFFFF) if lo < 0 else i32(0))
+    hi_key = (i32(hi) << i32(16)) | (i32(0xFFFF) if hi < 0 else i32(0))
+    return lo_key, hi_key
+
+
+def _nb_keys_in_place(xf: Any, x16: Any, mode: Any, s: Any, e: Any) -> Any:
+    # the order-key range of x[s:e] for float32 (mode 0) and bfloat16 (mode 1) inputs
+    if mode == 1:
+        return _nb_keys_bf16(x16[s:e])
+    return _nb_minmax_keys(xf[s:e].view(np.int32))
+
+
 def _nb_prescale(scale: Any) -> Any:
     # the exact power of two that keeps a chunk's arithmetic inside float32's range (see
     # quantize.minmax_params): 2^64 for tiny scales, 2^-64 for huge ones, else 1
@@ -379,25 +401,21 @@ def _nb_prescale(scale: Any) -> Any:
     return f32(1.0)
 
 
-def _nb_chunk_params(lo_key: Any, hi_key: Any, levels: Any, scratch: Any) -> Any:
+def _nb_chunk_params(lo_key: Any, hi_key: Any, levels: Any) -> Any:
     # (min, scale, pre, 1/(scale*pre) or 0) of a chunk from its key range; NaN anywhere -> NaN
     # min/scale. The scale is (hi - lo) / levels in float64 rounded up to float32 (capped at
     # float32's max), exactly as quantize.minmax_params computes it.
-    as_float = scratch.view(np.float32)
+    # (scalar bit casts, no round trip through memory: this runs once per chunk)
     if hi_key > _KEY_POS_INF or lo_key < _KEY_NEG_INF:
         lo = f32(np.nan)
         hi = f32(np.nan)
     else:
-        scratch[0] = lo_key ^ ((lo_key >> i32(31)) & i32(0x7FFFFFFF))
-        scratch[1] = hi_key ^ ((hi_key >> i32(31)) & i32(0x7FFFFFFF))
-        lo = as_float[0]
-        hi = as_float[1]
+        lo = i32(lo_key ^ ((lo_key >> i32(31)) & i32(0x7FFFFFFF))).view(np.float32)
+        hi = i32(hi_key ^ ((hi_key >> i32(31)) & i32(0x7FFFFFFF))).view(np.float32)
     exact = (np.float64(hi) - np.float64(lo)) / np.float64(levels)
     scale = f32(exact)
     if np.float64(scale) < exact:  # round up: the next float32 (scale >= 0 here)
-        as_float[0] = scale
-        scratch[0] += i32(1)
-        scale = as_float[0]
+        scale = i32(scale.view(np.int32) + i32(1)).view(np.float32)
     if scale == f32(np.inf) and exact < np.inf:
         scale = _F32_MAX
     pre = _nb_prescale(scale)
@@ -445,6 +463,20 @@ def _nb_quantize(
             dst[k] = u8(t)
 
 
+def _nb_nearest_bf16(src: Any, lo: Any, pre: Any, inv: Any, levels: Any, dst: Any) -> None:
+    # _nb_quantize's nearest rounding (mode 0) of the bfloat16 bits src, widened in the loop
+    # (a scalar bit cast: no buffer)
+    zero = f32(0.0)
+    half = f32(0.5)
+    base = lo * pre
+    for k in range(src.size):
+        v = u32(u32(src[k]) << u32(16)).view(np.float32)
+        t = np.floor((v * pre - base) * inv + half)
+        t = t if t >= zero else zero
+        t = t if t <= levels else levels
+        dst[k] = u8(t)
+
+
 def _nb_segment_keys(
     xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, spc: Any, seg_lo: Any, seg_hi: Any
 ) -> None:
@@ -455,11 +487,7 @@ def _nb_segment_keys(
         s = c * chunk + (g - c * spc) * seg_len
         e = min(s + seg_len, min((c + 1) * chunk, n))
         if mode == 1:
-            # bfloat16 in place: its 16-bit order key is the top half of its widening's
-            # (the bottom half is 0xFFFF for negative values, else 0)
-            lo, hi = _nb_minmax_keys16(x16[s : max(s, e)].view(np.int16))
-            seg_lo[g] = (i32(lo) << i32(16)) | (i32(0xFFFF) if lo < 0 else i32(0))
-            seg_hi[g] = (i32(hi) << i32(16)) | (i32(0xFFFF) if hi < 0 else i32(0))
+            seg_lo[g], seg_hi[g] = _nb_keys_bf16(x16[s : max(s, e)])
             continue
         wide = np.empty(seg_len if mode else 1, np.float32)
         src = _nb_widen(xf, x16, mode, s, max(s, e), wide)
@@ -520,22 +548,55 @@ def _nb_minmax_encode(
         per = (max(1, UNIT // chunk) + align - 1) // align * align
         nitems = (nchunks + per - 1) // per
         for item in prange(nitems):
-            scratch = np.empty(2, np.int32)
-            buf = np.empty(per * chunk + 8, np.uint8)
-            wide = np.empty(per * chunk if mode else 1, np.float32)
             a = item * per * chunk
             b = min(a + per * chunk, n)
-            x = _nb_widen(xf, x16, mode, a, b, wide)
-            xi = x.view(np.int32)
-            for c in range(item * per, min((item + 1) * per, nchunks)):
-                s = c * chunk - a
-                e = min(s + chunk, b - a)
-                lo_key, hi_key = _nb_minmax_keys(xi[s:e])
-                lo, scale, pre, inv = _nb_chunk_params(lo_key, hi_key, levels, scratch)
+            # 8-bit codes are their own packing: written in place
+            buf = packed[a:] if bits == 8 else np.empty(per * chunk + 8, np.uint8)
+            step = WINDOW if mode else chunk
+            wide = np.empty(step if mode else 1, np.float32)
+            c0 = item * per
+            c1 = min(c0 + per, nchunks)
+            nxt = (f32(0.0), f32(0.0), f32(0.0), f32(0.0))
+            for c in range(c0, c1):
+                s = c * chunk
+                e = min(s + chunk, n)
+                x = wide[:0]
+                if mode == 2:
+                    # over windows (one for chunks of at most WINDOW values, whose
+                    # widening is then reused)
+                    lo_key, hi_key = i32(0x7FFFFFFF), i32(-0x80000000)
+                    for w in range(s, e, step):
+                        x = _nb_widen(xf, x16, mode, w, min(w + step, e), wide)
+                        lo_w, hi_w = _nb_minmax_keys(x.view(np.int32))
+                        lo_key, hi_key = min(lo_key, lo_w), max(hi_key, hi_w)
+                    cur = _nb_chunk_params(lo_key, hi_key, levels)
+                elif c == c0:
+                    cur = _nb_chunk_params(*_nb_keys_in_place(xf, x16, mode, s, e), levels)
+                else:
+                    cur = nxt
+                if mode != 2 and c + 1 < c1:
+                    # float32 and bfloat16 ranges are read in place: the next chunk's now,
+                    # its loads and divisions overlapping this chunk's quantizing
+                    nxt = _nb_chunk_params(
+                        *_nb_keys_in_place(xf, x16, mode, e, min(e + chunk, n)), levels
+                    )
+                lo, scale, pre, inv = cur
                 lo_out[c] = lo
                 scale_out[c] = scale
-                _nb_quantize(x[s:e], a + s, lo, pre, inv, levels, rmode, seed, noise, buf[s:e])
-            _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+                if mode == 1 and rmode == 0:
+                    _nb_nearest_bf16(x16[s:e], lo, pre, inv, levels, buf[s - a : e - a])
+                    continue
+                for w in range(s, e, step):
+                    we = min(w + step, e)
+                    if mode != 2 or e - s > step:
+                        x = _nb_widen(xf, x16, mode, w, we, wide)
+                    dst = buf[w - a : we - a]
+                    if rmode == 0:  # a constant mode: the other rounding loops fold away
+                        _nb_quantize(x, w, lo, pre, inv, levels, 0, seed, noise, dst)
+                    else:
+                        _nb_quantize(x, w, lo, pre, inv, levels, rmode, seed, noise, dst)
+            if bits != 8:
+                _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
         return
     # Long chunks: pass 1 finds the ranges of segments in parallel, pass 2 quantizes UNIT
     # consecutive codes per work item.
@@ -544,29 +605,12 @@ def _nb_minmax_encode(
     _nb_chunk_keys(xf, x16, mode, n, chunk, lo_key, hi_key)
     inv_all = np.empty(nchunks, np.float32)
     pre_all = np.empty(nchunks, np.float32)
-    scratch = np.empty(2, np.int32)
     for c in range(nchunks):
         lo_out[c], scale_out[c], pre_all[c], inv_all[c] = _nb_chunk_params(
-            lo_key[c], hi_key[c], levels, scratch
+            lo_key[c], hi_key[c], levels
         )
-    nunits = (n + UNIT - 1) // UNIT
-    for unit in prange(nunits):
-        a = unit * UNIT
-        b = min(a + UNIT, n)
-        buf = np.empty(UNIT + 8, np.uint8)
-        wide = np.empty(UNIT if mode else 1, np.float32)
-        x = _nb_widen(xf, x16, mode, a, b, wide)
-        i = a
-        c = a // chunk
-        while i < b:
-            e = min((c + 1) * chunk, b)
-            _nb_quantize(
-                x[i - a : e - a], i, lo_out[c], pre_all[c], inv_all[c], levels, rmode, seed,
-                noise, buf[i - a : e - a],
-            )
-            i = e
-            c += 1
-        _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+    _nb_stoch_units(xf, x16, mode, n, chunk, 2, (1 << bits) - 1, bits, rmode, seed, noise,
+                    lo_out, pre_all, inv_all, packed)
 
 
 def _nb_offset_run(
@@ -652,37 +696,12 @@ def _nb_lane_sum(src: Any, square: Any, lanes: Any) -> None:
     # lanes[j] += |v| (or v * v with square) of src[8g + j], in float64, over the whole
     # groups of eight: independent partial sums (one dependency chain would cap the pass at
     # one add per FP latency); the caller adds the lanes and then the tail in one fixed order.
-    # The lanes live in local variables during the loop (an array's elements would be
-    # stored and reloaded at every group).
-    full = src.size // 8 * 8
-    a0, a1, a2, a3 = lanes[0], lanes[1], lanes[2], lanes[3]
-    a4, a5, a6, a7 = lanes[4], lanes[5], lanes[6], lanes[7]
+    # The eight lanes are one vector of eight float64 (_vector_lane_sum): the same
+    # operations, in the same order, as eight scalar sums, on every machine.
     if square:
-        for g in range(0, full, 8):
-            v0, v1 = np.float64(src[g]), np.float64(src[g + 1])
-            v2, v3 = np.float64(src[g + 2]), np.float64(src[g + 3])
-            v4, v5 = np.float64(src[g + 4]), np.float64(src[g + 5])
-            v6, v7 = np.float64(src[g + 6]), np.float64(src[g + 7])
-            a0 += v0 * v0
-            a1 += v1 * v1
-            a2 += v2 * v2
-            a3 += v3 * v3
-            a4 += v4 * v4
-            a5 += v5 * v5
-            a6 += v6 * v6
-            a7 += v7 * v7
+        _vsum_sq(src, lanes)
     else:
-        for g in range(0, full, 8):
-            a0 += abs(np.float64(src[g]))
-            a1 += abs(np.float64(src[g + 1]))
-            a2 += abs(np.float64(src[g + 2]))
-            a3 += abs(np.float64(src[g + 3]))
-            a4 += abs(np.float64(src[g + 4]))
-            a5 += abs(np.float64(src[g + 5]))
-            a6 += abs(np.float64(src[g + 6]))
-            a7 += abs(np.float64(src[g + 7]))
-    lanes[0], lanes[1], lanes[2], lanes[3] = a0, a1, a2, a3
-    lanes[4], lanes[5], lanes[6], lanes[7] = a4, a5, a6, a7
+        _vsum_abs(src, lanes)
 
 
 def _nb_lane_total(src: Any, square: Any, lanes: Any) -> Any:
@@ -696,28 +715,40 @@ def _nb_lane_total(src: Any, square: Any, lanes: Any) -> Any:
     return acc
 
 
+def _nb_sign_bits(src: Any, dst: Any) -> None:
+    # dst[g] = the bits (src[8g + j] >= 0) << j of src, 8 values per byte (the last byte
+    # partial when src.size is not a multiple of 8)
+    full = src.size // 8
+    for g in range(full):
+        byte = 0
+        for j in range(8):
+            byte |= (1 if src[8 * g + j] >= f32(0.0) else 0) << j
+        dst[g] = u8(byte)
+    if full * 8 < src.size:
+        byte = 0
+        for j in range(src.size - 8 * full):
+            byte |= (1 if src[8 * full + j] >= f32(0.0) else 0) << j
+        dst[full] = u8(byte)
+
+
 def _nb_sign_encode(xf: Any, x16: Any, mode: Any, n: Any, packed: Any, partial: Any) -> None:
+    # the sign bits of UNIT values per work item and their sum of |x| (partial[unit]);
+    # 16-bit inputs are widened WINDOW values (whole groups of eight: the same sums) at a
+    # time
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        wide = np.empty(UNIT if mode else 1, np.float32)
-        src = _nb_widen(xf, x16, mode, a, b, wide)
+        step = WINDOW if mode else UNIT
+        wide = np.empty(step if mode else 1, np.float32)
         lanes = np.zeros(8, np.float64)
-        _nb_lane_sum(src, False, lanes)
+        src = wide[:0]
+        for w in range(a, b, step):
+            we = min(w + step, b)
+            src = _nb_widen(xf, x16, mode, w, we, wide)
+            _nb_lane_sum(src, False, lanes)
+            _nb_sign_bits(src, packed[w // 8 : (we + 7) // 8])
         partial[unit] = _nb_lane_total(src, False, lanes)
-        dst = packed[a // 8 : (b + 7) // 8]
-        full = src.size // 8
-        for g in range(full):
-            byte = 0
-            for j in range(8):
-                byte |= (1 if src[8 * g + j] >= f32(0.0) else 0) << j
-            dst[g] = u8(byte)
-        if full < dst.size:
-            byte = 0
-            for j in range(src.size - 8 * full):
-                byte |= (1 if src[8 * full + j] >= f32(0.0) else 0) << j
-            dst[full] = u8(byte)
 
 
 def _nb_sign_run(src: Any, hi: Any, lo: Any, dst: Any) -> None:
@@ -760,72 +791,83 @@ def _nb_sign_decode(
             _nb_sign_run(src, hi16, lo16, out16[a:b])
 
 
+def _nb_draw(base: Any, k: Any) -> Any:
+    # _nb_uniform(seed, i + k) given base = seed + (i + 1) * golden gamma, in float32
+    # (inlined where it is called, so that the calling loop vectorizes)
+    z = base + u64(k) * u64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+    z = z ^ (z >> u64(31))
+    return f32(i32(z >> u64(40))) * f32(5.9604644775390625e-08)
+
+
 def _nb_stoch_codes(
     src: Any, i: Any, inv: Any, kind: Any, levels: Any, rmode: Any, seed: Any, noise: Any,
-    ubuf: Any, dst: Any,
+    dst: Any,
 ) -> None:
     # dst = the codes of src, coordinates i.. of one chunk, with multiplier inv. kind 0
     # (qsgd): code = levels +- clamp(floor(|x| * inv + u), 0, levels), NaN -> levels; kind 1
     # (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1 (x < 0 -> 0, else 2).
-    # rmode 1: u from the internal generator keyed by seed; rmode 2: u = noise. Branch-free
-    # inner loops (they vectorize): the noise first, then the codes.
+    # rmode 1: u from the internal generator keyed by seed (_nb_draw); rmode 2: u = noise.
+    # Branch-free loops that vectorize, the noise drawn in the loop that uses it; the codes
+    # are computed in float32 (exact small integers).
     zero = f32(0.0)
     top = f32(levels)
-    u = ubuf[: src.size]
-    if rmode == 1:
-        # _nb_uniform written out, so that the loop vectorizes
-        base = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
-        for k in range(src.size):
-            z = base + u64(k) * u64(0x9E3779B97F4A7C15)
-            z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
-            z = z ^ (z >> u64(31))
-            u[k] = f32(z >> u64(40)) * f32(5.9604644775390625e-08)
-    else:
-        given = noise[i : i + src.size]
-        for k in range(src.size):
-            u[k] = given[k]
+    base = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
+    given = noise[i : i + src.size] if rmode == 2 else noise[:0]
     if kind == 0:
-        mid = u8(levels)
         for k in range(src.size):
+            u = _nb_draw(base, k) if rmode == 1 else given[k]
             v = src[k]
-            t = np.floor(abs(v) * inv + u[k])
+            t = np.floor(abs(v) * inv + u)
             t = t if t >= zero else zero
             t = t if t <= top else top
-            level = u8(t)
-            dst[k] = mid - level if v < zero else mid + level
+            dst[k] = u8(i32(top - t if v < zero else top + t))
     else:
         for k in range(src.size):
+            u = _nb_draw(base, k) if rmode == 1 else given[k]
             v = src[k]
-            keep = u[k] < abs(v) * inv
-            dst[k] = (u8(0) if v < zero else u8(2)) if keep else u8(1)
+            keep = u < abs(v) * inv
+            sign = i32(0) if v < zero else i32(2)
+            dst[k] = u8(sign if keep else i32(1))
 
 
 def _nb_stoch_units(
     xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, kind: Any, levels: Any, bits: Any,
-    rmode: Any, seed: Any, noise: Any, inv_all: Any, packed: Any,
+    rmode: Any, seed: Any, noise: Any, lo_all: Any, pre_all: Any, inv_all: Any, packed: Any,
 ) -> None:
-    # the packed codes (_nb_stoch_codes) of UNIT consecutive values per work item, in
-    # parallel, with the multiplier of each chunk given
+    # the packed codes of UNIT consecutive values per work item, in parallel, from each
+    # chunk's parameters: kind 0/1 (qsgd/terngrad) those of _nb_stoch_codes with multiplier
+    # inv_all[c]; kind 2 (minmax) those of _nb_quantize with lo_all, pre_all, inv_all
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        buf = np.empty(UNIT + 8, np.uint8)
-        ubuf = np.empty(UNIT, np.float32)
-        wide = np.empty(UNIT if mode else 1, np.float32)
-        x = _nb_widen(xf, x16, mode, a, b, wide)
-        i = a
-        c = a // chunk
-        while i < b:
-            e = min((c + 1) * chunk, b)
-            _nb_stoch_codes(
-                x[i - a : e - a], i, inv_all[c], kind, levels, rmode, seed, noise, ubuf,
-                buf[i - a : e - a],
-            )
-            i = e
-            c += 1
-        _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+        # 8-bit codes are their own packing: written in place
+        buf = packed[a:] if bits == 8 else np.empty(UNIT + 8, np.uint8)
+        wide = np.empty(WINDOW if mode else 1, np.float32)
+        step = WINDOW if mode else UNIT
+        for w in range(a, b, step):
+            we = min(w + step, b)
+            x = _nb_widen(xf, x16, mode, w, we, wide)
+            i = w
+            c = w // chunk
+            while i < we:
+                e = min((c + 1) * chunk, we)
+                if kind == 2:
+                    _nb_quantize(
+                        x[i - w : e - w], i, lo_all[c], pre_all[c], inv_all[c], f32(levels),
+                        rmode, seed, noise, buf[i - a : e - a],
+                    )
+                else:
+                    _nb_stoch_codes(
+                        x[i - w : e - w], i, inv_all[c], kind, levels, rmode, seed, noise,
+                        buf[i - a : e - a],
+                    )
+                i = e
+                c += 1
+        if bits != 8:
+            _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
 
 
 def _nb_stochastic_encode(
@@ -845,14 +887,13 @@ def _nb_stochastic_encode(
 ) -> None:
     # the codes of _nb_stoch_codes with the multipliers inv_all given per chunk
     _nb_stoch_units(xf, x16, mode, n, chunk, kind, levels, bits, rmode, seed, noise, inv_all,
-                    packed)
+                    inv_all, inv_all, packed)
 
 
-def _nb_norm(src: Any, clamp: Any, lanes: Any) -> Any:
-    # the L2 norm of src in float64 (_nb_lane_sum's lanes, then its tail), clamped to
+def _nb_norm_total(src: Any, clamp: Any, lanes: Any) -> Any:
+    # the L2 norm from the squares' lanes (_nb_lane_sum, square) of a chunk whose last
+    # piece is src (its tail past the whole groups is added last), in float64, clamped to
     # ``clamp`` when finite beyond it, rounded to float32
-    lanes[:] = 0.0
-    _nb_lane_sum(src, True, lanes)
     norm = np.sqrt(_nb_lane_total(src, True, lanes))
     if norm > np.float64(clamp) and norm < np.inf:
         norm = np.float64(clamp)
@@ -925,25 +966,41 @@ def _nb_stochastic_fused(
         for item in prange((nchunks + per - 1) // per):
             a = item * per * chunk
             b = min(a + per * chunk, n)
-            buf = np.empty(per * chunk + 8, np.uint8)
-            ubuf = np.empty(chunk, np.float32)
-            wide = np.empty(per * chunk if mode else 1, np.float32)
+            # 8-bit codes are their own packing: written in place
+            buf = packed[a:] if bits == 8 else np.empty(per * chunk + 8, np.uint8)
+            step = WINDOW if mode else chunk
+            wide = np.empty(step if mode else 1, np.float32)
             lanes = np.empty(8, np.float64)
             scratch = np.empty(1, np.int32)
-            x = _nb_widen(xf, x16, mode, a, b, wide)
             for c in range(item * per, min((item + 1) * per, nchunks)):
-                s = c * chunk - a
-                e = min(s + chunk, b - a)
-                if kind == 0:
-                    st = _nb_norm(x[s:e], clamp, lanes)
-                else:
-                    st = _nb_key_value(_nb_max_key(x[s:e].view(np.int32)), scratch)
-                stat[c] = st
-                _nb_stoch_codes(
-                    x[s:e], a + s, _nb_stat_inv(st, kind, levels), kind, levels, rmode, seed,
-                    noise, ubuf, buf[s:e],
+                s = c * chunk
+                e = min(s + chunk, n)
+                # the statistic over windows of the chunk (one for float32 inputs and for
+                # chunks of at most WINDOW values, whose widening is then reused)
+                lanes[:] = 0.0
+                best = i32(0)
+                x = wide[:0]
+                for w in range(s, e, step):
+                    x = _nb_widen(xf, x16, mode, w, min(w + step, e), wide)
+                    if kind == 0:
+                        _nb_lane_sum(x, True, lanes)
+                    else:
+                        best = max(best, _nb_max_key(x.view(np.int32)))
+                st = (
+                    _nb_norm_total(x, clamp, lanes) if kind == 0
+                    else _nb_key_value(best, scratch)
                 )
-            _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
+                stat[c] = st
+                inv = _nb_stat_inv(st, kind, levels)
+                for w in range(s, e, step):
+                    we = min(w + step, e)
+                    if e - s > step:
+                        x = _nb_widen(xf, x16, mode, w, we, wide)
+                    _nb_stoch_codes(
+                        x, w, inv, kind, levels, rmode, seed, noise, buf[w - a : we - a]
+                    )
+            if bits != 8:
+                _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
         return
     inv_all = np.empty(nchunks, np.float32)
     if kind == 0:
@@ -958,7 +1015,7 @@ def _nb_stochastic_fused(
     for c in range(nchunks):
         inv_all[c] = _nb_stat_inv(stat[c], kind, levels)
     _nb_stoch_units(xf, x16, mode, n, chunk, kind, levels, bits, rmode, seed, noise, inv_all,
-                    packed)
+                    inv_all, inv_all, packed)
 
 
 def _nb_norms_into(
@@ -966,25 +1023,23 @@ def _nb_norms_into(
 ) -> None:
     # norms[c] = L2 norm of chunk c, accumulated in float64 and rounded to float32; norms
     # beyond float32 (finite inputs near its largest) are clamped to ``clamp``. A work item
-    # takes about UNIT values of whole chunks; a chunk is read UNIT values at a time (whole
-    # groups of eight: the same sums as in one piece).
+    # takes about UNIT values of whole chunks; a chunk is read UNIT (16-bit inputs: WINDOW)
+    # values at a time (whole groups of eight: the same sums as in one piece).
     nchunks = norms.size
     per = max(1, UNIT // chunk)
+    step = WINDOW if mode else UNIT
     for item in prange((nchunks + per - 1) // per):
-        wide = np.empty(min(chunk, UNIT) if mode else 1, np.float32)
+        wide = np.empty(step if mode else 1, np.float32)
         lanes = np.empty(8, np.float64)
         for c in range(item * per, min((item + 1) * per, nchunks)):
             lanes[:] = 0.0
             s = c * chunk
             e = min(s + chunk, n)
             src = wide[:0]
-            for a in range(s, e, UNIT):
-                src = _nb_widen(xf, x16, mode, a, min(a + UNIT, e), wide)
+            for a in range(s, e, step):
+                src = _nb_widen(xf, x16, mode, a, min(a + step, e), wide)
                 _nb_lane_sum(src, True, lanes)
-            norm = np.sqrt(_nb_lane_total(src, True, lanes))
-            if norm > np.float64(clamp) and norm < np.inf:
-                norm = np.float64(clamp)
-            norms[c] = f32(norm)
+            norms[c] = _nb_norm_total(src, clamp, lanes)
 
 
 def _nb_chunk_norms(
@@ -1382,20 +1437,27 @@ _HELPERS = (
     "_nb_unpack_unit",
     "_nb_minmax_keys",
     "_nb_minmax_keys16",
+    "_nb_keys_bf16",
+    "_nb_keys_in_place",
     "_nb_prescale",
     "_nb_chunk_params",
     "_nb_quantize",
+    "_nb_nearest_bf16",
     "_nb_lane_sum",
     "_nb_lane_total",
+    "_nb_sign_bits",
     "_nb_mag_key",
     "_nb_chunk_keys",
     "_nb_threshold_digit",
     "_nb_stoch_codes",
-    "_nb_norm",
+    "_nb_norm_total",
     "_nb_max_key",
     "_nb_key_value",
     "_nb_stat_inv",
 )
+# helpers inlined where they are called (numba IR inlining: a call in a loop would keep
+# the loop from vectorizing)
+_INLINED = ("_nb_draw",)
 # helpers that contain parallel loops (compiled with parallel=True)
 _PARALLEL_HELPERS = (
     "_nb_write_selected",
@@ -1509,6 +1571,52 @@ def _prefetcher() -> Any:
     return prefetch
 
 
+def _vector_lane_sum(square: bool) -> Any:
+    """A numba intrinsic ``(src, lanes)``: ``lanes[j] += f64(src[8g + j]) ** 2`` (``square``)
+    or ``|f64(src[8g + j])|`` for every whole group of eight of the contiguous float32
+    ``src``, with the eight lanes held in one ``<8 x double>`` vector: each lane adds its
+    terms in index order, exactly as eight scalar sums do (no fused multiply-add, no
+    reassociation), so the result does not depend on the machine's vector width; LLVM only
+    vectorizes eight scalar chains when its SLP pass is on, which numba leaves off."""
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.core.extending import intrinsic
+
+    @intrinsic  # type: ignore[misc]
+    def lane_sum(typingctx: Any, src: Any, lanes: Any) -> Any:
+        if not (
+            isinstance(src, types.Array) and src.dtype == types.float32 and src.ndim == 1
+            and src.layout == "C" and isinstance(lanes, types.Array)
+            and lanes.dtype == types.float64 and lanes.layout == "C"
+        ):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            s = context.make_array(signature.args[0])(context, builder, args[0])
+            out = context.make_array(signature.args[1])(context, builder, args[1])
+            f32x8 = ir.VectorType(ir.FloatType(), 8)
+            f64x8 = ir.VectorType(ir.DoubleType(), 8)
+            lanes_ptr = builder.bitcast(out.data, f64x8.as_pointer())
+            acc = cgutils.alloca_once(builder, f64x8)
+            builder.store(builder.load(lanes_ptr, align=8), acc)
+            fabs = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(f64x8, [f64x8]), "llvm.fabs.v8f64"
+            )
+            groups = builder.udiv(s.nitems, ir.Constant(s.nitems.type, 8))
+            with cgutils.for_range(builder, groups) as loop:
+                first = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
+                ptr = builder.bitcast(builder.gep(s.data, [first]), f32x8.as_pointer())
+                v = builder.fpext(builder.load(ptr, align=4), f64x8)
+                term = builder.fmul(v, v) if square else builder.call(fabs, [v])
+                builder.store(builder.fadd(builder.load(acc), term), acc)
+            builder.store(builder.load(acc), lanes_ptr, align=8)
+            return context.get_dummy_value()
+
+        return types.void(src, lanes), codegen
+
+    return lane_sum
+
+
 def _build() -> dict[str, Callable[..., Any]]:
     import numba
 
@@ -1518,8 +1626,14 @@ def _build() -> dict[str, Callable[..., Any]]:
     module = globals()
     module["prange"] = numba.prange
     module["_nb_prefetch"] = _prefetcher()
+    module["_vsum_sq"] = _vector_lane_sum(True)
+    module["_vsum_abs"] = _vector_lane_sum(False)
     for name in _HELPERS:
         module[name] = numba.njit(cache=True, fastmath=False, error_model="numpy")(module[name])
+    for name in _INLINED:
+        module[name] = numba.njit(
+            inline="always", cache=True, fastmath=False, error_model="numpy"
+        )(module[name])
     for name in _PARALLEL_HELPERS:
         module[name] = numba.njit(
             cache=True, parallel=True, fastmath=False, error_model="numpy"
