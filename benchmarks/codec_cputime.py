@@ -2,11 +2,16 @@
 
 On a shared machine the wall-clock ratios of ``bench codecs`` move with other jobs' load. This
 script runs torch and numba on one thread and measures the *process CPU time*
-(``time.process_time``) of a hot memcpy, an encode and a decode into a reused buffer,
-interleaved (memcpy, encode, decode, memcpy, ...), and reports the best of ``--repeat`` of
-each and the ratios ``memcpy / encode`` and ``memcpy / decode`` (the codec's speed as a
-fraction of memcpy's, in input bytes). CPU time is not stolen by other jobs, but caches and
-memory bandwidth are still shared, so the ratios still move a little.
+(``time.process_time``) of a hot memcpy, an encode, an encode into reused payload memory
+(``encode(x, ctx, scratch=pool)``, codecs with ``encodes_into`` only: the 16-bit casts, whose
+``reduce`` encodes so in the collectives, as ``bench codecs``' ``enc->buf`` column) and a
+decode into a reused buffer, interleaved (memcpy, encode, encode into, decode, memcpy, ...),
+and reports the best of ``--repeat`` of each and the ratios ``memcpy / encode`` and so on
+(the codec's speed as a fraction of memcpy's, in input bytes). A plain ``encode`` writes a
+fresh payload, and a fresh buffer above malloc's mmap threshold pays its page faults at
+every call (about 0.5 ns per byte: a 64 MB cast's payload costs more than the cast). CPU
+time is not stolen by other jobs, but caches and memory bandwidth are still shared, so the
+ratios still move a little.
 
     PYTHONPATH=src python benchmarks/codec_cputime.py --codecs thc topkc --dtype bf16
 """
@@ -54,24 +59,36 @@ def main() -> None:
     buf = torch.empty_like(x)
     print(f"{args.size_mb:g} MB {args.dtype}, 1 thread, process CPU time, best of "
           f"{args.repeat}, load {os.getloadavg()[0]:.1f}")
-    print("| codec | memcpy ms | enc ms | dec->buf ms | enc/memcpy | dec->buf/memcpy |")
-    print("|---|---|---|---|---|---|")
+    print("| codec | memcpy ms | enc ms | enc->buf ms | dec->buf ms | enc/memcpy | "
+          "enc->buf/memcpy | dec->buf/memcpy |")
+    print("|---|---|---|---|---|---|---|---|")
     for spec in args.codecs:
         codec = get_codec(spec)
         ctx = CodecContext(key="cputime")
         payload = codec.encode(x, ctx)
         codec.decode(payload, ctx, out=buf)
         dst.copy_(x)
-        mem, enc, dec = [], [], []
-        encode = functools.partial(codec.encode, x, ctx)
-        decode = functools.partial(codec.decode, payload, ctx, out=buf)
+        pool: dict[str, torch.Tensor] = {}
+        runs: dict[str, list[float]] = {"mem": [], "enc": [], "into": [], "dec": []}
+        calls = {
+            "mem": functools.partial(dst.copy_, x),
+            "enc": functools.partial(codec.encode, x, ctx),
+            "into": functools.partial(codec.encode, x, ctx, scratch=pool),
+            "dec": functools.partial(codec.decode, payload, ctx, out=buf),
+        }
+        if not codec.encodes_into:
+            del calls["into"]
+        else:
+            calls["into"]()  # the pool's buffers are made once, as in the collectives
         for _ in range(args.repeat):
-            mem.append(_cpu(functools.partial(dst.copy_, x)))
-            enc.append(_cpu(encode))
-            dec.append(_cpu(decode))
-        m, e, d = min(mem), min(enc), min(dec)
-        print(f"| {spec} | {m * 1e3:.2f} | {e * 1e3:.2f} | {d * 1e3:.2f} | {m / e:.3f} | "
-              f"{m / d:.3f} |", flush=True)
+            for name, call in calls.items():
+                runs[name].append(_cpu(call))
+        m, e, d = min(runs["mem"]), min(runs["enc"]), min(runs["dec"])
+        i = min(runs["into"]) if runs["into"] else None
+        into_ms = "-" if i is None else f"{i * 1e3:.2f}"
+        into_ratio = "-" if i is None else f"{m / i:.3f}"
+        print(f"| {spec} | {m * 1e3:.2f} | {e * 1e3:.2f} | {into_ms} | {d * 1e3:.2f} | "
+              f"{m / e:.3f} | {into_ratio} | {m / d:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

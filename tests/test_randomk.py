@@ -339,3 +339,62 @@ def test_sample_is_uniform_without_replacement(d: int, ratio: float) -> None:
     pair_expected = steps * k * (k - 1) / (d * (d - 1))
     rel = (pairs[off] - pair_expected).abs().max() / pair_expected
     assert rel < 0.25, float(rel)
+
+
+# ---------------------------------------------------------------------- numba kernels
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns (NaN payloads included) of a float tensor, for exact comparisons."""
+    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    return t.contiguous().view(view[t.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("scale", [False, True])
+@pytest.mark.parametrize("poison", [None, "inf", "nan"])
+def test_kernel_gather_and_spread_match_torch(
+    dtype: torch.dtype, value_dtype: str, scale: bool, poison: str | None
+) -> None:
+    """The numba encode (finiteness check fused with the gather) and decode into ``out=``
+    (zeros and values in one pass) send and write the torch path's bits: several work items
+    and a partial one (3 * 16384 + 77 values), large values that saturate, non-finite
+    values away from the chosen coordinates."""
+    from commpress.codecs import kernels
+
+    pytest.importorskip("numba")
+    n = 3 * 16384 + 77
+    x = (gaussian(n, seed=3) * 3e4).to(dtype)
+    codec = randomk(ratio=0.05, scale=scale, value_dtype=value_dtype)
+    ctx = CodecContext(key="kern", step=2)
+    idx = codec.indices(n, ctx, torch.device("cpu"))
+    if poison is not None:
+        spot = next(i for i in range(n - 1, 0, -1) if i not in set(idx.tolist()))
+        x[spot] = float(poison)
+    results = []
+    for backend in ("numba", "torch"):
+        with kernels.use_backend(backend):  # type: ignore[arg-type]
+            payload = codec.encode(x, ctx)
+            out = torch.full((n,), 7.0, dtype=dtype)  # stale values must be overwritten
+            decoded = codec.decode(payload, ctx, out=out)
+            assert decoded is out
+            results.append((_bits(payload.parts["values"]), _bits(out)))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+    assert int((results[0][1] != 0).sum()) >= idx.numel() - 2  # not all zeros either
+
+
+def test_sampler_kernel_leaves_its_bitmaps_clean() -> None:
+    """The sampler's kept bitmaps are zeroed again after every call, also when the draws
+    run out: a later call over another range still equals the torch path."""
+    from commpress.codecs import kernels
+    from commpress.codecs.randomk import first_distinct_torch
+
+    pytest.importorskip("numba")
+    g = torch.Generator().manual_seed(9)
+    short = torch.randint(0, 50, (40,), generator=g)  # fewer than 45 distinct values
+    assert kernels.first_distinct(short, 45, 50) is None
+    for d, k in [(50, 10), (70_000, 700), (4096 * 3 + 5, 4000)]:
+        draws = torch.randint(0, d, (k + k * k // d * 2 + 64,), generator=g)
+        got = kernels.first_distinct(draws, k, d)
+        want = first_distinct_torch(draws, k)
+        assert got is not None and want is not None and torch.equal(got, want)

@@ -42,6 +42,8 @@ _VALUE_DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 _INDEX_STREAM = 0x52B
+# the dtypes the numba kernels gather from and spread into
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def first_distinct_torch(draws: torch.Tensor, k: int) -> torch.Tensor | None:
@@ -208,19 +210,20 @@ class RandomK(Codec):
 
     def _values(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1)
-        values = saturating_cast(flat.index_select(0, idx), _VALUE_DTYPES[self.value_dtype])
-        if flat.numel():
-            # min and max are non-finite iff some element is (NaN propagates): two cheap
-            # reductions, no host sync
-            if flat.dtype in (torch.float32, torch.bfloat16, torch.float16) and (
-                kernels.use_kernels(flat, "chunk_range")
-            ):
-                low, high = kernels.chunk_range(flat, flat.numel())  # one parallel read
-            else:
-                low, high = torch.aminmax(flat)
-            finite = torch.isfinite(low) & torch.isfinite(high)
-            values = torch.where(finite, values, torch.full_like(values, math.nan))
-        return values
+        wire = _VALUE_DTYPES[self.value_dtype]
+        if not flat.numel():
+            return saturating_cast(flat.index_select(0, idx), wire)
+        if flat.dtype in _KERNEL_DTYPES and kernels.use_kernels(flat, "gather_finite"):
+            # one read of x: the finiteness check and the gather of each value in cache
+            gathered, finite = kernels.gather_finite(flat, idx)
+            values = saturating_cast(gathered, wire)
+            return values if finite else torch.full_like(values, math.nan)
+        values = saturating_cast(flat.index_select(0, idx), wire)
+        # min and max are non-finite iff some element is (NaN propagates): two cheap
+        # reductions, no host sync
+        low, high = torch.aminmax(flat)
+        every = torch.isfinite(low) & torch.isfinite(high)
+        return torch.where(every, values, torch.full_like(values, math.nan))
 
     def _expand(
         self,
@@ -231,9 +234,13 @@ class RandomK(Codec):
     ) -> torch.Tensor:
         d = payload.numel
         work = torch.float64 if payload.dtype == torch.float64 else torch.float32
+        spread = (
+            out is not None and d > 0 and out.dtype in _KERNEL_DTYPES and out.is_contiguous()
+            and kernels.use_kernels(out, "spread")
+        )
         if out is None:
             out = torch.zeros(payload.shape, dtype=payload.dtype, device=values.device)
-        else:
+        elif not spread:
             out.zero_()
         if d:
             v = values.to(work)
@@ -244,7 +251,11 @@ class RandomK(Codec):
                 overflowed = torch.isinf(scaled) & torch.isfinite(v)
                 v = torch.where(overflowed, torch.copysign(top, v), scaled)
             # element-wise, so casting the k values equals casting the scattered tensor
-            scatter_into(out.view(-1), idx, saturating_cast(v, payload.dtype))
+            if spread:
+                # zeros, then the values stored with their lines prefetched
+                kernels.spread(idx, saturating_cast(v, payload.dtype), out)
+            else:
+                scatter_into(out.view(-1), idx, saturating_cast(v, payload.dtype))
         return out
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:

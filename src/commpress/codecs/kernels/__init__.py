@@ -216,6 +216,8 @@ def warm_up() -> bool:
         topk_select(x, 3)
         at_least(x, 0.5)[1]()
         first_distinct(torch.arange(20), 5, 20)
+        values, _ = gather_finite(x, torch.arange(3))
+        spread(torch.arange(3), values, torch.empty(20))
     _kernel("topk_select")(x.numpy().view(np.int32), 3, 2, np.empty(3, np.int64))
     return True
 
@@ -553,6 +555,22 @@ def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
     )
 
 
+def gather_finite(x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(x[idx], finite)`` for a 1-D contiguous float32, bfloat16 or float16 CPU tensor and
+    ascending int64 indices: the values in ``x``'s dtype, and whether every element of ``x``
+    (not only the gathered ones) is finite. One parallel read of ``x`` that gathers each
+    value while its block is in cache (Random-K's encode)."""
+    return _impl(x, "gather_finite").gather_finite(x, idx)
+
+
+def spread(idx: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (contiguous, CPU; float32, float64, bfloat16 or float16) = zeros except
+    ``out[idx] = values`` (ascending int64 indices, values of ``out``'s dtype): torch's
+    ``zero_``, then the values stored with each line prefetched a few values ahead
+    (Random-K's decode; torch's ``scatter_`` took twice as long)."""
+    _impl(out, "spread").spread(idx, values, out)
+
+
 __all__ = [
     "ENV_VAR",
     "NUMBA_MODULES",
@@ -566,6 +584,7 @@ __all__ = [
     "convert",
     "dispatch_counts",
     "first_distinct",
+    "gather_finite",
     "lowrank_decode",
     "load_numba",
     "minmax_decode",
@@ -578,6 +597,7 @@ __all__ = [
     "requested_backend",
     "scratch32",
     "set_backend",
+    "spread",
     "sign_decode",
     "sign_encode",
     "sign_encode_scaled",

@@ -119,37 +119,83 @@ def _nb_widen(xf: Any, x16: Any, mode: Any, a: Any, b: Any, wide: Any) -> Any:
     return wide[: src.size]
 
 
+_INF_BITS = u32(0x7F800000)  # float32 +inf's bits; above it (magnitudes): NaNs
+_BF16_TOP = u32(0x7F7F0000)  # bfloat16's largest finite value, as float32 bits
+_F16_TOP = u32(0x477FE000)  # float16's largest finite value (65504), as float32 bits
+_F16_MIN_NORMAL = f32(2.0**-14)
+_TWO_24 = f32(2.0**24)
+
+# The conversions below work on the float32 bits with every intermediate wrapped in u32():
+# numba computes uint32 arithmetic in 64 bits, which halves the vector width (a decode
+# loop rounding to bfloat16 ran 2x slower so). They are scalar functions that numba inlines
+# into the callers' loops; a loop converts in the same pass that computes its values (a
+# second pass over a float32 buffer, even in cache, cost 1.7x). A branch on the input or
+# output mode inside a loop stops its vectorization (3-4x slower), so each mode gets its
+# own loop.
+
+
+def _nb_cap(omode: Any, sat: Any) -> Any:
+    # the magnitude bits above which a finite value saturates (omode 1: bfloat16, 2:
+    # float16; without sat, none: +inf's bits)
+    if not sat:
+        return _INF_BITS
+    return _BF16_TOP if omode == 1 else _F16_TOP
+
+
+def _nb_bf16(v: Any, cap: Any) -> Any:
+    # the bfloat16 bits of float32 v, rounded to nearest even as torch's .to() rounds;
+    # finite magnitudes above cap become bfloat16's largest (base.saturating_cast). NaN
+    # stays a quiet NaN (sign and top payload bits kept).
+    w = f32(v).view(u32)
+    a = u32(w & u32(0x7FFFFFFF))
+    a = _BF16_TOP if (a > cap and a < _INF_BITS) else a
+    r = u32(u32(a + u32(0x7FFF)) + u32(u32(a >> u32(16)) & u32(1))) >> u32(16)
+    r = u32(u32(a >> u32(16)) | u32(0x40)) if a > _INF_BITS else u32(r)
+    return u16(u32(r) | u32(u32(w >> u32(16)) & u32(0x8000)))
+
+
+def _nb_f16(v: Any, cap: Any) -> Any:
+    # the float16 bits of float32 v, as _nb_bf16 (65520 and above round to Inf unless
+    # saturated)
+    w = f32(v).view(u32)
+    a = u32(w & u32(0x7FFFFFFF))
+    a = _F16_TOP if (a > cap and a < _INF_BITS) else a
+    # a normal float16: rebias the exponent, round off 13 bits (a carry is right)
+    r = u32(a - u32(0x38000000))
+    h = u32(u32(u32(r + u32(0xFFF)) + u32(u32(r >> u32(13)) & u32(1))) >> u32(13))
+    # below 2^-14: a multiple of 2^-24, rounded to nearest even by rint (exact scaling)
+    t = min(abs(f32(v)), _F16_MIN_NORMAL)
+    h = h if a >= u32(0x38800000) else u32(np.rint(t * _TWO_24))
+    h = u32(0x7C00) if a >= u32(0x477FF000) else h
+    h = u32(u32(0x7E00) | u32(u32(a >> u32(13)) & u32(0x3FF))) if a > _INF_BITS else h
+    return u16(u32(h) | u32(u32(w >> u32(16)) & u32(0x8000)))
+
+
+def _nb_bf16_value(h: Any) -> Any:
+    # the float32 value of bfloat16 bits h (exact: its top half)
+    return u32(u32(h) << u32(16)).view(f32)
+
+
+def _nb_f16_value(h: Any) -> Any:
+    # the float32 value of float16 bits h (exact): rebiased exponent, subnormals m * 2^-24
+    h32 = u32(h)
+    w = u32(u32(u32(h32 & u32(0x7FFF)) << u32(13)) + u32(0x38000000))
+    w = u32(w + u32(0x38000000)) if w >= u32(0x47800000) else w  # Inf and NaN: exponent 255
+    v = u32(w | u32(u32(h32 & u32(0x8000)) << u32(16))).view(f32)
+    m = f32(u32(h32 & u32(0x3FF))) * _F16_TINY
+    m = -m if u32(h32 & u32(0x8000)) else m
+    return m if u32(h32 & u32(0x7C00)) == u32(0) else v
+
+
 def _nb_narrow(vals: Any, omode: Any, sat: Any, dst: Any) -> None:
-    # dst = the 16-bit float bits (omode 1: bfloat16, 2: float16) of vals, rounded to nearest
-    # even as torch's .to() rounds; with sat, finite values beyond the format's largest become
-    # its largest (base.saturating_cast). NaN stays a quiet NaN (sign and top payload bits
-    # kept). Branch-free integer loops on the float32 bits: they vectorize.
-    bits = vals.view(np.uint32)
-    top = u32(0x7F7F0000) if omode == 1 else u32(0x477FE000)  # the largest finite, as float32
-    cap = top if sat else u32(0x7F800000)
+    # dst = the 16-bit float bits (omode 1: bfloat16, 2: float16) of vals (_nb_bf16, _nb_f16)
+    cap = _nb_cap(omode, sat)
     if omode == 1:
         for k in range(vals.size):
-            w = bits[k]
-            a = w & u32(0x7FFFFFFF)
-            a = top if (a > cap and a < u32(0x7F800000)) else a
-            r = (a + u32(0x7FFF) + ((a >> u32(16)) & u32(1))) >> u32(16)
-            r = ((a >> u32(16)) | u32(0x40)) if a > u32(0x7F800000) else r
-            dst[k] = u16(r | ((w >> u32(16)) & u32(0x8000)))
-        return
-    for k in range(vals.size):
-        w = bits[k]
-        a = w & u32(0x7FFFFFFF)
-        a = top if (a > cap and a < u32(0x7F800000)) else a
-        # a normal float16: rebias the exponent, round off 13 bits (a carry is right)
-        r = a - u32(0x38000000)
-        h = (r + u32(0xFFF) + ((r >> u32(13)) & u32(1))) >> u32(13)
-        # below 2^-14: a multiple of 2^-24, rounded to nearest even by rint (exact scaling)
-        t = abs(vals[k])
-        t = t if t < f32(2.0**-14) else f32(2.0**-14)
-        h = h if a >= u32(0x38800000) else u32(np.rint(t * f32(2.0**24)))
-        h = u32(0x7C00) if a >= u32(0x477FF000) else h  # 65520 and above round to Inf
-        h = (u32(0x7E00) | ((a >> u32(13)) & u32(0x3FF))) if a > u32(0x7F800000) else h
-        dst[k] = u16(h | ((w >> u32(16)) & u32(0x8000)))
+            dst[k] = _nb_bf16(vals[k], cap)
+    else:
+        for k in range(vals.size):
+            dst[k] = _nb_f16(vals[k], cap)
 
 
 def _nb_target(outf: Any, omode: Any, a: Any, b: Any, wide: Any) -> Any:
@@ -167,18 +213,41 @@ def _nb_convert(
     xf: Any, x16: Any, mode: Any, n: Any, outf: Any, out16: Any, omode: Any, sat: Any
 ) -> None:
     # out = x converted between float32, bfloat16 and float16 (rounded and saturated as
-    # _nb_narrow), one work item of UNIT values at a time
+    # _nb_bf16 / _nb_f16), one pass, a work item of UNIT values at a time
+    cap = _nb_cap(omode, sat)
     for unit in prange((n + UNIT - 1) // UNIT):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        wide = np.empty(UNIT if mode else 1, np.float32)
-        src = _nb_widen(xf, x16, mode, a, b, wide)
         if omode == 0:
             dst = outf[a:b]
-            for k in range(src.size):
-                dst[k] = src[k]
-        else:
-            _nb_narrow(src, omode, sat, out16[a:b])
+            if mode == 0:
+                src = xf[a:b]
+                for k in range(dst.size):
+                    dst[k] = src[k]
+            elif mode == 1:
+                s16 = x16[a:b]
+                for k in range(dst.size):
+                    dst[k] = _nb_bf16_value(s16[k])
+            else:
+                s16 = x16[a:b]
+                for k in range(dst.size):
+                    dst[k] = _nb_f16_value(s16[k])
+            continue
+        d16 = out16[a:b]
+        if mode == omode:  # a 16-bit value fits its own format: nothing to round or saturate
+            s16 = x16[a:b]
+            for k in range(d16.size):
+                d16[k] = s16[k]
+        elif mode == 0:
+            _nb_narrow(xf[a:b], omode, sat, d16)
+        elif mode == 1:  # bfloat16 to float16
+            s16 = x16[a:b]
+            for k in range(d16.size):
+                d16[k] = _nb_f16(_nb_bf16_value(s16[k]), cap)
+        else:  # float16 to bfloat16
+            s16 = x16[a:b]
+            for k in range(d16.size):
+                d16[k] = _nb_bf16(_nb_f16_value(s16[k]), cap)
 
 
 def _nb_uniform(seed: Any, i: Any) -> Any:
@@ -544,48 +613,83 @@ def _nb_minmax_encode(
                     lo_out, pre_all, inv_all, packed)
 
 
+def _nb_offset_run(
+    src: Any, offset: Any, m: Any, outf: Any, out16: Any, omode: Any, cap: Any, i: Any
+) -> None:
+    # out[i : i + src.size] = (code - offset) * m, in out's format (one loop per format)
+    if omode == 0:
+        dst = outf[i : i + src.size]
+        for k in range(src.size):
+            dst[k] = (f32(src[k]) - offset) * m
+    elif omode == 1:
+        d16 = out16[i : i + src.size]
+        for k in range(src.size):
+            d16[k] = _nb_bf16((f32(src[k]) - offset) * m, cap)
+    else:
+        d16 = out16[i : i + src.size]
+        for k in range(src.size):
+            d16[k] = _nb_f16((f32(src[k]) - offset) * m, cap)
+
+
+def _nb_minmax_value(code: Any, step: Any, base: Any, post: Any) -> Any:
+    # (code * step + base) * post, saturated at float32's max (a chunk ending at +-3.4e38
+    # may round one step past it); NaN compares false and stays NaN
+    v = (f32(code) * step + base) * post
+    v = _F32_MAX if v > _F32_MAX else v
+    return -_F32_MAX if v < -_F32_MAX else v
+
+
+def _nb_minmax_run(
+    src: Any, step: Any, base: Any, post: Any, outf: Any, out16: Any, omode: Any, cap: Any,
+    i: Any,
+) -> None:
+    # out[i : i + src.size] = the minmax decoding of codes src, in out's format
+    if omode == 0:
+        dst = outf[i : i + src.size]
+        for k in range(src.size):
+            dst[k] = _nb_minmax_value(src[k], step, base, post)
+    elif omode == 1:
+        d16 = out16[i : i + src.size]
+        for k in range(src.size):
+            d16[k] = _nb_bf16(_nb_minmax_value(src[k], step, base, post), cap)
+    else:
+        d16 = out16[i : i + src.size]
+        for k in range(src.size):
+            d16[k] = _nb_f16(_nb_minmax_value(src[k], step, base, post), cap)
+
+
 def _nb_decode_codes(
     packed: Any, first: Any, second: Any, chunk: Any, bits: Any, kind: Any, offset: Any,
     n: Any, outf: Any, out16: Any, omode: Any, sat: Any,
 ) -> None:
     # out[i] from the code of coordinate i in chunk c. kind 0 (minmax; first = min, second
     # = scale): (code * scale * pre + min * pre) / pre, saturated at float32's largest; kind
-    # 1 (qsgd, terngrad; first = step): (code - offset) * step
+    # 1 (qsgd, terngrad; first = step): (code - offset) * step. One pass: 8-bit codes are
+    # read in place, narrower ones unpacked a work item at a time into a buffer in cache,
+    # and 16-bit outputs rounded in the loop that computes the values.
+    cap = _nb_cap(omode, sat)
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        buf = np.empty(UNIT + 8, np.uint8)
-        wide = np.empty(UNIT if omode else 1, np.float32)
-        out = _nb_target(outf, omode, a, b, wide)
-        _nb_unpack_unit(packed, a // 8 * bits, b - a, bits, buf)
+        buf = np.empty(UNIT + 8 if bits != 8 else 1, np.uint8)
+        if bits != 8:
+            _nb_unpack_unit(packed, a // 8 * bits, b - a, bits, buf)
         i = a
         c = a // chunk
         while i < b:
             e = min((c + 1) * chunk, b)
-            src = buf[i - a : e - a]
-            dst = out[i - a : e - a]
+            src = packed[i:e] if bits == 8 else buf[i - a : e - a]
             if kind == 1:
-                m = first[c]
-                for k in range(src.size):
-                    dst[k] = (f32(src[k]) - offset) * m
+                _nb_offset_run(src, offset, first[c], outf, out16, omode, cap, i)
             else:
                 pre = _nb_prescale(second[c])
-                step = second[c] * pre
-                base = first[c] * pre
                 post = f32(1.0) / pre  # exact: a power of two
-                for k in range(src.size):
-                    v = (f32(src[k]) * step + base) * post
-                    # saturate at float32's max (a chunk ending at +-3.4e38 may round one
-                    # step past it); NaN compares false and stays NaN
-                    if v > _F32_MAX:
-                        v = _F32_MAX
-                    elif v < -_F32_MAX:
-                        v = -_F32_MAX
-                    dst[k] = v
+                _nb_minmax_run(
+                    src, second[c] * pre, first[c] * pre, post, outf, out16, omode, cap, i
+                )
             i = e
             c += 1
-        _nb_store(out, out16, omode, sat, a)
 
 
 def _nb_lane_sum(src: Any, square: Any, lanes: Any) -> None:
@@ -647,25 +751,38 @@ def _nb_sign_encode(xf: Any, x16: Any, mode: Any, n: Any, packed: Any, partial: 
         partial[unit] = _nb_lane_total(src, False, lanes)
 
 
+def _nb_sign_run(src: Any, hi: Any, lo: Any, dst: Any) -> None:
+    # dst[k] = hi where bit k of src is 1, else lo (inlined in numba IR: as a called
+    # function its float32 loop ran 1.5x slower in most processes)
+    full = dst.size // 8
+    for g in range(full):
+        byte = src[g]
+        for j in range(8):
+            dst[8 * g + j] = hi if (byte >> j) & 1 else lo
+    for k in range(8 * full, dst.size):
+        dst[k] = hi if (src[full] >> (k - 8 * full)) & 1 else lo
+
+
 def _nb_sign_decode(
     packed: Any, scale: Any, n: Any, outf: Any, out16: Any, omode: Any, sat: Any
 ) -> None:
+    # +scale where the bit is 1, -scale where it is 0; a 16-bit output gets the two values'
+    # rounded bits, computed once
     neg = -scale
+    cap = _nb_cap(omode, sat)
+    if omode == 1:
+        hi16, lo16 = _nb_bf16(scale, cap), _nb_bf16(neg, cap)
+    else:
+        hi16, lo16 = _nb_f16(scale, cap), _nb_f16(neg, cap)
     nunits = (n + UNIT - 1) // UNIT
     for unit in prange(nunits):
         a = unit * UNIT
         b = min(a + UNIT, n)
-        wide = np.empty(UNIT if omode else 1, np.float32)
         src = packed[a // 8 : (b + 7) // 8]
-        dst = _nb_target(outf, omode, a, b, wide)
-        full = dst.size // 8
-        for g in range(full):
-            byte = src[g]
-            for j in range(8):
-                dst[8 * g + j] = scale if (byte >> j) & 1 else neg
-        for k in range(8 * full, dst.size):
-            dst[k] = scale if (src[full] >> (k - 8 * full)) & 1 else neg
-        _nb_store(dst, out16, omode, sat, a)
+        if omode == 0:
+            _nb_sign_run(src, scale, neg, outf[a:b])
+        else:
+            _nb_sign_run(src, hi16, lo16, out16[a:b])
 
 
 def _nb_draw(base: Any, k: Any) -> Any:
@@ -1356,42 +1473,114 @@ def _nb_lowrank_decode(p: Any, qt: Any, factor: Any, outf: Any, out16: Any, omod
                 _nb_narrow(row, omode, True, out16[i])
 
 
-def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any) -> Any:
+# bit position of a power of two p: _DEBRUIJN_POS[(p * _DEBRUIJN) >> 58]
+_DEBRUIJN = u64(0x03F79D71B4CB0A89)
+_DEBRUIJN_POS = np.zeros(64, np.int64)
+for _i in range(64):
+    _DEBRUIJN_POS[((0x03F79D71B4CB0A89 << _i) & (2**64 - 1)) >> 58] = _i
+
+
+def _nb_prefetch(arr: Any, i: Any) -> None:
+    # replaced in _build() by a prefetch of arr[i] into the cache (a hint: no effect on
+    # results), or by a no-op where numba cannot emit one
+    pass
+
+
+#: draws ahead whose bitmap word _nb_first_distinct prefetches
+_LOOKAHEAD = 24
+
+
+def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any, bitmap: Any, summary: Any) -> Any:
     # the first k distinct values of draws (each in [0, d)), written sorted into out[:k];
-    # returns how many distinct values were found (k, or fewer when draws ran out)
-    bitmap = np.zeros((d + 63) // 64, np.uint64)
+    # returns how many distinct values were found (k, or fewer when draws ran out).
+    # bitmap (>= ceil(d / 64) words) and summary (one bit per bitmap word) come zeroed and
+    # are left zeroed; the sorted walk visits only the words the summary marks. The
+    # probes of the bitmap (4 MB for 32 M coordinates, out of cache after a pass over the
+    # tensor) are prefetched a few draws ahead: they missed the cache at every draw.
     count = 0
     for i in range(draws.size):
+        if i + _LOOKAHEAD < draws.size:
+            _nb_prefetch(bitmap, draws[i + _LOOKAHEAD] >> 6)
         v = draws[i]
         w = v >> 6
         bit = u64(1) << u64(v & 63)
-        if not bitmap[w] & bit:
-            bitmap[w] |= bit
+        word = bitmap[w]
+        if not word & bit:
+            bitmap[w] = word | bit
+            summary[w >> 6] |= u64(1) << u64(w & 63)
             count += 1
             if count == k:
                 break
-    if count < k:
-        return count
     j = 0
-    for w in range(bitmap.size):
-        word = bitmap[w]
-        while word:
-            low = word & (~word + u64(1))  # lowest set bit
-            # its position: log2 of a power of two, by halving the word six times
-            pos = 0
-            probe = low
-            for half in (32, 16, 8, 4, 2, 1):
-                wide = probe >= (u64(1) << u64(half))
-                probe = probe >> u64(half) if wide else probe
-                pos += half if wide else 0
-            out[j] = w * 64 + pos
-            j += 1
-            word ^= low
+    for s in range((d + 4095) // 4096):
+        marks = summary[s]
+        if marks == u64(0):
+            continue
+        summary[s] = u64(0)
+        while marks:
+            low = marks & (~marks + u64(1))  # lowest set bit
+            marks ^= low
+            w = s * 64 + _DEBRUIJN_POS[(low * _DEBRUIJN) >> u64(58)]
+            word = bitmap[w]
+            bitmap[w] = u64(0)
+            while word:
+                lowest = word & (~word + u64(1))
+                word ^= lowest
+                out[j] = w * 64 + _DEBRUIJN_POS[(lowest * _DEBRUIJN) >> u64(58)]
+                j += 1
     return count
+
+
+def _nb_gather_finite(
+    xf: Any, x16: Any, mode: Any, n: Any, idx: Any, valf: Any, val16: Any, bad: Any
+) -> None:
+    # val[j] = x[idx[j]] (idx ascending; the values' bits, in x's format) and bad[unit] = 1
+    # when the unit's values hold a NaN or Inf: one read of x, each value gathered while
+    # its work item is in cache
+    for unit in prange((n + UNIT - 1) // UNIT):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        lo = np.searchsorted(idx, a)
+        hi = np.searchsorted(idx, b)
+        if mode == 0:
+            src = xf[a:b].view(np.uint32)
+            top = u32(0)
+            for k in range(src.size):
+                top = max(top, u32(src[k] & u32(0x7FFFFFFF)))
+            bad[unit] = top >= _INF_BITS
+            for j in range(lo, hi):
+                valf[j] = xf[idx[j]]
+        else:
+            s16 = x16[a:b]
+            top16 = u16(0)  # 16-bit lanes (the 32-bit maximum took 1.3x as long)
+            for k in range(s16.size):
+                v = u16(s16[k] & u16(0x7FFF))
+                top16 = v if v > top16 else top16
+            bad[unit] = top16 >= (u16(0x7F80) if mode == 1 else u16(0x7C00))
+            for j in range(lo, hi):
+                val16[j] = x16[idx[j]]
+
+
+def _nb_spread(idx: Any, vals: Any, out: Any) -> None:
+    # out[idx[j]] = vals[j] (out zeroed by the caller: torch's memset writes without first
+    # reading the lines, which a zeroing loop here did, 1.2x slower in all), each line
+    # prefetched a few values ahead: the scattered stores missed the cache one by one
+    for j in range(idx.size):
+        if j + _LOOKAHEAD < idx.size:
+            _nb_prefetch(out, idx[j + _LOOKAHEAD])
+        out[idx[j]] = vals[j]
 
 
 _HELPERS = (
     "_nb_widen",
+    "_nb_cap",
+    "_nb_bf16",
+    "_nb_f16",
+    "_nb_bf16_value",
+    "_nb_f16_value",
+    "_nb_offset_run",
+    "_nb_minmax_value",
+    "_nb_minmax_run",
     "_nb_narrow",
     "_nb_target",
     "_nb_store",
@@ -1423,7 +1612,7 @@ _HELPERS = (
 )
 # helpers inlined where they are called (numba IR inlining: a call in a loop would keep
 # the loop from vectorizing)
-_INLINED = ("_nb_draw",)
+_INLINED = ("_nb_draw", "_nb_sign_run")
 # helpers that contain parallel loops (compiled with parallel=True)
 _PARALLEL_HELPERS = (
     "_nb_write_selected",
@@ -1447,6 +1636,7 @@ _KERNELS = (
     "_nb_collect_at_least16",
     "_nb_lowrank_decode",
     "_nb_top16",
+    "_nb_gather_finite",
 )
 # kernels without a parallel loop of their own
 # (the first two are a parallel helper's wrappers)
@@ -1456,6 +1646,7 @@ _SERIAL = (
     "_nb_stochastic_encode",
     "_nb_chunk_norms",
     "_nb_first_distinct",
+    "_nb_spread",
     "_nb_chunk_range",
     "_nb_top_keys",
 )
@@ -1496,6 +1687,47 @@ def _start_threads() -> None:
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+
+def _prefetcher() -> Any:
+    """A numba intrinsic ``prefetch(arr, i)``: LLVM's prefetch of ``arr[i]`` for reading
+    into every cache level (a hint; results never depend on it), or a jitted no-op where
+    this numba and llvmlite cannot compile it (probed once here)."""
+    import numba
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def prefetch(typingctx: Any, arr: Any, idx: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(
+                context, builder, aryty, ary, [args[1]], wraparound=False, boundscheck=False
+            )
+            bytes_ptr = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [bytes_ptr, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            # read (0), high locality (3), data cache (1)
+            builder.call(fn, [builder.bitcast(ptr, bytes_ptr), i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(arr, idx), codegen
+
+    def probe(a: Any) -> None:
+        prefetch(a, 0)  # type: ignore[call-arg]
+
+    try:
+        numba.njit(probe)(np.zeros(1, np.uint64))
+    except Exception:  # an llvmlite without opaque pointers, say: the hint is dropped
+
+        def nothing(arr: Any, i: Any) -> None:
+            pass
+
+        return numba.njit(nothing)
+    return prefetch
 
 
 def _vector_lane_sum(square: bool) -> Any:
@@ -1552,6 +1784,7 @@ def _build() -> dict[str, Callable[..., Any]]:
     # (constant chunks have scale 0; their reciprocal is then replaced by 0).
     module = globals()
     module["prange"] = numba.prange
+    module["_nb_prefetch"] = _prefetcher()
     module["_vsum_sq"] = _vector_lane_sum(True)
     module["_vsum_abs"] = _vector_lane_sum(False)
     for name in _HELPERS:
@@ -1913,8 +2146,51 @@ class NumbaKernels:
         """See :func:`commpress.codecs.kernels.first_distinct`."""
         out = torch.empty(k, dtype=torch.int64)
         with _launch():
-            found = self["first_distinct"](_np(draws.contiguous()), k, d, _np(out))
+            bitmap, summary = _sampler_bitmaps(d)
+            found = self["first_distinct"](
+                _np(draws.contiguous()), k, d, _np(out), bitmap, summary
+            )
         return out if found >= k else None
+
+    def gather_finite(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """See :func:`commpress.codecs.kernels.gather_finite`."""
+        xf, x16, mode, n = source(x)
+        values = torch.empty(idx.numel(), dtype=x.dtype)
+        bad = np.zeros(-(-n // UNIT), np.bool_)
+        valf, val16 = (_np(values), _DUMMY_U16) if mode == 0 else (_DUMMY_F32, _bits16(values))
+        with _launch():
+            self["gather_finite"](xf, x16, mode, n, _np(idx.contiguous()), valf, val16, bad)
+        return values, not bad.any()
+
+    def spread(self, idx: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
+        """See :func:`commpress.codecs.kernels.spread`."""
+        flat = out.view(-1)
+        if flat.dtype in (torch.float16, torch.bfloat16):
+            dst, src = _bits16(flat), _bits16(values.contiguous())
+        else:
+            dst, src = _np(flat), _np(values.contiguous())
+        flat.zero_()
+        with _launch():
+            self["spread"](_np(idx.contiguous()), src, dst)
+
+
+#: Random-K's sampler bitmaps, kept zeroed between calls for up to 2^28 coordinates (a
+#: fresh 4 MB bitmap for 32 M coordinates cost up to 2 ms of page faults, about as much as
+#: the draw); larger ones are made per call.
+_SAMPLER_KEEP = 1 << 28
+_sampler: list[np.ndarray] = [np.zeros(0, np.uint64), np.zeros(0, np.uint64)]
+
+
+def _sampler_bitmaps(d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Zeroed bitmaps for :func:`_nb_first_distinct` over ``[0, d)`` (called under the
+    launch lock; the kernel leaves them zeroed)."""
+    words, marks = -(-d // 64), -(-d // 4096)
+    if d > _SAMPLER_KEEP:
+        return np.zeros(words, np.uint64), np.zeros(marks, np.uint64)
+    if _sampler[0].size < words:
+        _sampler[0] = np.zeros(words, np.uint64)
+        _sampler[1] = np.zeros(marks, np.uint64)
+    return _sampler[0], _sampler[1]
 
 
 __all__ = ["MODES", "SEGMENT", "UNIT", "NumbaKernels", "build", "source", "target"]
