@@ -581,3 +581,14 @@ def test_lowrank_decode_kernel_adds_the_rank_products_in_order(
         kernels.lowrank_decode(p, q, factor, out)
     assert torch.equal(out.view(torch.int16) if dtype != torch.float32 else out,
                        want.view(torch.int16) if dtype != torch.float32 else want)
+
+
+def test_lowrank_decode_of_rank_zero_is_zeros() -> None:
+    from commpress.codecs import kernels
+
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((3, 4), 7.0, dtype=dtype)
+        kernels.lowrank_decode(torch.empty(3, 0), torch.empty(4, 0), 0.5, out)
+        assert torch.equal(out, torch.zeros(3, 4, dtype=dtype))
+    with pytest.raises(CommpressError, match="same rank"):
+        kernels.lowrank_decode(torch.ones(3, 2), torch.ones(4, 1), 1.0, torch.empty(3, 4))

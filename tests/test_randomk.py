@@ -304,6 +304,23 @@ def test_sampler_kernel_matches_torch(d: int, k: int) -> None:
         assert results[0].numel() == k and bool((results[0][1:] > results[0][:-1]).all())
 
 
+def test_sampler_refuses_bad_draws_and_keeps_its_buffers_clean() -> None:
+    """k = 0 is an empty sample; a draw outside [0, d) raises, and the sampler's kept bitmaps
+    are still clean for the next call (a stray bit once made a later call write past its
+    output and abort the process)."""
+    from commpress.codecs import kernels
+
+    assert kernels.first_distinct(torch.randint(0, 1 << 20, (1 << 16,)), 0, 1 << 20).numel() == 0
+    good = torch.tensor([5000, 7, 9, 11, 13])
+    want = kernels.first_distinct(good, 3, 10000)
+    assert want is not None and want.tolist() == [7, 9, 5000]
+    with pytest.raises(CommpressError, match="outside"):
+        kernels.first_distinct(torch.tensor([5000, 1, 2]), 2, 100)
+    for _ in range(3):
+        got = kernels.first_distinct(good, 3, 10000)
+        assert got is not None and torch.equal(got, want)
+
+
 def test_sample_needs_no_permutation(monkeypatch: pytest.MonkeyPatch) -> None:
     """Drawing k of d coordinates never materialises a permutation of d."""
 

@@ -543,16 +543,24 @@ def lowrank_decode(p: torch.Tensor, q: torch.Tensor, factor: float, out: torch.T
     * factor`` for float32 ``p`` ``(n, r)`` and ``q`` ``(m, r)``, ``r >= 1``: each entry the
     products added in rank order in float32 without fused multiply-adds (so it can differ
     from BLAS's in the last bits, and is the same on every machine and thread count), a
-    16-bit ``out`` rounded to nearest even and saturating (PowerSGD's decode)."""
+    16-bit ``out`` rounded to nearest even and saturating (PowerSGD's decode). Rank 0 gives
+    zeros, as ``p @ q.T`` does."""
+    if p.dim() != 2 or q.dim() != 2 or p.shape[1] != q.shape[1]:
+        raise CommpressError(f"lowrank_decode: p {tuple(p.shape)} and q {tuple(q.shape)} must "
+                             "be matrices of the same rank")
+    if p.shape[1] == 0:
+        out.zero_()
+        return
     _impl(out, "lowrank_decode").lowrank_decode(p, q, factor, out)
 
 
 def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
     """The first ``k`` distinct values of ``draws`` (int64 in ``[0, d)``, CPU), sorted
-    ascending; ``None`` when ``draws`` holds fewer than ``k`` distinct values."""
-    return _impl(draws, "first_distinct").first_distinct(
-        draws, k, d
-    )
+    ascending; ``None`` when ``draws`` holds fewer than ``k`` distinct values (``k = 0``:
+    empty). A draw outside ``[0, d)`` raises :class:`CommpressError`."""
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    return _impl(draws, "first_distinct").first_distinct(draws, k, d)
 
 
 def gather_finite(x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, bool]:

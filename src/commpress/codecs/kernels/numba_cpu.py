@@ -1497,11 +1497,19 @@ def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any, bitmap: Any, summar
     # are left zeroed; the sorted walk visits only the words the summary marks. The
     # probes of the bitmap (4 MB for 32 M coordinates, out of cache after a pass over the
     # tensor) are prefetched a few draws ahead: they missed the cache at every draw.
+    # A draw outside [0, d) stops the walk (the bitmap is still cleared below, so the kept
+    # buffers stay clean for later calls) and is reported as -1.
     count = 0
+    bad = False
     for i in range(draws.size):
         if i + _LOOKAHEAD < draws.size:
-            _nb_prefetch(bitmap, draws[i + _LOOKAHEAD] >> 6)
+            nxt = draws[i + _LOOKAHEAD]
+            if nxt >= 0 and nxt < d:
+                _nb_prefetch(bitmap, nxt >> 6)
         v = draws[i]
+        if v < 0 or v >= d:
+            bad = True
+            break
         w = v >> 6
         bit = u64(1) << u64(v & 63)
         word = bitmap[w]
@@ -1526,9 +1534,10 @@ def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any, bitmap: Any, summar
             while word:
                 lowest = word & (~word + u64(1))
                 word ^= lowest
-                out[j] = w * 64 + _DEBRUIJN_POS[(lowest * _DEBRUIJN) >> u64(58)]
+                if j < out.size:
+                    out[j] = w * 64 + _DEBRUIJN_POS[(lowest * _DEBRUIJN) >> u64(58)]
                 j += 1
-    return count
+    return -1 if bad else count
 
 
 def _nb_gather_finite(
@@ -2150,6 +2159,8 @@ class NumbaKernels:
             found = self["first_distinct"](
                 _np(draws.contiguous()), k, d, _np(out), bitmap, summary
             )
+        if found < 0:
+            raise CommpressError(f"first_distinct: a draw lies outside [0, {d})")
         return out if found >= k else None
 
     def gather_finite(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, bool]:
