@@ -663,3 +663,25 @@ def test_summing_a_corrupted_sparse_payload_is_a_payload_error_like_decoding_it(
         codec.decode(payload, CodecContext())
     with pytest.raises(PayloadError):
         codec.sum_decoded([payload, payload], CodecContext())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_band_leaves_mostly_zero_inputs_to_the_exact_select(dtype: torch.dtype) -> None:
+    """Fewer non-zeros than k (ReLU or embedding gradients): the sampled bound is 0 and
+    would admit every key as a candidate (every part overflowing its room, then a recount);
+    the kernel reports a miss at once and the exact select gives the same indices as the
+    torch path (the zeros tied at the threshold: the lowest indices)."""
+    from commpress.codecs import kernels
+    from commpress.codecs.sparse import exact_top, magnitudes, top_magnitudes
+
+    n = 1 << 18
+    g = torch.Generator().manual_seed(8)
+    x = torch.zeros(n)
+    nz = torch.randperm(n, generator=g)[: n // 200]
+    x[nz] = torch.randn(nz.numel(), generator=g)
+    x = x.to(dtype)
+    k = n // 100  # twice the non-zeros
+    found, got = _band(x, k, 4)
+    assert not found and bool((got == -1).all())
+    with kernels.use_backend("numba"):
+        assert torch.equal(top_magnitudes(x, k), exact_top(magnitudes(x), k))

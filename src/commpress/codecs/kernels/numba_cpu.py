@@ -1256,6 +1256,11 @@ def _nb_band(
         sample[j] = key if key <= inf_key else inf_key
     # the bound: the (lo_rank + 1)-th largest sampled key (0: every key, when there is none)
     lo = i32(0) if lo_rank >= s else _nb_key_threshold(sample, lo_rank + 1, hist)[0]
+    if lo == 0:
+        # the bound admits every key (mostly zeros, e.g. ReLU or embedding gradients, or a
+        # tiny input): collecting all of them overflows the parts' room and recounts; the
+        # exact select the caller falls back to is faster there, with the same chosen set
+        return False
     got = np.zeros(nparts, np.int64)
     for p in prange(nparts):
         a = min(p * per, n)
