@@ -203,3 +203,15 @@ def test_top16_matches_the_torch_selection(dtype: torch.dtype, n: int) -> None:
     for k in sorted({1, max(1, n // 100), n // 2, n - 1}):
         if 0 < k < n:
             assert torch.equal(top_magnitudes(x, k), exact_top(magnitudes(x), k))
+
+
+@pytest.mark.parametrize("spec", ["topk", "thc", "topkc", "dgc", "netzip"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_numba_kernel_module_counts_its_dispatches(spec: str, dtype: torch.dtype) -> None:
+    """`bench codecs` names the backend that ran from the dispatch counts: the kernels of
+    numba_transforms and numba_netzip count too (their codecs once showed '-')."""
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with kernels.use_backend("numba"):
+        before = kernels.dispatch_counts()["numba"]
+        get_codec(spec).encode(x)
+        assert kernels.dispatch_counts()["numba"] > before, spec

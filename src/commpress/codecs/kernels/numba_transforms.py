@@ -100,6 +100,7 @@ def _kernel(name: str) -> Callable[..., Any]:
         raise CommpressError(
             f"numba kernels are unavailable: {kernels.numba_error('numba_transforms')}"
         )
+    kernels.note_dispatch("numba")  # so that `bench codecs` names the backend that ran
     return cast("Callable[..., Any]", compiled[name])
 
 
@@ -620,6 +621,7 @@ def top16(x: torch.Tensor, k: int) -> torch.Tensor:
     bound misses, per-part histograms of the keys and one collecting pass."""
     inf_key = 0x7F80 if x.dtype == torch.bfloat16 else 0x7C00
     out = torch.empty(k, dtype=torch.int64)
+    kernels.note_dispatch("numba")
     with numba_cpu._launch():
         import numba
 
