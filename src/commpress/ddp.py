@@ -49,7 +49,6 @@ from commpress.collectives.driver import (
     Exchange,
     Pending,
     Shot,
-    Wait,
     direct_path_applies,
     require_initialized,
     sums_plainly,
@@ -554,18 +553,9 @@ def _replay(
     route = _route(state, ex)
     what = f"DDP comm hook, bucket {bucket_index} at step {step}"
 
-    def issue() -> Shot:
-        shot = route.shoot(ex, codec, buffer, ctx, out=buffer, scratch=lane.scratch)
-        if shot is not None:
-            return shot
-        # not one exchange after all (the lane's checks say it is): the general task
-        task = route.exchange(
-            ex, codec, buffer, ctx, tag=engine.ring_tag(0), out=buffer, scratch=lane.scratch
-        )
-        try:
-            return Shot(Wait(ex, next(task), True), task=task)
-        except StopIteration as stop:  # nothing to send
-            return Shot(None, done=stop.value)
+    def issue() -> Shot | None:
+        # None (nothing issued) sends the bucket down the general path
+        return route.shoot(ex, codec, buffer, ctx, out=buffer, scratch=lane.scratch)
 
     try:
         with error_context(what):

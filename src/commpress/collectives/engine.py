@@ -172,8 +172,7 @@ class Route:
         buffers it keeps in ``scratch`` (a dict the caller keeps for this exchange across
         calls; buffers reused are never page-faulted again). The caller must still copy a
         total that is not ``out``."""
-        if (self.plain and not ctx.need_local and sums_plainly(codec)
-                and direct_path_applies(x, ex)):
+        if self._sums_directly(ex, codec, x, ctx):
             return plain_sum_task(x, ex, average=ctx.average)
         if out is not None and self.plain and codec.reduces_into:
             return protocol_task(
@@ -184,6 +183,14 @@ class Route:
             codec, x, ctx, ex, tag=tag, pool=self.pool, local_size=self.local_size
         )
 
+    def _sums_directly(
+        self, ex: Exchange, codec: Codec, x: torch.Tensor, ctx: CodecContext
+    ) -> bool:
+        """Whether the reduction is one plain all-reduce of ``x`` (a codec that sums plainly,
+        on a route that allows it, with no local contribution asked for)."""
+        return (self.plain and not ctx.need_local and sums_plainly(codec)
+                and direct_path_applies(x, ex))
+
     def shoot(
         self, ex: Exchange, codec: Codec, x: torch.Tensor, ctx: CodecContext, *,
         out: torch.Tensor, scratch: dict[str, torch.Tensor],
@@ -192,8 +199,7 @@ class Route:
         (:func:`~commpress.collectives.driver.shoot`), where it is one exchange: the
         identity's plain sum, or a single-round codec's own protocol decoding into ``out``;
         ``None`` for any other (run :meth:`exchange`'s task)."""
-        if (self.plain and not ctx.need_local and sums_plainly(codec)
-                and direct_path_applies(x, ex)):
+        if self._sums_directly(ex, codec, x, ctx):
             return shoot(ex, x, average=ctx.average)
         if self.plain and codec.reduces_into and not codec.multi_round:
             return shoot(
