@@ -554,6 +554,36 @@ def lowrank_decode(p: torch.Tensor, q: torch.Tensor, factor: float, out: torch.T
     _impl(out, "lowrank_decode").lowrank_decode(p, q, factor, out)
 
 
+def lowrank_right(mat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``mat @ q`` as float32 ``(n, r)`` for a contiguous ``(n, m)`` float32, bfloat16 or
+    float16 CPU matrix (read in its own dtype, widened exactly) and float32 ``q`` ``(m,
+    r)``: each entry a pairwise (tree) sum of its ``m`` products in float32 without fused
+    multiply-adds, the same on every machine and thread count (PowerSGD's ``P = M Q``)."""
+    _check_lowrank("lowrank_right", mat, q, 1)
+    return _impl(mat, "lowrank_right").lowrank_right(mat, q)
+
+
+def lowrank_left(mat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``mat.T @ p`` as float32 ``(m, r)`` for a contiguous ``(n, m)`` float32, bfloat16 or
+    float16 CPU matrix and float32 ``p`` ``(n, r)``: each entry its ``n`` products added
+    in row order in float32 without fused multiply-adds, the same on every machine and
+    thread count (PowerSGD's ``Q = M^T P``)."""
+    _check_lowrank("lowrank_left", mat, p, 0)
+    return _impl(mat, "lowrank_left").lowrank_left(mat, p)
+
+
+def _check_lowrank(name: str, mat: torch.Tensor, factor: torch.Tensor, dim: int) -> None:
+    if (
+        mat.dim() != 2 or factor.dim() != 2 or factor.shape[0] != mat.shape[dim]
+        or not mat.is_contiguous() or factor.shape[1] < 1 or mat.numel() == 0
+    ):
+        raise CommpressError(
+            f"{name}: needs a non-empty contiguous matrix and a factor of rank >= 1 with "
+            f"as many rows as the matrix has {'rows' if dim == 0 else 'columns'}; got "
+            f"{tuple(mat.shape)} and {tuple(factor.shape)}"
+        )
+
+
 def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
     """The first ``k`` distinct values of ``draws`` (int64 in ``[0, d)``, CPU), sorted
     ascending; ``None`` when ``draws`` holds fewer than ``k`` distinct values (``k = 0``:
@@ -594,6 +624,8 @@ __all__ = [
     "first_distinct",
     "gather_finite",
     "lowrank_decode",
+    "lowrank_left",
+    "lowrank_right",
     "load_numba",
     "minmax_decode",
     "minmax_encode",
