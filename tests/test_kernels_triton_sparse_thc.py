@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 
 from commpress.codecs import CodecContext, get_codec, kernels  # noqa: E402
 from commpress.errors import CommpressError  # noqa: E402
-from test_kernels_triton import DEVICE, DTYPES, sample, same, tg  # noqa: E402
+from test_kernels_triton import DEVICE, DTYPES, same, sample, tg  # noqa: E402
 
 _BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
          torch.float16: torch.int16}
