@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 
 from commpress.codecs import CodecContext, get_codec, kernels  # noqa: E402
 from commpress.errors import CommpressError  # noqa: E402
-from test_kernels_triton import DEVICE, DTYPES, same, sample, tg  # noqa: E402
+from test_kernels_triton import DEVICE, DTYPES, _inputs, same, sample, tg  # noqa: E402
 
 _BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
          torch.float16: torch.int16}
@@ -100,17 +100,6 @@ def test_spread_refuses_mismatched_buffers() -> None:
 
 
 # ---------------------------------------------------------------------- Random-K: the codec
-def _inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    base = sample(2 * 37 * 11, seed=7, dtype=dtype)
-    return {
-        "odd": base[:1001],
-        "0-d": base[5].reshape(()),
-        "empty": base[:0],
-        "non-contiguous": base.view(37, 22)[:, ::2],
-        "transposed": base[:37 * 11].view(37, 11).t(),
-    }
-
-
 def poisoned(x: torch.Tensor, spot: int, value: float) -> torch.Tensor:
     """A copy of ``x`` with the same strides (a view into a copy of its base), element
     ``spot`` of its flattening set to ``value``."""

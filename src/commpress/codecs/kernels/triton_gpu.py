@@ -586,6 +586,17 @@ def _thc_codes(v, step, rows, cols, mask, noise_ptr, seed, BLOCK: tl.constexpr,
     return t.to(tl.int32)
 
 
+@triton.jit
+def _butterflies(v, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr):
+    # the Sylvester Hadamard transform of each row of a [ROWS, BLOCK] tile (BLOCK = 2**LOG2):
+    # stage h = 1, 2, 4, ...: a + b, a - b for the pairs h apart, as thc.hadamard_transform
+    for s in tl.static_range(LOG2):
+        t = tl.permute(tl.reshape(v, (ROWS * BLOCK // (2 << s), 2, 1 << s)), (0, 2, 1))
+        a, b = tl.split(t)
+        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, BLOCK))
+    return v
+
+
 @triton.jit(do_not_specialize=["sign_seed", "seed"])
 def _thc_rotate_kernel(x_ptr, y_ptr, range_ptr, noise_ptr, n, padded, nblocks, sign_seed,
                        scale, seed, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -603,10 +614,7 @@ def _thc_rotate_kernel(x_ptr, y_ptr, range_ptr, noise_ptr, n, padded, nblocks, s
     word = _splitmix(sign_seed.to(tl.uint64), idx // 64)
     bit = (word >> (idx % 64).to(tl.uint64)) & 1
     v = x * tl.where(bit != 0, -scale, scale)
-    for s in tl.static_range(LOG2):
-        t = tl.permute(tl.reshape(v, (ROWS * BLOCK // (2 << s), 2, 1 << s)), (0, 2, 1))
-        a, b = tl.split(t)
-        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, BLOCK))
+    v = _butterflies(v, ROWS, BLOCK, LOG2)
     inf = tl.full(v.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
     peak = tl.max(tl.where(v != v, inf, tl.abs(v)), axis=1)
     tl.store(range_ptr + rows, peak, mask=rows < nblocks)
@@ -689,10 +697,7 @@ def _thc_decode_kernel(codes_ptr, step_ptr, factor_ptr, out_ptr, numel, nblocks,
     live = rows < nblocks
     c = tl.load(codes_ptr + idx, mask=live[:, None], other=0).to(tl.float32)
     v = c * tl.load(step_ptr + rows, mask=live, other=0.0)[:, None]
-    for s in tl.static_range(LOG2):
-        t = tl.permute(tl.reshape(v, (ROWS * BLOCK // (2 << s), 2, 1 << s)), (0, 2, 1))
-        a, b = tl.split(t)
-        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, BLOCK))
+    v = _butterflies(v, ROWS, BLOCK, LOG2)
     factor = tl.load(factor_ptr + rows, mask=live, other=0.0)[:, None]
     word = _splitmix(sign_seed.to(tl.uint64), idx // 64)
     bit = (word >> (idx % 64).to(tl.uint64)) & 1
