@@ -678,7 +678,6 @@ def _spread_kernel(idx_ptr, val_ptr, out_ptr, k, BLOCK: tl.constexpr):
 
 # ---------------------------------------------------------------------- THC decode
 _BF16_MAX = tl.constexpr(3.3895313892515355e38)
-_F32_INF = tl.constexpr(float("inf"))
 
 
 @triton.jit(do_not_specialize=["sign_seed"])
@@ -703,9 +702,9 @@ def _thc_decode_kernel(codes_ptr, step_ptr, factor_ptr, out_ptr, numel, nblocks,
     bit = (word >> (idx % 64).to(tl.uint64)) & 1
     v = v * tl.where(bit != 0, -factor, factor)
     if BF16:
-        top = _BF16_MAX
-        v = tl.where(v > top, tl.where(v < _F32_INF, top, v),
-                     tl.where(v < -top, tl.where(v > -_F32_INF, -top, v), v))
+        inf = tl.full(v.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
+        big = (tl.abs(v) > _BF16_MAX) & (tl.abs(v) < inf)
+        v = tl.where(big, tl.where(v > 0.0, _BF16_MAX, -_BF16_MAX), v)
         # rounded to nearest even on the bit pattern (Triton's interpreter truncates its
         # float32 -> bfloat16 casts), stored through an int16 view of ``out``; NaN stays NaN
         b = v.to(tl.uint32, bitcast=True)
