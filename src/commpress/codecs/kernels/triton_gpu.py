@@ -106,6 +106,21 @@ def _uniform(seed, idx):
 
 
 @triton.jit
+def _noise(seed, idx):
+    # QSGD's and TernGrad's uniforms, the numba kernels' (_nb_draw) value for value: the
+    # coordinate's low 32 bits through a 32-bit multiply-xorshift hash keyed by the SplitMix64
+    # word of (seed, idx // 2^32); indices stay below 2^31 here, so the key is block 0's
+    key = _splitmix(seed, tl.zeros_like(idx))
+    x = idx.to(tl.uint32) ^ (key & 0xFFFFFFFF).to(tl.uint32)
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15) ^ (key >> 32).to(tl.uint32)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return (x >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
 def _pack_store(out_ptr, codes, groups, nbytes, BITS: tl.constexpr):
     # codes: a [G, 8] tile of integers < 2**BITS for the groups ``groups`` ([G]); writes
     # each group's BITS bytes (8 codes at BITS bits each, little-endian)
@@ -357,7 +372,7 @@ def _stochastic_codes(x, inv, idx, mask, noise_ptr, seed, KIND: tl.constexpr,
     # KIND 1 (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1; 0 outside ``mask``.
     # u: the generator's uniform (MODE 1) or noise[i] (2)
     if MODE == 1:
-        u = _uniform(seed.to(tl.uint64), idx)
+        u = _noise(seed.to(tl.uint64), idx)
     else:
         u = tl.load(noise_ptr + idx, mask=mask, other=0.0)
     a = tl.abs(x) * inv
