@@ -797,13 +797,17 @@ def _nb_noise_key(seed: Any, i: Any) -> Any:
 def _nb_draw(c: Any, klo: Any, khi: Any) -> Any:
     # the uniform in [0, 1) of the coordinate whose low 32 bits are c (uint32), in the block
     # keyed by klo, khi (the halves of _nb_noise_key): a multiply-xorshift hash on 32-bit
-    # lanes (c ^ klo through two rounds, then ^ khi through a third); its top 24 bits
-    # (inlined where it is called, so that the calling loop vectorizes on 32-bit lanes)
+    # lanes, c ^ klo through two rounds, then ^ khi through a third; its top 24 bits
+    # (inlined where it is called, so that the calling loop vectorizes on 32-bit lanes).
+    # Two rounds with khi between them (one multiply less) failed the pair test of
+    # coordinates 32 apart (tests/test_kernel_noise.py), as did the two rounds alone.
     x = u32(c ^ klo)
     x = u32(x ^ (x >> u32(16)))
     x = u32(x * u32(0x7FEB352D))
-    x = u32(x ^ (x >> u32(15)) ^ khi)
+    x = u32(x ^ (x >> u32(15)))
     x = u32(x * u32(0x846CA68B))
+    x = u32(x ^ (x >> u32(16)) ^ khi)
+    x = u32(x * u32(0x9E3779B9))
     x = u32(x ^ (x >> u32(16)))
     return f32(i32(x >> u32(8))) * f32(5.9604644775390625e-08)
 

@@ -114,8 +114,10 @@ def _noise(seed, idx):
     x = idx.to(tl.uint32) ^ (key & 0xFFFFFFFF).to(tl.uint32)
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
-    x = x ^ (x >> 15) ^ (key >> 32).to(tl.uint32)
+    x = x ^ (x >> 15)
     x = x * 0x846CA68B
+    x = x ^ (x >> 16) ^ (key >> 32).to(tl.uint32)
+    x = x * 0x9E3779B9
     x = x ^ (x >> 16)
     return (x >> 8).to(tl.float32) * 5.9604644775390625e-08
 
