@@ -108,17 +108,16 @@ def _uniform(seed, idx):
 @triton.jit
 def _noise(seed, idx):
     # QSGD's and TernGrad's uniforms, the numba kernels' (_nb_draw) value for value: the
-    # coordinate's low 32 bits through a 32-bit multiply-xorshift hash keyed by the SplitMix64
-    # word of (seed, idx // 2^32); indices stay below 2^31 here, so the key is block 0's
+    # Weyl term y = (idx mod 2^32) * 0x9E3779B9 + key_lo through a 32-bit multiply-xorshift
+    # finalizer, ^ key_hi, top 24 bits; the key is the SplitMix64 word of (seed,
+    # idx // 2^32), block 0's here (indices stay below 2^31)
     key = _splitmix(seed, tl.zeros_like(idx))
-    x = idx.to(tl.uint32) ^ (key & 0xFFFFFFFF).to(tl.uint32)
+    x = idx.to(tl.uint32) * 0x9E3779B9 + (key & 0xFFFFFFFF).to(tl.uint32)
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
     x = x * 0x846CA68B
     x = x ^ (x >> 16) ^ (key >> 32).to(tl.uint32)
-    x = x * 0x9E3779B9
-    x = x ^ (x >> 16)
     return (x >> 8).to(tl.float32) * 5.9604644775390625e-08
 
 
