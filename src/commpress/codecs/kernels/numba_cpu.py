@@ -12,11 +12,16 @@ Both paths produce bit-identical payloads and decodings for deterministic roundi
 fp32 operations in the same order, no fused multiply-add, ``fastmath=False``; only ``sign``'s
 scale is a float64 sum taken in another order, equal after rounding to float32 unless the sum
 lies within ~1e-15 of a rounding boundary). For stochastic
-rounding the kernel draws its own uniform noise from a counter-based generator (SplitMix64 of
-the element index and a seed taken from the caller's torch generator) because drawing a
-64 MB tensor of ``torch.rand`` costs more than the whole encode; given the same noise tensor
-(``noise=`` argument) the kernel reproduces the torch path bit for bit. The Triton kernels
-(:mod:`commpress.codecs.kernels.triton_gpu`) use the same generator, so both kernel
+rounding the kernel draws its own uniform noise from a counter-based generator keyed by a
+seed taken from the caller's torch generator, because drawing a 64 MB tensor of
+``torch.rand`` costs more than the whole encode: ``minmax`` SplitMix64 of the seed and the
+element index; ``qsgd`` and ``terngrad`` (``_nb_draw``) a Weyl term of the element index's
+low 32 bits and a per-2^32-block SplitMix64 key through a two-multiply 32-bit finalizer,
+which vectorizes on 16 lanes where SplitMix64 ran on 8 lanes of 64 bits with two 64-bit
+multiplies (top 24 bits either way; tests/test_kernel_noise.py states it in numpy and tests
+its uniformity and independence). Given the same noise tensor (``noise=`` argument) the
+kernel reproduces the torch path bit for bit. The Triton kernels
+(:mod:`commpress.codecs.kernels.triton_gpu`) use the same generators, so both kernel
 backends send the same payload for the same input and seed.
 
 Kernels are compiled on first use (10-20 s of CPU once; ``kernels.warm_up`` does it eagerly)

@@ -34,8 +34,9 @@ its float64 squared chunk norms in one pass.
 Arithmetic: the same float32 operations in the same order as the torch path, compiled with
 ``enable_fp_fusion=False`` (no fused multiply-add), divisions done in float64 and rounded,
 so payloads equal the torch path's bit for bit for deterministic rounding. Stochastic
-rounding draws ``u`` in-kernel from the numba kernels' counter-based generator (SplitMix64
-of the seed and the element index, top 24 bits): the same noise as the numba backend, a
+rounding draws ``u`` in-kernel from the numba kernels' counter-based generators (``minmax``:
+SplitMix64 of the seed and the element index; ``qsgd``/``terngrad``: :func:`_noise`, the
+numba kernels' 32-bit hash; top 24 bits): the same noise as the numba backend, a
 different stream from the torch path's ``torch.rand``; with ``noise=`` given the kernels use
 those uniforms instead (tests compare with the torch path that way).
 
