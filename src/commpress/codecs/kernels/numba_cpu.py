@@ -12,11 +12,16 @@ Both paths produce bit-identical payloads and decodings for deterministic roundi
 fp32 operations in the same order, no fused multiply-add, ``fastmath=False``; only ``sign``'s
 scale is a float64 sum taken in another order, equal after rounding to float32 unless the sum
 lies within ~1e-15 of a rounding boundary). For stochastic
-rounding the kernel draws its own uniform noise from a counter-based generator (SplitMix64 of
-the element index and a seed taken from the caller's torch generator) because drawing a
-64 MB tensor of ``torch.rand`` costs more than the whole encode; given the same noise tensor
-(``noise=`` argument) the kernel reproduces the torch path bit for bit. The Triton kernels
-(:mod:`commpress.codecs.kernels.triton_gpu`) use the same generator, so both kernel
+rounding the kernel draws its own uniform noise from a counter-based generator keyed by a
+seed taken from the caller's torch generator, because drawing a 64 MB tensor of
+``torch.rand`` costs more than the whole encode: ``minmax`` SplitMix64 of the seed and the
+element index; ``qsgd`` and ``terngrad`` (``_nb_draw``) a Weyl term of the element index's
+low 32 bits and a per-2^32-block SplitMix64 key through a two-multiply 32-bit finalizer,
+which vectorizes on 16 lanes where SplitMix64 ran on 8 lanes of 64 bits with two 64-bit
+multiplies (top 24 bits either way; tests/test_kernel_noise.py states it in numpy and tests
+its uniformity and independence). Given the same noise tensor (``noise=`` argument) the
+kernel reproduces the torch path bit for bit. The Triton kernels
+(:mod:`commpress.codecs.kernels.triton_gpu`) use the same generators, so both kernel
 backends send the same payload for the same input and seed.
 
 Kernels are compiled on first use (10-20 s of CPU once; ``kernels.warm_up`` does it eagerly)
@@ -788,45 +793,112 @@ def _nb_sign_decode(
             _nb_sign_run(src, hi16, lo16, out16[a:b])
 
 
-def _nb_draw(base: Any, k: Any) -> Any:
-    # _nb_uniform(seed, i + k) given base = seed + (i + 1) * golden gamma, in float32
-    # (inlined where it is called, so that the calling loop vectorizes)
-    z = base + u64(k) * u64(0x9E3779B97F4A7C15)
+def _nb_noise_start(seed: Any, g: Any) -> Any:
+    # (y, khi) of coordinate g for _nb_draw: its block of 2^32 coordinates is keyed by the
+    # SplitMix64 word of (seed + (g // 2^32 + 1) * golden gamma), whose halves are klo (low)
+    # and khi; y = (g mod 2^32) * 0x9E3779B9 + klo (mod 2^32), the Weyl term
+    z = seed + u64((g >> 32) + 1) * u64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
     z = z ^ (z >> u64(31))
-    return f32(i32(z >> u64(40))) * f32(5.9604644775390625e-08)
+    y = u32(u32(u32(g & 0xFFFFFFFF) * u32(0x9E3779B9)) + u32(z & u64(0xFFFFFFFF)))
+    return y, u32(z >> u64(32))
+
+
+def _nb_draw(y: Any, khi: Any) -> Any:
+    # the uniform in [0, 1) of the coordinate whose Weyl term is y = c * 0x9E3779B9 + klo
+    # (mod 2^32, c the coordinate's low 32 bits, klo and khi the halves of its block's
+    # _nb_noise_key): y through a multiply-xorshift finalizer on 32-bit lanes, then ^ khi;
+    # its top 24 bits (_nb_noise_start). Inlined where it is called, so that the calling loop
+    # vectorizes on 32-bit lanes; the caller steps y by 0x9E3779B9 per coordinate (an
+    # addition, no multiply).
+    # The finalizer of c ^ klo instead of the Weyl term failed tests/test_kernel_noise.py's
+    # pair test (coordinates 32, 256 or 1024 apart, depending on the key) and needed a third
+    # multiply to pass it, 0.02 ns per value more.
+    x = u32(y ^ (y >> u32(16)))
+    x = u32(x * u32(0x7FEB352D))
+    x = u32(x ^ (x >> u32(15)))
+    x = u32(x * u32(0x846CA68B))
+    x = u32(x ^ (x >> u32(16)) ^ khi)
+    return f32(i32(x >> u32(8))) * f32(5.9604644775390625e-08)
 
 
 def _nb_stoch_codes(
     src: Any, i: Any, inv: Any, kind: Any, levels: Any, rmode: Any, seed: Any, noise: Any,
     dst: Any,
 ) -> None:
-    # dst = the codes of src, coordinates i.. of one chunk, with multiplier inv. kind 0
-    # (qsgd): code = levels +- clamp(floor(|x| * inv + u), 0, levels), NaN -> levels; kind 1
-    # (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1 (x < 0 -> 0, else 2).
-    # rmode 1: u from the internal generator keyed by seed (_nb_draw); rmode 2: u = noise.
-    # Branch-free loops that vectorize, the noise drawn in the loop that uses it; the codes
-    # are computed in float32 (exact small integers).
-    zero = f32(0.0)
+    # dst = the codes of src, coordinates i.. of one chunk, with multiplier inv
+    # (_nb_stoch_code), u = the generator's draw (rmode 1: _nb_draw_codes, split where src
+    # crosses a multiple of 2^32, the noise key's block) or u = noise[i..] (rmode 2).
+    # Branch-free loops that vectorize, one per kind and noise source, the noise drawn in the
+    # loop that uses it; the codes computed in float32 (exact small integers).
     top = f32(levels)
-    base = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
-    given = noise[i : i + src.size] if rmode == 2 else noise[:0]
+    if rmode == 1:
+        m = min(src.size, (i | 0xFFFFFFFF) + 1 - i)
+        if m == src.size:  # no slicing in the common case: chunks can be short
+            _nb_draw_codes(src, i, seed, inv, kind, top, dst)
+        else:
+            _nb_draw_codes(src[:m], i, seed, inv, kind, top, dst[:m])
+            _nb_draw_codes(src[m:], i + m, seed, inv, kind, top, dst[m:])
+        return
+    given = noise[i : i + src.size]
     if kind == 0:
         for k in range(src.size):
-            u = _nb_draw(base, k) if rmode == 1 else given[k]
-            v = src[k]
-            t = np.floor(abs(v) * inv + u)
-            t = t if t >= zero else zero
-            t = t if t <= top else top
-            dst[k] = u8(i32(top - t if v < zero else top + t))
+            dst[k] = _nb_stoch_code(src[k], given[k], inv, 0, top)
     else:
         for k in range(src.size):
-            u = _nb_draw(base, k) if rmode == 1 else given[k]
-            v = src[k]
-            keep = u < abs(v) * inv
-            sign = i32(0) if v < zero else i32(2)
-            dst[k] = u8(sign if keep else i32(1))
+            dst[k] = _nb_stoch_code(src[k], given[k], inv, 1, top)
+
+
+def _nb_uniforms(seed: Any, start: Any, out: Any) -> None:
+    # out[k] = the uniform that _nb_stoch_codes draws for coordinate start + k (tests and
+    # statistics of the generator)
+    s = 0
+    while s < out.size:
+        g = start + s
+        e = min(out.size, s + ((g | 0xFFFFFFFF) + 1 - g))
+        y, khi = _nb_noise_start(seed, g)
+        for k in range(s, e):
+            out[k] = _nb_draw(y, khi)
+            y = u32(y + u32(0x9E3779B9))
+        s = e
+
+
+def _nb_draw_codes(src: Any, g: Any, seed: Any, inv: Any, kind: Any, top: Any, dst: Any) -> None:
+    # _nb_stoch_codes's codes of src, coordinates g.. in one key block, with drawn noise
+    y, khi = _nb_noise_start(seed, g)
+    _nb_draw_loop(src, y, khi, inv, kind, top, dst)
+
+
+def _nb_draw_loop(src: Any, y: Any, khi: Any, inv: Any, kind: Any, top: Any, dst: Any) -> None:
+    # the codes of src with u = _nb_draw(y, khi), y stepping by 0x9E3779B9. A function of
+    # its own: with the 32-bit term computed in the same function from a 64-bit index, LLVM
+    # widened it to 64 bits and the hash ran on 8 lanes of 64 bits instead of 16 of 32
+    if kind == 0:
+        for k in range(src.size):
+            u = _nb_draw(y, khi)
+            y = u32(y + u32(0x9E3779B9))
+            dst[k] = _nb_stoch_code(src[k], u, inv, 0, top)
+    else:
+        for k in range(src.size):
+            u = _nb_draw(y, khi)
+            y = u32(y + u32(0x9E3779B9))
+            dst[k] = _nb_stoch_code(src[k], u, inv, 1, top)
+
+
+def _nb_stoch_code(v: Any, u: Any, inv: Any, kind: Any, top: Any) -> Any:
+    # the code of value v with uniform u and multiplier inv. kind 0 (qsgd): top +-
+    # clamp(floor(|v| * inv + u), 0, top), NaN -> top; kind 1 (terngrad): 1 + sign(v) where
+    # u < |v| * inv, else 1 (v < 0 -> 0, else 2). kind is a constant where this is inlined.
+    zero = f32(0.0)
+    if kind == 0:
+        t = np.floor(abs(v) * inv + u)
+        t = t if t >= zero else zero
+        t = t if t <= top else top
+        return u8(i32(top - t if v < zero else top + t))
+    keep = u < abs(v) * inv
+    sign = i32(0) if v < zero else i32(2)
+    return u8(sign if keep else i32(1))
 
 
 def _nb_stoch_units(
@@ -1737,6 +1809,8 @@ _HELPERS = (
     "_nb_chunk_keys",
     "_nb_threshold_digit",
     "_nb_stoch_codes",
+    "_nb_noise_start",
+    "_nb_draw_loop",
     "_nb_norm_total",
     "_nb_max_key",
     "_nb_key_value",
@@ -1744,7 +1818,7 @@ _HELPERS = (
 )
 # helpers inlined where they are called (numba IR inlining: a call in a loop would keep
 # the loop from vectorizing)
-_INLINED = ("_nb_draw", "_nb_sign_run")
+_INLINED = ("_nb_draw", "_nb_sign_run", "_nb_stoch_code", "_nb_draw_codes")
 # helpers that contain parallel loops (compiled with parallel=True)
 _PARALLEL_HELPERS = (
     "_nb_write_selected",
@@ -1783,6 +1857,7 @@ _SERIAL = (
     "_nb_spread",
     "_nb_chunk_range",
     "_nb_top_keys",
+    "_nb_uniforms",
 )
 
 
@@ -2275,6 +2350,14 @@ class NumbaKernels:
             out16 = _np(out.view(torch.int16)).view(np.uint16)
         with _launch():
             self["lowrank_decode"](pn, qt, np.float32(factor), outf, out16, omode)
+
+    def uniforms(self, seed: int, start: int, n: int) -> torch.Tensor:
+        """The ``n`` uniforms in [0, 1) that ``qsgd_encode``/``terngrad_encode`` draw for
+        coordinates ``start..start + n - 1`` with ``seed`` (float32; for tests)."""
+        out = torch.empty(n, dtype=torch.float32)
+        with _launch():
+            self["uniforms"](np.uint64(seed), start, _np(out))
+        return out
 
     def lowrank_right(self, mat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """See :func:`commpress.codecs.kernels.lowrank_right`."""

@@ -34,8 +34,9 @@ its float64 squared chunk norms in one pass.
 Arithmetic: the same float32 operations in the same order as the torch path, compiled with
 ``enable_fp_fusion=False`` (no fused multiply-add), divisions done in float64 and rounded,
 so payloads equal the torch path's bit for bit for deterministic rounding. Stochastic
-rounding draws ``u`` in-kernel from the numba kernels' counter-based generator (SplitMix64
-of the seed and the element index, top 24 bits): the same noise as the numba backend, a
+rounding draws ``u`` in-kernel from the numba kernels' counter-based generators (``minmax``:
+SplitMix64 of the seed and the element index; ``qsgd``/``terngrad``: :func:`_noise`, the
+numba kernels' 32-bit hash; top 24 bits): the same noise as the numba backend, a
 different stream from the torch path's ``torch.rand``; with ``noise=`` given the kernels use
 those uniforms instead (tests compare with the torch path that way).
 
@@ -103,6 +104,22 @@ def _splitmix(seed, idx):
 def _uniform(seed, idx):
     # the top 24 bits of _splitmix give u in [0, 1): the numba kernels' uniforms
     return (_splitmix(seed, idx) >> 40).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _noise(seed, idx):
+    # QSGD's and TernGrad's uniforms, the numba kernels' (_nb_draw) value for value: the
+    # Weyl term y = (idx mod 2^32) * 0x9E3779B9 + key_lo through a 32-bit multiply-xorshift
+    # finalizer, ^ key_hi, top 24 bits; the key is the SplitMix64 word of (seed,
+    # idx // 2^32), block 0's here (indices stay below 2^31)
+    key = _splitmix(seed, tl.zeros_like(idx))
+    x = idx.to(tl.uint32) * 0x9E3779B9 + (key & 0xFFFFFFFF).to(tl.uint32)
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16) ^ (key >> 32).to(tl.uint32)
+    return (x >> 8).to(tl.float32) * 5.9604644775390625e-08
 
 
 @triton.jit
@@ -357,7 +374,7 @@ def _stochastic_codes(x, inv, idx, mask, noise_ptr, seed, KIND: tl.constexpr,
     # KIND 1 (terngrad): code = 1 + sign(x) where u < |x| * inv, else 1; 0 outside ``mask``.
     # u: the generator's uniform (MODE 1) or noise[i] (2)
     if MODE == 1:
-        u = _uniform(seed.to(tl.uint64), idx)
+        u = _noise(seed.to(tl.uint64), idx)
     else:
         u = tl.load(noise_ptr + idx, mask=mask, other=0.0)
     a = tl.abs(x) * inv

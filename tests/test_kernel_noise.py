@@ -1,0 +1,219 @@
+"""The QSGD/TernGrad kernels' own rounding noise (codecs/kernels/numba_cpu.py, ``_nb_draw``):
+equal to an independent numpy statement of the generator, uniform, independent between
+neighbouring coordinates and between seeds, and unbiased where the codecs use it.
+
+The statistical checks use fixed seeds and bounds of 5 standard deviations (or the
+chi-square distribution's mean + 5 standard deviations), so a correct generator fails them
+with probability below ~1e-6 each; weak ones fail them (see test_weak_generators_fail)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+import torch
+
+from commpress.codecs import get_codec, kernels
+from commpress.codecs.base import Codec, CodecContext
+from commpress.codecs.quantize import QSGD
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+
+M64 = (1 << 64) - 1
+BLOCK = 1 << 32  # coordinates per key of the generator
+
+
+def _splitmix(seed: int, j: int) -> int:
+    z = (seed + (j + 1) * 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def reference(seed: int, start: int, n: int) -> np.ndarray:
+    """The generator as documented, in numpy: coordinate g's key is SplitMix64 of (seed,
+    g // 2^32), with halves key_lo (low) and key_hi; y = (g mod 2^32) * 0x9E3779B9 + key_lo,
+    then x = y ^ (y >> 16), x *= 0x7FEB352D, x ^= x >> 15, x *= 0x846CA68B,
+    x ^= (x >> 16) ^ key_hi (all mod 2^32); u = (x >> 8) / 2^24."""
+    g = np.arange(start, start + n, dtype=np.uint64)
+    blocks = g >> np.uint64(32)
+    keys = np.array([_splitmix(seed, int(b)) for b in blocks], dtype=np.uint64)
+    x = (g & np.uint64(0xFFFFFFFF)).astype(np.uint32) * np.uint32(0x9E3779B9)
+    x += (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= (x >> np.uint32(16)) ^ (keys >> np.uint64(32)).astype(np.uint32)
+    return (x >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
+
+
+def uniforms(seed: int, start: int, n: int) -> np.ndarray:
+    nk = kernels._load()
+    assert nk is not None
+    return nk.uniforms(seed, start, n).numpy()
+
+
+def chi_square(counts: np.ndarray) -> float:
+    expected = counts.sum() / counts.size
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def assert_chi_square(counts: np.ndarray) -> None:
+    """Counts of equally likely bins: the statistic within mean +- 5 sd of chi-square."""
+    dof = counts.size - 1
+    stat = chi_square(counts)
+    assert abs(stat - dof) < 5 * math.sqrt(2 * dof), (stat, dof)
+
+
+@pytest.mark.parametrize(
+    ("seed", "start", "n"),
+    [(0, 0, 1000), (2**62 + 7, 5, 777), (123, BLOCK - 300, 1000), (9, 3 * BLOCK + 1, 50),
+     (M64, 0, 100), (1, BLOCK - 1, 2)],
+)
+def test_generator_equals_its_numpy_statement(seed: int, start: int, n: int) -> None:
+    """Bit for bit (the same integer operations), across a 2^32 block boundary too."""
+    assert np.array_equal(uniforms(seed, start, n), reference(seed, start, n))
+
+
+@pytest.mark.parametrize(("seed", "start"), [(1, 0), (2**63 + 5, BLOCK - 2**19)])
+def test_uniforms_are_uniform(seed: int, start: int) -> None:
+    n = 1 << 20
+    u = uniforms(seed, start, n).astype(np.float64)
+    assert u.min() >= 0.0 and u.max() < 1.0
+    ints = u * 2.0**24
+    assert np.array_equal(ints, np.floor(ints))  # 24-bit uniforms
+    # mean 1/2 and variance 1/12, within 5 standard deviations of their estimates
+    assert abs(u.mean() - 0.5) < 5 * math.sqrt(1 / 12 / n)
+    assert abs(u.var() - 1 / 12) < 5 * math.sqrt((1 / 80 - 1 / 144) / n)
+    # 256 bins of the top 8 bits, and of the lowest 8 of the 24 (weak low bits)
+    assert_chi_square(np.bincount((u * 256).astype(np.int64), minlength=256))
+    assert_chi_square(np.bincount(ints.astype(np.int64) & 255, minlength=256))
+
+
+def _pair_checks(a: np.ndarray, b: np.ndarray) -> None:
+    """a, b independent uniforms: correlation within 5 / sqrt(n), and a chi-square over a
+    16 x 16 grid of the pairs."""
+    n = a.size
+    r = np.corrcoef(a, b)[0, 1]
+    assert abs(r) < 5 / math.sqrt(n), r
+    cells = (a * 16).astype(np.int64) * 16 + (b * 16).astype(np.int64)
+    assert_chi_square(np.bincount(cells, minlength=256))
+
+
+@pytest.mark.parametrize("lag", [1, 2, 16, 1024])
+def test_neighbouring_coordinates_are_independent(lag: int) -> None:
+    u = uniforms(7, 0, (1 << 20) + lag).astype(np.float64)
+    _pair_checks(u[:-lag], u[lag:])
+
+
+@pytest.mark.parametrize(("seed_a", "seed_b"), [(1, 2), (2**40, 2**40 + 2**32), (5, 5 ^ 2**63)])
+def test_different_seeds_give_independent_noise(seed_a: int, seed_b: int) -> None:
+    """The same coordinates under two seeds (adjacent, or differing in one high bit)."""
+    n = 1 << 20
+    _pair_checks(uniforms(seed_a, 0, n).astype(np.float64),
+                 uniforms(seed_b, 0, n).astype(np.float64))
+
+
+def _finalize(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint32(16))
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def _top24(x: np.ndarray) -> np.ndarray:
+    return (x >> np.uint32(8)).astype(np.float64) * 2.0**-24
+
+
+def test_weak_generators_fail_the_pair_checks() -> None:
+    """The checks above can fail: a bare Weyl sequence (uniform, neighbours dependent), the
+    finalizer of the counter xor a key (a first design: it fails at lag 32, 256 or 1024
+    depending on the key), and noise that ignores the seed all fail them."""
+    n = 1 << 20
+    c = np.arange(n + 1024, dtype=np.uint32)
+    weyl = _top24(c * np.uint32(0x9E3779B9) + np.uint32(12345))
+    xored = _top24(_finalize(c ^ np.uint32(0x2545F491)))
+    for u, lag in ((weyl, 1), (xored, 32)):
+        with pytest.raises(AssertionError):
+            _pair_checks(u[:n], u[lag : lag + n])
+    seedless = _top24(_finalize(c[:n] * np.uint32(0x9E3779B9)))
+    with pytest.raises(AssertionError):
+        _pair_checks(seedless, seedless)
+
+
+def test_codes_across_a_key_block_boundary() -> None:
+    """The codes kernel splits a span that crosses a multiple of 2^32 and keys each part
+    by its own block: TernGrad's codes there are those of the reference noise."""
+    from commpress.codecs.kernels import numba_cpu
+
+    assert kernels._load() is not None  # compiles the helpers
+    n, start, seed = 1000, BLOCK - 300, 2**61 + 11
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    inv = np.float32(1.0 / np.abs(x).max())
+    codes = np.zeros(n, np.uint8)
+    numba_cpu._nb_stoch_codes(x, start, inv, 1, 1, 1, np.uint64(seed), np.zeros(1, np.float32),
+                              codes)
+    keep = reference(seed, start, n) < np.abs(x) * inv
+    want = np.where(keep, np.where(x < 0, 0, 2), 1)
+    assert np.array_equal(codes, want)
+
+
+def _variance(codec: Codec, x: torch.Tensor, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The exact per-coordinate variance of one stochastic decode of x (whose mean is x):
+    step^2 p (1 - p), p the fractional part of |x| / step."""
+    if isinstance(codec, QSGD):
+        norm = parts["norm"].repeat_interleave(codec.chunk_size)[: x.numel()]
+        step = norm / codec.levels
+    else:
+        step = parts["scale"].expand(x.numel())
+    a = x.abs() / step
+    p = a - a.floor()
+    return step.double() ** 2 * (p * (1 - p)).double()
+
+
+@pytest.mark.parametrize("spec", ["qsgd:levels=7,chunk_size=512", "qsgd", "terngrad"])
+def test_decodes_are_unbiased_over_seeds(spec: str) -> None:
+    """S encodes of one tensor with the kernels' noise (each step another seed): each
+    coordinate's mean decode minus x, over its exact standard error, has mean ~0 and mean
+    square ~1 over the coordinates (5 sd bounds); a generator that repeated its noise across
+    steps or leaned to one side would fail."""
+    d, steps = 4096, 300
+    x = torch.randn(d, generator=torch.Generator().manual_seed(3))
+    codec = get_codec(spec)
+    total = torch.zeros(d, dtype=torch.float64)
+    with kernels.use_backend("numba"):
+        for s in range(steps):
+            ctx = CodecContext(key="noise", step=s)
+            payload = codec.encode(x, ctx)
+            total += codec.decode(payload, ctx).double()
+    var = _variance(codec, x, payload.parts)
+    live = var > 1e-12
+    z = (total / steps - x.double())[live] / (var[live] / steps).sqrt()
+    k = int(live.sum())
+    assert k > d // 2
+    assert abs(float(z.mean())) < 5 / math.sqrt(k)
+    assert abs(float((z**2).mean()) - 1) < 5 * math.sqrt(2 / k)
+
+
+@pytest.mark.parametrize("spec", ["qsgd", "qsgd:levels=7,chunk_size=100", "terngrad",
+                                  "terngrad:chunk_size=333"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_payload_is_independent_of_the_thread_count(spec: str, dtype: torch.dtype) -> None:
+    x = torch.randn(3 * 16384 + 77, generator=torch.Generator().manual_seed(1)).to(dtype)
+    codec = get_codec(spec)
+    ctx = CodecContext(key="threads", step=4)
+    threads = torch.get_num_threads()
+    try:
+        with kernels.use_backend("numba"):
+            torch.set_num_threads(1)
+            one = codec.encode(x, ctx)
+            torch.set_num_threads(max(2, threads))
+            many = codec.encode(x, ctx)
+    finally:
+        torch.set_num_threads(threads)
+    for name, part in one.parts.items():
+        assert torch.equal(part, many.parts[name]), name
