@@ -400,3 +400,24 @@ def test_real_gloo_sum_beyond_float16_is_finite_and_identical_on_every_rank() ->
             assert int(sent.sum()) == 128
             rel = ((first[sent].double() - exact[sent].double()) / exact[sent].double()).abs()
             assert float(rel.max()) < 2e-3, (spec, scale)
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dst", [torch.float32, torch.bfloat16, torch.float16])
+def test_scale_values_without_scaling_is_the_scaled_cast(src: torch.dtype, dst: torch.dtype) -> None:
+    """An exponent of 0 takes the cast alone (the numba conversion between 16-bit types on a
+    CPU): the same bits as multiplying by 2^0 in float32 and casting, with infinities,
+    signed zeros, values beyond the wire type's range and subnormals."""
+    from commpress.codecs.common import scale_values
+
+    g = torch.Generator().manual_seed(4)
+    v = (torch.randn(5003, generator=g) * 300).to(src)
+    v[:6] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 1e-7, 7e4]).to(src)
+    e = torch.tensor(0)
+    got = scale_values(v, dst, e)
+    want = (v.to(torch.float32) * torch.exp2(-e.to(torch.float32))).to(dst)
+    bits = torch.int32 if dst == torch.float32 else torch.int16
+    assert got.dtype == dst and got.shape == v.shape
+    assert torch.equal(got.view(bits), want.view(bits))
+    scaled = scale_values(v, dst, torch.tensor(3))  # the general path, for comparison
+    assert torch.equal(scaled.view(bits), (v.to(torch.float32) * 0.125).to(dst).view(bits))
