@@ -105,6 +105,128 @@ def _kernel(name: str) -> Callable[..., Any]:
 
 
 # ---------------------------------------------------------------------- numba code
+#: Coordinates per vector of the rotation's intrinsics (one AVX-512 register of float32).
+_VEC = 16
+
+# The rotation's vector intrinsics (made by _vector_kernels in build(); numba is optional):
+# _nb_rows16(src, s, scale, buf): buf[s : s + 16] = the stages h = 1, 2, 4, 8 of
+#   f32(src[s : s + 16]) * scale (src float32, or integer codes converted exactly);
+# _nb_colsN(buf, j, h): the N vectors buf[j + k*h : j + k*h + 16] (k < N, h a multiple of
+#   16) through the stages h, 2h, ... (log2 N of them) between vectors.
+_nb_rows16: Any = None
+_nb_cols16: Any = None
+_nb_cols4: Any = None
+_nb_cols2: Any = None
+
+
+def _vector_kernels(numba: Any) -> dict[str, Any]:
+    """The rotation's intrinsics: LLVM vector code written directly (numba leaves the stages
+    inside a vector scalar: a butterfly of stride 1-8 is a shuffle, which neither of LLVM's
+    vectorizers forms from numba's loops). Each stage is the torch path's float32 ``a + b``
+    and ``a - b`` on the same operands in the same order: no fused multiply-add, no
+    fast-math flags, so the results are bit-identical on any machine (LLVM splits the
+    16-wide vectors into the widths the CPU has)."""
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    vec = ir.VectorType(ir.FloatType(), _VEC)
+    i32 = ir.IntType(32)
+
+    def ints(values: list[int]) -> ir.Constant:
+        return ir.Constant(ir.VectorType(i32, len(values)), values)
+
+    def address(context: Any, builder: Any, arrty: Any, arr: Any, idx: Any) -> Any:
+        data = context.make_array(arrty)(context, builder, arr).data
+        wide = ir.VectorType(context.get_data_type(arrty.dtype), _VEC)
+        return builder.bitcast(builder.gep(data, [idx]), wide.as_pointer())
+
+    def load(context: Any, builder: Any, arrty: Any, arr: Any, idx: Any) -> Any:
+        v = builder.load(address(context, builder, arrty, arr, idx), align=1)
+        if isinstance(arrty.dtype, types.Integer):  # integer codes: exact in float32
+            v = builder.sitofp(v, vec) if arrty.dtype.signed else builder.uitofp(v, vec)
+        return v
+
+    def store(context: Any, builder: Any, arrty: Any, arr: Any, idx: Any, v: Any) -> None:
+        builder.store(v, address(context, builder, arrty, arr, idx), align=1)
+
+    def index(context: Any, builder: Any, ty: Any, v: Any) -> Any:
+        return context.cast(builder, v, ty, types.intp)
+
+    def is_vector_array(ty: Any, dtypes: tuple[Any, ...]) -> bool:
+        return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and (
+            ty.dtype in dtypes
+        )
+
+    src_types = (types.float32, types.int8, types.int16, types.int32)
+
+    @intrinsic  # type: ignore[misc]
+    def rows16(typingctx: Any, src: Any, s: Any, scale: Any, buf: Any) -> Any:
+        if not (
+            is_vector_array(src, src_types) and is_vector_array(buf, (types.float32,))
+            and isinstance(s, types.Integer) and scale == types.float32
+        ):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            st, it, _, bt = sig.args
+            at = index(context, builder, it, args[1])
+            x = load(context, builder, st, args[0], at)
+            one = builder.insert_element(ir.Constant(vec, ir.Undefined), args[2], i32(0))
+            x = builder.fmul(x, builder.shuffle_vector(one, one, ints([0] * _VEC)))
+            for h in (1, 2, 4, 8):
+                a = builder.shuffle_vector(x, x, ints([k & ~h for k in range(_VEC)]))
+                b = builder.shuffle_vector(x, x, ints([k | h for k in range(_VEC)]))
+                upper = ir.Constant(
+                    ir.VectorType(ir.IntType(1), _VEC), [int(k & h != 0) for k in range(_VEC)]
+                )
+                x = builder.select(upper, builder.fsub(a, b), builder.fadd(a, b))
+            store(context, builder, bt, args[3], at, x)
+            return context.get_dummy_value()
+
+        return types.void(src, s, scale, buf), codegen
+
+    def cols(count: int) -> Any:
+        @intrinsic  # type: ignore[misc]
+        def colsn(typingctx: Any, buf: Any, j: Any, h: Any) -> Any:
+            if not (
+                is_vector_array(buf, (types.float32,)) and isinstance(j, types.Integer)
+                and isinstance(h, types.Integer)
+            ):
+                return None
+
+            def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+                bt, jt, ht = sig.args
+                first = index(context, builder, jt, args[1])
+                stride = index(context, builder, ht, args[2])
+                at = [
+                    builder.add(first, builder.mul(stride, ir.Constant(first.type, k)))
+                    for k in range(count)
+                ]
+                xs = [load(context, builder, bt, args[0], a) for a in at]
+                step = 1
+                while step < count:
+                    ys = list(xs)
+                    for k in range(count):
+                        if not k & step:
+                            ys[k] = builder.fadd(xs[k], xs[k + step])
+                            ys[k + step] = builder.fsub(xs[k], xs[k + step])
+                    xs = ys
+                    step *= 2
+                for a, x in zip(at, xs, strict=True):
+                    store(context, builder, bt, args[0], a, x)
+                return context.get_dummy_value()
+
+            return types.void(buf, j, h), codegen
+
+        return colsn
+
+    return {
+        "_nb_rows16": rows16, "_nb_cols16": cols(16), "_nb_cols4": cols(4),
+        "_nb_cols2": cols(2),
+    }
+
+
 def _nb_word(seed: Any, w: Any) -> Any:
     z = seed + u64(w + 1) * u64(_GAMMA)
     z = (z ^ (z >> u64(30))) * u64(_MIX1)
@@ -112,83 +234,42 @@ def _nb_word(seed: Any, w: Any) -> Any:
     return z ^ (z >> u64(31))
 
 
-def _nb_first3(src: Any, scale: Any, buf: Any) -> None:
-    # buf = the first three butterfly stages (h = 1, 2, 4) of f32(src) * scale, written out
-    # for groups of 8 (constant strides vectorize; a generic loop over h = 1 does not)
-    for g in range(buf.size // 8):
-        s = 8 * g
-        x0 = f32(src[s]) * scale
-        x1 = f32(src[s + 1]) * scale
-        x2 = f32(src[s + 2]) * scale
-        x3 = f32(src[s + 3]) * scale
-        x4 = f32(src[s + 4]) * scale
-        x5 = f32(src[s + 5]) * scale
-        x6 = f32(src[s + 6]) * scale
-        x7 = f32(src[s + 7]) * scale
-        a0 = x0 + x1
-        a1 = x0 - x1
-        a2 = x2 + x3
-        a3 = x2 - x3
-        a4 = x4 + x5
-        a5 = x4 - x5
-        a6 = x6 + x7
-        a7 = x6 - x7
-        b0 = a0 + a2
-        b2 = a0 - a2
-        b1 = a1 + a3
-        b3 = a1 - a3
-        b4 = a4 + a6
-        b6 = a4 - a6
-        b5 = a5 + a7
-        b7 = a5 - a7
-        buf[s] = b0 + b4
-        buf[s + 4] = b0 - b4
-        buf[s + 1] = b1 + b5
-        buf[s + 5] = b1 - b5
-        buf[s + 2] = b2 + b6
-        buf[s + 6] = b2 - b6
-        buf[s + 3] = b3 + b7
-        buf[s + 7] = b3 - b7
-
-
 def _nb_fwht(src: Any, scale: Any, buf: Any) -> None:
     # buf = unnormalized Walsh-Hadamard transform of f32(src) * scale (a power-of-two
     # length; src may be buf itself), stages h = 1, 2, 4, ... in that order, as the torch
-    # path: the first three in one sweep, then two per sweep (the same sums, fewer loads)
+    # path. From 16 coordinates on, in vectors of 16 (the intrinsics of _vector_kernels):
+    # the stages h < 16 inside each vector, one sweep; then the stages h >= 16 between
+    # vectors, four, two or one per sweep (the same sums in the same order: bit-identical)
     m = buf.size
-    h = 1
-    if m >= 8:
-        _nb_first3(src, scale, buf)
-        h = 8
-    else:
+    if m < _VEC:
         for k in range(m):
             buf[k] = f32(src[k]) * scale
+        h = 1
+        while h < m:
+            for g in range(0, m, 2 * h):
+                for j in range(g, g + h):
+                    a = buf[j]
+                    b = buf[j + h]
+                    buf[j] = a + b
+                    buf[j + h] = a - b
+            h *= 2
+        return
+    for s in range(0, m, _VEC):
+        _nb_rows16(src, s, scale, buf)
+    h = _VEC
+    while 16 * h <= m:
+        for g in range(0, m, 16 * h):
+            for j in range(g, g + h, _VEC):
+                _nb_cols16(buf, j, h)
+        h *= 16
     while 4 * h <= m:
         for g in range(0, m, 4 * h):
-            p = buf[g : g + h]
-            q = buf[g + h : g + 2 * h]
-            r = buf[g + 2 * h : g + 3 * h]
-            s4 = buf[g + 3 * h : g + 4 * h]
-            for j in range(h):
-                a = p[j] + q[j]
-                b = p[j] - q[j]
-                c = r[j] + s4[j]
-                d = r[j] - s4[j]
-                p[j] = a + c
-                r[j] = a - c
-                q[j] = b + d
-                s4[j] = b - d
+            for j in range(g, g + h, _VEC):
+                _nb_cols4(buf, j, h)
         h *= 4
-    while h < m:
-        for g in range(0, m, 2 * h):
-            p = buf[g : g + h]
-            q = buf[g + h : g + 2 * h]
-            for j in range(h):
-                a = p[j]
-                b = q[j]
-                p[j] = a + b
-                q[j] = a - b
-        h *= 2
+    if h < m:
+        for j in range(0, h, _VEC):
+            _nb_cols2(buf, j, h)
 
 
 def _nb_load_signed(xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any, bits: Any) -> None:
@@ -431,7 +512,7 @@ def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
 
 
 _HELPERS = (
-    "_nb_word", "_nb_first3", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_peak", "_nb_step",
+    "_nb_word", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_peak", "_nb_step",
     "_nb_quant",
 )
 _KERNELS = (
@@ -447,6 +528,7 @@ def build() -> dict[str, Callable[..., Any]]:
 
     module = globals()
     module["prange"] = numba.prange
+    module.update(_vector_kernels(numba))
     opts: dict[str, Any] = {"cache": True, "fastmath": False, "error_model": "numpy"}
     for name in _HELPERS:
         module[name] = numba.njit(**opts)(module[name])
