@@ -332,33 +332,41 @@ def _nb_step(rng: Any, levels: Any, scratch: Any) -> Any:
     return step
 
 
+def _nb_code(v: Any, u: Any, step: Any, top: Any) -> Any:
+    # clamp(floor(v / step + u), -top, top), non-finite -> 0
+    t = np.floor(v / step + u)
+    t = t if abs(t) < f32(np.inf) else f32(0.0)  # NaN and +-Inf -> 0
+    t = t if t <= top else top
+    return t if t >= -top else -top
+
+
 def _nb_quant(
     buf: Any, start: Any, step: Any, levels: Any, nmode: Any, seed: Any, noise: Any,
-    ubuf: Any, codes: Any,
+    codes: Any,
 ) -> None:
-    # codes[start + k] = clamp(floor(buf[k] / step + u), -L, L), non-finite -> 0
+    # codes[start + k] = clamp(floor(buf[k] / step + u), -L, L), non-finite -> 0; the noise
+    # drawn and used in one loop (no buffer of uniforms)
     m = buf.size
+    dst = codes[start : start + m]
+    top = f32(levels)
     if nmode == 1:
         # one SplitMix64 output gives two 24-bit uniforms: element k and k + half
         half = m // 2
+        lo = buf[:half]
+        hi = buf[half : 2 * half]
+        dlo = dst[:half]
+        dhi = dst[half : 2 * half]
         for k in range(half):
             z = _nb_word(seed, start + k)
-            ubuf[k] = f32(z >> u64(40)) * _U24
-            ubuf[half + k] = f32((z >> u64(16)) & u64(0xFFFFFF)) * _U24
+            dlo[k] = _nb_code(lo[k], f32(z >> u64(40)) * _U24, step, top)
+            dhi[k] = _nb_code(hi[k], f32((z >> u64(16)) & u64(0xFFFFFF)) * _U24, step, top)
         if m % 2:  # a block of one coordinate
-            ubuf[m - 1] = f32(_nb_word(seed, start + m - 1) >> u64(40)) * _U24
+            u = f32(_nb_word(seed, start + m - 1) >> u64(40)) * _U24
+            dst[m - 1] = _nb_code(buf[m - 1], u, step, top)
     else:
         given = noise[start : start + m]
         for k in range(m):
-            ubuf[k] = given[k]
-    dst = codes[start : start + m]
-    top = f32(levels)
-    for k in range(m):
-        t = np.floor(buf[k] / step + ubuf[k])
-        t = t if abs(t) < f32(np.inf) else f32(0.0)  # NaN and +-Inf -> 0
-        t = t if t <= top else top
-        t = t if t >= -top else -top
-        dst[k] = t
+            dst[k] = _nb_code(buf[k], given[k], step, top)
 
 
 def _nb_thc_encode(
@@ -371,7 +379,6 @@ def _nb_thc_encode(
     for item in prange((nblocks + per - 1) // per):
         bits = np.empty(block, np.uint32)
         buf = bits.view(np.float32)
-        ubuf = np.empty(block, np.float32)
         scratch = np.empty(1, np.int32)
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
@@ -380,7 +387,7 @@ def _nb_thc_encode(
             rng = _nb_peak(bits, scratch)
             ranges[b] = rng
             _nb_quant(buf, start, _nb_step(rng, levels, scratch), levels, nmode, seed, noise,
-                      ubuf, codes)
+                      codes)
 
 
 def _nb_thc_rotate(
@@ -407,11 +414,10 @@ def _nb_thc_quantize(
     nblocks = steps.size
     per = max(1, _ITEM // block)
     for item in prange((nblocks + per - 1) // per):
-        ubuf = np.empty(block, np.float32)
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
             _nb_quant(y[start : start + block], start, steps[b], levels, nmode, seed, noise,
-                      ubuf, codes)
+                      codes)
 
 
 def _nb_thc_decode(
@@ -513,7 +519,7 @@ def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
 
 _HELPERS = (
     "_nb_word", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_peak", "_nb_step",
-    "_nb_quant",
+    "_nb_code", "_nb_quant",
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
