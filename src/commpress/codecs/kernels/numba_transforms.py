@@ -114,6 +114,7 @@ _VEC = 16
 # _nb_colsN(buf, j, h): the N vectors buf[j + k*h : j + k*h + 16] (k < N, h a multiple of
 #   16) through the stages h, 2h, ... (log2 N of them) between vectors.
 _nb_rows16: Any = None
+_nb_rows16s: Any = None
 _nb_cols16: Any = None
 _nb_cols4: Any = None
 _nb_cols2: Any = None
@@ -172,19 +173,57 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
             st, it, _, bt = sig.args
             at = index(context, builder, it, args[1])
             x = load(context, builder, st, args[0], at)
-            one = builder.insert_element(ir.Constant(vec, ir.Undefined), args[2], i32(0))
-            x = builder.fmul(x, builder.shuffle_vector(one, one, ints([0] * _VEC)))
-            for h in (1, 2, 4, 8):
-                a = builder.shuffle_vector(x, x, ints([k & ~h for k in range(_VEC)]))
-                b = builder.shuffle_vector(x, x, ints([k | h for k in range(_VEC)]))
-                upper = ir.Constant(
-                    ir.VectorType(ir.IntType(1), _VEC), [int(k & h != 0) for k in range(_VEC)]
-                )
-                x = builder.select(upper, builder.fsub(a, b), builder.fadd(a, b))
+            x = stages(builder, builder.fmul(x, splat(builder, args[2], vec)))
             store(context, builder, bt, args[3], at, x)
             return context.get_dummy_value()
 
         return types.void(src, s, scale, buf), codegen
+
+    def stages(builder: Any, x: Any) -> Any:
+        # the butterfly stages h = 1, 2, 4, 8 inside a vector: with t[k] = x[k ^ h], lane
+        # k < k ^ h gets x[k] + x[k ^ h] (a + b), the other lane x[k ^ h] - x[k] (a - b)
+        for h in (1, 2, 4, 8):
+            t = builder.shuffle_vector(x, x, ints([k ^ h for k in range(_VEC)]))
+            upper = ir.Constant(
+                ir.VectorType(ir.IntType(1), _VEC), [int(k & h != 0) for k in range(_VEC)]
+            )
+            x = builder.select(upper, builder.fsub(t, x), builder.fadd(x, t))
+        return x
+
+    def splat(builder: Any, v: Any, ty: Any) -> Any:
+        one = builder.insert_element(ir.Constant(ty, ir.Undefined), v, i32(0))
+        return builder.shuffle_vector(one, one, ints([0] * _VEC))
+
+    @intrinsic  # type: ignore[misc]
+    def rows16s(
+        typingctx: Any, src: Any, s: Any, signs: Any, scale: Any, buf: Any, d: Any
+    ) -> Any:
+        if not (
+            is_vector_array(src, (types.int32, types.uint16))
+            and is_vector_array(buf, (types.float32,)) and isinstance(s, types.Integer)
+            and signs == types.uint32 and scale == types.float32
+            and isinstance(d, types.Integer)
+        ):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            st, it, _, _, bt, dt = sig.args
+            iv = ir.VectorType(i32, _VEC)
+            raw = builder.load(
+                address(context, builder, st, args[0], index(context, builder, it, args[1])),
+                align=1,
+            )
+            if st.dtype == types.uint16:  # bfloat16 bits: the upper half of float32's
+                raw = builder.shl(builder.zext(raw, iv), splat(builder, i32(16), iv))
+            # lane k's sign bit flipped where bit k of signs is set
+            flips = builder.lshr(splat(builder, args[2], iv), ints(list(range(_VEC))))
+            flips = builder.shl(flips, splat(builder, i32(31), iv))
+            x = builder.bitcast(builder.xor(raw, flips), vec)
+            x = stages(builder, builder.fmul(x, splat(builder, args[3], vec)))
+            store(context, builder, bt, args[4], index(context, builder, dt, args[5]), x)
+            return context.get_dummy_value()
+
+        return types.void(src, s, signs, scale, buf, d), codegen
 
     def cols(count: int) -> Any:
         @intrinsic  # type: ignore[misc]
@@ -222,7 +261,7 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
         return colsn
 
     return {
-        "_nb_rows16": rows16, "_nb_cols16": cols(16), "_nb_cols4": cols(4),
+        "_nb_rows16": rows16, "_nb_rows16s": rows16s, "_nb_cols16": cols(16), "_nb_cols4": cols(4),
         "_nb_cols2": cols(2),
     }
 
@@ -256,6 +295,12 @@ def _nb_fwht(src: Any, scale: Any, buf: Any) -> None:
         return
     for s in range(0, m, _VEC):
         _nb_rows16(src, s, scale, buf)
+    _nb_fwht_cols(buf)
+
+
+def _nb_fwht_cols(buf: Any) -> None:
+    # the stages h >= 16 of _nb_fwht (buf: a power-of-two length >= 16)
+    m = buf.size
     h = _VEC
     while 16 * h <= m:
         for g in range(0, m, 16 * h):
@@ -289,6 +334,30 @@ def _nb_load_signed(xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any,
     for k in range(cnt, m):
         bits[k] = u32(0)
     _nb_flip(bits, start, sseed)
+
+
+def _nb_load_rotate(
+    xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any, scale: Any, bits: Any
+) -> None:
+    # bits = the float32 bit patterns of the rotated block of coordinates [start, start +
+    # bits.size): H(signs * scale * x), zeros past n. A whole block of at least 64 is read,
+    # sign-flipped, scaled and put through the stages h < 16 in one sweep (_nb_rows16s);
+    # the last, short block and small blocks take the separate passes (the same values)
+    m = bits.size
+    buf = bits.view(np.float32)
+    if m < 64 or start + m > n:
+        _nb_load_signed(xi, xb, mode, n, start, sseed, bits)
+        _nb_fwht(buf, scale, buf)
+        return
+    for g in range(0, m, 64):
+        word = _nb_word(sseed, (start + g) >> 6)
+        for q in range(4):
+            signs = u32((word >> u64(16 * q)) & u64(0xFFFF))
+            if mode == 0:
+                _nb_rows16s(xi, start + g + 16 * q, signs, scale, buf, g + 16 * q)
+            else:
+                _nb_rows16s(xb, start + g + 16 * q, signs, scale, buf, g + 16 * q)
+    _nb_fwht_cols(buf)
 
 
 def _nb_flip(bits: Any, start: Any, sseed: Any) -> None:
@@ -382,8 +451,7 @@ def _nb_thc_encode(
         scratch = np.empty(1, np.int32)
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
-            _nb_load_signed(xi, xb, mode, n, start, sseed, bits)
-            _nb_fwht(buf, scale, buf)
+            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits)
             rng = _nb_peak(bits, scratch)
             ranges[b] = rng
             _nb_quant(buf, start, _nb_step(rng, levels, scratch), levels, nmode, seed, noise,
@@ -402,9 +470,7 @@ def _nb_thc_rotate(
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
             bits = yi[start : start + block]
-            buf = y[start : start + block]
-            _nb_load_signed(xi, xb, mode, n, start, sseed, bits)
-            _nb_fwht(buf, scale, buf)
+            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits)
             ranges[b] = _nb_peak(bits, scratch)
 
 
@@ -518,7 +584,7 @@ def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
 
 
 _HELPERS = (
-    "_nb_word", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_peak", "_nb_step",
+    "_nb_word", "_nb_fwht_cols", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_load_rotate", "_nb_peak", "_nb_step",
     "_nb_code", "_nb_quant",
 )
 _KERNELS = (
