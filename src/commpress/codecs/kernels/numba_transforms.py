@@ -115,6 +115,7 @@ _VEC = 16
 #   16) through the stages h, 2h, ... (log2 N of them) between vectors.
 _nb_rows16: Any = None
 _nb_rows16s: Any = None
+_nb_store16: Any = None
 _nb_cols16: Any = None
 _nb_cols4: Any = None
 _nb_cols2: Any = None
@@ -225,6 +226,62 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
 
         return types.void(src, s, signs, scale, buf, d), codegen
 
+    @intrinsic  # type: ignore[misc]
+    def store16(
+        typingctx: Any, buf: Any, k: Any, signs: Any, factor: Any, out: Any, o: Any
+    ) -> Any:
+        if not (
+            is_vector_array(buf, (types.float32,)) and isinstance(k, types.Integer)
+            and signs == types.uint32 and factor == types.float32
+            and is_vector_array(out, (types.float32, types.uint16))
+            and isinstance(o, types.Integer)
+        ):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            bt, kt, _, _, ot, oty = sig.args
+            iv = ir.VectorType(i32, _VEC)
+            x = load(context, builder, bt, args[0], index(context, builder, kt, args[1]))
+            flips = builder.lshr(splat(builder, args[2], iv), ints(list(range(_VEC))))
+            flips = builder.shl(flips, splat(builder, i32(31), iv))
+            x = builder.bitcast(builder.xor(builder.bitcast(x, iv), flips), vec)
+            v = builder.fmul(x, splat(builder, args[3], vec))
+            if ot.dtype == types.uint16:
+                # saturate finite values to bfloat16's largest, round to nearest even,
+                # NaN -> 0x7FC0 (as _nb_thc_decode's scalar loops)
+                big = splat(builder, ir.Constant(ir.FloatType(), float(_BF16_MAX)), vec)
+                inf = splat(builder, ir.Constant(ir.FloatType(), float("inf")), vec)
+                neg = builder.fneg(big)
+                over = builder.and_(
+                    builder.fcmp_ordered(">", v, big), builder.fcmp_ordered("<", v, inf)
+                )
+                under = builder.and_(
+                    builder.fcmp_ordered("<", v, neg),
+                    builder.fcmp_ordered(">", v, builder.fneg(inf)),
+                )
+                v = builder.select(over, big, builder.select(under, neg, v))
+                w = builder.bitcast(v, iv)
+                odd = builder.and_(
+                    builder.lshr(w, splat(builder, i32(16), iv)), splat(builder, i32(1), iv)
+                )
+                r = builder.add(builder.add(w, splat(builder, i32(0x7FFF), iv)), odd)
+                r = builder.lshr(r, splat(builder, i32(16), iv))
+                nan = builder.icmp_unsigned(
+                    ">", builder.and_(w, splat(builder, i32(0x7FFFFFFF), iv)),
+                    splat(builder, i32(0x7F800000), iv),
+                )
+                v = builder.trunc(
+                    builder.select(nan, splat(builder, i32(0x7FC0), iv), r),
+                    ir.VectorType(ir.IntType(16), _VEC),
+                )
+            builder.store(
+                v, address(context, builder, ot, args[4], index(context, builder, oty, args[5])),
+                align=1,
+            )
+            return context.get_dummy_value()
+
+        return types.void(buf, k, signs, factor, out, o), codegen
+
     def cols(count: int) -> Any:
         @intrinsic  # type: ignore[misc]
         def colsn(typingctx: Any, buf: Any, j: Any, h: Any) -> Any:
@@ -261,7 +318,8 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
         return colsn
 
     return {
-        "_nb_rows16": rows16, "_nb_rows16s": rows16s, "_nb_cols16": cols(16), "_nb_cols4": cols(4),
+        "_nb_rows16": rows16, "_nb_rows16s": rows16s, "_nb_store16": store16,
+        "_nb_cols16": cols(16), "_nb_cols4": cols(4),
         "_nb_cols2": cols(2),
     }
 
@@ -500,9 +558,20 @@ def _nb_thc_decode(
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
             _nb_fwht(codes[start : start + block], steps[b], buf)
-            _nb_flip(bits, start, sseed)
             factor = factors[b]
             cnt = max(0, min(start + block, n) - start)
+            if block >= 64 and cnt == block:  # a whole block: signs, factor, store at once
+                for g in range(0, block, 64):
+                    word = _nb_word(sseed, (start + g) >> 6)
+                    for q in range(4):
+                        signs = u32((word >> u64(16 * q)) & u64(0xFFFF))
+                        at = g + 16 * q
+                        if omode == 0:
+                            _nb_store16(buf, at, signs, factor, outf, start + at)
+                        else:
+                            _nb_store16(buf, at, signs, factor, outb, start + at)
+                continue
+            _nb_flip(bits, start, sseed)
             if omode == 0:
                 dst = outf[start : start + cnt]
                 for k in range(cnt):
@@ -584,8 +653,8 @@ def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
 
 
 _HELPERS = (
-    "_nb_word", "_nb_fwht_cols", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_load_rotate", "_nb_peak", "_nb_step",
-    "_nb_code", "_nb_quant",
+    "_nb_word", "_nb_fwht_cols", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_load_rotate",
+    "_nb_peak", "_nb_step", "_nb_code", "_nb_quant",
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
