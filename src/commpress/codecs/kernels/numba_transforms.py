@@ -325,7 +325,11 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
 
 
 def _nb_word(seed: Any, w: Any) -> Any:
-    z = seed + u64(w + 1) * u64(_GAMMA)
+    return _nb_mix(seed + u64(w + 1) * u64(_GAMMA))
+
+
+def _nb_mix(z: Any) -> Any:
+    # SplitMix64's output function of the counter state z
     z = (z ^ (z >> u64(30))) * u64(_MIX1)
     z = (z ^ (z >> u64(27))) * u64(_MIX2)
     return z ^ (z >> u64(31))
@@ -483,8 +487,10 @@ def _nb_quant(
         hi = buf[half : 2 * half]
         dlo = dst[:half]
         dhi = dst[half : 2 * half]
+        z0 = seed + u64(start + 1) * u64(_GAMMA)  # _nb_word's counter, as an induction
         for k in range(half):
-            z = _nb_word(seed, start + k)
+            z = _nb_mix(z0)
+            z0 += u64(_GAMMA)
             dlo[k] = _nb_code(lo[k], f32(z >> u64(40)) * _U24, step, top)
             dhi[k] = _nb_code(hi[k], f32((z >> u64(16)) & u64(0xFFFFFF)) * _U24, step, top)
         if m % 2:  # a block of one coordinate
@@ -653,7 +659,7 @@ def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
 
 
 _HELPERS = (
-    "_nb_word", "_nb_fwht_cols", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_load_rotate",
+    "_nb_mix", "_nb_word", "_nb_fwht_cols", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_load_rotate",
     "_nb_peak", "_nb_step", "_nb_code", "_nb_quant",
 )
 _KERNELS = (
