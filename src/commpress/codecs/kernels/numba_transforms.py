@@ -119,6 +119,9 @@ _nb_store16: Any = None
 _nb_cols16: Any = None
 _nb_cols4: Any = None
 _nb_cols2: Any = None
+_nb_cols16_peak: Any = None  # _nb_colsN_peak(buf, j, h, acc): also acc[:16] = max(acc[:16],
+_nb_cols4_peak: Any = None  # the magnitude bits of the N result vectors), lane by lane
+_nb_cols2_peak: Any = None
 
 
 def _vector_kernels(numba: Any) -> dict[str, Any]:
@@ -282,45 +285,62 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
 
         return types.void(buf, k, signs, factor, out, o), codegen
 
-    def cols(count: int) -> Any:
-        @intrinsic  # type: ignore[misc]
-        def colsn(typingctx: Any, buf: Any, j: Any, h: Any) -> Any:
-            if not (
+    def cols(count: int, peak: bool) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            bt, jt, ht = sig.args[:3]
+            first = index(context, builder, jt, args[1])
+            stride = index(context, builder, ht, args[2])
+            at = [
+                builder.add(first, builder.mul(stride, ir.Constant(first.type, k)))
+                for k in range(count)
+            ]
+            xs = [load(context, builder, bt, args[0], a) for a in at]
+            step = 1
+            while step < count:
+                ys = list(xs)
+                for k in range(count):
+                    if not k & step:
+                        ys[k] = builder.fadd(xs[k], xs[k + step])
+                        ys[k + step] = builder.fsub(xs[k], xs[k + step])
+                xs = ys
+                step *= 2
+            for a, x in zip(at, xs, strict=True):
+                store(context, builder, bt, args[0], a, x)
+            if peak:  # acc's lanes = max(acc, the magnitude bits of every result)
+                iv = ir.VectorType(i32, _VEC)
+                zero = ir.Constant(context.get_value_type(types.intp), 0)
+                where = address(context, builder, sig.args[3], args[3], zero)
+                top = builder.load(where, align=1)
+                low = splat(builder, i32(0x7FFFFFFF), iv)
+                for x in xs:
+                    key = builder.and_(builder.bitcast(x, iv), low)
+                    top = builder.select(builder.icmp_unsigned(">", key, top), key, top)
+                builder.store(top, where, align=1)
+            return context.get_dummy_value()
+
+        def valid(buf: Any, j: Any, h: Any) -> bool:
+            return (
                 is_vector_array(buf, (types.float32,)) and isinstance(j, types.Integer)
                 and isinstance(h, types.Integer)
-            ):
+            )
+
+        @intrinsic  # type: ignore[misc]
+        def colsn(typingctx: Any, buf: Any, j: Any, h: Any) -> Any:
+            return (types.void(buf, j, h), codegen) if valid(buf, j, h) else None
+
+        @intrinsic  # type: ignore[misc]
+        def colsn_peak(typingctx: Any, buf: Any, j: Any, h: Any, acc: Any) -> Any:
+            if not (valid(buf, j, h) and is_vector_array(acc, (types.uint32,))):
                 return None
+            return types.void(buf, j, h, acc), codegen
 
-            def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-                bt, jt, ht = sig.args
-                first = index(context, builder, jt, args[1])
-                stride = index(context, builder, ht, args[2])
-                at = [
-                    builder.add(first, builder.mul(stride, ir.Constant(first.type, k)))
-                    for k in range(count)
-                ]
-                xs = [load(context, builder, bt, args[0], a) for a in at]
-                step = 1
-                while step < count:
-                    ys = list(xs)
-                    for k in range(count):
-                        if not k & step:
-                            ys[k] = builder.fadd(xs[k], xs[k + step])
-                            ys[k + step] = builder.fsub(xs[k], xs[k + step])
-                    xs = ys
-                    step *= 2
-                for a, x in zip(at, xs, strict=True):
-                    store(context, builder, bt, args[0], a, x)
-                return context.get_dummy_value()
-
-            return types.void(buf, j, h), codegen
-
-        return colsn
+        return colsn_peak if peak else colsn
 
     return {
         "_nb_rows16": rows16, "_nb_rows16s": rows16s, "_nb_store16": store16,
-        "_nb_cols16": cols(16), "_nb_cols4": cols(4),
-        "_nb_cols2": cols(2),
+        "_nb_cols16": cols(16, False), "_nb_cols4": cols(4, False), "_nb_cols2": cols(2, False),
+        "_nb_cols16_peak": cols(16, True), "_nb_cols4_peak": cols(4, True),
+        "_nb_cols2_peak": cols(2, True),
     }
 
 
@@ -335,7 +355,7 @@ def _nb_mix(z: Any) -> Any:
     return z ^ (z >> u64(31))
 
 
-def _nb_fwht(src: Any, scale: Any, buf: Any) -> None:
+def _nb_fwht(src: Any, scale: Any, buf: Any, acc: Any) -> None:
     # buf = unnormalized Walsh-Hadamard transform of f32(src) * scale (a power-of-two
     # length; src may be buf itself), stages h = 1, 2, 4, ... in that order, as the torch
     # path. From 16 coordinates on, in vectors of 16 (the intrinsics of _vector_kernels):
@@ -354,29 +374,55 @@ def _nb_fwht(src: Any, scale: Any, buf: Any) -> None:
                     buf[j] = a + b
                     buf[j + h] = a - b
             h *= 2
+        _nb_keys_max(buf, acc)
         return
     for s in range(0, m, _VEC):
         _nb_rows16(src, s, scale, buf)
-    _nb_fwht_cols(buf)
+    _nb_fwht_cols(buf, acc)
 
 
-def _nb_fwht_cols(buf: Any) -> None:
-    # the stages h >= 16 of _nb_fwht (buf: a power-of-two length >= 16)
+def _nb_keys_max(buf: Any, acc: Any) -> None:
+    # acc[0] = max(acc[0], the largest magnitude bits of buf's values) when acc is not empty
+    if acc.size:
+        keys = buf.view(np.uint32)
+        top = acc[0]
+        for k in range(keys.size):
+            key = keys[k] & u32(0x7FFFFFFF)
+            top = key if key > top else top
+        acc[0] = top
+
+
+def _nb_fwht_cols(buf: Any, acc: Any) -> None:
+    # the stages h >= 16 of _nb_fwht (buf: a power-of-two length >= 16); with a non-empty
+    # acc (16 lanes), the last sweep also takes the lanes' max of the results' magnitude
+    # bits into it (the block's range, while the values are in registers)
     m = buf.size
+    peak = acc.size > 0
     h = _VEC
+    if m == _VEC:
+        _nb_keys_max(buf, acc)
     while 16 * h <= m:
         for g in range(0, m, 16 * h):
             for j in range(g, g + h, _VEC):
-                _nb_cols16(buf, j, h)
+                if peak and 16 * h == m:
+                    _nb_cols16_peak(buf, j, h, acc)
+                else:
+                    _nb_cols16(buf, j, h)
         h *= 16
     while 4 * h <= m:
         for g in range(0, m, 4 * h):
             for j in range(g, g + h, _VEC):
-                _nb_cols4(buf, j, h)
+                if peak and 4 * h == m:
+                    _nb_cols4_peak(buf, j, h, acc)
+                else:
+                    _nb_cols4(buf, j, h)
         h *= 4
     if h < m:
         for j in range(0, h, _VEC):
-            _nb_cols2(buf, j, h)
+            if peak:
+                _nb_cols2_peak(buf, j, h, acc)
+            else:
+                _nb_cols2(buf, j, h)
 
 
 def _nb_load_signed(xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any, bits: Any) -> None:
@@ -399,17 +445,20 @@ def _nb_load_signed(xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any,
 
 
 def _nb_load_rotate(
-    xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any, scale: Any, bits: Any
+    xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any, scale: Any, bits: Any,
+    acc: Any,
 ) -> None:
     # bits = the float32 bit patterns of the rotated block of coordinates [start, start +
     # bits.size): H(signs * scale * x), zeros past n. A whole block of at least 64 is read,
     # sign-flipped, scaled and put through the stages h < 16 in one sweep (_nb_rows16s);
     # the last, short block and small blocks take the separate passes (the same values)
+    # (and acc's lanes = the maxima of the results' magnitude bits, for _nb_peak)
     m = bits.size
     buf = bits.view(np.float32)
+    acc[:] = 0
     if m < 64 or start + m > n:
         _nb_load_signed(xi, xb, mode, n, start, sseed, bits)
-        _nb_fwht(buf, scale, buf)
+        _nb_fwht(buf, scale, buf, acc)
         return
     for g in range(0, m, 64):
         word = _nb_word(sseed, (start + g) >> 6)
@@ -419,7 +468,7 @@ def _nb_load_rotate(
                 _nb_rows16s(xi, start + g + 16 * q, signs, scale, buf, g + 16 * q)
             else:
                 _nb_rows16s(xb, start + g + 16 * q, signs, scale, buf, g + 16 * q)
-    _nb_fwht_cols(buf)
+    _nb_fwht_cols(buf, acc)
 
 
 def _nb_flip(bits: Any, start: Any, sseed: Any) -> None:
@@ -513,10 +562,11 @@ def _nb_thc_encode(
         bits = np.empty(block, np.uint32)
         buf = bits.view(np.float32)
         scratch = np.empty(1, np.int32)
+        acc = np.empty(_VEC, np.uint32)  # the lanes of a block's range
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
-            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits)
-            rng = _nb_peak(bits, scratch)
+            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits, acc)
+            rng = _nb_peak(acc, scratch)
             ranges[b] = rng
             _nb_quant(buf, start, _nb_step(rng, levels, scratch), levels, nmode, seed, noise,
                       codes)
@@ -531,11 +581,12 @@ def _nb_thc_rotate(
     yi = y.view(np.uint32)
     for item in prange((nblocks + per - 1) // per):
         scratch = np.empty(1, np.int32)
+        acc = np.empty(_VEC, np.uint32)  # the lanes of a block's range
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
             bits = yi[start : start + block]
-            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits)
-            ranges[b] = _nb_peak(bits, scratch)
+            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits, acc)
+            ranges[b] = _nb_peak(acc, scratch)
 
 
 def _nb_thc_quantize(
@@ -561,9 +612,10 @@ def _nb_thc_decode(
     for item in prange((nblocks + per - 1) // per):
         bits = np.empty(block, np.uint32)
         buf = bits.view(np.float32)
+        none = np.empty(0, np.uint32)  # no ranges taken
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
-            _nb_fwht(codes[start : start + block], steps[b], buf)
+            _nb_fwht(codes[start : start + block], steps[b], buf, none)
             factor = factors[b]
             cnt = max(0, min(start + block, n) - start)
             if block >= 64 and cnt == block:  # a whole block: signs, factor, store at once
@@ -659,8 +711,8 @@ def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
 
 
 _HELPERS = (
-    "_nb_mix", "_nb_word", "_nb_fwht_cols", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_load_rotate",
-    "_nb_peak", "_nb_step", "_nb_code", "_nb_quant",
+    "_nb_mix", "_nb_word", "_nb_keys_max", "_nb_fwht_cols", "_nb_fwht", "_nb_flip",
+    "_nb_load_signed", "_nb_load_rotate", "_nb_peak", "_nb_step", "_nb_code", "_nb_quant",
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
