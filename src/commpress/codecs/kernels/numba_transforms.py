@@ -114,6 +114,7 @@ _VEC = 16
 # _nb_colsN(buf, j, h): the N vectors buf[j + k*h : j + k*h + 16] (k < N, h a multiple of
 #   16) through the stages h, 2h, ... (log2 N of them) between vectors.
 _nb_rows16: Any = None
+_nb_tile16: Any = None
 _nb_rows16s: Any = None
 _nb_store16: Any = None
 _nb_cols16: Any = None
@@ -165,24 +166,6 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
 
     src_types = (types.float32, types.int8, types.int16, types.int32)
 
-    @intrinsic  # type: ignore[misc]
-    def rows16(typingctx: Any, src: Any, s: Any, scale: Any, buf: Any) -> Any:
-        if not (
-            is_vector_array(src, src_types) and is_vector_array(buf, (types.float32,))
-            and isinstance(s, types.Integer) and scale == types.float32
-        ):
-            return None
-
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            st, it, _, bt = sig.args
-            at = index(context, builder, it, args[1])
-            x = load(context, builder, st, args[0], at)
-            x = stages(builder, builder.fmul(x, splat(builder, args[2], vec)))
-            store(context, builder, bt, args[3], at, x)
-            return context.get_dummy_value()
-
-        return types.void(src, s, scale, buf), codegen
-
     def stages(builder: Any, x: Any) -> Any:
         # the butterfly stages h = 1, 2, 4, 8 inside a vector: with t[k] = x[k ^ h], lane
         # k < k ^ h gets x[k] + x[k ^ h] (a + b), the other lane x[k ^ h] - x[k] (a - b)
@@ -197,37 +180,6 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
     def splat(builder: Any, v: Any, ty: Any) -> Any:
         one = builder.insert_element(ir.Constant(ty, ir.Undefined), v, i32(0))
         return builder.shuffle_vector(one, one, ints([0] * _VEC))
-
-    @intrinsic  # type: ignore[misc]
-    def rows16s(
-        typingctx: Any, src: Any, s: Any, signs: Any, scale: Any, buf: Any, d: Any
-    ) -> Any:
-        if not (
-            is_vector_array(src, (types.int32, types.uint16))
-            and is_vector_array(buf, (types.float32,)) and isinstance(s, types.Integer)
-            and signs == types.uint32 and scale == types.float32
-            and isinstance(d, types.Integer)
-        ):
-            return None
-
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            st, it, _, _, bt, dt = sig.args
-            iv = ir.VectorType(i32, _VEC)
-            raw = builder.load(
-                address(context, builder, st, args[0], index(context, builder, it, args[1])),
-                align=1,
-            )
-            if st.dtype == types.uint16:  # bfloat16 bits: the upper half of float32's
-                raw = builder.shl(builder.zext(raw, iv), splat(builder, i32(16), iv))
-            # lane k's sign bit flipped where bit k of signs is set
-            flips = builder.lshr(splat(builder, args[2], iv), ints(list(range(_VEC))))
-            flips = builder.shl(flips, splat(builder, i32(31), iv))
-            x = builder.bitcast(builder.xor(raw, flips), vec)
-            x = stages(builder, builder.fmul(x, splat(builder, args[3], vec)))
-            store(context, builder, bt, args[4], index(context, builder, dt, args[5]), x)
-            return context.get_dummy_value()
-
-        return types.void(src, s, signs, scale, buf, d), codegen
 
     @intrinsic  # type: ignore[misc]
     def store16(
@@ -285,6 +237,91 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
 
         return types.void(buf, k, signs, factor, out, o), codegen
 
+    def vertical(builder: Any, xs: list[Any]) -> list[Any]:
+        # the butterfly stages between the vectors xs (k and k + step paired, step = 1, 2,
+        # 4, ... < len(xs)): their coordinates' stages h = 16 step for vectors 16 apart
+        step = 1
+        while step < len(xs):
+            ys = list(xs)
+            for k in range(len(xs)):
+                if not k & step:
+                    ys[k] = builder.fadd(xs[k], xs[k + step])
+                    ys[k + step] = builder.fsub(xs[k], xs[k + step])
+            xs = ys
+            step *= 2
+        return xs
+
+    def tile(rows: int, signed: bool) -> Any:
+        # rows consecutive vectors from src[s:], each scaled and through the stages inside
+        # it, then the stages between them, stored to buf: unsigned (src, s, scale, buf)
+        # writes buf[s:]; signed (src, s, words, w, scale, buf, d) reads float32 or
+        # bfloat16 bits and flips vector k's signs by the bits 16 (k % 4) ... of
+        # words[w + k // 4], then writes buf[d:]
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            iv = ir.VectorType(i32, _VEC)
+            st, it = sig.args[:2]
+            first = index(context, builder, it, args[1])
+            if signed:
+                wt, wi, _, bt, dt = sig.args[2:]
+                scale, out = args[4], args[5]
+                to = index(context, builder, dt, args[6])
+                w0 = index(context, builder, wi, args[3])
+            else:
+                bt = sig.args[3]
+                scale, out, to = args[2], args[3], first
+            xs = []
+            for k in range(rows):
+                at = builder.add(first, ir.Constant(first.type, _VEC * k))
+                if not signed:
+                    xs.append(load(context, builder, st, args[0], at))
+                    continue
+                raw = builder.load(address(context, builder, st, args[0], at), align=1)
+                if st.dtype == types.uint16:  # bfloat16 bits: the upper half of float32's
+                    raw = builder.shl(builder.zext(raw, iv), splat(builder, i32(16), iv))
+                wat = builder.add(w0, ir.Constant(w0.type, k // 4))
+                word = builder.load(builder.gep(context.make_array(wt)(
+                    context, builder, args[2]).data, [wat]))
+                signs = builder.trunc(
+                    builder.lshr(word, ir.Constant(word.type, 16 * (k % 4))), i32
+                )
+                # lane j's sign bit flipped where bit j of signs is set
+                flips = builder.lshr(splat(builder, signs, iv), ints(list(range(_VEC))))
+                flips = builder.shl(flips, splat(builder, i32(31), iv))
+                xs.append(builder.bitcast(builder.xor(raw, flips), vec))
+            factor = splat(builder, scale, vec)
+            xs = vertical(builder, [stages(builder, builder.fmul(x, factor)) for x in xs])
+            for k, x in enumerate(xs):
+                at = builder.add(to, ir.Constant(to.type, _VEC * k))
+                store(context, builder, bt, out, at, x)
+            return context.get_dummy_value()
+
+        def valid(src: Any, s: Any, scale: Any, buf: Any) -> bool:
+            return (
+                is_vector_array(src, (types.int32, types.uint16) if signed else src_types)
+                and isinstance(s, types.Integer) and scale == types.float32
+                and is_vector_array(buf, (types.float32,))
+            )
+
+        @intrinsic  # type: ignore[misc]
+        def unsigned(typingctx: Any, src: Any, s: Any, scale: Any, buf: Any) -> Any:
+            return (types.void(src, s, scale, buf), codegen) if valid(
+                src, s, scale, buf
+            ) else None
+
+        @intrinsic  # type: ignore[misc]
+        def with_signs(
+            typingctx: Any, src: Any, s: Any, words: Any, w: Any, scale: Any, buf: Any,
+            d: Any,
+        ) -> Any:
+            if not (
+                valid(src, s, scale, buf) and is_vector_array(words, (types.uint64,))
+                and isinstance(w, types.Integer) and isinstance(d, types.Integer)
+            ):
+                return None
+            return types.void(src, s, words, w, scale, buf, d), codegen
+
+        return with_signs if signed else unsigned
+
     def cols(count: int, peak: bool) -> Any:
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
             bt, jt, ht = sig.args[:3]
@@ -294,16 +331,7 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
                 builder.add(first, builder.mul(stride, ir.Constant(first.type, k)))
                 for k in range(count)
             ]
-            xs = [load(context, builder, bt, args[0], a) for a in at]
-            step = 1
-            while step < count:
-                ys = list(xs)
-                for k in range(count):
-                    if not k & step:
-                        ys[k] = builder.fadd(xs[k], xs[k + step])
-                        ys[k + step] = builder.fsub(xs[k], xs[k + step])
-                xs = ys
-                step *= 2
+            xs = vertical(builder, [load(context, builder, bt, args[0], a) for a in at])
             for a, x in zip(at, xs, strict=True):
                 store(context, builder, bt, args[0], a, x)
             if peak:  # acc's lanes = max(acc, the magnitude bits of every result)
@@ -337,7 +365,8 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
         return colsn_peak if peak else colsn
 
     return {
-        "_nb_rows16": rows16, "_nb_rows16s": rows16s, "_nb_store16": store16,
+        "_nb_rows16": tile(1, False), "_nb_tile16": tile(16, False),
+        "_nb_rows16s": tile(1, True), "_nb_store16": store16,
         "_nb_cols16": cols(16, False), "_nb_cols4": cols(4, False), "_nb_cols2": cols(2, False),
         "_nb_cols16_peak": cols(16, True), "_nb_cols4_peak": cols(4, True),
         "_nb_cols2_peak": cols(2, True),
@@ -376,9 +405,14 @@ def _nb_fwht(src: Any, scale: Any, buf: Any, acc: Any) -> None:
             h *= 2
         _nb_keys_max(buf, acc)
         return
+    if m >= 16 * _VEC:  # 16 vectors at a time: the stages h < 256 in registers
+        for s in range(0, m, 16 * _VEC):
+            _nb_tile16(src, s, scale, buf)
+        _nb_fwht_cols(buf, acc, 16 * _VEC)
+        return
     for s in range(0, m, _VEC):
         _nb_rows16(src, s, scale, buf)
-    _nb_fwht_cols(buf, acc)
+    _nb_fwht_cols(buf, acc, _VEC)
 
 
 def _nb_keys_max(buf: Any, acc: Any) -> None:
@@ -392,14 +426,14 @@ def _nb_keys_max(buf: Any, acc: Any) -> None:
         acc[0] = top
 
 
-def _nb_fwht_cols(buf: Any, acc: Any) -> None:
-    # the stages h >= 16 of _nb_fwht (buf: a power-of-two length >= 16); with a non-empty
+def _nb_fwht_cols(buf: Any, acc: Any, h0: Any) -> None:
+    # the stages h >= h0 of _nb_fwht (buf: a power-of-two length >= h0 >= 16); with a non-empty
     # acc (16 lanes), the last sweep also takes the lanes' max of the results' magnitude
     # bits into it (the block's range, while the values are in registers)
     m = buf.size
     peak = acc.size > 0
-    h = _VEC
-    if m == _VEC:
+    h = h0
+    if m == h:
         _nb_keys_max(buf, acc)
     while 16 * h <= m:
         for g in range(0, m, 16 * h):
@@ -446,7 +480,7 @@ def _nb_load_signed(xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any,
 
 def _nb_load_rotate(
     xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any, scale: Any, bits: Any,
-    acc: Any,
+    acc: Any, words: Any,
 ) -> None:
     # bits = the float32 bit patterns of the rotated block of coordinates [start, start +
     # bits.size): H(signs * scale * x), zeros past n. A whole block of at least 64 is read,
@@ -460,15 +494,17 @@ def _nb_load_rotate(
         _nb_load_signed(xi, xb, mode, n, start, sseed, bits)
         _nb_fwht(buf, scale, buf, acc)
         return
+    # (one vector at a time: tiles of 4 or 16 vectors, as the decode's, measured slower)
     for g in range(0, m, 64):
         word = _nb_word(sseed, (start + g) >> 6)
         for q in range(4):
-            signs = u32((word >> u64(16 * q)) & u64(0xFFFF))
+            words[q] = word >> u64(16 * q)  # vector q's signs: the low 16 bits
+        for q in range(4):
             if mode == 0:
-                _nb_rows16s(xi, start + g + 16 * q, signs, scale, buf, g + 16 * q)
+                _nb_rows16s(xi, start + g + 16 * q, words, q, scale, buf, g + 16 * q)
             else:
-                _nb_rows16s(xb, start + g + 16 * q, signs, scale, buf, g + 16 * q)
-    _nb_fwht_cols(buf, acc)
+                _nb_rows16s(xb, start + g + 16 * q, words, q, scale, buf, g + 16 * q)
+    _nb_fwht_cols(buf, acc, _VEC)
 
 
 def _nb_flip(bits: Any, start: Any, sseed: Any) -> None:
@@ -563,9 +599,10 @@ def _nb_thc_encode(
         buf = bits.view(np.float32)
         scratch = np.empty(1, np.int32)
         acc = np.empty(_VEC, np.uint32)  # the lanes of a block's range
+        words = np.empty(4, np.uint64)  # sign words of a tile
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
-            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits, acc)
+            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits, acc, words)
             rng = _nb_peak(acc, scratch)
             ranges[b] = rng
             _nb_quant(buf, start, _nb_step(rng, levels, scratch), levels, nmode, seed, noise,
@@ -582,10 +619,11 @@ def _nb_thc_rotate(
     for item in prange((nblocks + per - 1) // per):
         scratch = np.empty(1, np.int32)
         acc = np.empty(_VEC, np.uint32)  # the lanes of a block's range
+        words = np.empty(4, np.uint64)  # sign words of a tile
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
             bits = yi[start : start + block]
-            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits, acc)
+            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits, acc, words)
             ranges[b] = _nb_peak(acc, scratch)
 
 
