@@ -116,6 +116,7 @@ _VEC = 16
 _nb_rows16: Any = None
 _nb_tile16: Any = None
 _nb_rows16s: Any = None
+_nb_tile16s: Any = None
 _nb_store16: Any = None
 _nb_cols16: Any = None
 _nb_cols4: Any = None
@@ -282,12 +283,12 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
                 word = builder.load(builder.gep(context.make_array(wt)(
                     context, builder, args[2]).data, [wat]))
                 signs = builder.trunc(
-                    builder.lshr(word, ir.Constant(word.type, 16 * (k % 4))), i32
+                    builder.lshr(word, ir.Constant(word.type, 16 * (k % 4))), ir.IntType(16)
                 )
-                # lane j's sign bit flipped where bit j of signs is set
-                flips = builder.lshr(splat(builder, signs, iv), ints(list(range(_VEC))))
-                flips = builder.shl(flips, splat(builder, i32(31), iv))
-                xs.append(builder.bitcast(builder.xor(raw, flips), vec))
+                # lane j's sign bit flipped where bit j of signs is set (a mask register)
+                lanes = builder.bitcast(signs, ir.VectorType(ir.IntType(1), _VEC))
+                flipped = builder.xor(raw, splat(builder, i32(1 << 31), iv))
+                xs.append(builder.bitcast(builder.select(lanes, flipped, raw), vec))
             factor = splat(builder, scale, vec)
             xs = vertical(builder, [stages(builder, builder.fmul(x, factor)) for x in xs])
             for k, x in enumerate(xs):
@@ -366,7 +367,7 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
 
     return {
         "_nb_rows16": tile(1, False), "_nb_tile16": tile(16, False),
-        "_nb_rows16s": tile(1, True), "_nb_store16": store16,
+        "_nb_rows16s": tile(1, True), "_nb_tile16s": tile(16, True), "_nb_store16": store16,
         "_nb_cols16": cols(16, False), "_nb_cols4": cols(4, False), "_nb_cols2": cols(2, False),
         "_nb_cols16_peak": cols(16, True), "_nb_cols4_peak": cols(4, True),
         "_nb_cols2_peak": cols(2, True),
@@ -495,6 +496,16 @@ def _nb_load_rotate(
         _nb_fwht(buf, scale, buf, acc)
         return
     # (one vector at a time: tiles of 4 or 16 vectors, as the decode's, measured slower)
+    if m >= 256:
+        for g in range(0, m, 256):
+            for w in range(4):
+                words[w] = _nb_word(sseed, ((start + g) >> 6) + w)
+            if mode == 0:
+                _nb_tile16s(xi, start + g, words, 0, scale, buf, g)
+            else:
+                _nb_tile16s(xb, start + g, words, 0, scale, buf, g)
+        _nb_fwht_cols(buf, acc, 256)
+        return
     for g in range(0, m, 64):
         word = _nb_word(sseed, (start + g) >> 6)
         for q in range(4):
