@@ -17,7 +17,12 @@ the multiplication by the scale: the same float32 product as the torch path's mu
 by ``+-scale``), transformed entirely in cache (the butterfly stages ``h = 1, 2, 4, ...`` in
 the torch path's order, so every sum is the same float32 operation: bit-identical), and, for
 an encode, its range taken and its coordinates quantized before the next block is touched:
-one pass over memory instead of ``log2(B)`` passes of torch ops. The signs come from a
+one pass over memory instead of ``log2(B)`` passes of torch ops. The transform runs on
+vectors of 16 float32 through LLVM vector intrinsics (:func:`_vector_kernels`): the stages
+``h < 16`` are shuffles inside a vector (numba's loops left them scalar), the others adds and
+subtracts between vectors, eight stages per tile of 16 vectors in registers, then four, two
+or one per sweep; the load, the signs and the scale are fused into the first sweep, the
+block's range into the last, and a decode's signs, factor and store into one step. The signs come from a
 counter-based generator (SplitMix64 of the 64-coordinate word index), which the torch path
 computes too (:func:`sign_bytes`), so both paths rotate alike. The stochastic-rounding noise
 is drawn by the kernel itself (as the QSGD kernels do); given the torch path's noise tensor it
@@ -108,11 +113,19 @@ def _kernel(name: str) -> Callable[..., Any]:
 #: Coordinates per vector of the rotation's intrinsics (one AVX-512 register of float32).
 _VEC = 16
 
-# The rotation's vector intrinsics (made by _vector_kernels in build(); numba is optional):
-# _nb_rows16(src, s, scale, buf): buf[s : s + 16] = the stages h = 1, 2, 4, 8 of
-#   f32(src[s : s + 16]) * scale (src float32, or integer codes converted exactly);
-# _nb_colsN(buf, j, h): the N vectors buf[j + k*h : j + k*h + 16] (k < N, h a multiple of
-#   16) through the stages h, 2h, ... (log2 N of them) between vectors.
+# The rotation's vector intrinsics (made by _vector_kernels in build(); numba is optional).
+# A vector is 16 consecutive coordinates; "signs" are 16 bits, bit j flipping lane j's sign.
+# _nb_rows16(src, s, scale, buf) and _nb_tile16 (16 vectors): buf[s:] = the stages h = 1,
+#   2, 4, 8 of f32(src[s:]) * scale inside each vector (src float32, or integer codes
+#   converted exactly), then, for a tile, the stages h = 16 ... 128 between its vectors;
+# _nb_rows16s(src, s, words, w, scale, buf, d) and _nb_tile16s: the same from float32 bits
+#   (int32) or bfloat16 bits (uint16) at src[s:], signs of vector k = the bits 16 (k % 4)
+#   ... of words[w + k // 4] applied before the scale, written to buf[d:];
+# _nb_colsN(buf, j, h): the N vectors buf[j + k*h :] (k < N, h a multiple of 16) through
+#   the stages h, 2h, ... (log2 N of them) between vectors; _nb_colsN_peak(buf, j, h, acc)
+#   also takes acc[:16] = max(acc[:16], the magnitude bits of the results), lane by lane;
+# _nb_store16(buf, k, signs, factor, out, o): out[o : o + 16] = signed buf[k : k + 16] times
+#   factor, float32 or bfloat16 bits (saturating, nearest even, NaN -> 0x7FC0).
 _nb_rows16: Any = None
 _nb_tile16: Any = None
 _nb_rows16s: Any = None
@@ -121,8 +134,8 @@ _nb_store16: Any = None
 _nb_cols16: Any = None
 _nb_cols4: Any = None
 _nb_cols2: Any = None
-_nb_cols16_peak: Any = None  # _nb_colsN_peak(buf, j, h, acc): also acc[:16] = max(acc[:16],
-_nb_cols4_peak: Any = None  # the magnitude bits of the N result vectors), lane by lane
+_nb_cols16_peak: Any = None
+_nb_cols4_peak: Any = None
 _nb_cols2_peak: Any = None
 
 
@@ -182,6 +195,15 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
         one = builder.insert_element(ir.Constant(ty, ir.Undefined), v, i32(0))
         return builder.shuffle_vector(one, one, ints([0] * _VEC))
 
+    def flip(builder: Any, bits: Any, signs: Any) -> Any:
+        # bits (16 x i32) with lane j's sign bit flipped where bit j of signs is set (a mask
+        # register, on AVX-512)
+        lanes = builder.bitcast(
+            builder.trunc(signs, ir.IntType(_VEC)), ir.VectorType(ir.IntType(1), _VEC)
+        )
+        iv = ir.VectorType(i32, _VEC)
+        return builder.select(lanes, builder.xor(bits, splat(builder, i32(1 << 31), iv)), bits)
+
     @intrinsic  # type: ignore[misc]
     def store16(
         typingctx: Any, buf: Any, k: Any, signs: Any, factor: Any, out: Any, o: Any
@@ -198,9 +220,7 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
             bt, kt, _, _, ot, oty = sig.args
             iv = ir.VectorType(i32, _VEC)
             x = load(context, builder, bt, args[0], index(context, builder, kt, args[1]))
-            flips = builder.lshr(splat(builder, args[2], iv), ints(list(range(_VEC))))
-            flips = builder.shl(flips, splat(builder, i32(31), iv))
-            x = builder.bitcast(builder.xor(builder.bitcast(x, iv), flips), vec)
+            x = builder.bitcast(flip(builder, builder.bitcast(x, iv), args[2]), vec)
             v = builder.fmul(x, splat(builder, args[3], vec))
             if ot.dtype == types.uint16:
                 # saturate finite values to bfloat16's largest, round to nearest even,
@@ -282,13 +302,8 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
                 wat = builder.add(w0, ir.Constant(w0.type, k // 4))
                 word = builder.load(builder.gep(context.make_array(wt)(
                     context, builder, args[2]).data, [wat]))
-                signs = builder.trunc(
-                    builder.lshr(word, ir.Constant(word.type, 16 * (k % 4))), ir.IntType(16)
-                )
-                # lane j's sign bit flipped where bit j of signs is set (a mask register)
-                lanes = builder.bitcast(signs, ir.VectorType(ir.IntType(1), _VEC))
-                flipped = builder.xor(raw, splat(builder, i32(1 << 31), iv))
-                xs.append(builder.bitcast(builder.select(lanes, flipped, raw), vec))
+                signs = builder.lshr(word, ir.Constant(word.type, 16 * (k % 4)))
+                xs.append(builder.bitcast(flip(builder, raw, signs), vec))
             factor = splat(builder, scale, vec)
             xs = vertical(builder, [stages(builder, builder.fmul(x, factor)) for x in xs])
             for k, x in enumerate(xs):
@@ -484,10 +499,11 @@ def _nb_load_rotate(
     acc: Any, words: Any,
 ) -> None:
     # bits = the float32 bit patterns of the rotated block of coordinates [start, start +
-    # bits.size): H(signs * scale * x), zeros past n. A whole block of at least 64 is read,
-    # sign-flipped, scaled and put through the stages h < 16 in one sweep (_nb_rows16s);
-    # the last, short block and small blocks take the separate passes (the same values)
-    # (and acc's lanes = the maxima of the results' magnitude bits, for _nb_peak)
+    # bits.size): H(signs * scale * x), zeros past n, and acc's lanes = the maxima of their
+    # magnitude bits (for _nb_peak). A whole block of at least 64 is read, sign-flipped,
+    # scaled and put through its first stages in one sweep (tiles of 256 coordinates, the
+    # stages h < 256; or vectors, h < 16), the rest in sweeps between vectors; the last,
+    # short block and small blocks take separate passes (the same values)
     m = bits.size
     buf = bits.view(np.float32)
     acc[:] = 0
@@ -495,7 +511,6 @@ def _nb_load_rotate(
         _nb_load_signed(xi, xb, mode, n, start, sseed, bits)
         _nb_fwht(buf, scale, buf, acc)
         return
-    # (one vector at a time: tiles of 4 or 16 vectors, as the decode's, measured slower)
     if m >= 256:
         for g in range(0, m, 256):
             for w in range(4):
