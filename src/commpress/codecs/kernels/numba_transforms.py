@@ -22,11 +22,11 @@ vectors of 16 float32 through LLVM vector intrinsics (:func:`_vector_kernels`): 
 ``h < 16`` are shuffles inside a vector (numba's loops left them scalar), the others adds and
 subtracts between vectors, eight stages per tile of 16 vectors in registers, then four, two
 or one per sweep; the load, the signs and the scale are fused into the first sweep, the
-block's range into the last, and a decode's signs, factor and store into one step. The signs come from a
-counter-based generator (SplitMix64 of the 64-coordinate word index), which the torch path
-computes too (:func:`sign_bytes`), so both paths rotate alike. The stochastic-rounding noise
-is drawn by the kernel itself (as the QSGD kernels do); given the torch path's noise tensor it
-reproduces the torch path bit for bit.
+block's range into the last, and a decode's signs, factor and store into one step. The
+signs come from a counter-based generator (SplitMix64 of the 64-coordinate word index),
+which the torch path computes too (:func:`sign_bytes`), so both paths rotate alike. The
+stochastic-rounding noise is drawn by the kernel itself (as the QSGD kernels do); given the
+torch path's noise tensor it reproduces the torch path bit for bit.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
 
     def load(context: Any, builder: Any, arrty: Any, arr: Any, idx: Any) -> Any:
         v = builder.load(address(context, builder, arrty, arr, idx), align=1)
-        if isinstance(arrty.dtype, types.Integer):  # integer codes: exact in float32
-            v = builder.sitofp(v, vec) if arrty.dtype.signed else builder.uitofp(v, vec)
+        if isinstance(arrty.dtype, types.Integer):  # signed integer codes: exact in float32
+            v = builder.sitofp(v, vec)
         return v
 
     def store(context: Any, builder: Any, arrty: Any, arr: Any, idx: Any, v: Any) -> None:
@@ -204,7 +204,7 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
         iv = ir.VectorType(i32, _VEC)
         return builder.select(lanes, builder.xor(bits, splat(builder, i32(1 << 31), iv)), bits)
 
-    @intrinsic  # type: ignore[misc]
+    @intrinsic
     def store16(
         typingctx: Any, buf: Any, k: Any, signs: Any, factor: Any, out: Any, o: Any
     ) -> Any:
@@ -318,13 +318,13 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
                 and is_vector_array(buf, (types.float32,))
             )
 
-        @intrinsic  # type: ignore[misc]
+        @intrinsic
         def unsigned(typingctx: Any, src: Any, s: Any, scale: Any, buf: Any) -> Any:
             return (types.void(src, s, scale, buf), codegen) if valid(
                 src, s, scale, buf
             ) else None
 
-        @intrinsic  # type: ignore[misc]
+        @intrinsic
         def with_signs(
             typingctx: Any, src: Any, s: Any, words: Any, w: Any, scale: Any, buf: Any,
             d: Any,
@@ -368,11 +368,11 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
                 and isinstance(h, types.Integer)
             )
 
-        @intrinsic  # type: ignore[misc]
+        @intrinsic
         def colsn(typingctx: Any, buf: Any, j: Any, h: Any) -> Any:
             return (types.void(buf, j, h), codegen) if valid(buf, j, h) else None
 
-        @intrinsic  # type: ignore[misc]
+        @intrinsic
         def colsn_peak(typingctx: Any, buf: Any, j: Any, h: Any, acc: Any) -> Any:
             if not (valid(buf, j, h) and is_vector_array(acc, (types.uint32,))):
                 return None
