@@ -451,28 +451,24 @@ def _nb_fwht_cols(buf: Any, acc: Any, h0: Any) -> None:
     h = h0
     if m == h:
         _nb_keys_max(buf, acc)
-    while 16 * h <= m:
-        for g in range(0, m, 16 * h):
+    while h < m:
+        r = 16 if 16 * h <= m else (4 if 4 * h <= m else 2)  # stages in this sweep: log2 r
+        last = peak and r * h == m
+        for g in range(0, m, r * h):
             for j in range(g, g + h, _VEC):
-                if peak and 16 * h == m:
+                if r == 16 and last:
                     _nb_cols16_peak(buf, j, h, acc)
-                else:
+                elif r == 16:
                     _nb_cols16(buf, j, h)
-        h *= 16
-    while 4 * h <= m:
-        for g in range(0, m, 4 * h):
-            for j in range(g, g + h, _VEC):
-                if peak and 4 * h == m:
+                elif r == 4 and last:
                     _nb_cols4_peak(buf, j, h, acc)
-                else:
+                elif r == 4:
                     _nb_cols4(buf, j, h)
-        h *= 4
-    if h < m:
-        for j in range(0, h, _VEC):
-            if peak:
-                _nb_cols2_peak(buf, j, h, acc)
-            else:
-                _nb_cols2(buf, j, h)
+                elif last:
+                    _nb_cols2_peak(buf, j, h, acc)
+                else:
+                    _nb_cols2(buf, j, h)
+        h *= r
 
 
 def _nb_load_signed(xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any, bits: Any) -> None:
