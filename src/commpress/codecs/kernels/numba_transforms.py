@@ -620,8 +620,10 @@ def _nb_thc_encode(
         bits = np.empty(block, np.uint32)
         buf = bits.view(np.float32)
         scratch = np.empty(1, np.int32)
-        acc = np.empty(_VEC, np.uint32)  # the lanes of a block's range
-        words = np.empty(4, np.uint64)  # sign words of a tile
+        # the lanes of a block's range and a tile's sign words, written often: 64 bytes of
+        # padding on each side, off the cache lines of other threads' allocations
+        acc = np.empty(3 * _VEC, np.uint32)[_VEC : 2 * _VEC]
+        words = np.empty(20, np.uint64)[8:12]
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
             _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits, acc, words)
@@ -640,8 +642,10 @@ def _nb_thc_rotate(
     yi = y.view(np.uint32)
     for item in prange((nblocks + per - 1) // per):
         scratch = np.empty(1, np.int32)
-        acc = np.empty(_VEC, np.uint32)  # the lanes of a block's range
-        words = np.empty(4, np.uint64)  # sign words of a tile
+        # the lanes of a block's range and a tile's sign words, written often: 64 bytes of
+        # padding on each side, off the cache lines of other threads' allocations
+        acc = np.empty(3 * _VEC, np.uint32)[_VEC : 2 * _VEC]
+        words = np.empty(20, np.uint64)[8:12]
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
             bits = yi[start : start + block]
