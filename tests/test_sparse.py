@@ -685,3 +685,27 @@ def test_band_leaves_mostly_zero_inputs_to_the_exact_select(dtype: torch.dtype) 
     assert not found and bool((got == -1).all())
     with kernels.use_backend("numba"):
         assert torch.equal(top_magnitudes(x, k), exact_top(magnitudes(x), k))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kth_largest_of_16_bit_values_is_kthvalues_selection(dtype: torch.dtype) -> None:
+    """The 16-bit selection by a histogram of order keys gives the value torch's
+    ``kthvalue`` selects, for every rank, with ties, zeros of both signs, negative values
+    and infinities."""
+    from commpress.codecs.sparse import _kth_largest
+
+    g = torch.Generator().manual_seed(3)
+    cases = [
+        torch.randn(1000, generator=g),
+        torch.randn(999, generator=g).abs(),
+        torch.randint(-3, 4, (500,), generator=g).float(),  # many ties
+        torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 2.0]),
+        torch.tensor([5.0]),
+    ]
+    for v in cases:
+        v = v.to(dtype)
+        n = v.numel()
+        for k in sorted({min(2, n), 1, n // 2 + 1, max(1, n - 1), n}):
+            want = torch.kthvalue(v.float(), n - k + 1).values
+            got = _kth_largest(v, k)
+            assert got.dtype == dtype and got.float() == want, (n, k, got, want)

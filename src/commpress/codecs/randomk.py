@@ -42,7 +42,7 @@ _VALUE_DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 _INDEX_STREAM = 0x52B
-# the dtypes the numba kernels gather from and spread into
+# the dtypes the kernels (numba, Triton) gather from and spread into
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -217,6 +217,8 @@ class RandomK(Codec):
             # one read of x: the finiteness check and the gather of each value in cache
             gathered, finite = kernels.gather_finite(flat, idx)
             values = saturating_cast(gathered, wire)
+            if isinstance(finite, torch.Tensor):  # Triton: a device flag, no host sync
+                return torch.where(finite, values, torch.full_like(values, math.nan))
             return values if finite else torch.full_like(values, math.nan)
         values = saturating_cast(flat.index_select(0, idx), wire)
         # min and max are non-finite iff some element is (NaN propagates): two cheap

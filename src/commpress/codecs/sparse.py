@@ -170,8 +170,28 @@ def _gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def _kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k``-th largest entry of a 1-D tensor without NaN (a selection, not a sort: the
-    same value as ``values.sort(descending=True).values[k - 1]``)."""
+    same value as ``values.sort(descending=True).values[k - 1]``). 16-bit values on a CPU are
+    selected by a histogram of their 65536 order keys (:func:`_kth_largest16`): torch's
+    ``kthvalue`` slows down on the many equal values of a 16-bit sample (DGC's 327 k
+    bfloat16 samples of a 64 MB tensor: 4.4 ms on one thread, against 0.9 ms for 164 k
+    float32 ones)."""
+    if values.dtype in (torch.bfloat16, torch.float16) and values.device.type == "cpu":
+        return _kth_largest16(values, k)
     return torch.kthvalue(values, values.numel() - k + 1).values
+
+
+def _kth_largest16(values: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`_kth_largest` of 16-bit floats by counting: each value's bits as an order key
+    (negative values' magnitude bits flipped; -0.0 orders just below +0.0, so between zeros of
+    both signs either may be returned, as with ``kthvalue``), a histogram of the keys, and the
+    key where the count from the top reaches ``k``."""
+    bits = values.contiguous().view(torch.int16).to(torch.int32)
+    keys = torch.where(bits < 0, bits ^ 0x7FFF, bits) + 32768
+    from_top = torch.bincount(keys, minlength=65536).flip(0).cumsum(0)
+    key = 65535 - int(torch.searchsorted(from_top, k))
+    b = key - 32768
+    b = b ^ 0x7FFF if b < 0 else b
+    return torch.tensor(b, dtype=torch.int16).view(values.dtype)
 
 
 def needs_exponent(input_dtype: torch.dtype, value_dtype: torch.dtype) -> bool:

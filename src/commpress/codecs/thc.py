@@ -545,8 +545,9 @@ class Thc(Codec):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decoding as a ``dtype`` tensor of ``shape`` (written into ``out`` when given):
-        :meth:`_reconstruct` and a saturating cast, fused in the CPU kernel."""
-        if self._fused(codes, lay) and dtype != torch.float64:
+        :meth:`_reconstruct` and a saturating cast, fused in the CPU or the Triton kernel."""
+        triton = self._triton(codes, lay)
+        if (triton or self._fused(codes, lay)) and dtype != torch.float64:
             step, factor = self._decode_params(
                 ranges, lay, summed=summed, divide=divide, work=torch.float32
             )
@@ -555,9 +556,9 @@ class Thc(Codec):
                 target = out
             else:
                 target = torch.empty(
-                    lay.numel, dtype=dtype if direct else torch.float32
+                    lay.numel, dtype=dtype if direct else torch.float32, device=codes.device
                 )
-            kernels_extra.thc_decode(
+            (kernels.thc_decode if triton else kernels_extra.thc_decode)(
                 codes, block=lay.block, numel=lay.numel, sign_seed=self._sign_seed(ctx),
                 steps=step, factors=factor.to(torch.float32), out=target,
             )

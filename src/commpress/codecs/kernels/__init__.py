@@ -5,13 +5,13 @@ Two kernel backends implement the hot loops of the single-pass codecs (``minmax`
 
 * :mod:`.numba_cpu`: numba kernels for CPU tensors (every entry point below but the
   Triton-only ``chunk_square_sums`` and ``thc_rotate`` / ``thc_encode`` /
-  ``thc_quantize``);
+  ``thc_quantize`` / ``thc_decode``; THC's numba kernels are in :mod:`.numba_transforms`);
 * :mod:`.triton_gpu`: Triton kernels for CUDA tensors (the quantizers' entry points, whole
   QSGD / TernGrad encodes, ``at_least`` for the top-k / DGC selections, TopKC's chunk
-  sums and THC's encode; ``topk_select`` and Random-K's ``first_distinct`` keep their
-  torch paths). Under Triton's interpreter (``TRITON_INTERPRET=1`` set before this package
-  first loads Triton) they also run on CPU tensors, which is how they are tested without a
-  GPU.
+  sums, THC's encode and decode, Random-K's ``gather_finite`` and ``spread``;
+  ``topk_select`` and Random-K's ``first_distinct`` keep their torch paths). Under
+  Triton's interpreter (``TRITON_INTERPRET=1`` set before this package first loads Triton)
+  they also run on CPU tensors, which is how they are tested without a GPU.
 
 The plain-torch implementations in the codec modules are the reference and the fallback.
 
@@ -81,6 +81,9 @@ TRITON_OPS = frozenset(
         "thc_rotate",
         "thc_encode",
         "thc_quantize",
+        "thc_decode",
+        "gather_finite",
+        "spread",
     }
 )
 
@@ -476,6 +479,20 @@ def thc_quantize(
     )
 
 
+def thc_decode(
+    codes: torch.Tensor, *, block: int, numel: int, sign_seed: int, steps: torch.Tensor,
+    factors: torch.Tensor, out: torch.Tensor,
+) -> torch.Tensor:
+    """THC's decode (Triton only; power-of-two blocks up to 4096; the CPU twin is
+    :func:`.numba_transforms.thc_decode`): ``out`` (``numel`` contiguous float32 or bfloat16
+    values, bfloat16 saturating) = the first ``numel`` coordinates of ``signs * factor *
+    H(codes * step)`` block by block, in float32, the torch path's arithmetic in its order."""
+    return _impl(codes, "thc_decode").thc_decode(
+        codes, block=block, numel=numel, sign_seed=sign_seed, steps=steps, factors=factors,
+        out=out,
+    )
+
+
 def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
     """L2 norm of each ``chunk`` of a 1-D contiguous float32 tensor (bfloat16 and float16 too
     on the numba backend), summed in float64 and
@@ -554,6 +571,36 @@ def lowrank_decode(p: torch.Tensor, q: torch.Tensor, factor: float, out: torch.T
     _impl(out, "lowrank_decode").lowrank_decode(p, q, factor, out)
 
 
+def lowrank_right(mat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``mat @ q`` as float32 ``(n, r)`` for a contiguous ``(n, m)`` float32, bfloat16 or
+    float16 CPU matrix (read in its own dtype, widened exactly) and float32 ``q`` ``(m,
+    r)``: each entry a pairwise (tree) sum of its ``m`` products in float32 without fused
+    multiply-adds, the same on every machine and thread count (PowerSGD's ``P = M Q``)."""
+    _check_lowrank("lowrank_right", mat, q, 1)
+    return _impl(mat, "lowrank_right").lowrank_right(mat, q)
+
+
+def lowrank_left(mat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``mat.T @ p`` as float32 ``(m, r)`` for a contiguous ``(n, m)`` float32, bfloat16 or
+    float16 CPU matrix and float32 ``p`` ``(n, r)``: each entry its ``n`` products added
+    in row order in float32 without fused multiply-adds, the same on every machine and
+    thread count (PowerSGD's ``Q = M^T P``)."""
+    _check_lowrank("lowrank_left", mat, p, 0)
+    return _impl(mat, "lowrank_left").lowrank_left(mat, p)
+
+
+def _check_lowrank(name: str, mat: torch.Tensor, factor: torch.Tensor, dim: int) -> None:
+    if (
+        mat.dim() != 2 or factor.dim() != 2 or factor.shape[0] != mat.shape[dim]
+        or not mat.is_contiguous() or factor.shape[1] < 1 or mat.numel() == 0
+    ):
+        raise CommpressError(
+            f"{name}: needs a non-empty contiguous matrix and a factor of rank >= 1 with "
+            f"as many rows as the matrix has {'rows' if dim == 0 else 'columns'}; got "
+            f"{tuple(mat.shape)} and {tuple(factor.shape)}"
+        )
+
+
 def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
     """The first ``k`` distinct values of ``draws`` (int64 in ``[0, d)``, CPU), sorted
     ascending; ``None`` when ``draws`` holds fewer than ``k`` distinct values (``k = 0``:
@@ -563,19 +610,23 @@ def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
     return _impl(draws, "first_distinct").first_distinct(draws, k, d)
 
 
-def gather_finite(x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``(x[idx], finite)`` for a 1-D contiguous float32, bfloat16 or float16 CPU tensor and
+def gather_finite(
+    x: torch.Tensor, idx: torch.Tensor
+) -> tuple[torch.Tensor, bool | torch.Tensor]:
+    """``(x[idx], finite)`` for a 1-D contiguous float32, bfloat16 or float16 tensor and
     ascending int64 indices: the values in ``x``'s dtype, and whether every element of ``x``
-    (not only the gathered ones) is finite. One parallel read of ``x`` that gathers each
-    value while its block is in cache (Random-K's encode)."""
+    (not only the gathered ones) is finite: a ``bool`` from the numba kernel (one parallel
+    read of ``x`` that gathers each value while its block is in cache), a 0-d bool tensor on
+    ``x``'s device from the Triton kernel (no host sync). Random-K's encode."""
     return _impl(x, "gather_finite").gather_finite(x, idx)
 
 
 def spread(idx: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` (contiguous, CPU; float32, float64, bfloat16 or float16) = zeros except
+    """``out`` (contiguous; float32, float64, bfloat16 or float16) = zeros except
     ``out[idx] = values`` (ascending int64 indices, values of ``out``'s dtype): torch's
-    ``zero_``, then the values stored with each line prefetched a few values ahead
-    (Random-K's decode; torch's ``scatter_`` took twice as long)."""
+    ``zero_``, then the values stored (numba: with each line prefetched a few values ahead;
+    torch's CPU ``scatter_`` took twice as long. Triton: one store kernel). Random-K's
+    decode."""
     _impl(out, "spread").spread(idx, values, out)
 
 
@@ -594,6 +645,8 @@ __all__ = [
     "first_distinct",
     "gather_finite",
     "lowrank_decode",
+    "lowrank_left",
+    "lowrank_right",
     "load_numba",
     "minmax_decode",
     "minmax_encode",
@@ -611,6 +664,7 @@ __all__ = [
     "sign_encode_scaled",
     "stochastic_encode",
     "terngrad_encode",
+    "thc_decode",
     "thc_encode",
     "thc_quantize",
     "thc_rotate",

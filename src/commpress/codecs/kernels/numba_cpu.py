@@ -49,6 +49,9 @@ SEGMENT = 16384
 #: L1; widening a whole work item into a 64 KB buffer ran at a third of the memory's speed).
 WINDOW = 2048
 
+#: Widest column block of PowerSGD's ``X^T P`` kernel (its partial sums: r x 1024 float32).
+LEFT_COLS = 1024
+
 _lock = threading.Lock()
 
 
@@ -1478,6 +1481,121 @@ def _nb_lowrank_decode(p: Any, qt: Any, factor: Any, outf: Any, out16: Any, omod
                 _nb_narrow(row, omode, True, out16[i])
 
 
+
+def _nb_lowrank_right(xf: Any, x16: Any, mode: Any, n: Any, m: Any, qt: Any, p: Any) -> None:
+    # PowerSGD's P = X Q for the (n, m) matrix X (flat, row-major; float32 xf or the 16-bit
+    # bits x16, widened exactly) and Q given transposed (qt, (r, m) float32): p[i, k] is a
+    # pairwise (tree) sum of the products x[i, j] * q[j, k] in float32 without fused
+    # multiply-adds: with h the largest power of two below m (1 for m = 1), the first level
+    # adds the products of j and j + h (j < m - h) and keeps j alone for m - h <= j < h, each
+    # next level adds entry j and j + s for s = h/2, h/4, ..., 1. One pass over X, rows in
+    # parallel; each sum is the same sequence of operations whatever the thread count (and
+    # more accurate than a running sum: its error grows with log2(m), not m).
+    r = qt.shape[0]
+    h = 1
+    while 2 * h < m:
+        h *= 2
+    per = max(1, 4096 // max(1, m))
+    for item in prange((n + per - 1) // per):
+        part = np.empty(h, np.float32)
+        wide = np.empty(m if mode != 0 else 1, np.float32)
+        for i in range(item * per, min(n, (item + 1) * per)):
+            row = _nb_widen(xf, x16, mode, i * m, (i + 1) * m, wide)
+            for k in range(r):
+                qk = qt[k]
+                if h < 4:
+                    # the first level into part[:h]
+                    for j in range(h):
+                        part[j] = row[j] * qk[j]
+                    for j in range(m - h):
+                        part[j] = part[j] + row[j + h] * qk[j + h]
+                    s = h // 2
+                else:
+                    # the first two levels at once into part[:h/2]: entry j adds the level-1
+                    # entries j and j + h/2, each the products of j and j + h (when j + h < m)
+                    g = h // 2
+                    both = max(0, min(g, m - h - g))  # j + h/2 + h < m: four products
+                    one = max(both, min(g, m - h))  # j + h < m: three products
+                    x0, x1, x2, x3 = row[:both], row[h : h + both], row[g : g + both], \
+                        row[h + g : h + g + both]
+                    q0, q1, q2, q3 = qk[:both], qk[h : h + both], qk[g : g + both], \
+                        qk[h + g : h + g + both]
+                    out = part[:both]
+                    for j in range(both):
+                        out[j] = (x0[j] * q0[j] + x1[j] * q1[j]) + (x2[j] * q2[j] + x3[j] * q3[j])
+                    x0, x1, x2 = row[both:one], row[h + both : h + one], row[g + both : g + one]
+                    q0, q1, q2 = qk[both:one], qk[h + both : h + one], qk[g + both : g + one]
+                    out = part[both:one]
+                    for j in range(one - both):
+                        out[j] = (x0[j] * q0[j] + x1[j] * q1[j]) + x2[j] * q2[j]
+                    x0, x2 = row[one:g], row[g + one : h]
+                    q0, q2 = qk[one:g], qk[g + one : h]
+                    out = part[one:g]
+                    for j in range(g - one):
+                        out[j] = x0[j] * q0[j] + x2[j] * q2[j]
+                    s = g // 2
+                while s >= 1:
+                    lo = part[:s]
+                    hi = part[s : 2 * s]
+                    for j in range(s):
+                        lo[j] += hi[j]
+                    s //= 2
+                p[i, k] = part[0]
+
+
+def _nb_lowrank_left(
+    xf: Any, x16: Any, mode: Any, n: Any, m: Any, p: Any, q: Any, cols: Any
+) -> None:
+    # PowerSGD's Q = X^T P for the (n, m) matrix X (as in _nb_lowrank_right) and p (n, r)
+    # float32: q[j, k] = x[0, j] p[0, k] + x[1, j] p[1, k] + ... added in row order in float32
+    # without fused multiply-adds (a running sum, as the plain loop computes it). Parallel
+    # over blocks of ``cols`` columns, each reading its block of every row, four rows at a
+    # time (the sum's order kept; bfloat16 widened inside the loop, float16 into a small
+    # buffer), so no thread partition changes a result.
+    r = p.shape[1]
+    n4 = n - n % 4
+    for blk in prange((m + cols - 1) // cols):
+        c0 = blk * cols
+        c1 = min(c0 + cols, m)
+        w = c1 - c0
+        acc = np.zeros((r, w), np.float32)
+        wide = np.empty((4, w if mode != 0 else 1), np.float32)
+        for i in range(0, n4, 4):
+            if mode == 1:
+                s0 = x16[i * m + c0 : i * m + c1]
+                s1 = x16[(i + 1) * m + c0 : (i + 1) * m + c1]
+                s2 = x16[(i + 2) * m + c0 : (i + 2) * m + c1]
+                s3 = x16[(i + 3) * m + c0 : (i + 3) * m + c1]
+                for k in range(r):
+                    a0, a1, a2, a3 = p[i, k], p[i + 1, k], p[i + 2, k], p[i + 3, k]
+                    ak = acc[k]
+                    for j in range(w):
+                        v = ak[j] + a0 * u32(u32(s0[j]) << u32(16)).view(f32)
+                        v = v + a1 * u32(u32(s1[j]) << u32(16)).view(f32)
+                        v = v + a2 * u32(u32(s2[j]) << u32(16)).view(f32)
+                        ak[j] = v + a3 * u32(u32(s3[j]) << u32(16)).view(f32)
+            else:
+                x0 = _nb_widen(xf, x16, mode, i * m + c0, i * m + c1, wide[0])
+                x1 = _nb_widen(xf, x16, mode, (i + 1) * m + c0, (i + 1) * m + c1, wide[1])
+                x2 = _nb_widen(xf, x16, mode, (i + 2) * m + c0, (i + 2) * m + c1, wide[2])
+                x3 = _nb_widen(xf, x16, mode, (i + 3) * m + c0, (i + 3) * m + c1, wide[3])
+                for k in range(r):
+                    a0, a1, a2, a3 = p[i, k], p[i + 1, k], p[i + 2, k], p[i + 3, k]
+                    ak = acc[k]
+                    for j in range(w):
+                        ak[j] = (((ak[j] + a0 * x0[j]) + a1 * x1[j]) + a2 * x2[j]) + a3 * x3[j]
+        for i in range(n4, n):
+            xi = _nb_widen(xf, x16, mode, i * m + c0, i * m + c1, wide[0])
+            for k in range(r):
+                a0 = p[i, k]
+                ak = acc[k]
+                for j in range(w):
+                    ak[j] += a0 * xi[j]
+        for j in range(w):
+            for k in range(r):
+                q[c0 + j, k] = acc[k, j]
+
+
 # bit position of a power of two p: _DEBRUIJN_POS[(p * _DEBRUIJN) >> 58]
 _DEBRUIJN = u64(0x03F79D71B4CB0A89)
 _DEBRUIJN_POS = np.zeros(64, np.int64)
@@ -1649,6 +1767,8 @@ _KERNELS = (
     "_nb_collect_at_least",
     "_nb_collect_at_least16",
     "_nb_lowrank_decode",
+    "_nb_lowrank_right",
+    "_nb_lowrank_left",
     "_nb_top16",
     "_nb_gather_finite",
 )
@@ -2155,6 +2275,30 @@ class NumbaKernels:
             out16 = _np(out.view(torch.int16)).view(np.uint16)
         with _launch():
             self["lowrank_decode"](pn, qt, np.float32(factor), outf, out16, omode)
+
+    def lowrank_right(self, mat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """See :func:`commpress.codecs.kernels.lowrank_right`."""
+        n, m = mat.shape
+        xf, x16, mode, _ = source(mat)
+        qt = _np(q.to(torch.float32).T.contiguous())
+        p = torch.empty(n, q.shape[1], dtype=torch.float32)
+        with _launch():
+            self["lowrank_right"](xf, x16, mode, n, m, qt, _np(p))
+        return p
+
+    def lowrank_left(self, mat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """See :func:`commpress.codecs.kernels.lowrank_left`."""
+        n, m = mat.shape
+        xf, x16, mode, _ = source(mat)
+        pn = _np(p.to(torch.float32).contiguous())
+        q = torch.empty(m, p.shape[1], dtype=torch.float32)
+        # column blocks: at most LEFT_COLS wide (the block's r partial sums stay in L1), and
+        # at least as many as threads where the matrix is wide enough (any split gives the
+        # same sums: every column is summed over the rows in row order)
+        cols = min(LEFT_COLS, max(16, -(-m // torch.get_num_threads())))
+        with _launch():
+            self["lowrank_left"](xf, x16, mode, n, m, pn, _np(q), cols)
+        return q
 
     def first_distinct(self, draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
         """See :func:`commpress.codecs.kernels.first_distinct`."""

@@ -586,6 +586,17 @@ def _thc_codes(v, step, rows, cols, mask, noise_ptr, seed, BLOCK: tl.constexpr,
     return t.to(tl.int32)
 
 
+@triton.jit
+def _butterflies(v, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr):
+    # the Sylvester Hadamard transform of each row of a [ROWS, BLOCK] tile (BLOCK = 2**LOG2):
+    # stage h = 1, 2, 4, ...: a + b, a - b for the pairs h apart, as thc.hadamard_transform
+    for s in tl.static_range(LOG2):
+        t = tl.permute(tl.reshape(v, (ROWS * BLOCK // (2 << s), 2, 1 << s)), (0, 2, 1))
+        a, b = tl.split(t)
+        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, BLOCK))
+    return v
+
+
 @triton.jit(do_not_specialize=["sign_seed", "seed"])
 def _thc_rotate_kernel(x_ptr, y_ptr, range_ptr, noise_ptr, n, padded, nblocks, sign_seed,
                        scale, seed, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -603,10 +614,7 @@ def _thc_rotate_kernel(x_ptr, y_ptr, range_ptr, noise_ptr, n, padded, nblocks, s
     word = _splitmix(sign_seed.to(tl.uint64), idx // 64)
     bit = (word >> (idx % 64).to(tl.uint64)) & 1
     v = x * tl.where(bit != 0, -scale, scale)
-    for s in tl.static_range(LOG2):
-        t = tl.permute(tl.reshape(v, (ROWS * BLOCK // (2 << s), 2, 1 << s)), (0, 2, 1))
-        a, b = tl.split(t)
-        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, BLOCK))
+    v = _butterflies(v, ROWS, BLOCK, LOG2)
     inf = tl.full(v.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
     peak = tl.max(tl.where(v != v, inf, tl.abs(v)), axis=1)
     tl.store(range_ptr + rows, peak, mask=rows < nblocks)
@@ -635,6 +643,76 @@ def _thc_quantize_kernel(y_ptr, step_ptr, noise_ptr, codes_ptr, padded, nblocks,
     step = tl.load(step_ptr + rows, mask=rows < nblocks, other=1.0)
     codes = _thc_codes(v, step, rows, cols, mask, noise_ptr, seed, BLOCK, LEVELS, MODE)
     tl.store(codes_ptr + idx, codes, mask=mask)
+
+
+# ---------------------------------------------------------------------- Random-K
+@triton.jit
+def _gather_finite_kernel(x_ptr, idx_ptr, val_ptr, bad_ptr, n, k, xprogs,
+                          BLOCK: tl.constexpr):
+    # programs below ``xprogs``: BLOCK elements of x each, bad = 1 (atomic max, so the order
+    # of the programs does not matter) when one of them is a NaN or an Inf; the others:
+    # val[j] = x[idx[j]] for BLOCK indices each, the values' bits moved as they are
+    pid = tl.program_id(0)
+    if pid < xprogs:
+        i = pid * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
+        top = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
+        if top >= 0x7F800000:
+            tl.atomic_max(bad_ptr, 1)
+    else:
+        j = (pid - xprogs) * BLOCK + tl.arange(0, BLOCK)
+        keep = j < k
+        at = tl.load(idx_ptr + j, mask=keep, other=0)
+        tl.store(val_ptr + j, tl.load(x_ptr + at, mask=keep), mask=keep)
+
+
+@triton.jit
+def _spread_kernel(idx_ptr, val_ptr, out_ptr, k, BLOCK: tl.constexpr):
+    # out[idx[j]] = val[j] (out zeroed before the launch; distinct indices, so no two
+    # programs write one element)
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = j < k
+    at = tl.load(idx_ptr + j, mask=keep, other=0)
+    tl.store(out_ptr + at, tl.load(val_ptr + j, mask=keep), mask=keep)
+
+
+# ---------------------------------------------------------------------- THC decode
+_BF16_MAX = tl.constexpr(3.3895313892515355e38)
+
+
+@triton.jit(do_not_specialize=["sign_seed"])
+def _thc_decode_kernel(codes_ptr, step_ptr, factor_ptr, out_ptr, numel, nblocks, sign_seed,
+                       ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr,
+                       BF16: tl.constexpr):
+    # ROWS blocks per program: codes (any integer lane) times the block's step in float32,
+    # the Sylvester Hadamard butterflies in registers (stage h: a + b, a - b, as
+    # thc.hadamard_transform), times the shared sign (bit i % 64 of SplitMix64 word i // 64:
+    # 1 gives -factor, 0 +factor) times the block's factor; the first ``numel`` values
+    # written as float32, or (BF16) clamped to bfloat16's largest finite value where finite
+    # and rounded to nearest even (base.saturating_cast)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    idx = rows[:, None] * BLOCK + cols[None, :]
+    live = rows < nblocks
+    c = tl.load(codes_ptr + idx, mask=live[:, None], other=0).to(tl.float32)
+    v = c * tl.load(step_ptr + rows, mask=live, other=0.0)[:, None]
+    v = _butterflies(v, ROWS, BLOCK, LOG2)
+    factor = tl.load(factor_ptr + rows, mask=live, other=0.0)[:, None]
+    word = _splitmix(sign_seed.to(tl.uint64), idx // 64)
+    bit = (word >> (idx % 64).to(tl.uint64)) & 1
+    v = v * tl.where(bit != 0, -factor, factor)
+    if BF16:
+        inf = tl.full(v.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
+        big = (tl.abs(v) > _BF16_MAX) & (tl.abs(v) < inf)
+        v = tl.where(big, tl.where(v > 0.0, _BF16_MAX, -_BF16_MAX), v)
+        # rounded to nearest even on the bit pattern (Triton's interpreter truncates its
+        # float32 -> bfloat16 casts), stored through an int16 view of ``out``; NaN stays NaN
+        b = v.to(tl.uint32, bitcast=True)
+        b16 = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
+        b16 = tl.where(v != v, ((b >> 16) | 0x40).to(tl.uint16), b16)
+        tl.store(out_ptr + idx, b16.to(tl.int16, bitcast=True), mask=idx < numel)
+    else:
+        tl.store(out_ptr + idx, v, mask=idx < numel)
 
 
 # ---------------------------------------------------------------------- tensor entry points
@@ -1050,19 +1128,85 @@ def chunk_norms(x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
     return norm.to(torch.float32)
 
 
+#: Elements (or indices) per program of Random-K's gather and spread.
+GATHER_BLOCK = 1024
+
+
+def gather_finite(x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`commpress.codecs.kernels.gather_finite`: one launch, whose programs either
+    check a block of ``x`` for a NaN or an Inf or gather a block of the values; ``finite``
+    is a 0-d bool tensor on ``x``'s device (no host sync)."""
+    x = _flat(x)
+    idx = idx.reshape(-1).contiguous()
+    n, k = x.numel(), idx.numel()
+    values = torch.empty(k, dtype=x.dtype, device=x.device)
+    bad = torch.zeros(1, dtype=torch.int32, device=x.device)
+    xprogs = triton.cdiv(n, GATHER_BLOCK)
+    grid = (xprogs + triton.cdiv(k, GATHER_BLOCK),)
+    if grid[0]:
+        _gather_finite_kernel[grid](x, idx, values, bad, n, k, xprogs, BLOCK=GATHER_BLOCK)
+    return values, bad[0] == 0
+
+
+def spread(idx: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
+    """See :func:`commpress.codecs.kernels.spread`: torch's ``zero_`` (a memset), then one
+    kernel storing the values (``out`` contiguous, of the values' dtype)."""
+    if not out.is_contiguous() or values.dtype != out.dtype or values.numel() != idx.numel():
+        raise CommpressError(
+            f"spread: out must be contiguous and of the values' dtype, one value per index; "
+            f"got out {out.dtype} (contiguous={out.is_contiguous()}), values {values.dtype}, "
+            f"{values.numel()} values for {idx.numel()} indices"
+        )
+    out.zero_()
+    k = idx.numel()
+    if k:
+        _spread_kernel[_blocks(k, GATHER_BLOCK)](
+            idx.reshape(-1).contiguous(), values.reshape(-1).contiguous(), out.view(-1), k,
+            BLOCK=GATHER_BLOCK,
+        )
+
+
+def thc_decode(
+    codes: torch.Tensor, *, block: int, numel: int, sign_seed: int, steps: torch.Tensor,
+    factors: torch.Tensor, out: torch.Tensor,
+) -> torch.Tensor:
+    """See :func:`commpress.codecs.kernels.thc_decode` (the numba kernel's twin): one read
+    of the codes, one write of ``out``, the inverse rotation in registers."""
+    rows = _thc_block(block)
+    codes = _flat(codes)
+    flat = out.view(-1)
+    if flat.dtype not in (torch.float32, torch.bfloat16) or flat.numel() != numel:
+        raise CommpressError(
+            f"thc_decode writes {numel} float32 or bfloat16 values, not {flat.numel()} "
+            f"{flat.dtype}"
+        )
+    nblocks = codes.numel() // block
+    bf16 = flat.dtype == torch.bfloat16
+    if numel:
+        _thc_decode_kernel[_blocks(nblocks, rows)](
+            codes, steps.to(torch.float32).contiguous(), factors.to(torch.float32).contiguous(),
+            flat.view(torch.int16) if bf16 else flat, numel, nblocks, sign_seed, ROWS=rows,
+            BLOCK=block, LOG2=block.bit_length() - 1, BF16=bf16, enable_fp_fusion=False,
+        )
+    return out
+
+
 __all__ = [
     "INTERPRETED",
     "at_least",
     "chunk_norms",
     "chunk_square_sums",
+    "gather_finite",
     "minmax_decode",
     "minmax_encode",
     "offset_decode",
     "qsgd_encode",
     "sign_decode",
     "sign_encode_scaled",
+    "spread",
     "stochastic_encode",
     "terngrad_encode",
+    "thc_decode",
     "thc_encode",
     "thc_quantize",
     "thc_rotate",

@@ -1,0 +1,224 @@
+"""Random-K's gather and spread and THC's decode on the Triton kernels, against the torch path
+bit for bit, under Triton's interpreter (see tests/test_kernels_triton.py, whose helpers and
+device choice this module shares).
+
+The arithmetic is the torch path's: Random-K moves values without touching them, and THC's
+decode multiplies the codes by the step, runs the same butterflies in the same order and
+multiplies by the same signed factor in float32 (no fused multiply-add), so every result is
+compared bit for bit, on odd sizes, empty, 0-d and non-contiguous inputs and every dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
+
+from commpress.codecs import CodecContext, get_codec, kernels  # noqa: E402
+from commpress.errors import CommpressError  # noqa: E402
+from test_kernels_triton import DEVICE, DTYPES, _inputs, same, sample, tg  # noqa: E402
+
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+         torch.float16: torch.int16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns (NaN payloads included), for comparisons that see every bit."""
+    return t.contiguous().view(_BITS[t.dtype])
+
+
+def triton_calls() -> int:
+    return kernels.dispatch_counts()["triton"]
+
+
+# ---------------------------------------------------------------------- Random-K: kernels
+@pytest.mark.parametrize("n", [1, 7, 1024, 1025, 3001])
+def test_gather_finite_is_index_select_and_isfinite(n: int) -> None:
+    """The gathered bits are ``x[idx]``'s; ``finite`` is ``isfinite(x).all()`` with the NaN or
+    Inf anywhere, gathered or not, in the first or the last (partial) block."""
+    g = torch.Generator().manual_seed(n)
+    for dtype in DTYPES:
+        x = sample(n, seed=n, dtype=dtype)
+        k = max(1, n // 7)
+        idx = torch.randperm(n, generator=g)[:k].sort().values.to(DEVICE)
+        values, finite = tg.gather_finite(x, idx)
+        assert values.dtype == dtype and finite.shape == () and bool(finite)
+        same(bits(values), bits(x[idx]))
+        for spot in sorted({0, n // 2, n - 1}):
+            for bad in (math.nan, math.inf, -math.inf):
+                y = x.clone()
+                y[spot] = bad
+                values, finite = tg.gather_finite(y, idx)
+                assert not bool(finite), (dtype, spot, bad)
+                same(bits(values), bits(y[idx]))
+
+
+def test_gather_finite_empty() -> None:
+    values, finite = tg.gather_finite(torch.empty(0, device=DEVICE),
+                                      torch.empty(0, dtype=torch.int64, device=DEVICE))
+    assert values.numel() == 0 and bool(finite)
+    x = sample(5, seed=1)
+    values, finite = tg.gather_finite(x, torch.empty(0, dtype=torch.int64, device=DEVICE))
+    assert values.numel() == 0 and bool(finite)
+    x[3] = math.nan
+    assert not bool(tg.gather_finite(x, torch.tensor([0], device=DEVICE))[1])
+
+
+@pytest.mark.parametrize("n", [1, 9, 2049])
+def test_spread_zeros_then_stores(n: int) -> None:
+    """Stale values are overwritten with zeros, the indices get the values' bits (NaN
+    payloads, -0.0, and float64 too)."""
+    g = torch.Generator().manual_seed(n)
+    for dtype in (*DTYPES, torch.float64):
+        for k in sorted({0, 1, n // 3, n}):
+            idx = torch.randperm(n, generator=g)[:k].sort().values.to(DEVICE)
+            values = sample(k, seed=k, dtype=dtype)
+            if k > 4:
+                values[4] = -math.nan
+            out = torch.full((n,), 7.0, dtype=dtype, device=DEVICE)
+            tg.spread(idx, values, out)
+            want = torch.zeros(n, dtype=dtype, device=DEVICE)
+            want.view(_BITS[dtype])[idx] = bits(values)
+            same(bits(out), bits(want))
+
+
+def test_spread_refuses_mismatched_buffers() -> None:
+    idx = torch.tensor([0, 2], device=DEVICE)
+    with pytest.raises(CommpressError, match="contiguous and of the values' dtype"):
+        tg.spread(idx, torch.ones(2, dtype=torch.float16, device=DEVICE),
+                  torch.empty(4, device=DEVICE))
+    with pytest.raises(CommpressError, match="contiguous"):
+        tg.spread(idx, torch.ones(2, device=DEVICE), torch.empty(4, 2, device=DEVICE).t())
+    with pytest.raises(CommpressError, match="one value per index"):
+        tg.spread(idx, torch.ones(3, device=DEVICE), torch.empty(4, device=DEVICE))
+
+
+# ---------------------------------------------------------------------- Random-K: the codec
+def poisoned(x: torch.Tensor, spot: int, value: float) -> torch.Tensor:
+    """A copy of ``x`` with the same strides (a view into a copy of its base), element
+    ``spot`` of its flattening set to ``value``."""
+    base = x._base if x._base is not None else x
+    y = base.clone().as_strided(x.shape, x.stride(), x.storage_offset())
+    y[torch.unravel_index(torch.tensor(spot), x.shape)] = value
+    return y
+
+
+@pytest.mark.parametrize("spec", ["randomk:ratio=0.1", "randomk:ratio=0.3,scale=true",
+                                  "randomk:ratio=0.05,value_dtype=float16",
+                                  "randomk:ratio=0.9,value_dtype=bfloat16"])
+@pytest.mark.parametrize("poison", [None, math.nan, -math.inf])
+def test_randomk_sends_and_decodes_the_torch_bits(spec: str, poison: float | None) -> None:
+    """Encode (one launch: finiteness and gather) and decode into ``out=`` (zeros, one store
+    kernel) on the Triton kernels give the torch path's payload and output bits; a NaN or
+    an Inf at an unsent coordinate still makes every value NaN."""
+    codec = get_codec(spec)
+    ctx = CodecContext(key="rk", step=5)
+    for dtype in DTYPES:
+        for name, x in _inputs(dtype).items():
+            if poison is not None and x.numel() > 1:
+                idx = set(codec.indices(x.numel(), ctx, DEVICE).tolist())
+                spot = next((i for i in range(x.numel()) if i not in idx), None)
+                if spot is None:
+                    continue
+                x = poisoned(x, spot, poison)
+            results = []
+            for backend in ("triton", "torch"):
+                with kernels.use_backend(backend):  # type: ignore[arg-type]
+                    before = triton_calls()
+                    p = codec.encode(x, ctx)
+                    out = torch.full(x.shape, 7.0, dtype=dtype, device=DEVICE)
+                    decoded = codec.decode(p, ctx, out=out)
+                    fresh = codec.decode(p, ctx)
+                    calls = triton_calls() - before
+                assert decoded is out
+                results.append((bits(p.parts["values"]), bits(out), bits(fresh)))
+                if backend == "triton":  # gather + spread, none for an empty tensor
+                    assert calls == (2 if x.numel() else 0), (spec, name, calls)
+            for a, b in zip(*results, strict=True):
+                same(a, b)
+            if poison is not None and x.numel() > 1:
+                assert bool(torch.isnan(p.parts["values"].float()).all()), name
+
+
+# ---------------------------------------------------------------------- THC's decode
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # 0 / 0 of zero blocks, in numpy
+@pytest.mark.parametrize("spec", ["thc", "thc:block_log2=0", "thc:bits=2,block_log2=1",
+                                  "thc:bits=8,block_log2=5", "thc:block_log2=13"])
+def test_thc_decode_is_the_torch_paths(spec: str) -> None:
+    """Payloads encoded on the torch path decode to the same bits on the Triton kernel, for
+    every output dtype (bfloat16 written by the kernel, float16 through a float32 buffer),
+    into ``out=`` too; blocks beyond the kernel's tile (2^13) stay on the torch path."""
+    codec = get_codec(spec)
+    ctx = CodecContext(key="d", step=2)
+    for dtype in DTYPES:
+        for name, x in _inputs(dtype).items():
+            x = torch.cat([x.reshape(-1), x.reshape(-1)]) if name == "odd" else x
+            if name == "odd":  # 2002 values: a NaN block and a padded tail
+                x[1500] = math.nan
+            with kernels.use_backend("torch"):
+                p = codec.encode(x, ctx)
+                want = codec.decode(p, ctx)
+            tiled = codec.layout(x.numel()).block <= 4096
+            with kernels.use_backend("triton"):
+                before = triton_calls()
+                got = codec.decode(p, ctx)
+                out = torch.full(x.shape, 7.0, dtype=dtype, device=DEVICE)
+                assert codec.decode(p, ctx, out=out) is out
+                calls = triton_calls() - before
+            assert calls == (2 if x.numel() and tiled else 0), (spec, name, calls)
+            assert got.shape == x.shape and got.dtype == dtype
+            same(got, want)
+            same(out, want)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("lane", [torch.int8, torch.int16, torch.int32, torch.int64])
+def test_thc_decode_of_sums_and_extreme_ranges(lane: torch.dtype) -> None:
+    """Summed codes (any integer lane), averaged, with ranges near float32's largest (the
+    decode's ``2^-k`` pre-scaling; a bfloat16 output saturates), subnormal, zero and
+    poisoned (+Inf) ranges: the torch path's ``_output`` bit for bit."""
+    codec = get_codec("thc:bits=4,block_log2=4,saturate=true,lane_bits=16")
+    lay = codec.layout(16 * 6 - 5)
+    ctx = CodecContext(key="x", step=1)
+    g = torch.Generator().manual_seed(int(lane.itemsize))
+    top = codec.levels  # codes within [-L, L], sums of three ranks beyond
+    codes = torch.randint(-top, top + 1, (lay.padded,), generator=g).to(lane)
+    codes[:16] = top  # a block whose butterflies overflow float32 unless pre-scaled
+    codes[16:32] = 0
+    codes[17] = top  # the block decodes to +-7 step ~ 3.4e38: rounds to Inf unless clamped
+    codes = codes.to(DEVICE)
+    ranges = torch.tensor([3.4e38, 3.4e38, 1e-40, 0.0, math.inf, 1.5],
+                          dtype=torch.float32, device=DEVICE)
+    saturated = 0
+    for dtype in (torch.float32, torch.bfloat16):  # float16: a float32 kernel output
+        for summed, divide in ((1, 1), (3, 1), (3, 3)):
+            kw = dict(summed=summed, divide=divide, dtype=dtype, shape=(lay.numel,))
+            with kernels.use_backend("torch"):
+                want = codec._output(codes, ranges, lay, ctx, **kw)  # type: ignore[arg-type]
+            with kernels.use_backend("triton"):
+                before = triton_calls()
+                got = codec._output(codes, ranges, lay, ctx, **kw)  # type: ignore[arg-type]
+                assert triton_calls() - before == 1
+            same(got, want)
+            if dtype == torch.bfloat16:
+                saturated += int((want.abs() == torch.finfo(dtype).max).sum())
+    assert saturated >= 16  # the kernel's saturating branch was exercised
+
+
+def test_thc_decode_refuses_other_outputs() -> None:
+    codes = torch.zeros(16, dtype=torch.int8, device=DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    for out in (torch.empty(16, dtype=torch.float16, device=DEVICE),
+                torch.empty(15, device=DEVICE)):
+        with pytest.raises(CommpressError, match="thc_decode writes 16 float32 or bfloat16"):
+            tg.thc_decode(codes, block=16, numel=16, sign_seed=1, steps=one, factors=one,
+                          out=out)
+    with pytest.raises(CommpressError, match="blocks up to 4096"):
+        tg.thc_decode(codes, block=3, numel=16, sign_seed=1, steps=one, factors=one,
+                      out=torch.empty(16, device=DEVICE))
