@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from commpress.codecs import get_codec, kernels
-from commpress.codecs.base import CodecContext
+from commpress.codecs.base import CodecContext, saturating_cast
 from commpress.codecs.kernels import numba_transforms as kernels_extra
-from commpress.codecs.thc import Thc, _lane_dtype
+from commpress.codecs.thc import Thc, _lane_dtype, hadamard_transform
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason="numba kernels unavailable"
@@ -125,6 +125,77 @@ def test_thc_kernel_noise_is_unbiased_and_bounded() -> None:
         lane=_lane_dtype(3),
     )
     assert torch.equal(codes, again)
+
+
+def _signed(y: torch.Tensor, seed: int) -> torch.Tensor:
+    """``y`` with the sign bit flipped where THC's shared sign of the coordinate is negative."""
+    signs = kernels_extra.sign_bytes(seed, y.numel(), torch.device("cpu")).to(torch.int32)
+    bits = (signs.unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1
+    flip = bits.reshape(-1)[: y.numel()].bool()
+    return torch.where(flip, -y, y)
+
+
+@pytest.mark.parametrize("block", [16, 32, 64, 128, 256, 512, 2048, 4096, 1 << 15])
+def test_thc_kernel_rotation_of_every_block_size_matches_torch(block: int) -> None:
+    """Whole blocks (the vector sweeps: load, signs, scale and the stages inside a vector at
+    once, then 4, 2 or 1 stages between vectors) and a short last block, float32 and
+    bfloat16 inputs with zeros, signed zeros, huge values, infinities and NaN, against the
+    torch path's butterflies: bit for bit."""
+    g = torch.Generator().manual_seed(block)
+    n = 3 * block - 5
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4)
+    x[:7] = torch.tensor([0.0, -0.0, 3e38, -3e38, math.inf, 1e-40, 2.0])
+    if block >= 64:
+        x[block + 3] = math.nan  # the second block: NaN, its range +inf
+    padded = 3 * block
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = x.to(dtype)
+        want = hadamard_transform(
+            _signed(torch.nn.functional.pad(xs.float(), (0, padded - n)), 11) * 0.125, block
+        )
+        y, ranges = kernels_extra.thc_rotate(
+            xs, block=block, padded=padded, sign_seed=11, scale=0.125
+        )
+        assert _same(y, want)
+        peak = want.view(-1, block).abs().amax(dim=1)
+        assert _same(ranges, torch.where(torch.isnan(peak), math.inf, peak))
+
+
+@pytest.mark.parametrize("block", [16, 64, 256, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thc_kernel_decode_saturates_and_keeps_nan_as_torch(
+    block: int, dtype: torch.dtype
+) -> None:
+    """The decode's fused store (signs, factor, the saturating bfloat16 rounding) against the
+    torch reference, with blocks whose values overflow bfloat16's range, an infinite step
+    (NaN), an overflowing one (infinities) and a NaN factor; whole blocks and a short last one."""
+    g = torch.Generator().manual_seed(block + 1)
+    blocks = 6
+    codes = torch.randint(-7, 8, (blocks * block,), generator=g, dtype=torch.int8)
+    steps = torch.rand(blocks, generator=g) + 0.5
+    codes[block : 2 * block] = 0  # block 1: +-3.4e38 everywhere, beyond bfloat16's largest
+    codes[block] = 7
+    steps[1] = 3.4e38 / 7  # (rounds to +-inf unless saturated)
+    steps[2] = math.inf  # NaN everywhere (0 * inf)
+    codes[5 * block : 6 * block] = 0  # block 5: +-inf everywhere (7e38 overflows)
+    codes[5 * block] = 7
+    steps[5] = 1e38
+    factors = torch.rand(blocks, generator=g) + 0.5
+    factors[1] = 1.0
+    factors[3] = math.nan
+    factors[4] = 1e-45  # subnormal products
+    numel = blocks * block - 3
+    y = hadamard_transform(codes.float() * steps.repeat_interleave(block), block)
+    y = _signed(y, 5) * factors.repeat_interleave(block)
+    want = saturating_cast(y[:numel], dtype)
+    out = torch.full((numel,), 1.0, dtype=dtype)
+    kernels_extra.thc_decode(
+        codes, block=block, numel=numel, sign_seed=5, steps=steps, factors=factors, out=out
+    )
+    assert _same(out, want)
+    if dtype == torch.bfloat16 and block >= 64:  # the cases happened
+        assert torch.isnan(out).any() and torch.isinf(out).any()
+        assert (out.float().abs() == torch.finfo(torch.bfloat16).max).any()
 
 
 def test_thc_kernel_nonfinite_block_decodes_to_nan() -> None:

@@ -17,11 +17,16 @@ the multiplication by the scale: the same float32 product as the torch path's mu
 by ``+-scale``), transformed entirely in cache (the butterfly stages ``h = 1, 2, 4, ...`` in
 the torch path's order, so every sum is the same float32 operation: bit-identical), and, for
 an encode, its range taken and its coordinates quantized before the next block is touched:
-one pass over memory instead of ``log2(B)`` passes of torch ops. The signs come from a
-counter-based generator (SplitMix64 of the 64-coordinate word index), which the torch path
-computes too (:func:`sign_bytes`), so both paths rotate alike. The stochastic-rounding noise
-is drawn by the kernel itself (as the QSGD kernels do); given the torch path's noise tensor it
-reproduces the torch path bit for bit.
+one pass over memory instead of ``log2(B)`` passes of torch ops. The transform runs on
+vectors of 16 float32 through LLVM vector intrinsics (:func:`_vector_kernels`): the stages
+``h < 16`` are shuffles inside a vector (numba's loops left them scalar), the others adds and
+subtracts between vectors, eight stages per tile of 16 vectors in registers, then four, two
+or one per sweep; the load, the signs and the scale are fused into the first sweep, the
+block's range into the last, and a decode's signs, factor and store into one step. The
+signs come from a counter-based generator (SplitMix64 of the 64-coordinate word index),
+which the torch path computes too (:func:`sign_bytes`), so both paths rotate alike. The
+stochastic-rounding noise is drawn by the kernel itself (as the QSGD kernels do); given the
+torch path's noise tensor it reproduces the torch path bit for bit.
 """
 
 from __future__ import annotations
@@ -105,90 +110,365 @@ def _kernel(name: str) -> Callable[..., Any]:
 
 
 # ---------------------------------------------------------------------- numba code
+#: Coordinates per vector of the rotation's intrinsics (one AVX-512 register of float32).
+_VEC = 16
+
+# The rotation's vector intrinsics (made by _vector_kernels in build(); numba is optional).
+# A vector is 16 consecutive coordinates; "signs" are 16 bits, bit j flipping lane j's sign.
+# _nb_rows16(src, s, scale, buf) and _nb_tile16 (16 vectors): buf[s:] = the stages h = 1,
+#   2, 4, 8 of f32(src[s:]) * scale inside each vector (src float32, or integer codes
+#   converted exactly), then, for a tile, the stages h = 16 ... 128 between its vectors;
+# _nb_rows16s(src, s, words, w, scale, buf, d) and _nb_tile16s: the same from float32 bits
+#   (int32) or bfloat16 bits (uint16) at src[s:], signs of vector k = the bits 16 (k % 4)
+#   ... of words[w + k // 4] applied before the scale, written to buf[d:];
+# _nb_colsN(buf, j, h): the N vectors buf[j + k*h :] (k < N, h a multiple of 16) through
+#   the stages h, 2h, ... (log2 N of them) between vectors; _nb_colsN_peak(buf, j, h, acc)
+#   also takes acc[:16] = max(acc[:16], the magnitude bits of the results), lane by lane;
+# _nb_store16(buf, k, signs, factor, out, o): out[o : o + 16] = signed buf[k : k + 16] times
+#   factor, float32 or bfloat16 bits (saturating, nearest even, NaN -> 0x7FC0).
+_nb_rows16: Any = None
+_nb_tile16: Any = None
+_nb_rows16s: Any = None
+_nb_tile16s: Any = None
+_nb_store16: Any = None
+_nb_cols16: Any = None
+_nb_cols4: Any = None
+_nb_cols2: Any = None
+_nb_cols16_peak: Any = None
+_nb_cols4_peak: Any = None
+_nb_cols2_peak: Any = None
+
+
+def _vector_kernels(numba: Any) -> dict[str, Any]:
+    """The rotation's intrinsics: LLVM vector code written directly (numba leaves the stages
+    inside a vector scalar: a butterfly of stride 1-8 is a shuffle, which neither of LLVM's
+    vectorizers forms from numba's loops). Each stage is the torch path's float32 ``a + b``
+    and ``a - b`` on the same operands in the same order: no fused multiply-add, no
+    fast-math flags, so the results are bit-identical on any machine (LLVM splits the
+    16-wide vectors into the widths the CPU has)."""
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    vec = ir.VectorType(ir.FloatType(), _VEC)
+    i32 = ir.IntType(32)
+
+    def ints(values: list[int]) -> ir.Constant:
+        return ir.Constant(ir.VectorType(i32, len(values)), values)
+
+    def address(context: Any, builder: Any, arrty: Any, arr: Any, idx: Any) -> Any:
+        data = context.make_array(arrty)(context, builder, arr).data
+        wide = ir.VectorType(context.get_data_type(arrty.dtype), _VEC)
+        return builder.bitcast(builder.gep(data, [idx]), wide.as_pointer())
+
+    def load(context: Any, builder: Any, arrty: Any, arr: Any, idx: Any) -> Any:
+        v = builder.load(address(context, builder, arrty, arr, idx), align=1)
+        if isinstance(arrty.dtype, types.Integer):  # signed integer codes: exact in float32
+            v = builder.sitofp(v, vec)
+        return v
+
+    def store(context: Any, builder: Any, arrty: Any, arr: Any, idx: Any, v: Any) -> None:
+        builder.store(v, address(context, builder, arrty, arr, idx), align=1)
+
+    def index(context: Any, builder: Any, ty: Any, v: Any) -> Any:
+        return context.cast(builder, v, ty, types.intp)
+
+    def is_vector_array(ty: Any, dtypes: tuple[Any, ...]) -> bool:
+        return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and (
+            ty.dtype in dtypes
+        )
+
+    src_types = (types.float32, types.int8, types.int16, types.int32)
+
+    def stages(builder: Any, x: Any) -> Any:
+        # the butterfly stages h = 1, 2, 4, 8 inside a vector: with t[k] = x[k ^ h], lane
+        # k < k ^ h gets x[k] + x[k ^ h] (a + b), the other lane x[k ^ h] - x[k] (a - b)
+        for h in (1, 2, 4, 8):
+            t = builder.shuffle_vector(x, x, ints([k ^ h for k in range(_VEC)]))
+            upper = ir.Constant(
+                ir.VectorType(ir.IntType(1), _VEC), [int(k & h != 0) for k in range(_VEC)]
+            )
+            x = builder.select(upper, builder.fsub(t, x), builder.fadd(x, t))
+        return x
+
+    def splat(builder: Any, v: Any, ty: Any) -> Any:
+        one = builder.insert_element(ir.Constant(ty, ir.Undefined), v, i32(0))
+        return builder.shuffle_vector(one, one, ints([0] * _VEC))
+
+    def flip(builder: Any, bits: Any, signs: Any) -> Any:
+        # bits (16 x i32) with lane j's sign bit flipped where bit j of signs is set (a mask
+        # register, on AVX-512)
+        lanes = builder.bitcast(
+            builder.trunc(signs, ir.IntType(_VEC)), ir.VectorType(ir.IntType(1), _VEC)
+        )
+        iv = ir.VectorType(i32, _VEC)
+        return builder.select(lanes, builder.xor(bits, splat(builder, i32(1 << 31), iv)), bits)
+
+    @intrinsic
+    def store16(
+        typingctx: Any, buf: Any, k: Any, signs: Any, factor: Any, out: Any, o: Any
+    ) -> Any:
+        if not (
+            is_vector_array(buf, (types.float32,)) and isinstance(k, types.Integer)
+            and signs == types.uint32 and factor == types.float32
+            and is_vector_array(out, (types.float32, types.uint16))
+            and isinstance(o, types.Integer)
+        ):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            bt, kt, _, _, ot, oty = sig.args
+            iv = ir.VectorType(i32, _VEC)
+            x = load(context, builder, bt, args[0], index(context, builder, kt, args[1]))
+            x = builder.bitcast(flip(builder, builder.bitcast(x, iv), args[2]), vec)
+            v = builder.fmul(x, splat(builder, args[3], vec))
+            if ot.dtype == types.uint16:
+                # saturate finite values to bfloat16's largest, round to nearest even,
+                # NaN -> 0x7FC0 (as _nb_thc_decode's scalar loops)
+                big = splat(builder, ir.Constant(ir.FloatType(), float(_BF16_MAX)), vec)
+                inf = splat(builder, ir.Constant(ir.FloatType(), float("inf")), vec)
+                neg = builder.fneg(big)
+                over = builder.and_(
+                    builder.fcmp_ordered(">", v, big), builder.fcmp_ordered("<", v, inf)
+                )
+                under = builder.and_(
+                    builder.fcmp_ordered("<", v, neg),
+                    builder.fcmp_ordered(">", v, builder.fneg(inf)),
+                )
+                v = builder.select(over, big, builder.select(under, neg, v))
+                w = builder.bitcast(v, iv)
+                odd = builder.and_(
+                    builder.lshr(w, splat(builder, i32(16), iv)), splat(builder, i32(1), iv)
+                )
+                r = builder.add(builder.add(w, splat(builder, i32(0x7FFF), iv)), odd)
+                r = builder.lshr(r, splat(builder, i32(16), iv))
+                nan = builder.icmp_unsigned(
+                    ">", builder.and_(w, splat(builder, i32(0x7FFFFFFF), iv)),
+                    splat(builder, i32(0x7F800000), iv),
+                )
+                v = builder.trunc(
+                    builder.select(nan, splat(builder, i32(0x7FC0), iv), r),
+                    ir.VectorType(ir.IntType(16), _VEC),
+                )
+            builder.store(
+                v, address(context, builder, ot, args[4], index(context, builder, oty, args[5])),
+                align=1,
+            )
+            return context.get_dummy_value()
+
+        return types.void(buf, k, signs, factor, out, o), codegen
+
+    def vertical(builder: Any, xs: list[Any]) -> list[Any]:
+        # the butterfly stages between the vectors xs (k and k + step paired, step = 1, 2,
+        # 4, ... < len(xs)): their coordinates' stages h = 16 step for vectors 16 apart
+        step = 1
+        while step < len(xs):
+            ys = list(xs)
+            for k in range(len(xs)):
+                if not k & step:
+                    ys[k] = builder.fadd(xs[k], xs[k + step])
+                    ys[k + step] = builder.fsub(xs[k], xs[k + step])
+            xs = ys
+            step *= 2
+        return xs
+
+    def tile(rows: int, signed: bool) -> Any:
+        # rows consecutive vectors from src[s:], each scaled and through the stages inside
+        # it, then the stages between them, stored to buf: unsigned (src, s, scale, buf)
+        # writes buf[s:]; signed (src, s, words, w, scale, buf, d) reads float32 or
+        # bfloat16 bits and flips vector k's signs by the bits 16 (k % 4) ... of
+        # words[w + k // 4], then writes buf[d:]
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            iv = ir.VectorType(i32, _VEC)
+            st, it = sig.args[:2]
+            first = index(context, builder, it, args[1])
+            if signed:
+                wt, wi, _, bt, dt = sig.args[2:]
+                scale, out = args[4], args[5]
+                to = index(context, builder, dt, args[6])
+                w0 = index(context, builder, wi, args[3])
+            else:
+                bt = sig.args[3]
+                scale, out, to = args[2], args[3], first
+            xs = []
+            for k in range(rows):
+                at = builder.add(first, ir.Constant(first.type, _VEC * k))
+                if not signed:
+                    xs.append(load(context, builder, st, args[0], at))
+                    continue
+                raw = builder.load(address(context, builder, st, args[0], at), align=1)
+                if st.dtype == types.uint16:  # bfloat16 bits: the upper half of float32's
+                    raw = builder.shl(builder.zext(raw, iv), splat(builder, i32(16), iv))
+                wat = builder.add(w0, ir.Constant(w0.type, k // 4))
+                word = builder.load(builder.gep(context.make_array(wt)(
+                    context, builder, args[2]).data, [wat]))
+                signs = builder.lshr(word, ir.Constant(word.type, 16 * (k % 4)))
+                xs.append(builder.bitcast(flip(builder, raw, signs), vec))
+            factor = splat(builder, scale, vec)
+            xs = vertical(builder, [stages(builder, builder.fmul(x, factor)) for x in xs])
+            for k, x in enumerate(xs):
+                at = builder.add(to, ir.Constant(to.type, _VEC * k))
+                store(context, builder, bt, out, at, x)
+            return context.get_dummy_value()
+
+        def valid(src: Any, s: Any, scale: Any, buf: Any) -> bool:
+            return (
+                is_vector_array(src, (types.int32, types.uint16) if signed else src_types)
+                and isinstance(s, types.Integer) and scale == types.float32
+                and is_vector_array(buf, (types.float32,))
+            )
+
+        @intrinsic
+        def unsigned(typingctx: Any, src: Any, s: Any, scale: Any, buf: Any) -> Any:
+            return (types.void(src, s, scale, buf), codegen) if valid(
+                src, s, scale, buf
+            ) else None
+
+        @intrinsic
+        def with_signs(
+            typingctx: Any, src: Any, s: Any, words: Any, w: Any, scale: Any, buf: Any,
+            d: Any,
+        ) -> Any:
+            if not (
+                valid(src, s, scale, buf) and is_vector_array(words, (types.uint64,))
+                and isinstance(w, types.Integer) and isinstance(d, types.Integer)
+            ):
+                return None
+            return types.void(src, s, words, w, scale, buf, d), codegen
+
+        return with_signs if signed else unsigned
+
+    def cols(count: int, peak: bool) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            bt, jt, ht = sig.args[:3]
+            first = index(context, builder, jt, args[1])
+            stride = index(context, builder, ht, args[2])
+            at = [
+                builder.add(first, builder.mul(stride, ir.Constant(first.type, k)))
+                for k in range(count)
+            ]
+            xs = vertical(builder, [load(context, builder, bt, args[0], a) for a in at])
+            for a, x in zip(at, xs, strict=True):
+                store(context, builder, bt, args[0], a, x)
+            if peak:  # acc's lanes = max(acc, the magnitude bits of every result)
+                iv = ir.VectorType(i32, _VEC)
+                zero = ir.Constant(context.get_value_type(types.intp), 0)
+                where = address(context, builder, sig.args[3], args[3], zero)
+                top = builder.load(where, align=1)
+                low = splat(builder, i32(0x7FFFFFFF), iv)
+                for x in xs:
+                    key = builder.and_(builder.bitcast(x, iv), low)
+                    top = builder.select(builder.icmp_unsigned(">", key, top), key, top)
+                builder.store(top, where, align=1)
+            return context.get_dummy_value()
+
+        def valid(buf: Any, j: Any, h: Any) -> bool:
+            return (
+                is_vector_array(buf, (types.float32,)) and isinstance(j, types.Integer)
+                and isinstance(h, types.Integer)
+            )
+
+        @intrinsic
+        def colsn(typingctx: Any, buf: Any, j: Any, h: Any) -> Any:
+            return (types.void(buf, j, h), codegen) if valid(buf, j, h) else None
+
+        @intrinsic
+        def colsn_peak(typingctx: Any, buf: Any, j: Any, h: Any, acc: Any) -> Any:
+            if not (valid(buf, j, h) and is_vector_array(acc, (types.uint32,))):
+                return None
+            return types.void(buf, j, h, acc), codegen
+
+        return colsn_peak if peak else colsn
+
+    return {
+        "_nb_rows16": tile(1, False), "_nb_tile16": tile(16, False),
+        "_nb_rows16s": tile(1, True), "_nb_tile16s": tile(16, True), "_nb_store16": store16,
+        "_nb_cols16": cols(16, False), "_nb_cols4": cols(4, False), "_nb_cols2": cols(2, False),
+        "_nb_cols16_peak": cols(16, True), "_nb_cols4_peak": cols(4, True),
+        "_nb_cols2_peak": cols(2, True),
+    }
+
+
 def _nb_word(seed: Any, w: Any) -> Any:
-    z = seed + u64(w + 1) * u64(_GAMMA)
+    return _nb_mix(seed + u64(w + 1) * u64(_GAMMA))
+
+
+def _nb_mix(z: Any) -> Any:
+    # SplitMix64's output function of the counter state z
     z = (z ^ (z >> u64(30))) * u64(_MIX1)
     z = (z ^ (z >> u64(27))) * u64(_MIX2)
     return z ^ (z >> u64(31))
 
 
-def _nb_first3(src: Any, scale: Any, buf: Any) -> None:
-    # buf = the first three butterfly stages (h = 1, 2, 4) of f32(src) * scale, written out
-    # for groups of 8 (constant strides vectorize; a generic loop over h = 1 does not)
-    for g in range(buf.size // 8):
-        s = 8 * g
-        x0 = f32(src[s]) * scale
-        x1 = f32(src[s + 1]) * scale
-        x2 = f32(src[s + 2]) * scale
-        x3 = f32(src[s + 3]) * scale
-        x4 = f32(src[s + 4]) * scale
-        x5 = f32(src[s + 5]) * scale
-        x6 = f32(src[s + 6]) * scale
-        x7 = f32(src[s + 7]) * scale
-        a0 = x0 + x1
-        a1 = x0 - x1
-        a2 = x2 + x3
-        a3 = x2 - x3
-        a4 = x4 + x5
-        a5 = x4 - x5
-        a6 = x6 + x7
-        a7 = x6 - x7
-        b0 = a0 + a2
-        b2 = a0 - a2
-        b1 = a1 + a3
-        b3 = a1 - a3
-        b4 = a4 + a6
-        b6 = a4 - a6
-        b5 = a5 + a7
-        b7 = a5 - a7
-        buf[s] = b0 + b4
-        buf[s + 4] = b0 - b4
-        buf[s + 1] = b1 + b5
-        buf[s + 5] = b1 - b5
-        buf[s + 2] = b2 + b6
-        buf[s + 6] = b2 - b6
-        buf[s + 3] = b3 + b7
-        buf[s + 7] = b3 - b7
-
-
-def _nb_fwht(src: Any, scale: Any, buf: Any) -> None:
+def _nb_fwht(src: Any, scale: Any, buf: Any, acc: Any) -> None:
     # buf = unnormalized Walsh-Hadamard transform of f32(src) * scale (a power-of-two
     # length; src may be buf itself), stages h = 1, 2, 4, ... in that order, as the torch
-    # path: the first three in one sweep, then two per sweep (the same sums, fewer loads)
+    # path. From 16 coordinates on, in vectors of 16 (the intrinsics of _vector_kernels):
+    # the stages h < 16 inside each vector, one sweep; then the stages h >= 16 between
+    # vectors, four, two or one per sweep (the same sums in the same order: bit-identical)
     m = buf.size
-    h = 1
-    if m >= 8:
-        _nb_first3(src, scale, buf)
-        h = 8
-    else:
+    if m < _VEC:
         for k in range(m):
             buf[k] = f32(src[k]) * scale
-    while 4 * h <= m:
-        for g in range(0, m, 4 * h):
-            p = buf[g : g + h]
-            q = buf[g + h : g + 2 * h]
-            r = buf[g + 2 * h : g + 3 * h]
-            s4 = buf[g + 3 * h : g + 4 * h]
-            for j in range(h):
-                a = p[j] + q[j]
-                b = p[j] - q[j]
-                c = r[j] + s4[j]
-                d = r[j] - s4[j]
-                p[j] = a + c
-                r[j] = a - c
-                q[j] = b + d
-                s4[j] = b - d
-        h *= 4
+        h = 1
+        while h < m:
+            for g in range(0, m, 2 * h):
+                for j in range(g, g + h):
+                    a = buf[j]
+                    b = buf[j + h]
+                    buf[j] = a + b
+                    buf[j + h] = a - b
+            h *= 2
+        _nb_keys_max(buf, acc)
+        return
+    if m >= 16 * _VEC:  # 16 vectors at a time: the stages h < 256 in registers
+        for s in range(0, m, 16 * _VEC):
+            _nb_tile16(src, s, scale, buf)
+        _nb_fwht_cols(buf, acc, 16 * _VEC)
+        return
+    for s in range(0, m, _VEC):
+        _nb_rows16(src, s, scale, buf)
+    _nb_fwht_cols(buf, acc, _VEC)
+
+
+def _nb_keys_max(buf: Any, acc: Any) -> None:
+    # acc[0] = max(acc[0], the largest magnitude bits of buf's values) when acc is not empty
+    if acc.size:
+        keys = buf.view(np.uint32)
+        top = acc[0]
+        for k in range(keys.size):
+            key = keys[k] & u32(0x7FFFFFFF)
+            top = key if key > top else top
+        acc[0] = top
+
+
+def _nb_fwht_cols(buf: Any, acc: Any, h0: Any) -> None:
+    # the stages h >= h0 of _nb_fwht (buf: a power-of-two length >= h0 >= 16); with a non-empty
+    # acc (16 lanes), the last sweep also takes the lanes' max of the results' magnitude
+    # bits into it (the block's range, while the values are in registers)
+    m = buf.size
+    peak = acc.size > 0
+    h = h0
+    if m == h:
+        _nb_keys_max(buf, acc)
     while h < m:
-        for g in range(0, m, 2 * h):
-            p = buf[g : g + h]
-            q = buf[g + h : g + 2 * h]
-            for j in range(h):
-                a = p[j]
-                b = q[j]
-                p[j] = a + b
-                q[j] = a - b
-        h *= 2
+        r = 16 if 16 * h <= m else (4 if 4 * h <= m else 2)  # stages in this sweep: log2 r
+        last = peak and r * h == m
+        for g in range(0, m, r * h):
+            for j in range(g, g + h, _VEC):
+                if r == 16 and last:
+                    _nb_cols16_peak(buf, j, h, acc)
+                elif r == 16:
+                    _nb_cols16(buf, j, h)
+                elif r == 4 and last:
+                    _nb_cols4_peak(buf, j, h, acc)
+                elif r == 4:
+                    _nb_cols4(buf, j, h)
+                elif last:
+                    _nb_cols2_peak(buf, j, h, acc)
+                else:
+                    _nb_cols2(buf, j, h)
+        h *= r
 
 
 def _nb_load_signed(xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any, bits: Any) -> None:
@@ -208,6 +488,45 @@ def _nb_load_signed(xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any,
     for k in range(cnt, m):
         bits[k] = u32(0)
     _nb_flip(bits, start, sseed)
+
+
+def _nb_load_rotate(
+    xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any, scale: Any, bits: Any,
+    acc: Any, words: Any,
+) -> None:
+    # bits = the float32 bit patterns of the rotated block of coordinates [start, start +
+    # bits.size): H(signs * scale * x), zeros past n, and acc's lanes = the maxima of their
+    # magnitude bits (for _nb_peak). A whole block of at least 64 is read, sign-flipped,
+    # scaled and put through its first stages in one sweep (tiles of 256 coordinates, the
+    # stages h < 256; or vectors, h < 16), the rest in sweeps between vectors; the last,
+    # short block and small blocks take separate passes (the same values)
+    m = bits.size
+    buf = bits.view(np.float32)
+    acc[:] = 0
+    if m < 64 or start + m > n:
+        _nb_load_signed(xi, xb, mode, n, start, sseed, bits)
+        _nb_fwht(buf, scale, buf, acc)
+        return
+    if m >= 256:
+        for g in range(0, m, 256):
+            for w in range(4):
+                words[w] = _nb_word(sseed, ((start + g) >> 6) + w)
+            if mode == 0:
+                _nb_tile16s(xi, start + g, words, 0, scale, buf, g)
+            else:
+                _nb_tile16s(xb, start + g, words, 0, scale, buf, g)
+        _nb_fwht_cols(buf, acc, 256)
+        return
+    for g in range(0, m, 64):
+        word = _nb_word(sseed, (start + g) >> 6)
+        for q in range(4):
+            words[q] = word >> u64(16 * q)  # vector q's signs: the low 16 bits
+        for q in range(4):
+            if mode == 0:
+                _nb_rows16s(xi, start + g + 16 * q, words, q, scale, buf, g + 16 * q)
+            else:
+                _nb_rows16s(xb, start + g + 16 * q, words, q, scale, buf, g + 16 * q)
+    _nb_fwht_cols(buf, acc, _VEC)
 
 
 def _nb_flip(bits: Any, start: Any, sseed: Any) -> None:
@@ -251,33 +570,43 @@ def _nb_step(rng: Any, levels: Any, scratch: Any) -> Any:
     return step
 
 
+def _nb_code(v: Any, u: Any, step: Any, top: Any) -> Any:
+    # clamp(floor(v / step + u), -top, top), non-finite -> 0
+    t = np.floor(v / step + u)
+    t = t if abs(t) < f32(np.inf) else f32(0.0)  # NaN and +-Inf -> 0
+    t = t if t <= top else top
+    return t if t >= -top else -top
+
+
 def _nb_quant(
     buf: Any, start: Any, step: Any, levels: Any, nmode: Any, seed: Any, noise: Any,
-    ubuf: Any, codes: Any,
+    codes: Any,
 ) -> None:
-    # codes[start + k] = clamp(floor(buf[k] / step + u), -L, L), non-finite -> 0
+    # codes[start + k] = clamp(floor(buf[k] / step + u), -L, L), non-finite -> 0; the noise
+    # drawn and used in one loop (no buffer of uniforms)
     m = buf.size
+    dst = codes[start : start + m]
+    top = f32(levels)
     if nmode == 1:
         # one SplitMix64 output gives two 24-bit uniforms: element k and k + half
         half = m // 2
+        lo = buf[:half]
+        hi = buf[half : 2 * half]
+        dlo = dst[:half]
+        dhi = dst[half : 2 * half]
+        z0 = seed + u64(start + 1) * u64(_GAMMA)  # _nb_word's counter, as an induction
         for k in range(half):
-            z = _nb_word(seed, start + k)
-            ubuf[k] = f32(z >> u64(40)) * _U24
-            ubuf[half + k] = f32((z >> u64(16)) & u64(0xFFFFFF)) * _U24
+            z = _nb_mix(z0)
+            z0 += u64(_GAMMA)
+            dlo[k] = _nb_code(lo[k], f32(z >> u64(40)) * _U24, step, top)
+            dhi[k] = _nb_code(hi[k], f32((z >> u64(16)) & u64(0xFFFFFF)) * _U24, step, top)
         if m % 2:  # a block of one coordinate
-            ubuf[m - 1] = f32(_nb_word(seed, start + m - 1) >> u64(40)) * _U24
+            u = f32(_nb_word(seed, start + m - 1) >> u64(40)) * _U24
+            dst[m - 1] = _nb_code(buf[m - 1], u, step, top)
     else:
         given = noise[start : start + m]
         for k in range(m):
-            ubuf[k] = given[k]
-    dst = codes[start : start + m]
-    top = f32(levels)
-    for k in range(m):
-        t = np.floor(buf[k] / step + ubuf[k])
-        t = t if abs(t) < f32(np.inf) else f32(0.0)  # NaN and +-Inf -> 0
-        t = t if t <= top else top
-        t = t if t >= -top else -top
-        dst[k] = t
+            dst[k] = _nb_code(buf[k], given[k], step, top)
 
 
 def _nb_thc_encode(
@@ -290,16 +619,18 @@ def _nb_thc_encode(
     for item in prange((nblocks + per - 1) // per):
         bits = np.empty(block, np.uint32)
         buf = bits.view(np.float32)
-        ubuf = np.empty(block, np.float32)
         scratch = np.empty(1, np.int32)
+        # the lanes of a block's range and a tile's sign words, written often: 64 bytes of
+        # padding on each side, off the cache lines of other threads' allocations
+        acc = np.empty(3 * _VEC, np.uint32)[_VEC : 2 * _VEC]
+        words = np.empty(20, np.uint64)[8:12]
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
-            _nb_load_signed(xi, xb, mode, n, start, sseed, bits)
-            _nb_fwht(buf, scale, buf)
-            rng = _nb_peak(bits, scratch)
+            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits, acc, words)
+            rng = _nb_peak(acc, scratch)
             ranges[b] = rng
             _nb_quant(buf, start, _nb_step(rng, levels, scratch), levels, nmode, seed, noise,
-                      ubuf, codes)
+                      codes)
 
 
 def _nb_thc_rotate(
@@ -311,13 +642,15 @@ def _nb_thc_rotate(
     yi = y.view(np.uint32)
     for item in prange((nblocks + per - 1) // per):
         scratch = np.empty(1, np.int32)
+        # the lanes of a block's range and a tile's sign words, written often: 64 bytes of
+        # padding on each side, off the cache lines of other threads' allocations
+        acc = np.empty(3 * _VEC, np.uint32)[_VEC : 2 * _VEC]
+        words = np.empty(20, np.uint64)[8:12]
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
             bits = yi[start : start + block]
-            buf = y[start : start + block]
-            _nb_load_signed(xi, xb, mode, n, start, sseed, bits)
-            _nb_fwht(buf, scale, buf)
-            ranges[b] = _nb_peak(bits, scratch)
+            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits, acc, words)
+            ranges[b] = _nb_peak(acc, scratch)
 
 
 def _nb_thc_quantize(
@@ -326,11 +659,10 @@ def _nb_thc_quantize(
     nblocks = steps.size
     per = max(1, _ITEM // block)
     for item in prange((nblocks + per - 1) // per):
-        ubuf = np.empty(block, np.float32)
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
             _nb_quant(y[start : start + block], start, steps[b], levels, nmode, seed, noise,
-                      ubuf, codes)
+                      codes)
 
 
 def _nb_thc_decode(
@@ -344,12 +676,24 @@ def _nb_thc_decode(
     for item in prange((nblocks + per - 1) // per):
         bits = np.empty(block, np.uint32)
         buf = bits.view(np.float32)
+        none = np.empty(0, np.uint32)  # no ranges taken
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
-            _nb_fwht(codes[start : start + block], steps[b], buf)
-            _nb_flip(bits, start, sseed)
+            _nb_fwht(codes[start : start + block], steps[b], buf, none)
             factor = factors[b]
             cnt = max(0, min(start + block, n) - start)
+            if block >= 64 and cnt == block:  # a whole block: signs, factor, store at once
+                for g in range(0, block, 64):
+                    word = _nb_word(sseed, (start + g) >> 6)
+                    for q in range(4):
+                        signs = u32((word >> u64(16 * q)) & u64(0xFFFF))
+                        at = g + 16 * q
+                        if omode == 0:
+                            _nb_store16(buf, at, signs, factor, outf, start + at)
+                        else:
+                            _nb_store16(buf, at, signs, factor, outb, start + at)
+                continue
+            _nb_flip(bits, start, sseed)
             if omode == 0:
                 dst = outf[start : start + cnt]
                 for k in range(cnt):
@@ -431,8 +775,8 @@ def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
 
 
 _HELPERS = (
-    "_nb_word", "_nb_first3", "_nb_fwht", "_nb_flip", "_nb_load_signed", "_nb_peak", "_nb_step",
-    "_nb_quant",
+    "_nb_mix", "_nb_word", "_nb_keys_max", "_nb_fwht_cols", "_nb_fwht", "_nb_flip",
+    "_nb_load_signed", "_nb_load_rotate", "_nb_peak", "_nb_step", "_nb_code", "_nb_quant",
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
@@ -447,6 +791,7 @@ def build() -> dict[str, Callable[..., Any]]:
 
     module = globals()
     module["prange"] = numba.prange
+    module.update(_vector_kernels(numba))
     opts: dict[str, Any] = {"cache": True, "fastmath": False, "error_model": "numpy"}
     for name in _HELPERS:
         module[name] = numba.njit(**opts)(module[name])
