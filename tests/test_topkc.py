@@ -404,7 +404,9 @@ def test_real_gloo_sum_beyond_float16_is_finite_and_identical_on_every_rank() ->
 
 @pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dst", [torch.float32, torch.bfloat16, torch.float16])
-def test_scale_values_without_scaling_is_the_scaled_cast(src: torch.dtype, dst: torch.dtype) -> None:
+def test_scale_values_without_scaling_is_the_scaled_cast(
+    src: torch.dtype, dst: torch.dtype
+) -> None:
     """An exponent of 0 takes the cast alone (the numba conversion between 16-bit types on a
     CPU): the same bits as multiplying by 2^0 in float32 and casting, with infinities,
     signed zeros, values beyond the wire type's range and subnormals."""
