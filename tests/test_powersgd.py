@@ -735,3 +735,28 @@ def test_powersgd_encode_on_the_kernels_is_close_to_the_blas_path(dtype: torch.d
             decoded[backend] = codec.decode(codec.encode(x, ctx), ctx).double()
     diff = (decoded["numba"] - decoded["torch"]).norm() / decoded["torch"].norm()
     assert diff < 1e-4, diff
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [("auto", torch.float64), ("torch", torch.float64), ("torch", torch.bfloat16)],
+)
+def test_reduce_matrix_survives_other_protocols_between_rounds(
+    backend: str, dtype: torch.dtype
+) -> None:
+    """The reduce keeps its float32 matrix across its rounds: workers simulated in one
+    thread (as protocols batched in lockstep are) must not share one widening buffer, so the
+    totals equal those of the float32 inputs (the same values the widening makes), where
+    float32 needs no copy."""
+    from commpress.codecs import kernels
+
+    g = torch.Generator().manual_seed(4)
+    inputs = [(torch.randn(24, 40, generator=g) * (1 + r)).to(dtype) for r in range(2)]
+    with kernels.use_backend(backend):  # type: ignore[arg-type]
+        got = simulate(psgd(rank=2), inputs, step=1).total
+        want = simulate(psgd(rank=2), [x.float() for x in inputs], step=1).total
+    if dtype == torch.float64:
+        # float32 inputs take the numba products under "auto": the same sums up to rounding
+        assert torch.allclose(got.float(), want, rtol=1e-4, atol=1e-5)
+    else:
+        assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2)

@@ -321,7 +321,9 @@ class PowerSGD(Codec):
             )
         n, m, r = planned
         with error_context(f"{self.codec_id}.reduce"):
-            mat = _matrix(x, n, m)
+            # not the scratch buffer: the matrix is read again after each yield, when other
+            # protocols (simulated workers, batched protocols) may have widened into it
+            mat = _matrix(x, n, m, scratch=False)
             q = self.initial_q(ctx, m, r, x.device)
             k_p, k_q = headroom_log2(ctx.world_size, m), headroom_log2(ctx.world_size, n)
         p_hat = q_local = q  # replaced below; power_iterations >= 1
@@ -358,14 +360,18 @@ def _low_rank(p: torch.Tensor, q: torch.Tensor, factor: float, dtype: torch.dtyp
     return saturating_cast((p @ q.T).mul_(factor), dtype)
 
 
-def _matrix(x: torch.Tensor, n: int, m: int) -> torch.Tensor:
+def _matrix(x: torch.Tensor, n: int, m: int, *, scratch: bool = True) -> torch.Tensor:
     """``x`` as the ``(n, m)`` matrix the products read: on the numba kernels' path the
     input itself (contiguous, read in its own dtype: the kernels widen 16-bit values as they
-    go), else float32 (16-bit inputs widened into the kernels' reused scratch buffer; a
-    fresh 2x-sized float32 tensor per call paid its page faults)."""
+    go), else float32: with ``scratch``, other dtypes widened into the kernels' reused
+    scratch buffer (a fresh 2x-sized float32 tensor per call paid its page faults; valid
+    only until the next widening on this thread, so not across a protocol's yields),
+    without it a copy of its own."""
     mat = x.reshape(n, m)
     if _kernel_path(mat):
         return mat.contiguous()
+    if not scratch:
+        return mat.to(torch.float32)
     return kernels.widen(x).view(n, m)
 
 
