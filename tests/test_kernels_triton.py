@@ -194,6 +194,23 @@ def test_bad_output_buffer_is_refused() -> None:
                          out=torch.empty(10, dtype=torch.float16, device=DEVICE))
 
 
+def test_tensors_beyond_the_size_limit_take_the_torch_path() -> None:
+    """A tensor past the kernels' int32 indexing limit is not dispatched to them (it would
+    raise there): ``use_kernels`` answers no and the codec runs its torch path. (A strided
+    view of one element stands for it: no memory is allocated.)"""
+    from commpress.codecs.kernels.common import TRITON_MAX_ELEMENTS
+
+    big = torch.zeros(1, device=DEVICE).expand(TRITON_MAX_ELEMENTS + 1)
+    small = torch.zeros(4, device=DEVICE)
+    with kernels.use_backend("triton"):
+        assert kernels.use_kernels(small, "minmax_encode")
+        assert kernels.use_kernels(small, "gather_finite")
+        assert not kernels.use_kernels(big, "minmax_encode")
+        assert not kernels.use_kernels(big, "gather_finite")
+        with pytest.raises(CommpressError, match="at most"):
+            tg.minmax_encode(big, chunk=1024, bits=4, stochastic=False)
+
+
 # ---------------------------------------------------------------------- same seed as numba
 @pytest.mark.skipif(not kernels.available(), reason="numba is not installed")
 def test_stochastic_noise_equals_the_numba_kernels() -> None:

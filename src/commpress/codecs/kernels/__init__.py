@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from commpress.codecs.kernels import numba_cpu
-from commpress.codecs.kernels.common import scratch32, widen
+from commpress.codecs.kernels.common import TRITON_MAX_ELEMENTS, scratch32, widen
 from commpress.errors import CommpressError
 
 Backend: TypeAlias = Literal["auto", "numba", "triton", "torch"]
@@ -170,13 +170,17 @@ def backend_for(t: torch.Tensor) -> str:
 
 def use_kernels(t: torch.Tensor, op: str | None = None) -> bool:
     """Whether operation ``op`` (an entry point's name) on ``t`` should go through a kernel
-    backend: the backend :func:`backend_for` picks implements it. Without ``op``: whether
+    backend: the backend :func:`backend_for` picks implements it (and, for Triton, ``t`` has
+    at most :data:`~.common.TRITON_MAX_ELEMENTS` elements: larger tensors take the torch
+    path instead of failing in a kernel's int32 indexing). Without ``op``: whether
     ``t`` gets the numba kernels (CPU code; the meaning callers had before the Triton
     backend, so that numba-only code never receives a CUDA tensor)."""
     backend = backend_for(t)
     if op is None:
         return backend == "numba"
-    return backend == "numba" or (backend == "triton" and op in TRITON_OPS)
+    return backend == "numba" or (
+        backend == "triton" and op in TRITON_OPS and t.numel() <= TRITON_MAX_ELEMENTS
+    )
 
 
 def available(backend: Literal["numba", "triton"] = "numba") -> bool:

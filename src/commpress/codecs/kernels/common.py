@@ -31,6 +31,10 @@ def scratch32(n: int, device: torch.device | str | None = None) -> torch.Tensor:
     return buf[:n]
 
 
+#: The Triton kernels' size limit (int32 indexing): larger tensors take the torch path.
+TRITON_MAX_ELEMENTS = 2**31 - 2**16
+
+
 def widen(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 1-D contiguous float32 tensor: itself when it already is one, else a copy
     (in :func:`scratch32` on a CPU; exact for float16 and bfloat16)."""

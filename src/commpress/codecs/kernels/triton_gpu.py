@@ -43,7 +43,8 @@ those uniforms instead (tests compare with the torch path that way).
 Triton reads ``TRITON_INTERPRET`` when the kernels below are defined (this module's import):
 with ``TRITON_INTERPRET=1`` they run in Triton's interpreter, on CPU tensors too
 (:data:`INTERPRETED`), which is how CI tests them. Sizes are limited to fewer than
-``2**31 - 2**16`` elements (int32 indexing).
+``2**31 - 2**16`` elements (int32 indexing); :func:`commpress.codecs.kernels.use_kernels`
+sends larger tensors to the torch path.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from commpress.codecs.kernels.common import out32
+from commpress.codecs.kernels.common import TRITON_MAX_ELEMENTS, out32
 from commpress.errors import CommpressError
 
 #: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` at import).
@@ -74,7 +75,7 @@ RANGE_BLOCK = 2048
 #: Chunks of at most this length are reduced one row per chunk (no atomics).
 ROW_MAX = 2048
 PARAM_BLOCK = 256
-MAX_ELEMENTS = 2**31 - 2**16
+MAX_ELEMENTS = TRITON_MAX_ELEMENTS
 
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
