@@ -58,7 +58,8 @@ def sample(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Bit-equal (NaNs equal to NaNs of any payload)."""
+    """Equal values (NaNs equal to NaNs of any payload; ``assert_close`` with zero tolerance
+    also counts -0.0 equal to +0.0)."""
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
     torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0, equal_nan=True)
 

@@ -690,8 +690,8 @@ def test_band_leaves_mostly_zero_inputs_to_the_exact_select(dtype: torch.dtype) 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kth_largest_of_16_bit_values_is_kthvalues_selection(dtype: torch.dtype) -> None:
     """The 16-bit selection by a histogram of order keys gives the value torch's
-    ``kthvalue`` selects, for every rank, with ties, zeros of both signs, negative values
-    and infinities."""
+    ``kthvalue`` selects, at the first, second, middle, second-to-last and last ranks, with
+    ties, zeros of both signs, negative values and infinities."""
     from commpress.codecs.sparse import _kth_largest
 
     g = torch.Generator().manual_seed(3)

@@ -200,7 +200,6 @@ class _FloatCast(Codec):
         total = self.decode(summed_payload, ctx, out=into)
         return Reduced(total=total, local=local)
 
-
     def _scratch(self, scratch: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """``x`` cast to the wire dtype, flat, in the buffer kept in ``scratch`` (replaced when
         its size, dtype or device no longer fit)."""
