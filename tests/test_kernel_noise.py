@@ -1,6 +1,6 @@
-"""The QSGD, TernGrad and THC kernels' own rounding noise (codecs/kernels/numba_cpu.py, ``_nb_draw``):
-equal to an independent numpy statement of the generator, uniform, independent between
-neighbouring coordinates and between seeds, and unbiased where the codecs use it.
+"""The QSGD, TernGrad and THC kernels' own rounding noise (codecs/kernels/numba_cpu.py,
+``_nb_draw``): equal to an independent numpy statement of the generator, uniform, independent
+between neighbouring coordinates and between seeds, and unbiased where the codecs use it.
 
 The statistical checks use fixed seeds and bounds of 5 standard deviations (or the
 chi-square distribution's mean + 5 standard deviations), so a correct generator fails them

@@ -25,7 +25,8 @@ or one per sweep; the load, the signs and the scale are fused into the first swe
 block's range into the last, and a decode's signs, factor and store into one step. The
 signs come from a counter-based generator (SplitMix64 of the 64-coordinate word index),
 which the torch path computes too (:func:`sign_bytes`), so both paths rotate alike. The
-stochastic-rounding noise is drawn by the kernel itself (as the QSGD kernels do); given the
+stochastic-rounding noise is drawn by the kernel itself from QSGD's and TernGrad's generator
+(``numba_cpu._nb_draw``, keyed by the rounding seed and the coordinate index); given the
 torch path's noise tensor it reproduces the torch path bit for bit.
 """
 
