@@ -571,11 +571,13 @@ def _nb_step(rng: Any, levels: Any, scratch: Any) -> Any:
 
 
 def _nb_code(v: Any, u: Any, step: Any, top: Any) -> Any:
-    # clamp(floor(v / step + u), -top, top), non-finite -> 0
+    # clamp(floor(v / step + u), -top, top), non-finite -> 0. The clamps as strict
+    # comparisons (equal at t = +-top) on a finite t: LLVM makes them vminps / vmaxps, two
+    # instructions per vector fewer than compare-and-blend
     t = np.floor(v / step + u)
     t = t if abs(t) < f32(np.inf) else f32(0.0)  # NaN and +-Inf -> 0
-    t = t if t <= top else top
-    return t if t >= -top else -top
+    t = t if t < top else top
+    return t if t > -top else -top
 
 
 def _nb_quant(
