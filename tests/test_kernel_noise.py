@@ -1,6 +1,6 @@
-"""The QSGD/TernGrad kernels' own rounding noise (codecs/kernels/numba_cpu.py, ``_nb_draw``):
-equal to an independent numpy statement of the generator, uniform, independent between
-neighbouring coordinates and between seeds, and unbiased where the codecs use it.
+"""The QSGD, TernGrad and THC kernels' own rounding noise (codecs/kernels/numba_cpu.py,
+``_nb_draw``): equal to an independent numpy statement of the generator, uniform, independent
+between neighbouring coordinates and between seeds, and unbiased where the codecs use it.
 
 The statistical checks use fixed seeds and bounds of 5 standard deviations (or the
 chi-square distribution's mean + 5 standard deviations), so a correct generator fails them
@@ -162,6 +162,37 @@ def test_codes_across_a_key_block_boundary() -> None:
     assert np.array_equal(codes, want)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # 0 / 0 of zero blocks, in numpy
+@pytest.mark.parametrize("spec", ["thc", "thc:block_log2=0", "thc:bits=2,block_log2=3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thc_codes_use_the_generator(spec: str, dtype: torch.dtype) -> None:
+    """THC's one-pass encode and its quantize kernel draw coordinate i's uniform from the
+    same generator, keyed by the rounding seed and i: their codes are those of the numpy
+    reference's noise given as ``noise=`` (the path that takes uniforms from outside)."""
+    from commpress.codecs.kernels import numba_transforms
+
+    codec = get_codec(spec)
+    n, seed = 5001, 2**62 + 5
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x[50] = float("nan")
+    lay = codec.layout(n)
+    rot = dict(block=lay.block, padded=lay.padded, sign_seed=77, scale=codec._wire_scale(lay))
+    quant = dict(levels=codec.levels, lane=torch.int8)
+    with kernels.use_backend("numba"):
+        ranges, codes = numba_transforms.thc_encode(x, **rot, **quant, seed=seed)
+        noise = torch.from_numpy(reference(seed, 0, lay.padded))
+        given = numba_transforms.thc_encode(x, **rot, **quant, seed=0, noise=noise)[1]
+        assert torch.equal(codes, given)
+        y, _ = numba_transforms.thc_rotate(x, **rot)
+        steps = codec.steps(ranges)
+        drawn = numba_transforms.thc_quantize(y, steps, block=lay.block, **quant, seed=seed)
+        assert torch.equal(drawn, codes)
+        # another seed gives other codes: the seed keys the noise (blocks of one coordinate
+        # are their own range, +-L whatever the noise)
+        other = numba_transforms.thc_quantize(y, steps, block=lay.block, **quant, seed=seed + 1)
+        assert torch.equal(other, codes) == (lay.block == 1)
+
+
 def _variance(codec: Codec, x: torch.Tensor, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The exact per-coordinate variance of one stochastic decode of x (whose mean is x):
     step^2 p (1 - p), p the fractional part of |x| / step."""
@@ -200,7 +231,7 @@ def test_decodes_are_unbiased_over_seeds(spec: str) -> None:
 
 
 @pytest.mark.parametrize("spec", ["qsgd", "qsgd:levels=7,chunk_size=100", "terngrad",
-                                  "terngrad:chunk_size=333"])
+                                  "terngrad:chunk_size=333", "thc", "thc:block_log2=5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_payload_is_independent_of_the_thread_count(spec: str, dtype: torch.dtype) -> None:
     x = torch.randn(3 * 16384 + 77, generator=torch.Generator().manual_seed(1)).to(dtype)

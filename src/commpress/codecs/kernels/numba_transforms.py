@@ -25,7 +25,8 @@ or one per sweep; the load, the signs and the scale are fused into the first swe
 block's range into the last, and a decode's signs, factor and store into one step. The
 signs come from a counter-based generator (SplitMix64 of the 64-coordinate word index),
 which the torch path computes too (:func:`sign_bytes`), so both paths rotate alike. The
-stochastic-rounding noise is drawn by the kernel itself (as the QSGD kernels do); given the
+stochastic-rounding noise is drawn by the kernel itself from QSGD's and TernGrad's generator
+(``numba_cpu._nb_draw``, keyed by the rounding seed and the coordinate index); given the
 torch path's noise tensor it reproduces the torch path bit for bit.
 """
 
@@ -57,7 +58,6 @@ u64 = np.uint64
 f32 = np.float32
 f64 = np.float64
 _BF16_MAX = f32(torch.finfo(torch.bfloat16).max)
-_U24 = f32(2.0**-24)  # 24 random bits times this: a uniform in [0, 1)
 prange = range  # replaced by numba.prange in build()
 
 
@@ -571,42 +571,49 @@ def _nb_step(rng: Any, levels: Any, scratch: Any) -> Any:
 
 
 def _nb_code(v: Any, u: Any, step: Any, top: Any) -> Any:
-    # clamp(floor(v / step + u), -top, top), non-finite -> 0
+    # clamp(floor(v / step + u), -top, top), non-finite -> 0. The clamps as strict
+    # comparisons (equal at t = +-top) on a finite t: LLVM makes them vminps / vmaxps, two
+    # instructions per vector fewer than compare-and-blend
     t = np.floor(v / step + u)
     t = t if abs(t) < f32(np.inf) else f32(0.0)  # NaN and +-Inf -> 0
-    t = t if t <= top else top
-    return t if t >= -top else -top
+    t = t if t < top else top
+    return t if t > -top else -top
 
 
 def _nb_quant(
     buf: Any, start: Any, step: Any, levels: Any, nmode: Any, seed: Any, noise: Any,
     codes: Any,
 ) -> None:
-    # codes[start + k] = clamp(floor(buf[k] / step + u), -L, L), non-finite -> 0; the noise
-    # drawn and used in one loop (no buffer of uniforms)
+    # codes[start + k] = clamp(floor(buf[k] / step + u), -L, L), non-finite -> 0; u of
+    # coordinate start + k: nmode 1 QSGD's and TernGrad's generator (numba_cpu._nb_draw,
+    # drawn in the loop that uses it, split where the span crosses a multiple of 2^32: the
+    # generator's key block), nmode 2 noise[start + k]
     m = buf.size
     dst = codes[start : start + m]
     top = f32(levels)
     if nmode == 1:
-        # one SplitMix64 output gives two 24-bit uniforms: element k and k + half
-        half = m // 2
-        lo = buf[:half]
-        hi = buf[half : 2 * half]
-        dlo = dst[:half]
-        dhi = dst[half : 2 * half]
-        z0 = seed + u64(start + 1) * u64(_GAMMA)  # _nb_word's counter, as an induction
-        for k in range(half):
-            z = _nb_mix(z0)
-            z0 += u64(_GAMMA)
-            dlo[k] = _nb_code(lo[k], f32(z >> u64(40)) * _U24, step, top)
-            dhi[k] = _nb_code(hi[k], f32((z >> u64(16)) & u64(0xFFFFFF)) * _U24, step, top)
-        if m % 2:  # a block of one coordinate
-            u = f32(_nb_word(seed, start + m - 1) >> u64(40)) * _U24
-            dst[m - 1] = _nb_code(buf[m - 1], u, step, top)
+        cut = min(m, (start | 0xFFFFFFFF) + 1 - start)
+        y, khi = _nb_noise_start(seed, start)
+        if cut == m:
+            _nb_quant_draws(buf, y, khi, step, top, dst)
+        else:
+            _nb_quant_draws(buf[:cut], y, khi, step, top, dst[:cut])
+            y, khi = _nb_noise_start(seed, start + cut)
+            _nb_quant_draws(buf[cut:], y, khi, step, top, dst[cut:])
     else:
         given = noise[start : start + m]
         for k in range(m):
             dst[k] = _nb_code(buf[k], given[k], step, top)
+
+
+def _nb_quant_draws(buf: Any, y: Any, khi: Any, step: Any, top: Any, dst: Any) -> None:
+    # _nb_quant's codes with u = numba_cpu._nb_draw(y, khi), y stepping by 0x9E3779B9 (the
+    # generator's Weyl term); a function of its own, as numba_cpu._nb_draw_loop, so that
+    # the hash runs on 32-bit lanes
+    for k in range(buf.size):
+        u = _nb_draw(y, khi)
+        y = u32(y + u32(0x9E3779B9))
+        dst[k] = _nb_code(buf[k], u, step, top)
 
 
 def _nb_thc_encode(
@@ -774,9 +781,15 @@ def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
         counts[p] = c
 
 
+#: QSGD's and TernGrad's noise generator (numba_cpu), compiled here too by build() (from the
+#: Python functions: numba_cpu's module may not be built yet) for THC's stochastic rounding.
+_nb_noise_start = numba_cpu._nb_noise_start
+_nb_draw = numba_cpu._nb_draw
+_SHARED = ("_nb_noise_start", "_nb_draw")
 _HELPERS = (
     "_nb_mix", "_nb_word", "_nb_keys_max", "_nb_fwht_cols", "_nb_fwht", "_nb_flip",
-    "_nb_load_signed", "_nb_load_rotate", "_nb_peak", "_nb_step", "_nb_code", "_nb_quant",
+    "_nb_load_signed", "_nb_load_rotate", "_nb_peak", "_nb_step", "_nb_code", "_nb_quant_draws",
+    "_nb_quant",
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
@@ -793,6 +806,9 @@ def build() -> dict[str, Callable[..., Any]]:
     module["prange"] = numba.prange
     module.update(_vector_kernels(numba))
     opts: dict[str, Any] = {"cache": True, "fastmath": False, "error_model": "numpy"}
+    for name in _SHARED:
+        func = getattr(numba_cpu, name)
+        module[name] = numba.njit(**opts)(getattr(func, "py_func", func))
     for name in _HELPERS:
         module[name] = numba.njit(**opts)(module[name])
     compiled = {

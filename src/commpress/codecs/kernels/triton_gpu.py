@@ -35,7 +35,7 @@ Arithmetic: the same float32 operations in the same order as the torch path, com
 ``enable_fp_fusion=False`` (no fused multiply-add), divisions done in float64 and rounded,
 so payloads equal the torch path's bit for bit for deterministic rounding. Stochastic
 rounding draws ``u`` in-kernel from the numba kernels' counter-based generators (``minmax``:
-SplitMix64 of the seed and the element index; ``qsgd``/``terngrad``: :func:`_noise`, the
+SplitMix64 of the seed and the element index; ``qsgd``/``terngrad``/``thc``: :func:`_noise`, the
 numba kernels' 32-bit hash; top 24 bits): the same noise as the numba backend, a
 different stream from the torch path's ``torch.rand``; with ``noise=`` given the kernels use
 those uniforms instead (tests compare with the torch path that way).
@@ -109,8 +109,8 @@ def _uniform(seed, idx):
 
 @triton.jit
 def _noise(seed, idx):
-    # QSGD's and TernGrad's uniforms, the numba kernels' (_nb_draw) value for value: the
-    # Weyl term y = (idx mod 2^32) * 0x9E3779B9 + key_lo through a 32-bit multiply-xorshift
+    # QSGD's, TernGrad's and THC's uniforms, the numba kernels' (_nb_draw) value for value:
+    # the Weyl term y = (idx mod 2^32) * 0x9E3779B9 + key_lo through a 32-bit multiply-xorshift
     # finalizer, ^ key_hi, top 24 bits; the key is the SplitMix64 word of (seed,
     # idx // 2^32), block 0's here (indices stay below 2^31)
     key = _splitmix(seed, tl.zeros_like(idx))
@@ -583,18 +583,11 @@ def _thc_codes(v, step, rows, cols, mask, noise_ptr, seed, BLOCK: tl.constexpr,
                LEVELS: tl.constexpr, MODE: tl.constexpr):
     # clamp(floor(v / step + u), -L, L), a non-finite floor giving 0, for a [ROWS, BLOCK]
     # tile with one step per row; the division correctly rounded (float64, rounded once).
-    # u: MODE 1 the numba kernel's (one SplitMix64 word gives coordinates k and k + B/2 of a
-    # block: bits 40-63 and 16-39; a block of one coordinate takes bits 40-63), MODE 2 noise[i]
+    # u: MODE 1 the numba kernel's (QSGD's and TernGrad's generator, _noise, of the
+    # coordinate index), MODE 2 noise[i]
     idx = rows[:, None] * BLOCK + cols[None, :]
     if MODE == 1:
-        if BLOCK == 1:
-            word = _splitmix(seed.to(tl.uint64), idx)
-            u = (word >> 40).to(tl.float32) * 5.9604644775390625e-08
-        else:
-            low = cols[None, :] < BLOCK // 2
-            word = _splitmix(seed.to(tl.uint64), tl.where(low, idx, idx - BLOCK // 2))
-            bits = tl.where(low, word >> 40, (word >> 16) & 0xFFFFFF)
-            u = bits.to(tl.float32) * 5.9604644775390625e-08
+        u = _noise(seed.to(tl.uint64), idx)
     else:
         u = tl.load(noise_ptr + idx, mask=mask, other=0.0)
     q = (v.to(tl.float64) / step[:, None].to(tl.float64)).to(tl.float32)
