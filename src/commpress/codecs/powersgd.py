@@ -279,11 +279,7 @@ class PowerSGD(Codec):
         if out is None:
             out = torch.empty(payload.shape, dtype=payload.dtype, device=p.device)
         rows = out.view(n, m)
-        if (
-            rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and kernels.use_kernels(rows)
-            and rows.is_contiguous()
-        ):
+        if _kernel_path(rows) and rows.is_contiguous():
             # one numba pass writing each output row while it is in cache: the products
             # added in rank order without fused multiply-adds, so entries can differ from
             # BLAS's in their last bits (as the encode's products do), the same on every
@@ -354,7 +350,7 @@ def _low_rank(p: torch.Tensor, q: torch.Tensor, factor: float, dtype: torch.dtyp
     """``saturating_cast(p @ q.T * factor, dtype)``, computed as the decode computes it (the
     numba kernel on a CPU, so the reduce's totals equal the decodings bit for bit)."""
     out = torch.empty(p.shape[0], q.shape[0], dtype=dtype, device=p.device)
-    if dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.use_kernels(out):
+    if _kernel_path(out):
         kernels.lowrank_decode(p, q, factor, out)
         return out
     return saturating_cast((p @ q.T).mul_(factor), dtype)
@@ -375,10 +371,9 @@ def _matrix(x: torch.Tensor, n: int, m: int, *, scratch: bool = True) -> torch.T
     return kernels.widen(x).view(n, m)
 
 
-def _kernel_path(mat: torch.Tensor) -> bool:
-    return mat.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.use_kernels(
-        mat
-    )
+def _kernel_path(t: torch.Tensor) -> bool:
+    """Whether the numba kernels compute PowerSGD's products and decode for ``t``."""
+    return t.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.use_kernels(t)
 
 
 def _right_product(mat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
