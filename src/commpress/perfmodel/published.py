@@ -24,7 +24,10 @@ runs do not pay (``2 fp16 - fp32`` is above the fastest compressed steps); the c
 puts it in the fitted overlap efficiency ``eta < 0``, an interference term: each second a
 collective runs during backward adds ``1 - eta`` seconds (about 1.4). docs/performance-model.md
 derives this, says what the term may be physically and how far other forms get, and what
-remains per codec family.
+remains per codec family. :func:`exposed_residuals` is the diagnosis behind it: every
+published step minus the model's network and codec time, which shows that the paper's
+fused-kernel runs pay their traffic in full and that the dense extra does not depend on the
+gradient's dtype, so that Table 1 cannot separate it from the compute.
 
 ``commpress validate --published`` prints the table.
 """
