@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,7 @@ from commpress.perfmodel.published import (
     FusedKernels,
     bert_large_shapes,
     exposed_residuals,
+    exposed_table,
     load,
     paper_speeds,
     reproduce,
@@ -113,6 +115,14 @@ def test_the_paper_kernels_pay_their_traffic_in_full_and_the_dense_extra_is_per_
         assert abs(dense[0].rest_s / dense[1].rest_s - 1) < 0.05, task
         extra = statistics.fmean(r.rest_s for r in dense) - rest
         assert 0.15e-9 < extra / dense[0].parameters < 0.30e-9, (task, extra)
+
+
+def test_the_documented_serial_accounting_is_what_the_code_prints() -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "performance-model.md").read_text()
+    marker = "print(exposed_table(exposed_residuals()))\"\n"
+    assert marker in doc
+    shown = doc.split(marker, 1)[1].split("```", 1)[0].rstrip("\n")
+    assert shown == exposed_table(exposed_residuals())
 
 
 def test_published_tables_within_the_verdict_goal(report) -> None:  # type: ignore[no-untyped-def]
