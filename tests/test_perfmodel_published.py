@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +27,8 @@ from commpress.perfmodel.published import (
     KERNEL_LAUNCH_S,
     FusedKernels,
     bert_large_shapes,
+    exposed_residuals,
+    exposed_table,
     load,
     paper_speeds,
     reproduce,
@@ -82,6 +86,45 @@ def test_the_baselines_carry_a_cost_the_compressed_runs_do_not_pay() -> None:
         assert 2 * fp16 - fp32 - fastest > 0.03, name
 
 
+def test_the_paper_kernels_pay_their_traffic_in_full_and_the_dense_extra_is_per_parameter(
+) -> None:
+    """Serial accounting of every published step (measured step minus the model's network
+    and codec time, at the bandwidth calibrated on the baselines): what the paper's rows say
+    about the dense extra (docs/performance-model.md).
+
+    * TopKC's and THC's runs (the paper's fused kernels, codec a few ms) leave the same rest
+      (within 10 %) whether they send 2 or 86 ms of traffic: their communication costs its
+      wire time, neither hidden behind backward (slope -1) nor slowed by interference (slope
+      1 - eta, 1.43 as calibrated);
+    * the FP16 and FP32 baselines leave the same rest as each other (within 5 %): their extra
+      does not grow with their bytes, so Table 1 measures only compute + extra per task;
+    * that extra is 0.15-0.30 ns per parameter in both tasks (63-71 ms BERT, 32-33 ms VGG19)."""
+    rows = exposed_residuals()
+    for task in ("BERT", "VGG19"):
+        fused = [r for r in rows if r.task == task and r.label.startswith(("TopKC", "THC"))]
+        assert len(fused) == 6
+        rest = statistics.median(r.rest_s for r in fused)
+        assert all(abs(r.rest_s / rest - 1) < 0.10 for r in fused), task
+        mc = statistics.fmean(r.comm_s for r in fused)
+        mr = statistics.fmean(r.rest_s for r in fused)
+        slope = (sum((r.comm_s - mc) * (r.rest_s - mr) for r in fused)
+                 / sum((r.comm_s - mc) ** 2 for r in fused))
+        assert abs(slope) < 0.3, (task, slope)
+        dense = [r for r in rows if r.task == task and r.dense]
+        assert len(dense) == 2
+        assert abs(dense[0].rest_s / dense[1].rest_s - 1) < 0.05, task
+        extra = statistics.fmean(r.rest_s for r in dense) - rest
+        assert 0.15e-9 < extra / dense[0].parameters < 0.30e-9, (task, extra)
+
+
+def test_the_documented_serial_accounting_is_what_the_code_prints() -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "performance-model.md").read_text()
+    marker = "print(exposed_table(exposed_residuals()))\"\n"
+    assert marker in doc
+    shown = doc.split(marker, 1)[1].split("```", 1)[0].rstrip("\n")
+    assert shown == exposed_table(exposed_residuals())
+
+
 def test_published_tables_within_the_verdict_goal(report) -> None:  # type: ignore[no-untyped-def]
     """Issue 15's goals: the same verdict (gain or loss vs fp16) in at least 22 of 26
     configurations; the median |error| is guarded at its present level (the 15 % goal is
@@ -100,7 +143,8 @@ def test_published_tables_within_the_verdict_goal(report) -> None:  # type: igno
 
 
 @pytest.mark.xfail(strict=True, reason="median |error| goal (15 %) not met: the dense baselines "
-                   "carry a cost the model cannot place (docs/performance-model.md)")
+                   "carry a cost the model cannot place; Table 1 fixes only compute + that "
+                   "cost per task, not the split (docs/performance-model.md)")
 def test_published_tables_within_the_error_goal(report) -> None:  # type: ignore[no-untyped-def]
     assert report.median_abs_error <= 0.15
 

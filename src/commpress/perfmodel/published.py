@@ -24,7 +24,10 @@ runs do not pay (``2 fp16 - fp32`` is above the fastest compressed steps); the c
 puts it in the fitted overlap efficiency ``eta < 0``, an interference term: each second a
 collective runs during backward adds ``1 - eta`` seconds (about 1.4). docs/performance-model.md
 derives this, says what the term may be physically and how far other forms get, and what
-remains per codec family.
+remains per codec family. :func:`exposed_residuals` is the diagnosis behind it: every
+published step minus the model's network and codec time, which shows that the paper's
+fused-kernel runs pay their traffic in full and that the dense extra does not depend on the
+gradient's dtype, so that Table 1 cannot separate it from the compute.
 
 ``commpress validate --published`` prints the table.
 """
@@ -381,6 +384,64 @@ def reproduce(path: str | Path = DATA, *, speeds: SpeedTable | None = None,
                            heldout_baselines(data, platform, speeds, tasks))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExposedRow:
+    """One measured step (a baseline or a configuration) against the model's busy times:
+    what the paper's step leaves for compute if nothing overlapped (``rest_s``)."""
+
+    task: str
+    label: str
+    dense: bool  # a Table 1 baseline (every gradient all-reduced in FP16 or FP32)
+    step_s: float  # measured: 1 / rounds per second
+    comm_s: float  # the model's network time of the step (all collectives, one after another)
+    codec_s: float  # the model's codec time of the step
+    parameters: int
+
+    @property
+    def rest_s(self) -> float:
+        return self.step_s - self.comm_s - self.codec_s
+
+
+def exposed_residuals(path: str | Path = DATA, *, speeds: SpeedTable | None = None
+                      ) -> tuple[ExposedRow, ...]:
+    """Serial accounting of every published step (a diagnosis, not a prediction): the
+    measured step minus the model's communication time (at the bandwidth calibrated on the
+    baselines) and codec time, as if nothing overlapped. Runs whose rest is the same share
+    one compute time and pay for their traffic exactly its wire time; a run whose rest is
+    larger carries a cost the model does not have (docs/performance-model.md)."""
+    data = load(path)
+    speeds = speeds or paper_speeds()
+    platform, compute, _ = calibrate(data, speeds)
+    cluster = Cluster.from_measured(data["cluster"])
+    runs: list[tuple[str, str, bool, str, str, str, float]] = []
+    for name, task in data["tasks"].items():
+        for codec, key in (("fp16", "fp32+fp16"), ("identity", "fp32+fp32")):
+            runs.append((name, f"baseline {key}", True, codec, "auto", "bucket",
+                         task["baselines"][key]))
+    for entry in data["configs"]:
+        cfg = PublishedConfig(**entry)
+        runs.append((cfg.task, cfg.label, False, cfg.codec, cfg.strategy, cfg.granularity,
+                     cfg.measured))
+    rows = []
+    for name, label, dense, codec, strategy, granularity, rate in runs:
+        model = data["tasks"][name]["model"]
+        timeline = predict(_workload(model, compute[name]), cluster, codec, strategy=strategy,
+                           granularity=granularity, speeds=speeds, platform=platform).timeline
+        rows.append(ExposedRow(task=name, label=label, dense=dense, step_s=1.0 / rate,
+                               comm_s=timeline.comm_busy, codec_s=timeline.codec_busy,
+                               parameters=sum(math.prod(s) for s in MODELS[model]())))
+    return tuple(rows)
+
+
+def exposed_table(rows: Sequence[ExposedRow]) -> str:
+    """:func:`exposed_residuals` as a table, each task's runs by their network time."""
+    body = [[r.task, r.label, f"{r.step_s * 1e3:.1f}", f"{r.comm_s * 1e3:.1f}",
+             f"{r.codec_s * 1e3:.1f}", f"{r.rest_s * 1e3:.1f}"]
+            for r in sorted(rows, key=lambda r: (r.task, r.comm_s))]
+    return render_table(["task", "run", "measured step ms", "model comm ms", "model codec ms",
+                         "rest ms"], body)
+
+
 def heldout_baselines(data: dict[str, Any], platform: Platform, speeds: SpeedTable,
                       tasks: Sequence[str] | None = None) -> dict[str, float]:
     """Relative error of the TF32+FP32 baseline of each task (Table 1, never fitted)
@@ -400,9 +461,7 @@ def heldout_baselines(data: dict[str, Any], platform: Platform, speeds: SpeedTab
     return out
 
 
-__all__ = ["A100_HBM_BYTES_PER_S", "KERNEL_LAUNCH_S", "PAPER_KERNELS", "FusedKernels",
-           "PublishedReport", "PublishedRow", "bert_large_flops", "bert_large_shapes", "calibrate",
-           "heldout_baselines",
-           "paper_speeds",
-           "reproduce", "vgg19_flops",
-           "vgg19_shapes"]
+__all__ = ["A100_HBM_BYTES_PER_S", "KERNEL_LAUNCH_S", "PAPER_KERNELS", "ExposedRow",
+           "FusedKernels", "PublishedReport", "PublishedRow", "bert_large_flops",
+           "bert_large_shapes", "calibrate", "exposed_residuals", "exposed_table",
+           "heldout_baselines", "paper_speeds", "reproduce", "vgg19_flops", "vgg19_shapes"]
