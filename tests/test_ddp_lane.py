@@ -6,6 +6,7 @@ lanes turned off)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -38,6 +39,14 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
         return fut
 
     hook._replay = replay  # type: ignore[assignment]
+    fired = {"n": 0}
+    real_fire = hook.fire
+
+    def fire(*args: Any) -> Any:  # a lane's bound reduction (not its shot)
+        fired["n"] += 1
+        return real_fire(*args)
+
+    hook.fire = fire  # type: ignore[assignment]
     real_cast, real_decode = cast._cast_into, cast._FloatCast._decode
     model = DDP(_model(), bucket_cap_mb=0.01)  # several buckets
     state = commpress.ddp.register(model, codec, **options)
@@ -59,6 +68,11 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
             cast._FloatCast._decode = failing  # type: ignore[method-assign]
         if step == 3 and where == "rename":  # new names: plans (and lanes) made anew
             state.bind(torch.nn.ModuleDict({"renamed": model.module}))
+        if step == 3 and where == "moved":  # as if DDP handed over buffers elsewhere in
+            # memory: the lanes issue their shots instead of their bound reductions
+            for plan in state._buckets.values():
+                if plan.lane is not None:
+                    plan.lane = dataclasses.replace(plan.lane, ptr=-1)
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
         model.zero_grad(set_to_none=True)
         try:
@@ -70,12 +84,14 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()
                                 if p.grad is not None]))
     hook._replay = real_replay  # type: ignore[assignment]
+    hook.fire = real_fire  # type: ignore[assignment]
     cast._FloatCast._decode = real_decode  # type: ignore[method-assign]
     stats = [(s.step, s.tensors, s.codecs, s.reasons, s.wire_bytes, s.failed)
              for s in state.stats]
     plans = {k: (p.codec.codec_id, p.reason, p.step) for k, p in state.plans.items()}
     laned = sum(b.lane is not None for b in state._buckets.values())
     return {"grads": grads, "stats": stats, "plans": plans, "replays": replays["n"],
+            "fired": fired["n"],
             "laned": laned, "errors": errors, "failed": state._failed is not None}
 
 
@@ -109,10 +125,12 @@ def test_lanes_replay_the_general_path_exactly(codec: str, options: dict[str, An
         on, off = r["on"], r["off"]
         assert off["replays"] == 0
         if laned:
-            # every bucket has a lane, replayed from the step after its plan was made
+            # every bucket has a lane, replayed from the step after its plan was made, by
+            # the reduction bound to its buffer (DDP hands over the same memory every step)
             assert on["laned"] >= 2 and on["replays"] >= 2 * on["laned"], on
+            assert on["fired"] == on["replays"], on
         else:
-            assert on["laned"] == 0 and on["replays"] == 0, on
+            assert on["laned"] == 0 and on["replays"] == 0 and on["fired"] == 0, on
         assert len(on["grads"]) == len(off["grads"]) == STEPS
         for g_on, g_off in zip(on["grads"], off["grads"], strict=True):
             assert torch.equal(g_on, g_off)
@@ -159,5 +177,16 @@ def test_new_parameter_names_replan_buckets_with_lanes_as_without() -> None:
         assert on["plans"] == off["plans"]
         assert {c for c, _, _ in on["plans"].values()} == {"fp16", "bf16"}
         assert on["stats"] == off["stats"]
+        for g_on, g_off in zip(on["grads"], off["grads"], strict=True):
+            assert torch.equal(g_on, g_off)
+
+
+def test_a_lane_whose_buffer_moved_issues_its_shot_instead() -> None:
+    """From step 3 the lanes' buffers are elsewhere (as DDP would hand over new memory): the
+    lanes replay by their shots, with the same results, stats and plans."""
+    for r in run_workers(_pair, 2, "fp16", {}, None, "moved", timeout=240):
+        on, off = r["on"], r["off"]
+        assert on["laned"] >= 2 and on["replays"] > on["fired"] > 0, on
+        assert on["stats"] == off["stats"] and on["plans"] == off["plans"]
         for g_on, g_off in zip(on["grads"], off["grads"], strict=True):
             assert torch.equal(g_on, g_off)

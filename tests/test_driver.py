@@ -243,3 +243,85 @@ def _second_round_worker(rank: int, world: int) -> str:
     except CommpressError as exc:
         return str(exc)
     return "no error"
+
+
+# ---------------------------------------------------------------------------- bound reductions
+def _bound_worker(rank: int, world: int) -> dict[str, Any]:
+    """Reductions bound to fixed memory (``Route.bind`` -> ``fire``/``land``), called three
+    times on new values in the same memory, against the route's shot on a copy: the same
+    totals bit for bit, the same wire bytes; and where no bound form applies, ``None``."""
+    from commpress.codecs import get_codec
+    from commpress.collectives.driver import Exchange, fire, land
+    from commpress.collectives.engine import Route
+    from commpress.collectives.queue import when_settled
+    from commpress.collectives.strategies import get_strategy
+
+    route = Route.of(get_strategy("auto"), Exchange.of(label="route"))
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(5 + rank)
+    cases = [("identity", torch.float32), ("identity", torch.float16),
+             ("fp16", torch.float32), ("fp16", torch.float64), ("fp16", torch.bfloat16),
+             ("bf16", torch.float32), ("bf16", torch.float16)]
+    for codec_id, dtype in cases:
+        codec = get_codec(codec_id)
+        for average in (False, True):
+            name = f"{codec_id}-{str(dtype)[6:]}-{'mean' if average else 'sum'}"
+            buf = torch.empty(1031, dtype=dtype)
+            ex = Exchange.of(label="bound")
+            ex.writable = buf
+            scratch: dict[str, torch.Tensor] = {}
+
+            def ctx(step: int, average: bool = average) -> CodecContext:
+                return CodecContext(rank=rank, world_size=world, step=step, key="k",
+                                    need_local=False, average=average)
+
+            bound = route.bind(ex, codec, buf, ctx(0), out=buf, scratch=scratch)
+            if bound is None:
+                out[name] = None
+                continue
+            results = []
+            for step in range(3):
+                x = (torch.randn(1031, generator=g) * 100).to(dtype)
+                want_ex = Exchange.of(label="shot")
+                copy = x.clone()
+                want_ex.writable = copy
+                shot = route.shoot(want_ex, codec, copy, ctx(step), out=copy, scratch={})
+                assert shot is not None
+                want = when_settled(shot.futures(), lambda _, s=shot: s.finish().total).wait()
+                buf.copy_(x)
+                fut = fire(ex, bound, ctx(step))
+                nbytes = when_settled([fut], lambda _, f=fut, s=step: land(ex, bound, f, ctx(s))
+                                      ).wait()
+                results.append((torch.equal(buf, want.reshape(buf.shape)),
+                                nbytes == want_ex.stats.get("wire_bytes", 0) > 0))
+            out[name] = results
+    # no bound form: a copy would be summed (not the writable tensor), a local part is asked
+    # for, the input is already of the wire dtype, a codec with more than one request
+    x = torch.randn(64)
+    ex = Exchange.of(label="none")
+    plain = CodecContext(rank=rank, world_size=world, key="k", need_local=False)
+    out["not writable"] = route.bind(ex, get_codec("identity"), x, plain, out=x, scratch={})
+    ex.writable = x
+    local = CodecContext(rank=rank, world_size=world, key="k", need_local=True)
+    out["need local"] = route.bind(ex, get_codec("fp16"), x, local, out=x, scratch={})
+    h = x.half()
+    ex.writable = h
+    out["wire dtype"] = route.bind(ex, get_codec("fp16"), h, plain, out=h, scratch={})
+    out["powersgd"] = route.bind(ex, get_codec("powersgd"), x, plain, out=x, scratch={})
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_bound_reductions_give_the_shots_results(world: int) -> None:
+    for rank, out in enumerate(run_workers(_bound_worker, world, timeout=120)):
+        for name in ("not writable", "need local", "wire dtype", "powersgd"):
+            assert out.pop(name) is None, (rank, name)
+        for name, results in out.items():
+            if world == 1:  # a group of one sends nothing: the shot is done at once
+                assert results is None, (rank, name)
+                continue
+            assert results is not None, f"rank {rank}: {name} has no bound form"
+            assert len(results) == 3
+            for step, (same, counted) in enumerate(results):
+                assert same, f"rank {rank}: {name} step {step} differs from the shot"
+                assert counted, f"rank {rank}: {name} step {step} counts other wire bytes"

@@ -40,7 +40,7 @@ import torch.distributed
 
 from commpress.codecs import kernels
 from commpress.codecs.base import Codec, CodecContext
-from commpress.codecs.protocol import Protocol
+from commpress.codecs.protocol import Bound, Protocol
 from commpress.collectives import engine
 from commpress.collectives.api import Strategy
 from commpress.collectives.batched import batched_task
@@ -50,6 +50,8 @@ from commpress.collectives.driver import (
     Pending,
     Shot,
     direct_path_applies,
+    fire,
+    land,
     require_initialized,
     sums_plainly,
 )
@@ -468,12 +470,22 @@ class _Lane:
     parameters (by identity) must stay the same; anything else sends the bucket down the
     general path again.
 
+    Where the route can bind the reduction to the bucket buffer's memory
+    (:meth:`~commpress.collectives.engine.Route.bind`: the identity's plain sum, a 16-bit
+    cast), the lane keeps that :class:`~commpress.codecs.protocol.Bound` and replays it with
+    :func:`~commpress.collectives.driver.fire` and :func:`~commpress.collectives.driver.land`
+    while DDP hands over the same buffer memory; else, or for another buffer, it issues the
+    route's shot (:meth:`~commpress.collectives.engine.Route.shoot`).
+
     Attributes:
         ids: the ids of the bucket's parameters, in bucket order.
         keys: the names of its tensors (the plans' keys).
         key: the element-wise group's key (its codec context's key).
         scratch: the codec's buffers kept for the group across steps.
         tally: what the group adds to a step's record (its tensors, codecs and reasons).
+        ex: the exchange the bound reduction runs over (its writable tensor: the buffer).
+        bound: the reduction bound to the buffer, or ``None``.
+        ptr: the address of the buffer it is bound to.
     """
 
     ids: tuple[int, ...]
@@ -481,6 +493,9 @@ class _Lane:
     key: str
     scratch: dict[str, torch.Tensor]
     tally: Tally
+    ex: Exchange
+    bound: Bound | None
+    ptr: int
 
 
 def _lane_of(
@@ -491,6 +506,7 @@ def _lane_of(
     ids: tuple[int, ...],
     whole: torch.Tensor | None,
     stream: Any,
+    bucket_index: int,
 ) -> _Lane | None:
     """The lane of a bucket the general path just reduced, or ``None`` when the bucket
     does not qualify (see :class:`_Lane`)."""
@@ -507,10 +523,21 @@ def _lane_of(
     if not (route.plain and one_collective):
         return None
     key = bucket.dense[0][1]
+    scratch = state._scratch.setdefault(key, {})
+    lane_ex = _exchange(state, bucket_index)
+    lane_ex.writable = whole
+    bound = route.bind(lane_ex, codec, whole, _lane_context(lane_ex, key, plans[0].step),
+                       out=whole, scratch=scratch)
     return _Lane(
-        ids, tuple(p.key for p in plans), key, state._scratch.setdefault(key, {}),
-        state.tally(plans),
+        ids, tuple(p.key for p in plans), key, scratch, state.tally(plans), lane_ex, bound,
+        whole.data_ptr(),
     )
+
+
+def _lane_context(ex: Exchange, key: str, step: int) -> CodecContext:
+    """The codec context of a lane's reduction at ``step`` (a mean, no local part)."""
+    return CodecContext(rank=ex.rank, world_size=ex.world_size, step=step, key=key,
+                        need_local=False, average=True)
 
 
 def _replay(
@@ -544,18 +571,22 @@ def _replay(
         for key, (codec, reason, feedback) in zip(lane.keys, cached.choices, strict=True)
     ]
     codec = plans[0].codec
-    ex = _exchange(state, bucket_index)
-    ex.writable = buffer
-    ctx = CodecContext(
-        rank=ex.rank, world_size=ex.world_size, step=step, key=lane.key, need_local=False,
-        average=True,
-    )
-    route = _route(state, ex)
     what = f"DDP comm hook, bucket {bucket_index} at step {step}"
+    bound = lane.bound
+    issue: Callable[[], Any]
+    if bound is not None and buffer.data_ptr() == lane.ptr:
+        ex = lane.ex
+        ctx = _lane_context(ex, lane.key, step)
+        issue = partial(fire, ex, bound, ctx)
+    else:
+        ex = _exchange(state, bucket_index)
+        ex.writable = buffer
+        ctx = _lane_context(ex, lane.key, step)
+        route = _route(state, ex)
 
-    def issue() -> Shot | None:
-        # None (nothing issued) sends the bucket down the general path
-        return route.shoot(ex, codec, buffer, ctx, out=buffer, scratch=lane.scratch)
+        def issue() -> Shot | None:
+            # None (nothing issued) sends the bucket down the general path
+            return route.shoot(ex, codec, buffer, ctx, out=buffer, scratch=lane.scratch)
 
     try:
         with error_context(what):
@@ -574,9 +605,15 @@ def _replay(
         return None
     for plan in plans:
         state.plans[plan.key] = plan
-    finish = partial(_replay_finish, state, ex, issued, buffer, step, lane.tally, what, last,
-                     earlier)
-    return when_settled([*earlier, *issued.futures()] if last else issued.futures(), finish)
+    if isinstance(issued, Shot):
+        futures = issued.futures()
+        settle: Callable[[], int] = partial(_settle_shot, ex, issued, buffer)
+    else:  # the bound reduction's collective
+        assert bound is not None
+        futures = [issued]
+        settle = partial(land, ex, bound, issued, ctx)
+    finish = partial(_replay_finish, state, buffer, step, lane.tally, what, last, earlier, settle)
+    return when_settled([*earlier, *futures] if last else futures, finish)
 
 
 def _raise(exc: BaseException, _: Any) -> Any:
@@ -585,25 +622,22 @@ def _raise(exc: BaseException, _: Any) -> Any:
 
 def _replay_finish(
     state: DDPCompressionState,
-    ex: Exchange,
-    shot: Shot,
     buffer: torch.Tensor,
     step: int,
     tally: Tally,
     what: str,
     last: bool,
     earlier: Sequence[torch.futures.Future[torch.Tensor]],
+    settle: Callable[[], int],
     _: Any,
 ) -> torch.Tensor:
     """:func:`_replay`'s rest, in the completion callback of the bucket's collective (of the
     step's earlier buckets' too, for its last): the general path's after its final wait,
-    the decode into the buffer, then the step's counts (the group's ``tally``) and bytes."""
+    ``settle`` (the decode into the buffer; returns the wire bytes sent), then the step's
+    counts (the group's ``tally``) and bytes."""
     try:
         with error_context(what):
-            total = shot.finish().total
-            if total.data_ptr() != buffer.data_ptr() or total.dtype != buffer.dtype:
-                buffer.copy_(total)
-            state.count_tally(step, tally, ex.stats.get("wire_bytes", 0))
+            state.count_tally(step, tally, settle())
     except BaseException:
         # after the collective: the ranks are in step, so this fails the bucket (and the
         # step) without refusing later ones, as the general path does
@@ -613,6 +647,14 @@ def _replay_finish(
     if last:
         _end_step(state, step, earlier)
     return buffer
+
+
+def _settle_shot(ex: Exchange, shot: Shot, buffer: torch.Tensor) -> int:
+    """A lane's shot finished into the bucket ``buffer``; the wire bytes it counted."""
+    total = shot.finish().total
+    if total.data_ptr() != buffer.data_ptr() or total.dtype != buffer.dtype:
+        buffer.copy_(total)
+    return int(ex.stats.get("wire_bytes", 0))
 
 
 def _single_task(
@@ -845,7 +887,7 @@ def _reduce_bucket_now(
         yield from engine.schedule_jobs(ex, route, jobs)
         state.note_wire_bytes(step, ex.stats.get("wire_bytes", 0))
         if bucket.lane is None:
-            bucket.lane = _lane_of(state, ex, bucket, plans, ids, whole, stream)
+            bucket.lane = _lane_of(state, ex, bucket, plans, ids, whole, stream, bucket_index)
         if last:
             # undo a non-finite step's changes to the codec states, run the guard, record stats
             _end_step(state, step, earlier)

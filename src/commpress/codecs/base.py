@@ -42,7 +42,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced
+from commpress.codecs.protocol import AllGather, AllReduce, Bound, Protocol, Reduced
 from commpress.errors import CommpressError, ConfigError, PayloadError, error_context
 
 #: How error feedback suits a codec (see :attr:`Codec.feedback_fit`).
@@ -522,6 +522,20 @@ class Codec(ABC):
             return Reduced(total=self.sum_decoded(gathered, ctx, average=ctx.average),
                            local=local)
         return Reduced(total=self.finish_total(total, ctx), local=local)
+
+    def bind(
+        self, tensor: torch.Tensor, ctx: CodecContext, *, out: torch.Tensor,
+        scratch: dict[str, torch.Tensor],
+    ) -> Bound | None:
+        """:meth:`reduce` of ``tensor`` into ``out`` prepared for repeated calls on the same
+        memory (:class:`~commpress.codecs.protocol.Bound`), or ``None`` where the codec has no
+        such form (the default) or not for these arguments: the caller then runs
+        :meth:`reduce`. Only deterministic, stateless, single-round codecs whose one request
+        is an in-place all-reduce and whose encoding ignores ``ctx.step`` and ``ctx.key`` may
+        return one (the 16-bit casts). ``tensor`` is read and ``out`` written at each call,
+        with the values they hold then; ``scratch`` (a dict the caller keeps) holds the wire
+        buffer. Nothing is encoded here."""
+        return None
 
     # ------------------------------------------------------------------ hooks to implement
     @abstractmethod

@@ -33,7 +33,7 @@ from commpress.codecs.base import (
     saturating_cast,
     shape_numel,
 )
-from commpress.codecs.protocol import AllReduce, Protocol, Reduced
+from commpress.codecs.protocol import AllReduce, Bound, Protocol, Reduced
 from commpress.codecs.registry import register_codec
 
 
@@ -200,15 +200,49 @@ class _FloatCast(Codec):
         total = self.decode(summed_payload, ctx, out=into)
         return Reduced(total=total, local=local)
 
-    def _scratch(self, scratch: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """``x`` cast to the wire dtype, flat, in the buffer kept in ``scratch`` (replaced when
-        its size, dtype or device no longer fit)."""
+    def bind(
+        self, tensor: torch.Tensor, ctx: CodecContext, *, out: torch.Tensor,
+        scratch: dict[str, torch.Tensor],
+    ) -> Bound | None:
+        """:meth:`reduce`'s path that casts into ``scratch`` and decodes into ``out``, bound
+        (:class:`~commpress.codecs.protocol.Bound`): for a ``tensor`` that is not already of
+        the wire dtype and a contiguous ``out`` of its shape, dtype and device (it may be
+        ``tensor``), without ``ctx.need_local``; ``None`` otherwise. ``encode`` casts into the
+        kept wire buffer and divides it for a mean, ``decode`` is :meth:`_decode` of the summed
+        wire buffer into ``out``: the same calls as :meth:`reduce`."""
+        if (ctx.need_local or tensor.dtype == self.wire_dtype or not out.is_contiguous()
+                or out.shape != tensor.shape or out.dtype != tensor.dtype
+                or out.device != tensor.device):
+            return None
+        x = self.check_input(tensor)
+        wire = self._scratch_buffer(scratch, x)
+        divide = ctx.world_size if ctx.average and ctx.world_size > 1 else 0
+        # the payload of the summed reply, which the in-place sum leaves in ``wire``
+        summed = self.make_payload(x, {"values": wire}).replace(summed=ctx.world_size)
+
+        def encode(_: CodecContext) -> None:
+            _cast_into(x, wire, saturate=False)
+            if divide:
+                wire.div_(divide)
+
+        def decode(c: CodecContext) -> None:
+            self._decode(summed, c, out=out)
+
+        return Bound(wire, wire.numel() * wire.element_size(), encode, decode)
+
+    def _scratch_buffer(self, scratch: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The flat wire-dtype buffer for ``x`` kept in ``scratch`` (replaced when its size,
+        dtype or device no longer fit)."""
         buf = scratch.get("values")
         if (buf is None or buf.numel() != x.numel() or buf.dtype != self.wire_dtype
                 or buf.device != x.device):
             buf = torch.empty(x.numel(), dtype=self.wire_dtype, device=x.device)
             scratch["values"] = buf
-        return _cast_into(x, buf, saturate=False)
+        return buf
+
+    def _scratch(self, scratch: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``x`` cast to the wire dtype, flat, in the buffer kept in ``scratch``."""
+        return _cast_into(x, self._scratch_buffer(scratch, x), saturate=False)
 
 
 @register_codec

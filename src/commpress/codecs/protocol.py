@@ -37,7 +37,7 @@ Example, a driver for a single worker (world size 1)::
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
@@ -46,7 +46,7 @@ import torch
 from commpress.errors import ConfigError
 
 if TYPE_CHECKING:
-    from commpress.codecs.base import Payload
+    from commpress.codecs.base import CodecContext, Payload
 
 ReduceOp: TypeAlias = Literal["sum", "max", "min"]
 
@@ -139,3 +139,26 @@ class Reduced:
 
 #: The type of :meth:`Codec.reduce`: yields requests, is sent replies, returns a ``Reduced``.
 Protocol: TypeAlias = Generator[Request, Any, Reduced]
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A single-round reduction bound to fixed memory: what a codec's :meth:`Codec.reduce`
+    protocol does when its one request is one in-place all-reduce, prepared once for a tensor
+    reduced again and again in the same memory (a DDP bucket, step after step) by
+    :meth:`Codec.bind`.
+
+    A driver calls ``encode(ctx)``, which writes the tensor's encoding (the protocol's
+    request) into ``wire``; sums ``wire`` in place over the group with ``op``; then calls
+    ``decode(ctx)``, which writes the total (the mean when bound with ``average``) from the
+    summed ``wire`` into the output. The bytes sent, the results and ``wire_bytes`` (what one
+    worker sends per call, as the protocol's request counts it) are the protocol's, bit for
+    bit; nothing is checked or allocated per call. Each call's context must have the rank,
+    world size and ``average`` of the context it was bound with.
+    """
+
+    wire: torch.Tensor
+    wire_bytes: int
+    encode: Callable[[CodecContext], object]
+    decode: Callable[[CodecContext], object]
+    op: ReduceOp = "sum"

@@ -50,8 +50,8 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 import torch.distributed as dist
 
-from commpress.codecs.base import Codec, Payload
-from commpress.codecs.protocol import AllGather, AllReduce, Protocol, Reduced, Request
+from commpress.codecs.base import Codec, CodecContext, Payload
+from commpress.codecs.protocol import AllGather, AllReduce, Bound, Protocol, Reduced, Request
 from commpress.codecs.simulate import reduce_tensors
 from commpress.collectives.queue import Steps, resume_final, run_steps
 from commpress.errors import (
@@ -852,6 +852,61 @@ def shoot(
     return Shot(Wait(ex, pending, True), task=general)
 
 
+def bind_plain(x: torch.Tensor, ex: Exchange, *, average: bool) -> Bound | None:
+    """:func:`shoot`'s plain sum of ``x`` (no protocol) bound to ``x``'s memory
+    (:class:`~commpress.codecs.protocol.Bound`): where ``x`` is :attr:`Exchange.writable`,
+    which is summed in place, divided before (float16) or after the sum for a mean, as
+    :func:`shoot` does; ``None`` where :func:`shoot` would sum a copy or send nothing (a group
+    of one, an empty tensor)."""
+    flat = x.reshape(-1)
+    if ex.world_size < 2 or not flat.numel() or not ex.may_overwrite(flat):
+        return None
+    early = _divides_first(flat, average)
+    divide = functools.partial(_divide, flat, ex.world_size)
+    return Bound(flat, flat.numel() * flat.element_size(),
+                 divide if early else _no_work, divide if average and not early else _no_work)
+
+
+def _divide(t: torch.Tensor, world_size: int, _: Any) -> None:
+    t.div_(world_size)
+
+
+def _no_work(_: Any) -> None:
+    return None
+
+
+def bound_applies(bound: Bound, ex: Exchange) -> bool:
+    """Whether :func:`fire` can issue ``bound`` over ``ex``'s group: a group of two or more, and
+    a non-empty contiguous wire tensor that the backend sums as it is, on the group's device
+    (what :func:`shoot` requires of a request it issues itself)."""
+    w = bound.wire
+    return (ex.world_size > 1 and w.numel() > 0 and w.is_contiguous()
+            and w.dtype in _NATIVE_REDUCE_DTYPES and w.device == ex.comm_device(w.device)
+            and (ex.backend != "nccl" or w.is_cuda))
+
+
+def fire(ex: Exchange, bound: Bound, ctx: CodecContext) -> torch.futures.Future[Any]:
+    """Encode ``bound`` (:class:`~commpress.codecs.protocol.Bound`, accepted by
+    :func:`bound_applies`) and issue its in-place all-reduce over ``ex``'s group; the future of
+    that collective. Once it completed, :func:`land` finishes the reduction."""
+    bound.encode(ctx)
+    work = dist.all_reduce(bound.wire, _REDUCE_OPS[bound.op], group=ex.group, async_op=True)
+    return work.get_future()
+
+
+def land(ex: Exchange, bound: Bound, fut: torch.futures.Future[Any], ctx: CodecContext) -> int:
+    """:func:`fire`'s reduction finished, in its future's completion callback: the
+    collective's failure raised as :meth:`Wait.completed` raises it, else the decode into the
+    output; returns the wire bytes to count (what :func:`shoot` counts)."""
+    start = time.monotonic()
+    try:
+        fut.value()
+    except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError
+        raise ex.failure("round 0 (all-reduce)", exc, start) from exc
+    bound.decode(ctx)
+    return bound.wire_bytes
+
+
 def _in_place(request: AllReduce, t: torch.Tensor, ex: Exchange) -> bool:
     """Whether request tensor ``t`` may be reduced in its own memory: it is the caller's
     :attr:`Exchange.writable` tensor, or the codec's scratch (:attr:`AllReduce.scratch`),
@@ -1181,9 +1236,13 @@ __all__ = [
     "Wait",
     "all_gather_task",
     "all_reduce_task",
+    "bind_plain",
+    "bound_applies",
     "code_dtype",
     "dtype_code",
     "execute",
+    "fire",
+    "land",
     "name_hash",
     "offloaded",
     "pack_bytes",

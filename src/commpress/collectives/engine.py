@@ -34,12 +34,14 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from commpress.codecs.base import Codec, CodecContext
-from commpress.codecs.protocol import Reduced
+from commpress.codecs.protocol import Bound, Reduced
 from commpress.collectives import checks
 from commpress.collectives.driver import (
     Exchange,
     Pending,
     Shot,
+    bind_plain,
+    bound_applies,
     direct_path_applies,
     plain_sum_task,
     protocol_task,
@@ -207,6 +209,24 @@ class Route:
                 protocol=codec.reduce(x, ctx, out=out, scratch=scratch),  # type: ignore[call-arg]
             )
         return None
+
+    def bind(
+        self, ex: Exchange, codec: Codec, x: torch.Tensor, ctx: CodecContext, *,
+        out: torch.Tensor, scratch: dict[str, torch.Tensor],
+    ) -> Bound | None:
+        """:meth:`shoot`'s reduction bound to ``x``'s and ``out``'s memory for repeated calls
+        (:class:`~commpress.codecs.protocol.Bound`, issued by
+        :func:`~commpress.collectives.driver.fire`): the identity's plain sum
+        (:func:`~commpress.collectives.driver.bind_plain`) or the codec's own bound form
+        (:meth:`Codec.bind`), where the driver can issue it as it is; ``None`` otherwise
+        (use :meth:`shoot`)."""
+        if self._sums_directly(ex, codec, x, ctx):
+            bound = bind_plain(x, ex, average=ctx.average)
+        elif self.plain and codec.reduces_into and not codec.multi_round:
+            bound = codec.bind(x, ctx, out=out, scratch=scratch)
+        else:
+            return None
+        return bound if bound is not None and bound_applies(bound, ex) else None
 
 
 def run_jobs(
