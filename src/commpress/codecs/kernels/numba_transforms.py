@@ -59,6 +59,7 @@ f32 = np.float32
 f64 = np.float64
 _BF16_MAX = f32(torch.finfo(torch.bfloat16).max)
 prange = range  # replaced by numba.prange in build()
+_sq8: Any = None  # replaced by _square_sums8(numba) in build()
 
 
 # ---------------------------------------------------------------------- torch-side generator
@@ -387,6 +388,80 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
         "_nb_cols16_peak": cols(16, True), "_nb_cols4_peak": cols(4, True),
         "_nb_cols2_peak": cols(2, True),
     }
+
+
+def _square_sums8(numba: Any) -> Any:
+    """TopKC's intrinsic ``(src, start, chunk, totals)``: ``totals[c]`` = the float64 sum of
+    squares of the ``chunk`` values from ``start + c * chunk`` of ``src`` (float32, or
+    bfloat16 bits as uint16, widened ``bits << 16``), for eight chunks ``c`` at once;
+    ``chunk`` is a multiple of 8. Each chunk's squares go to eight lanes (lane ``j``:
+    elements ``8g + j``, in order) held in one ``<8 x double>``, and the lanes are then added
+    in lane order from 0.0, as ``numba_cpu._vsum_sq`` and ``_nb_lane_total`` do: the same
+    operations in the same order (no fused multiply-add, no reassociation). The eight chunks'
+    lane vectors are independent chains, and their lane-order totals are vertical adds of
+    the transposed lanes (numba computed one chunk at a time, a serial chain per chunk)."""
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    f32x8 = ir.VectorType(ir.FloatType(), 8)
+    f64x8 = ir.VectorType(ir.DoubleType(), 8)
+    i32 = ir.IntType(32)
+
+    @intrinsic
+    def square_sums8(typingctx: Any, src: Any, start: Any, chunk: Any, totals: Any) -> Any:
+        if not (
+            isinstance(src, types.Array) and src.ndim == 1 and src.layout == "C"
+            and src.dtype in (types.float32, types.uint16)
+            and isinstance(start, types.Integer) and isinstance(chunk, types.Integer)
+            and isinstance(totals, types.Array) and totals.dtype == types.float64
+            and totals.layout == "C"
+        ):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            arr = context.make_array(sig.args[0])(context, builder, args[0])
+            first = context.cast(builder, args[1], sig.args[1], types.intp)
+            length = context.cast(builder, args[2], sig.args[2], types.intp)
+            out = context.make_array(sig.args[3])(context, builder, args[3])
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(f64x8, None))
+                    for _ in range(8)]
+            eight = ir.Constant(length.type, 8)
+            with cgutils.for_range(builder, builder.udiv(length, eight)) as loop:
+                offset = builder.add(first, builder.mul(loop.index, eight))
+                for c in range(8):
+                    at = builder.add(offset, builder.mul(length, ir.Constant(length.type, c)))
+                    ptr = builder.gep(arr.data, [at])
+                    if sig.args[0].dtype == types.float32:
+                        v = builder.load(builder.bitcast(ptr, f32x8.as_pointer()), align=4)
+                    else:
+                        bits = builder.load(
+                            builder.bitcast(ptr, ir.VectorType(ir.IntType(16), 8).as_pointer()),
+                            align=2,
+                        )
+                        wide = builder.shl(
+                            builder.zext(bits, ir.VectorType(i32, 8)),
+                            ir.Constant(ir.VectorType(i32, 8), [16] * 8),
+                        )
+                        v = builder.bitcast(wide, f32x8)
+                    d = builder.fpext(v, f64x8)
+                    builder.store(builder.fadd(builder.load(accs[c]), builder.fmul(d, d)),
+                                  accs[c])
+            lanes = [builder.load(a) for a in accs]
+            total = ir.Constant(f64x8, None)  # 0.0, then lane 0, 1, ..., 7 of every chunk
+            for j in range(8):
+                column = ir.Constant(f64x8, ir.Undefined)
+                for c in range(8):
+                    column = builder.insert_element(
+                        column, builder.extract_element(lanes[c], i32(j)), i32(c)
+                    )
+                total = builder.fadd(total, column)
+            builder.store(total, builder.bitcast(out.data, f64x8.as_pointer()), align=8)
+            return context.get_dummy_value()
+
+        return types.void(src, start, chunk, totals), codegen
+
+    return square_sums8
 
 
 def _nb_word(seed: Any, w: Any) -> Any:
@@ -725,16 +800,31 @@ def _nb_chunk_squares(
 ) -> None:
     # out[c] = float32(min(q, top)) with q = (sqrt(sum of squares of chunk c in float64))^2
     # (as torch's float64 vector_norm(...).square(), up to the summation order), NaN when q
-    # is not finite; largest[item] = the largest finite q of the item's chunks (0 if none)
+    # is not finite; largest[item] = the largest finite q of the item's chunks (0 if none).
+    # The squares go to eight float64 lanes (lane j: elements 8g + j, in order), added in
+    # lane order, then the chunk's tail: eight whole chunks at a time (_sq8, when the chunk
+    # is a multiple of 8), the others one at a time (the same sums).
     nchunks = out.size
     per = max(1, _ITEM // chunk)
     xf = xi.view(np.float32)
     for item in prange((nchunks + per - 1) // per):
-        wide = np.empty(chunk, np.uint32)
+        wide = np.empty(chunk if mode else 1, np.uint32)
         vals = wide.view(np.float32)
         lanes = np.empty(8, np.float64)
+        c = item * per
+        c_end = min((item + 1) * per, nchunks)
         big = 0.0
-        for c in range(item * per, min((item + 1) * per, nchunks)):
+        if chunk % 8 == 0:  # eight whole chunks at a time
+            batch_end = c + (min(c_end, n // chunk) - c) // 8 * 8
+            while c < batch_end:
+                if mode == 0:
+                    _sq8(xf, c * chunk, chunk, lanes)
+                else:
+                    _sq8(xb, c * chunk, chunk, lanes)
+                for k in range(8):
+                    big = _nb_square_out(lanes[k], top, out, c + k, big)
+                c += 8
+        while c < c_end:
             s = c * chunk
             cnt = min(s + chunk, n) - s
             if mode == 0:
@@ -756,14 +846,21 @@ def _nb_chunk_squares(
             for k in range(full, cnt):
                 v = f64(src[k])
                 acc += v * v
-            r = np.sqrt(acc)
-            q = r * r
-            if q < np.inf:  # finite (q >= 0; NaN compares false)
-                big = q if q > big else big
-                out[c] = f32(q if q < top else top)
-            else:
-                out[c] = f32(np.nan)
+            big = _nb_square_out(acc, top, out, c, big)
+            c += 1
         largest[item] = big
+
+
+def _nb_square_out(acc: Any, top: Any, out: Any, c: Any, big: Any) -> Any:
+    # out[c] from chunk c's float64 sum of squares acc (see _nb_chunk_squares); returns the
+    # largest finite q so far
+    r = np.sqrt(acc)
+    q = r * r
+    if q < np.inf:  # finite (q >= 0; NaN compares false)
+        out[c] = f32(q if q < top else top)
+        return q if q > big else big
+    out[c] = f32(np.nan)
+    return big
 
 
 def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
@@ -789,7 +886,7 @@ _SHARED = ("_nb_noise_start", "_nb_draw")
 _HELPERS = (
     "_nb_mix", "_nb_word", "_nb_keys_max", "_nb_fwht_cols", "_nb_fwht", "_nb_flip",
     "_nb_load_signed", "_nb_load_rotate", "_nb_peak", "_nb_step", "_nb_code", "_nb_quant_draws",
-    "_nb_quant",
+    "_nb_quant", "_nb_square_out",
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
@@ -805,6 +902,7 @@ def build() -> dict[str, Callable[..., Any]]:
     module = globals()
     module["prange"] = numba.prange
     module.update(_vector_kernels(numba))
+    module["_sq8"] = _square_sums8(numba)
     opts: dict[str, Any] = {"cache": True, "fastmath": False, "error_model": "numpy"}
     for name in _SHARED:
         func = getattr(numba_cpu, name)
