@@ -280,7 +280,9 @@ def test_float16_values_saturate_for_large_float32_input() -> None:
 
 # ---------------------------------------------------------------------- the shared sample
 @pytest.mark.parametrize(
-    ("d", "k"), [(1, 1), (7, 3), (100, 50), (1000, 10), (5000, 2600), (100, 99), (1 << 20, 9000)]
+    ("d", "k"),
+    [(1, 1), (7, 3), (100, 50), (1000, 10), (5000, 2600), (100, 99), (1 << 20, 9000),
+     (4096, 4095), (640, 320)],  # words of 0-64 bits: the walk's four slots and its loop
 )
 def test_sampler_kernel_matches_torch(d: int, k: int) -> None:
     """The numba kernel and the torch path keep the same first k distinct draws."""
