@@ -1670,13 +1670,6 @@ def _nb_lowrank_left(
                 q[c0 + j, k] = acc[k, j]
 
 
-# bit position of a power of two p: _DEBRUIJN_POS[(p * _DEBRUIJN) >> 58]
-_DEBRUIJN = u64(0x03F79D71B4CB0A89)
-_DEBRUIJN_POS = np.zeros(64, np.int64)
-for _i in range(64):
-    _DEBRUIJN_POS[((0x03F79D71B4CB0A89 << _i) & (2**64 - 1)) >> 58] = _i
-
-
 def _nb_prefetch(arr: Any, i: Any) -> None:
     # replaced in _build() by a prefetch of arr[i] into the cache (a hint: no effect on
     # results), or by a no-op where numba cannot emit one

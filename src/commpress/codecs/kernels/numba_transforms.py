@@ -59,7 +59,7 @@ f32 = np.float32
 f64 = np.float64
 _BF16_MAX = f32(torch.finfo(torch.bfloat16).max)
 prange = range  # replaced by numba.prange in build()
-_sq8: Any = None  # replaced by _square_sums8(numba) in build()
+_sq8: Any = None  # replaced by _square_sums8() in build()
 
 
 # ---------------------------------------------------------------------- torch-side generator
@@ -390,7 +390,7 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
     }
 
 
-def _square_sums8(numba: Any) -> Any:
+def _square_sums8() -> Any:
     """TopKC's intrinsic ``(src, start, chunk, totals)``: ``totals[c]`` = the float64 sum of
     squares of the ``chunk`` values from ``start + c * chunk`` of ``src`` (float32, or
     bfloat16 bits as uint16, widened ``bits << 16``), for eight chunks ``c`` at once;
@@ -920,7 +920,7 @@ def build() -> dict[str, Callable[..., Any]]:
     module = globals()
     module["prange"] = numba.prange
     module.update(_vector_kernels(numba))
-    module["_sq8"] = _square_sums8(numba)
+    module["_sq8"] = _square_sums8()
     opts: dict[str, Any] = {"cache": True, "fastmath": False, "error_model": "numpy"}
     for name in _SHARED:
         func = getattr(numba_cpu, name)
