@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -258,6 +259,63 @@ def test_chunk_norms_match_float64_sums() -> None:
         finite = torch.isfinite(want)
         assert torch.equal(got[finite], want[finite].clamp(max=3e38).float())
         assert math.isclose(float(largest), float(want[finite].max()), rel_tol=1e-14)
+
+
+def _lane_order_squares(v: torch.Tensor, chunk: int) -> np.ndarray:
+    """The chunk kernel's stated sums in numpy: per chunk, eight float64 lanes (lane ``j``
+    adds the squares of elements ``8g + j`` in order), added in lane order from 0.0, then
+    the squares of the chunk's tail past its whole groups of eight, in order."""
+    x = v.double().numpy()
+    nchunks = -(-x.size // chunk)
+    x = np.concatenate([x, np.zeros(nchunks * chunk - x.size)]).reshape(nchunks, chunk)
+    full = chunk // 8 * 8
+    groups = x[:, :full].reshape(nchunks, chunk // 8, 8)
+    lanes = np.zeros((nchunks, 8))
+    for g in range(chunk // 8):
+        lanes = lanes + groups[:, g, :] * groups[:, g, :]
+    acc = np.zeros(nchunks)
+    for j in range(8):
+        acc = acc + lanes[:, j]
+    for k in range(full, chunk):
+        acc = acc + x[:, k] * x[:, k]
+    return acc
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 13, 64, 72, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_norms_follow_their_stated_order_with_any_thread_count(
+    chunk: int, dtype: torch.dtype
+) -> None:
+    # eight whole chunks at a time, a partial batch, a short last chunk, several work items
+    # (_ITEM values each), a NaN and an Inf chunk, values whose squares round
+    gen = torch.Generator().manual_seed(chunk)
+    n = 2 * kernels_extra._ITEM + 40 * chunk + 5
+    x = (torch.randn(n, generator=gen) * torch.exp(8 * torch.randn(n, generator=gen))).to(dtype)
+    x[3 * chunk + 1] = math.nan
+    x[11 * chunk] = math.inf
+    x[20 * chunk : 29 * chunk] = 0.0
+    sums = _lane_order_squares(x, chunk)
+    q = np.sqrt(sums) ** 2
+    finite = np.isfinite(q)
+    want = np.where(finite, np.minimum(q, 3e38), np.nan).astype(np.float32)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, max(2, threads)):
+            torch.set_num_threads(count)
+            got, largest = kernels_extra.chunk_norms(x, chunk, 3e38)
+            assert _same(got, torch.from_numpy(want)), count
+            assert float(largest) == float(q[finite].max()), count
+    finally:
+        torch.set_num_threads(threads)
+    # the float64 sums themselves (the float32 norms rarely show their order): the largest
+    # chunk's, exactly, with each of 24 chunks made the largest in turn
+    y = x[: 24 * chunk].nan_to_num(0.0, 0.0, 0.0)
+    for i in range(24):
+        z = y.clone()
+        z[i * chunk : (i + 1) * chunk] *= 64
+        sums = _lane_order_squares(z, chunk)
+        _, largest = kernels_extra.chunk_norms(z, chunk, 3e38)
+        assert float(largest) == float(np.sqrt(sums.max()) ** 2), i
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -280,7 +280,9 @@ def test_float16_values_saturate_for_large_float32_input() -> None:
 
 # ---------------------------------------------------------------------- the shared sample
 @pytest.mark.parametrize(
-    ("d", "k"), [(1, 1), (7, 3), (100, 50), (1000, 10), (5000, 2600), (100, 99), (1 << 20, 9000)]
+    ("d", "k"),
+    [(1, 1), (7, 3), (100, 50), (1000, 10), (5000, 2600), (100, 99), (1 << 20, 9000),
+     (4096, 4095), (640, 320)],  # words of 0-64 bits: the walk's four slots and its loop
 )
 def test_sampler_kernel_matches_torch(d: int, k: int) -> None:
     """The numba kernel and the torch path keep the same first k distinct draws."""
@@ -415,3 +417,20 @@ def test_sampler_kernel_leaves_its_bitmaps_clean() -> None:
         got = kernels.first_distinct(draws, k, d)
         want = first_distinct_torch(draws, k)
         assert got is not None and want is not None and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_narrowing_equals_the_saturating_cast(dtype: torch.dtype) -> None:
+    """Random-K's decode cast (a clamp and a cast when every value is finite) gives the bits
+    of ``saturating_cast``, with and without infinities or NaN among the values."""
+    from commpress.codecs.base import saturating_cast
+    from commpress.codecs.randomk import _narrow
+
+    special = torch.tensor(
+        [0.0, -0.0, 1e-40, -3.0e-39, 65504.0, 65520.0, -7e4, 3.39e38, 3.4e38, -3.4e38, 1.5]
+    )
+    base = torch.cat([special, gaussian(1000, seed=4) * 1e5])
+    inf, nan = float("inf"), float("nan")
+    for extra in ([], [inf], [-inf], [nan], [inf, nan]):
+        v = torch.cat([base, torch.tensor(extra, dtype=torch.float32)])
+        assert torch.equal(_bits(_narrow(v, dtype)), _bits(saturating_cast(v, dtype))), extra

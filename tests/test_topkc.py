@@ -423,3 +423,26 @@ def test_scale_values_without_scaling_is_the_scaled_cast(
     assert torch.equal(got.view(bits), want.view(bits))
     scaled = scale_values(v, dst, torch.tensor(3))  # the general path, for comparison
     assert torch.equal(scaled.view(bits), (v.to(torch.float32) * 0.125).to(dst).view(bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("value_dtype", ["float16", "bfloat16"])
+def test_payloads_and_decodings_do_not_share_the_scratch_buffer(
+    dtype: torch.dtype, value_dtype: str
+) -> None:
+    """The chosen values are gathered (encode) and cast (decode) through the thread's
+    scratch buffer: a payload or an output kept from one call must not change when later
+    calls reuse that buffer."""
+    codec = topkc(value_dtype=value_dtype, chunk_ratio=0.25)
+    first = (gaussian(4099, seed=1) * 3).to(dtype)
+    payload = codec.encode(first)
+    kept = {name: part.clone() for name, part in payload.parts.items()}
+    decoded = codec.decode(payload)
+    kept_decoded = decoded.clone()
+    for seed in (2, 3):
+        other = codec.encode((gaussian(4099, seed=seed) * 7).to(dtype))
+        codec.decode(other)
+    for name, part in payload.parts.items():
+        assert torch.equal(part, kept[name]), name
+    assert torch.equal(decoded, kept_decoded)
+    assert torch.equal(codec.decode(payload), kept_decoded)

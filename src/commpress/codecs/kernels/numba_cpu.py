@@ -95,6 +95,8 @@ _F16_TINY = f32(2.0**-24)  # float16's smallest subnormal
 prange = range  # replaced by numba.prange in _build()
 _vsum_sq: Any = None  # replaced by _vector_lane_sum(True) in _build()
 _vsum_abs: Any = None  # replaced by _vector_lane_sum(False) in _build()
+_nb_tz: Any = None  # replaced by _bit_counts() in _build()
+_nb_popcount: Any = None  # replaced by _bit_counts() in _build()
 
 # Inputs and outputs of every kernel below come as ``(xf, x16, mode)`` / ``(outf, out16,
 # omode)``: mode 0 is a float32 array ``xf`` (``x16`` a dummy), mode 1 bfloat16 and mode 2
@@ -1668,21 +1670,17 @@ def _nb_lowrank_left(
                 q[c0 + j, k] = acc[k, j]
 
 
-# bit position of a power of two p: _DEBRUIJN_POS[(p * _DEBRUIJN) >> 58]
-_DEBRUIJN = u64(0x03F79D71B4CB0A89)
-_DEBRUIJN_POS = np.zeros(64, np.int64)
-for _i in range(64):
-    _DEBRUIJN_POS[((0x03F79D71B4CB0A89 << _i) & (2**64 - 1)) >> 58] = _i
-
-
 def _nb_prefetch(arr: Any, i: Any) -> None:
     # replaced in _build() by a prefetch of arr[i] into the cache (a hint: no effect on
     # results), or by a no-op where numba cannot emit one
     pass
 
 
-#: draws ahead whose bitmap word _nb_first_distinct prefetches
-_LOOKAHEAD = 24
+#: draws ahead whose bitmap word _nb_first_distinct prefetches (and values ahead whose line
+#: _nb_spread prefetches): 24 left most of a cold bitmap's misses exposed (the bitmap is out
+#: of cache after a pass over the tensor; 96: Random-K's sampler 2.9 -> 2.1 ms for 32 M
+#: coordinates, one thread)
+_LOOKAHEAD = 96
 
 
 def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any, bitmap: Any, summary: Any) -> Any:
@@ -1693,7 +1691,7 @@ def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any, bitmap: Any, summar
     # probes of the bitmap (4 MB for 32 M coordinates, out of cache after a pass over the
     # tensor) are prefetched a few draws ahead: they missed the cache at every draw.
     # A draw outside [0, d) stops the walk (the bitmap is still cleared below, so the kept
-    # buffers stay clean for later calls) and is reported as -1.
+    # buffers stay clean for later calls) and is reported as -1. out has k + 4 entries.
     count = 0
     bad = False
     for i in range(draws.size):
@@ -1714,6 +1712,10 @@ def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any, bitmap: Any, summar
             count += 1
             if count == k:
                 break
+    # the sorted walk: each marked word's bits written through four unconditional slots
+    # (out has four spare entries: slots past the word's bits are overwritten by the next
+    # word's) and a loop for a fifth bit on, with count-trailing-zeros: a data-dependent
+    # branch per bit (about one word in three has more than one) cost half the walk
     j = 0
     for s in range((d + 4095) // 4096):
         marks = summary[s]
@@ -1721,17 +1723,28 @@ def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any, bitmap: Any, summar
             continue
         summary[s] = u64(0)
         while marks:
-            low = marks & (~marks + u64(1))  # lowest set bit
-            marks ^= low
-            w = s * 64 + _DEBRUIJN_POS[(low * _DEBRUIJN) >> u64(58)]
+            w = s * 64 + np.int64(_nb_tz(marks))
+            marks &= marks - u64(1)
             word = bitmap[w]
             bitmap[w] = u64(0)
+            base = w * 64
+            bits = np.int64(_nb_popcount(word))
+            if j + bits + 4 > out.size:  # only if the bitmaps came dirty
+                while word:
+                    if j < out.size:
+                        out[j] = base + np.int64(_nb_tz(word))
+                    word &= word - u64(1)
+                    j += 1
+                continue
+            for slot in range(4):
+                out[j + slot] = base + np.int64(_nb_tz(word))
+                word &= word - u64(1)
+            at = j + 4
             while word:
-                lowest = word & (~word + u64(1))
-                word ^= lowest
-                if j < out.size:
-                    out[j] = w * 64 + _DEBRUIJN_POS[(lowest * _DEBRUIJN) >> u64(58)]
-                j += 1
+                out[at] = base + np.int64(_nb_tz(word))
+                word &= word - u64(1)
+                at += 1
+            j += bits
     return -1 if bad else count
 
 
@@ -1898,6 +1911,34 @@ def _start_threads() -> None:
             torch.set_num_threads(threads)
 
 
+def _bit_counts() -> tuple[Any, Any]:
+    """numba intrinsics ``tz(w)`` (trailing zeros of a uint64, 64 for 0: LLVM's ``cttz``
+    with a defined zero) and ``popcount(w)`` (LLVM's ``ctpop``), both uint64, for Random-K's
+    sampler walk."""
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    i64t = ir.IntType(64)
+
+    def unary(name: str, extra: list[Any]) -> Any:
+        @intrinsic
+        def op(typingctx: Any, word: Any) -> Any:
+            if word != types.uint64:
+                return None
+
+            def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+                fnty = ir.FunctionType(i64t, [i64t] + [c.type for c in extra])
+                fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+                return builder.call(fn, [args[0], *extra])
+
+            return types.uint64(word), codegen
+
+        return op
+
+    return unary("llvm.cttz.i64", [ir.Constant(ir.IntType(1), 0)]), unary("llvm.ctpop.i64", [])
+
+
 def _prefetcher() -> Any:
     """A numba intrinsic ``prefetch(arr, i)``: LLVM's prefetch of ``arr[i]`` for reading
     into every cache level (a hint; results never depend on it), or a jitted no-op where
@@ -1994,6 +2035,7 @@ def _build() -> dict[str, Callable[..., Any]]:
     module = globals()
     module["prange"] = numba.prange
     module["_nb_prefetch"] = _prefetcher()
+    module["_nb_tz"], module["_nb_popcount"] = _bit_counts()
     module["_vsum_sq"] = _vector_lane_sum(True)
     module["_vsum_abs"] = _vector_lane_sum(False)
     for name in _HELPERS:
@@ -2385,7 +2427,7 @@ class NumbaKernels:
 
     def first_distinct(self, draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
         """See :func:`commpress.codecs.kernels.first_distinct`."""
-        out = torch.empty(k, dtype=torch.int64)
+        out = torch.empty(k + 4, dtype=torch.int64)  # 4 spare slots for the walk's writes
         with _launch():
             bitmap, summary = _sampler_bitmaps(d)
             found = self["first_distinct"](
@@ -2393,7 +2435,7 @@ class NumbaKernels:
             )
         if found < 0:
             raise CommpressError(f"first_distinct: a draw lies outside [0, {d})")
-        return out if found >= k else None
+        return out[:k] if found >= k else None
 
     def gather_finite(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """See :func:`commpress.codecs.kernels.gather_finite`."""

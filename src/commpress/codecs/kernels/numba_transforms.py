@@ -59,6 +59,7 @@ f32 = np.float32
 f64 = np.float64
 _BF16_MAX = f32(torch.finfo(torch.bfloat16).max)
 prange = range  # replaced by numba.prange in build()
+_sq8: Any = None  # replaced by _square_sums8() in build()
 
 
 # ---------------------------------------------------------------------- torch-side generator
@@ -389,6 +390,80 @@ def _vector_kernels(numba: Any) -> dict[str, Any]:
     }
 
 
+def _square_sums8() -> Any:
+    """TopKC's intrinsic ``(src, start, chunk, totals)``: ``totals[c]`` = the float64 sum of
+    squares of the ``chunk`` values from ``start + c * chunk`` of ``src`` (float32, or
+    bfloat16 bits as uint16, widened ``bits << 16``), for eight chunks ``c`` at once;
+    ``chunk`` is a multiple of 8. Each chunk's squares go to eight lanes (lane ``j``:
+    elements ``8g + j``, in order) held in one ``<8 x double>``, and the lanes are then added
+    in lane order from 0.0, as ``numba_cpu._vsum_sq`` and ``_nb_lane_total`` do: the same
+    operations in the same order (no fused multiply-add, no reassociation). The eight chunks'
+    lane vectors are independent chains, and their lane-order totals are vertical adds of
+    the transposed lanes (numba computed one chunk at a time, a serial chain per chunk)."""
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    f32x8 = ir.VectorType(ir.FloatType(), 8)
+    f64x8 = ir.VectorType(ir.DoubleType(), 8)
+    i32 = ir.IntType(32)
+
+    @intrinsic
+    def square_sums8(typingctx: Any, src: Any, start: Any, chunk: Any, totals: Any) -> Any:
+        if not (
+            isinstance(src, types.Array) and src.ndim == 1 and src.layout == "C"
+            and src.dtype in (types.float32, types.uint16)
+            and isinstance(start, types.Integer) and isinstance(chunk, types.Integer)
+            and isinstance(totals, types.Array) and totals.dtype == types.float64
+            and totals.layout == "C"
+        ):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            arr = context.make_array(sig.args[0])(context, builder, args[0])
+            first = context.cast(builder, args[1], sig.args[1], types.intp)
+            length = context.cast(builder, args[2], sig.args[2], types.intp)
+            out = context.make_array(sig.args[3])(context, builder, args[3])
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(f64x8, None))
+                    for _ in range(8)]
+            eight = ir.Constant(length.type, 8)
+            with cgutils.for_range(builder, builder.udiv(length, eight)) as loop:
+                offset = builder.add(first, builder.mul(loop.index, eight))
+                for c in range(8):
+                    at = builder.add(offset, builder.mul(length, ir.Constant(length.type, c)))
+                    ptr = builder.gep(arr.data, [at])
+                    if sig.args[0].dtype == types.float32:
+                        v = builder.load(builder.bitcast(ptr, f32x8.as_pointer()), align=4)
+                    else:
+                        bits = builder.load(
+                            builder.bitcast(ptr, ir.VectorType(ir.IntType(16), 8).as_pointer()),
+                            align=2,
+                        )
+                        wide = builder.shl(
+                            builder.zext(bits, ir.VectorType(i32, 8)),
+                            ir.Constant(ir.VectorType(i32, 8), [16] * 8),
+                        )
+                        v = builder.bitcast(wide, f32x8)
+                    d = builder.fpext(v, f64x8)
+                    builder.store(builder.fadd(builder.load(accs[c]), builder.fmul(d, d)),
+                                  accs[c])
+            lanes = [builder.load(a) for a in accs]
+            total = ir.Constant(f64x8, None)  # 0.0, then lane 0, 1, ..., 7 of every chunk
+            for j in range(8):
+                column = ir.Constant(f64x8, ir.Undefined)
+                for c in range(8):
+                    column = builder.insert_element(
+                        column, builder.extract_element(lanes[c], i32(j)), i32(c)
+                    )
+                total = builder.fadd(total, column)
+            builder.store(total, builder.bitcast(out.data, f64x8.as_pointer()), align=8)
+            return context.get_dummy_value()
+
+        return types.void(src, start, chunk, totals), codegen
+
+    return square_sums8
+
+
 def _nb_word(seed: Any, w: Any) -> Any:
     return _nb_mix(seed + u64(w + 1) * u64(_GAMMA))
 
@@ -582,19 +657,22 @@ def _nb_code(v: Any, u: Any, step: Any, top: Any) -> Any:
 
 def _nb_quant(
     buf: Any, start: Any, step: Any, levels: Any, nmode: Any, seed: Any, noise: Any,
-    codes: Any,
+    codes: Any, bounded: Any = False,
 ) -> None:
     # codes[start + k] = clamp(floor(buf[k] / step + u), -L, L), non-finite -> 0; u of
     # coordinate start + k: nmode 1 QSGD's and TernGrad's generator (numba_cpu._nb_draw,
     # drawn in the loop that uses it, split where the span crosses a multiple of 2^32: the
-    # generator's key block), nmode 2 noise[start + k]
+    # generator's key block), nmode 2 noise[start + k]. bounded: the caller knows that
+    # every |buf[k]| <= L * step with 0 < step < inf (_nb_quant_bounded: the same codes)
     m = buf.size
     dst = codes[start : start + m]
     top = f32(levels)
     if nmode == 1:
         cut = min(m, (start | 0xFFFFFFFF) + 1 - start)
         y, khi = _nb_noise_start(seed, start)
-        if cut == m:
+        if cut == m and bounded:
+            _nb_quant_bounded(buf, y, khi, step, top, dst)
+        elif cut == m:
             _nb_quant_draws(buf, y, khi, step, top, dst)
         else:
             _nb_quant_draws(buf[:cut], y, khi, step, top, dst[:cut])
@@ -614,6 +692,20 @@ def _nb_quant_draws(buf: Any, y: Any, khi: Any, step: Any, top: Any, dst: Any) -
         u = _nb_draw(y, khi)
         y = u32(y + u32(0x9E3779B9))
         dst[k] = _nb_code(buf[k], u, step, top)
+
+
+def _nb_quant_bounded(buf: Any, y: Any, khi: Any, step: Any, top: Any, dst: Any) -> None:
+    # _nb_quant_draws for a block whose values are finite with |v| <= top * step, 0 < step <
+    # inf (step is the block's own range over L, rounded up): v / step is then finite and in
+    # [-L, L] (a division rounds monotonically and L is exact), so t = floor(v / step + u) is
+    # finite and >= -L; only t = L + 1 (v / step = L and u rounding the sum up) needs the
+    # clamp. The same codes as _nb_quant_draws without its finiteness select and lower clamp
+    # (3 of 23 vector instructions per 16 coordinates)
+    for k in range(buf.size):
+        u = _nb_draw(y, khi)
+        y = u32(y + u32(0x9E3779B9))
+        t = np.floor(buf[k] / step + u)
+        dst[k] = t if t < top else top
 
 
 def _nb_thc_encode(
@@ -636,8 +728,9 @@ def _nb_thc_encode(
             _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits, acc, words)
             rng = _nb_peak(acc, scratch)
             ranges[b] = rng
-            _nb_quant(buf, start, _nb_step(rng, levels, scratch), levels, nmode, seed, noise,
-                      codes)
+            step = _nb_step(rng, levels, scratch)
+            _nb_quant(buf, start, step, levels, nmode, seed, noise, codes,
+                      f32(0.0) < step and step < f32(np.inf))
 
 
 def _nb_thc_rotate(
@@ -725,16 +818,31 @@ def _nb_chunk_squares(
 ) -> None:
     # out[c] = float32(min(q, top)) with q = (sqrt(sum of squares of chunk c in float64))^2
     # (as torch's float64 vector_norm(...).square(), up to the summation order), NaN when q
-    # is not finite; largest[item] = the largest finite q of the item's chunks (0 if none)
+    # is not finite; largest[item] = the largest finite q of the item's chunks (0 if none).
+    # The squares go to eight float64 lanes (lane j: elements 8g + j, in order), added in
+    # lane order, then the chunk's tail: eight whole chunks at a time (_sq8, when the chunk
+    # is a multiple of 8), the others one at a time (the same sums).
     nchunks = out.size
     per = max(1, _ITEM // chunk)
     xf = xi.view(np.float32)
     for item in prange((nchunks + per - 1) // per):
-        wide = np.empty(chunk, np.uint32)
+        wide = np.empty(chunk if mode else 1, np.uint32)
         vals = wide.view(np.float32)
         lanes = np.empty(8, np.float64)
+        c = item * per
+        c_end = min((item + 1) * per, nchunks)
         big = 0.0
-        for c in range(item * per, min((item + 1) * per, nchunks)):
+        if chunk % 8 == 0:  # eight whole chunks at a time
+            batch_end = c + (min(c_end, n // chunk) - c) // 8 * 8
+            while c < batch_end:
+                if mode == 0:
+                    _sq8(xf, c * chunk, chunk, lanes)
+                else:
+                    _sq8(xb, c * chunk, chunk, lanes)
+                for k in range(8):
+                    big = _nb_square_out(lanes[k], top, out, c + k, big)
+                c += 8
+        while c < c_end:
             s = c * chunk
             cnt = min(s + chunk, n) - s
             if mode == 0:
@@ -756,14 +864,21 @@ def _nb_chunk_squares(
             for k in range(full, cnt):
                 v = f64(src[k])
                 acc += v * v
-            r = np.sqrt(acc)
-            q = r * r
-            if q < np.inf:  # finite (q >= 0; NaN compares false)
-                big = q if q > big else big
-                out[c] = f32(q if q < top else top)
-            else:
-                out[c] = f32(np.nan)
+            big = _nb_square_out(acc, top, out, c, big)
+            c += 1
         largest[item] = big
+
+
+def _nb_square_out(acc: Any, top: Any, out: Any, c: Any, big: Any) -> Any:
+    # out[c] from chunk c's float64 sum of squares acc (see _nb_chunk_squares); returns the
+    # largest finite q so far
+    r = np.sqrt(acc)
+    q = r * r
+    if q < np.inf:  # finite (q >= 0; NaN compares false)
+        out[c] = f32(q if q < top else top)
+        return q if q > big else big
+    out[c] = f32(np.nan)
+    return big
 
 
 def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
@@ -789,7 +904,7 @@ _SHARED = ("_nb_noise_start", "_nb_draw")
 _HELPERS = (
     "_nb_mix", "_nb_word", "_nb_keys_max", "_nb_fwht_cols", "_nb_fwht", "_nb_flip",
     "_nb_load_signed", "_nb_load_rotate", "_nb_peak", "_nb_step", "_nb_code", "_nb_quant_draws",
-    "_nb_quant",
+    "_nb_quant_bounded", "_nb_quant", "_nb_square_out",
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
@@ -805,6 +920,7 @@ def build() -> dict[str, Callable[..., Any]]:
     module = globals()
     module["prange"] = numba.prange
     module.update(_vector_kernels(numba))
+    module["_sq8"] = _square_sums8()
     opts: dict[str, Any] = {"cache": True, "fastmath": False, "error_model": "numpy"}
     for name in _SHARED:
         func = getattr(numba_cpu, name)
