@@ -92,7 +92,8 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
     laned = sum(b.lane is not None for b in state._buckets.values())
     return {"grads": grads, "stats": stats, "plans": plans, "replays": replays["n"],
             "fired": fired["n"],
-            "laned": laned, "errors": errors, "failed": state._failed is not None}
+            "laned": laned, "errors": errors, "failed": state._failed is not None,
+            "why": state._failed}
 
 
 def _pair(rank: int, world: int, codec: str, options: dict[str, Any],
@@ -151,6 +152,7 @@ def test_a_lane_fails_as_the_general_path_does() -> None:
         assert on["failed"] and off["failed"]
         assert [s for s, _ in on["errors"]] == [s for s, _ in off["errors"]] == [2, 3, 4]
         assert on["errors"][0][1] and off["errors"][0][1]  # step 2 names the injected error
+        assert on["why"] == off["why"] and "fp16.encode" in on["why"], (on["why"], off["why"])
         assert [s[5] for s in on["stats"]] == [s[5] for s in off["stats"]]
         assert [s[0] for s in on["stats"] if s[5]] == [2, 3, 4]
 

@@ -35,6 +35,7 @@ from commpress.codecs.base import (
 )
 from commpress.codecs.protocol import AllReduce, Bound, Protocol, Reduced
 from commpress.codecs.registry import register_codec
+from commpress.errors import error_context
 
 
 @register_codec
@@ -219,9 +220,12 @@ class _FloatCast(Codec):
         divide = ctx.world_size if ctx.average and ctx.world_size > 1 else 0
         # the payload of the summed reply, which the in-place sum leaves in ``wire``
         summed = self.make_payload(x, {"values": wire}).replace(summed=ctx.world_size)
+        # the cast fails as :meth:`encode` reports it (named after the codec's encode)
+        encoding = error_context(f"{self.codec_id}.encode")
 
         def encode(_: CodecContext) -> None:
-            _cast_into(x, wire, saturate=False)
+            with encoding:
+                _cast_into(x, wire, saturate=False)
             if divide:
                 wire.div_(divide)
 
