@@ -290,8 +290,9 @@ def _bound_worker(rank: int, world: int) -> dict[str, Any]:
                 want = when_settled(shot.futures(), lambda _, s=shot: s.finish().total).wait()
                 buf.copy_(x)
                 fut = fire(ex, bound, ctx(step))
-                nbytes = when_settled([fut], lambda _, f=fut, s=step: land(ex, bound, f, ctx(s))
-                                      ).wait()
+                nbytes = when_settled(
+                    [fut], lambda _, e=ex, b=bound, f=fut, s=step: land(e, b, f, ctx(s))
+                ).wait()
                 results.append((torch.equal(buf, want.reshape(buf.shape)),
                                 nbytes == want_ex.stats.get("wire_bytes", 0) > 0))
             out[name] = results
