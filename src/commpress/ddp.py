@@ -474,8 +474,10 @@ class _Lane:
     (:meth:`~commpress.collectives.engine.Route.bind`: the identity's plain sum, a 16-bit
     cast), the lane keeps that :class:`~commpress.codecs.protocol.Bound` and replays it with
     :func:`~commpress.collectives.driver.fire` and :func:`~commpress.collectives.driver.land`
-    while DDP hands over the same buffer memory; else, or for another buffer, it issues the
-    route's shot (:meth:`~commpress.collectives.engine.Route.shoot`).
+    on the buffer memory it is bound to; where DDP hands over other memory (its bucket rebuild
+    after the first step), the lane binds its reduction to that buffer anew (and lets the
+    old one go). Where no bound form applies, it issues the route's shot
+    (:meth:`~commpress.collectives.engine.Route.shoot`).
 
     Attributes:
         ids: the ids of the bucket's parameters, in bucket order.
@@ -485,7 +487,8 @@ class _Lane:
         tally: what the group adds to a step's record (its tensors, codecs and reasons).
         ex: the exchange the bound reduction runs over (its writable tensor: the buffer).
         bound: the reduction bound to the buffer, or ``None``.
-        ptr: the address of the buffer it is bound to.
+        ptr: the address of the buffer it is bound to (its shot's buffer when ``bound`` is
+            ``None``).
     """
 
     ids: tuple[int, ...]
