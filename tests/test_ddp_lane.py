@@ -73,6 +73,11 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
             for plan in state._buckets.values():
                 if plan.lane is not None:
                     plan.lane = dataclasses.replace(plan.lane, ptr=-1)
+        if step == 3 and where == "unbound":  # as if no bound form applied (a 16-bit
+            # bucket sent with its own dtype): the lanes issue their shots
+            for plan in state._buckets.values():
+                if plan.lane is not None:
+                    plan.lane = dataclasses.replace(plan.lane, bound=None)
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
         model.zero_grad(set_to_none=True)
         try:
@@ -190,6 +195,17 @@ def test_a_lane_whose_buffer_moved_is_bound_to_the_new_one() -> None:
     for r in run_workers(_pair, 2, "fp16", {}, None, "moved", timeout=240):
         on, off = r["on"], r["off"]
         assert on["laned"] >= 2 and on["replays"] == on["fired"] > 0, on
+        assert on["stats"] == off["stats"] and on["plans"] == off["plans"]
+        for g_on, g_off in zip(on["grads"], off["grads"], strict=True):
+            assert torch.equal(g_on, g_off)
+
+
+def test_a_lane_without_a_bound_reduction_issues_its_shot() -> None:
+    """From step 3 the lanes have no bound reduction: they replay by their shots, with the
+    same results, stats and plans."""
+    for r in run_workers(_pair, 2, "fp16", {}, None, "unbound", timeout=240):
+        on, off = r["on"], r["off"]
+        assert on["laned"] >= 2 and on["replays"] > on["fired"] > 0, on
         assert on["stats"] == off["stats"] and on["plans"] == off["plans"]
         for g_on, g_off in zip(on["grads"], off["grads"], strict=True):
             assert torch.equal(g_on, g_off)
