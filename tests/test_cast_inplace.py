@@ -194,3 +194,48 @@ def test_encode_scratch_is_ignored_by_codecs_without_encodes_into() -> None:
     payload = codec.encode(x, scratch=pool)
     assert pool == {}
     assert torch.equal(payload.parts["codes"], codec.encode(x).parts["codes"])
+
+
+def _scaled_fp16() -> Any:
+    """A cast that sends ``2 x`` in float16 and halves the sum (a user's subclass of Fp16,
+    not registered)."""
+    from dataclasses import dataclass
+
+    from commpress.codecs.cast import Fp16
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Scaled(Fp16):
+        def _encode(self, x: torch.Tensor, ctx: CodecContext,
+                    scratch: dict[str, torch.Tensor] | None = None) -> Any:
+            return self.make_payload(x, {"values": (x.reshape(-1) * 2).to(self.wire_dtype)})
+
+        def _decode(self, payload: Any, ctx: CodecContext,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+            half = Fp16._decode(self, payload, ctx, out) / 2
+            return out.copy_(half) if out is not None else half
+
+    return Scaled()
+
+
+@pytest.mark.parametrize("which", ["fp16", "bf16", "scaled fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_a_bound_cast_sends_what_its_protocol_requests(which: str, dtype: torch.dtype) -> None:
+    """``bind``'s encode writes into its wire buffer what the codec's own ``reduce`` asks to
+    all-reduce (bit for bit); a codec whose encoding differs from the plain cast (a subclass)
+    or an input already of the wire dtype has no bound form."""
+    codec = _scaled_fp16() if which == "scaled fp16" else get_codec(which)
+    x = _inputs(dtype)[1].reshape(-1)
+    ctx = CodecContext(rank=1, world_size=WORLD, key="k", need_local=False, average=True)
+    bound = codec.bind(x, ctx, out=x, scratch={})
+    if which == "scaled fp16" or dtype == codec.wire_dtype:
+        assert bound is None
+        return
+    assert bound is not None
+    gen = codec.reduce(x.clone(), ctx, out=x.clone(), scratch={})
+    request = next(gen)
+    gen.close()
+    assert isinstance(request, AllReduce) and not request.saturate
+    bound.encode(ctx)
+    want = request.tensors["values"]
+    assert bound.wire.dtype == want.dtype and bound.wire_bytes == request.wire_bytes
+    assert bound.wire.view(torch.int16).equal(want.reshape(-1).view(torch.int16))

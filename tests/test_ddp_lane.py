@@ -73,6 +73,11 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
             for plan in state._buckets.values():
                 if plan.lane is not None:
                     plan.lane = dataclasses.replace(plan.lane, ptr=-1)
+        if step == 3 and where == "unbound":  # as if no bound form applied (a 16-bit
+            # bucket sent with its own dtype): the lanes issue their shots
+            for plan in state._buckets.values():
+                if plan.lane is not None:
+                    plan.lane = dataclasses.replace(plan.lane, bound=None)
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
         model.zero_grad(set_to_none=True)
         try:
@@ -92,7 +97,8 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
     laned = sum(b.lane is not None for b in state._buckets.values())
     return {"grads": grads, "stats": stats, "plans": plans, "replays": replays["n"],
             "fired": fired["n"],
-            "laned": laned, "errors": errors, "failed": state._failed is not None}
+            "laned": laned, "errors": errors, "failed": state._failed is not None,
+            "why": state._failed}
 
 
 def _pair(rank: int, world: int, codec: str, options: dict[str, Any],
@@ -151,6 +157,7 @@ def test_a_lane_fails_as_the_general_path_does() -> None:
         assert on["failed"] and off["failed"]
         assert [s for s, _ in on["errors"]] == [s for s, _ in off["errors"]] == [2, 3, 4]
         assert on["errors"][0][1] and off["errors"][0][1]  # step 2 names the injected error
+        assert on["why"] == off["why"] and "fp16.encode" in on["why"], (on["why"], off["why"])
         assert [s[5] for s in on["stats"]] == [s[5] for s in off["stats"]]
         assert [s[0] for s in on["stats"] if s[5]] == [2, 3, 4]
 
@@ -181,12 +188,72 @@ def test_new_parameter_names_replan_buckets_with_lanes_as_without() -> None:
             assert torch.equal(g_on, g_off)
 
 
-def test_a_lane_whose_buffer_moved_issues_its_shot_instead() -> None:
+def test_a_lane_whose_buffer_moved_is_bound_to_the_new_one() -> None:
     """From step 3 the lanes' buffers are elsewhere (as DDP would hand over new memory): the
-    lanes replay by their shots, with the same results, stats and plans."""
+    lanes bind their reductions to the new buffers and replay them, with the same results,
+    stats and plans."""
     for r in run_workers(_pair, 2, "fp16", {}, None, "moved", timeout=240):
+        on, off = r["on"], r["off"]
+        assert on["laned"] >= 2 and on["replays"] == on["fired"] > 0, on
+        assert on["stats"] == off["stats"] and on["plans"] == off["plans"]
+        for g_on, g_off in zip(on["grads"], off["grads"], strict=True):
+            assert torch.equal(g_on, g_off)
+
+
+def test_a_lane_without_a_bound_reduction_issues_its_shot() -> None:
+    """From step 3 the lanes have no bound reduction: they replay by their shots, with the
+    same results, stats and plans."""
+    for r in run_workers(_pair, 2, "fp16", {}, None, "unbound", timeout=240):
         on, off = r["on"], r["off"]
         assert on["laned"] >= 2 and on["replays"] > on["fired"] > 0, on
         assert on["stats"] == off["stats"] and on["plans"] == off["plans"]
         for g_on, g_off in zip(on["grads"], off["grads"], strict=True):
             assert torch.equal(g_on, g_off)
+
+
+def _rebuilt(rank: int, world: int, codec: str) -> dict[str, Any]:
+    """A DDP model of one parameter: DDP's bucket rebuild after the first step hands over a
+    new buffer holding the same parameter (the bucket's plan and lane stay)."""
+    from commpress import ddp as hook
+
+    fired, buffers = {"n": 0}, []
+    real_fire, real_replay = hook.fire, hook._replay
+
+    def fire(*args: Any) -> Any:
+        fired["n"] += 1
+        return real_fire(*args)
+
+    def replay(*args: Any) -> Any:
+        buffers.append(args[3].data_ptr())
+        return real_replay(*args)
+
+    hook.fire, hook._replay = fire, replay  # type: ignore[assignment]
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(16, 64, bias=False))
+    state = commpress.ddp.register(model, codec)
+    grads = []
+    try:
+        for step in range(STEPS):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            grads.append(model.module.weight.grad.clone())
+    finally:
+        hook.fire, hook._replay = real_fire, real_replay  # type: ignore[assignment]
+    lane = state._buckets[0].lane
+    assert lane is not None
+    return {"fired": fired["n"], "moved": buffers[0] != buffers[-1],
+            "ptr": lane.ptr == buffers[-1], "grads": grads}
+
+
+@pytest.mark.parametrize("codec", ["fp16", "identity"])
+def test_a_lane_follows_the_buffer_ddp_rebuilt(codec: str) -> None:
+    """The buffer DDP hands over from the second step on is the one the lane's reduction is
+    bound to and replays (not the first step's, which the lane would otherwise keep alive
+    while issuing shots), with the same gradients on every rank."""
+    a, b = run_workers(_rebuilt, 2, codec, timeout=240)
+    for r in (a, b):
+        assert r["moved"], "DDP kept its first buffer: the test no longer moves it"
+        assert r["ptr"] and r["fired"] == STEPS - 1, r
+    for g_a, g_b in zip(a["grads"], b["grads"], strict=True):
+        assert torch.equal(g_a, g_b)

@@ -11,6 +11,7 @@ that adds in the ring's documented order.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -290,8 +291,9 @@ def _bound_worker(rank: int, world: int) -> dict[str, Any]:
                 want = when_settled(shot.futures(), lambda _, s=shot: s.finish().total).wait()
                 buf.copy_(x)
                 fut = fire(ex, bound, ctx(step))
-                nbytes = when_settled([fut], lambda _, f=fut, s=step: land(ex, bound, f, ctx(s))
-                                      ).wait()
+                nbytes = when_settled(
+                    [fut], lambda _, e=ex, b=bound, f=fut, s=step: land(e, b, f, ctx(s))
+                ).wait()
                 results.append((torch.equal(buf, want.reshape(buf.shape)),
                                 nbytes == want_ex.stats.get("wire_bytes", 0) > 0))
             out[name] = results
@@ -325,3 +327,45 @@ def test_bound_reductions_give_the_shots_results(world: int) -> None:
             for step, (same, counted) in enumerate(results):
                 assert same, f"rank {rank}: {name} step {step} differs from the shot"
                 assert counted, f"rank {rank}: {name} step {step} counts other wire bytes"
+
+
+class _FailedWork:
+    """A work whose future failed as gloo's does when a peer is gone."""
+
+    def __init__(self, message: str) -> None:
+        self.fut: torch.futures.Future[Any] = torch.futures.Future()
+        self.fut.set_exception(RuntimeError(message))
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self.fut
+
+
+@pytest.mark.parametrize("message", ["Connection closed by peer [127.0.0.1]:1234",
+                                     "Timed out waiting 3000ms for recv operation",
+                                     "Received data size doesn't match", "something else"])
+def test_a_bound_reductions_failure_is_the_shots(message: str) -> None:
+    """``land`` raises a failed collective as a shot's wait (``Wait.completed``) does: the
+    same error type and message, and nothing decoded into the output."""
+    from commpress.codecs import get_codec
+    from commpress.collectives.driver import Exchange, Pending, Wait, land
+    from commpress.errors import ExchangeError
+
+    ex = Exchange(None, 0, 2, label="DDP bucket 0", _backend="gloo")
+    x = torch.full((8,), 3.0)
+    ex.writable = x
+    ctx = CodecContext(rank=0, world_size=2, key="k", need_local=False, average=True)
+    bound = get_codec("fp16").bind(x, ctx, out=x, scratch={})
+    assert bound is not None
+    work = _FailedWork(message)
+    with pytest.raises(ExchangeError) as shot_error:
+        Wait(ex, Pending([work], "round 0 (all-reduce)", True), True).completed()
+    with pytest.raises(ExchangeError) as bound_error:
+        land(ex, bound, work.fut, ctx)
+    assert type(bound_error.value) is type(shot_error.value)
+    # the same message but for the seconds elapsed (a loaded machine may stall either)
+    def text(e: BaseException) -> str:
+        return re.sub(r"after [0-9.]+s", "after Ts", str(e))
+
+    assert text(bound_error.value) == text(shot_error.value)
+    assert "round 0 (all-reduce) failed on rank 0 of 2 after" in str(bound_error.value)
+    assert torch.equal(x, torch.full((8,), 3.0))

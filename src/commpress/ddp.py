@@ -474,8 +474,10 @@ class _Lane:
     (:meth:`~commpress.collectives.engine.Route.bind`: the identity's plain sum, a 16-bit
     cast), the lane keeps that :class:`~commpress.codecs.protocol.Bound` and replays it with
     :func:`~commpress.collectives.driver.fire` and :func:`~commpress.collectives.driver.land`
-    while DDP hands over the same buffer memory; else, or for another buffer, it issues the
-    route's shot (:meth:`~commpress.collectives.engine.Route.shoot`).
+    on the buffer memory it is bound to; where DDP hands over other memory (its bucket rebuild
+    after the first step), the lane binds its reduction to that buffer anew (and lets the
+    old one go). Where no bound form applies, it issues the route's shot
+    (:meth:`~commpress.collectives.engine.Route.shoot`).
 
     Attributes:
         ids: the ids of the bucket's parameters, in bucket order.
@@ -485,7 +487,8 @@ class _Lane:
         tally: what the group adds to a step's record (its tensors, codecs and reasons).
         ex: the exchange the bound reduction runs over (its writable tensor: the buffer).
         bound: the reduction bound to the buffer, or ``None``.
-        ptr: the address of the buffer it is bound to.
+        ptr: the address of the buffer it is bound to (its shot's buffer when ``bound`` is
+            ``None``).
     """
 
     ids: tuple[int, ...]
@@ -524,14 +527,30 @@ def _lane_of(
         return None
     key = bucket.dense[0][1]
     scratch = state._scratch.setdefault(key, {})
-    lane_ex = _exchange(state, bucket_index)
-    lane_ex.writable = whole
-    bound = route.bind(lane_ex, codec, whole, _lane_context(lane_ex, key, plans[0].step),
-                       out=whole, scratch=scratch)
+    lane_ex, bound = _bind(state, codec, key, scratch, whole, bucket_index, plans[0].step)
     return _Lane(
         ids, tuple(p.key for p in plans), key, scratch, state.tally(plans), lane_ex, bound,
         whole.data_ptr(),
     )
+
+
+def _bind(
+    state: DDPCompressionState,
+    codec: Codec,
+    key: str,
+    scratch: dict[str, torch.Tensor],
+    buffer: torch.Tensor,
+    bucket_index: int,
+    step: int,
+) -> tuple[Exchange, Bound | None]:
+    """A lane's exchange over ``buffer`` (its writable tensor) and its reduction bound to
+    ``buffer`` (:meth:`~commpress.collectives.engine.Route.bind`), or ``None`` where none
+    applies."""
+    ex = _exchange(state, bucket_index)
+    ex.writable = buffer
+    bound = _route(state, ex).bind(ex, codec, buffer, _lane_context(ex, key, step),
+                                   out=buffer, scratch=scratch)
+    return ex, bound
 
 
 def _lane_context(ex: Exchange, key: str, step: int) -> CodecContext:
@@ -572,24 +591,29 @@ def _replay(
     ]
     codec = plans[0].codec
     what = f"DDP comm hook, bucket {bucket_index} at step {step}"
-    bound = lane.bound
-    issue: Callable[[], Any]
-    if bound is not None and buffer.data_ptr() == lane.ptr:
-        ex = lane.ex
-        ctx = _lane_context(ex, lane.key, step)
-        issue = partial(fire, ex, bound, ctx)
-    else:
-        ex = _exchange(state, bucket_index)
-        ex.writable = buffer
-        ctx = _lane_context(ex, lane.key, step)
-        route = _route(state, ex)
-
-        def issue() -> Shot | None:
-            # None (nothing issued) sends the bucket down the general path
-            return route.shoot(ex, codec, buffer, ctx, out=buffer, scratch=lane.scratch)
-
     try:
         with error_context(what):
+            if buffer.data_ptr() != lane.ptr:
+                # DDP hands over other memory (it rebuilds its buckets after the first step,
+                # with the same parameters in a bucket that holds one, say): the lane is bound
+                # to the new buffer, and lets the old one go
+                lane_ex, new = _bind(state, codec, lane.key, lane.scratch, buffer,
+                                     bucket_index, step)
+                lane = cached.lane = dataclasses.replace(lane, ex=lane_ex, bound=new,
+                                                         ptr=buffer.data_ptr())
+            bound = lane.bound
+            issue: Callable[[], Any]
+            if bound is not None:
+                ex = lane.ex
+                ctx = _lane_context(ex, lane.key, step)
+                issue = partial(fire, ex, bound, ctx)
+            else:
+                ex = _exchange(state, bucket_index)
+                ex.writable = buffer
+                ctx = _lane_context(ex, lane.key, step)
+                # None (nothing issued) sends the bucket down the general path
+                issue = partial(_route(state, ex).shoot, ex, codec, buffer, ctx, out=buffer,
+                                scratch=lane.scratch)
             ran, issued = q.run_if_idle(issue)
     except BaseException as exc:
         # as the general path: a failure before the collective is issued refuses later

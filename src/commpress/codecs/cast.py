@@ -35,6 +35,7 @@ from commpress.codecs.base import (
 )
 from commpress.codecs.protocol import AllReduce, Bound, Protocol, Reduced
 from commpress.codecs.registry import register_codec
+from commpress.errors import error_context
 
 
 @register_codec
@@ -209,19 +210,23 @@ class _FloatCast(Codec):
         the wire dtype and a contiguous ``out`` of its shape, dtype and device (it may be
         ``tensor``), without ``ctx.need_local``; ``None`` otherwise. ``encode`` casts into the
         kept wire buffer and divides it for a mean, ``decode`` is :meth:`_decode` of the summed
-        wire buffer into ``out``: the same calls as :meth:`reduce`."""
+        wire buffer into ``out``: the same calls as :meth:`reduce`. A subclass that changes
+        the encoding or the reduction (:data:`_BIND_REPLAYS`) gets ``None``."""
         if (ctx.need_local or tensor.dtype == self.wire_dtype or not out.is_contiguous()
                 or out.shape != tensor.shape or out.dtype != tensor.dtype
-                or out.device != tensor.device):
+                or out.device != tensor.device or not _binds_as_cast(type(self))):
             return None
         x = self.check_input(tensor)
         wire = self._scratch_buffer(scratch, x)
         divide = ctx.world_size if ctx.average and ctx.world_size > 1 else 0
         # the payload of the summed reply, which the in-place sum leaves in ``wire``
         summed = self.make_payload(x, {"values": wire}).replace(summed=ctx.world_size)
+        # the cast fails as :meth:`encode` reports it (named after the codec's encode)
+        encoding = error_context(f"{self.codec_id}.encode")
 
         def encode(_: CodecContext) -> None:
-            _cast_into(x, wire, saturate=False)
+            with encoding:
+                _cast_into(x, wire, saturate=False)
             if divide:
                 wire.div_(divide)
 
@@ -243,6 +248,16 @@ class _FloatCast(Codec):
     def _scratch(self, scratch: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """``x`` cast to the wire dtype, flat, in the buffer kept in ``scratch``."""
         return _cast_into(x, self._scratch_buffer(scratch, x), saturate=False)
+
+
+#: What :meth:`_FloatCast.bind` replays in place of :meth:`_FloatCast.reduce`'s encode.
+_BIND_REPLAYS = ("encode", "_encode", "_scratch", "_scratch_buffer", "reduce")
+
+
+def _binds_as_cast(cls: type[_FloatCast]) -> bool:
+    """Whether ``cls`` encodes and reduces as :class:`_FloatCast` does (a subclass that
+    changes the encoding, a scaled cast say, has no bound form: its own :meth:`reduce` runs)."""
+    return all(getattr(cls, name) is getattr(_FloatCast, name) for name in _BIND_REPLAYS)
 
 
 @register_codec
