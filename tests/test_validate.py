@@ -326,7 +326,7 @@ def test_quick_validation_on_the_emulated_cluster(tmp_path: Path) -> None:
         # The model with one fitted constant lands near every measurement; the full grid is
         # where the 10%/25% goal is judged. Here 12 steps per row on a shared machine: the fit
         # and holdout rows run minutes apart, and with two test suites on 2 cores (load 4-6) a
-        # row was seen 2.5-2.95x off its prediction, within 1.3x on a quiet machine. A factor
+        # row was seen 2.5-2.95x off its prediction (it passed at 2x when run alone). A factor
         # of 4 still catches a unit or model error (those are off by 10x or more).
         assert abs(math.log(r["predicted_s"] / r["measured_s"])) < math.log(4.0)
     assert (out / "validation.png").stat().st_size > 5000
