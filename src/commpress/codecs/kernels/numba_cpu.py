@@ -1170,7 +1170,7 @@ def _nb_qsgd_items(
                     break
                 src = x[s : min(s + chunk, x.size)]
                 lanes[:] = 0.0
-                _nb_lane_sum(src, True, lanes)
+                _vsum_sq(src, lanes)  # _nb_lane_sum's sums, without its call
                 stat[c + j] = _nb_norm_total(src, clamp, lanes)
                 invs[j] = _nb_stat_inv(stat[c + j], 0, levels)
             _nb_qsgd_window(x, w, chunk, invs, levels, seed, buf[w - a : we - a])
