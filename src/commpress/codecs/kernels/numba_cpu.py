@@ -1109,17 +1109,14 @@ def _nb_qsgd_run(x: Any, y: Any, khi: Any, chunk: Any, invs: Any, top: Any, dst:
     # across the chunks: one call for many short chunks. Each chunk is looped over as
     # slices from 0 (a loop from a variable start kept numba's negative-index check and
     # ran 4x slower)
-    j = 0
-    for s in range(0, x.size, chunk):
-        e = min(s + chunk, x.size)
-        src = x[s:e]
-        out = dst[s:e]
+    for j in range((x.size + chunk - 1) // chunk):
+        src = x[j * chunk : min((j + 1) * chunk, x.size)]
+        out = dst[j * chunk : min((j + 1) * chunk, x.size)]
         inv = invs[j]
         for k in range(src.size):
             u = _nb_draw(y, khi)
             y = u32(y + u32(0x9E3779B9))
             out[k] = _nb_qsgd_code(src[k], u, inv, top)
-        j += 1
 
 
 def _nb_qsgd_window(
@@ -1132,11 +1129,10 @@ def _nb_qsgd_window(
         y, khi = _nb_noise_start(seed, g)
         _nb_qsgd_run(x, y, khi, chunk, invs, f32(levels), dst)
         return
-    j = 0
-    for s in range(0, x.size, chunk):
-        e = min(s + chunk, x.size)
+    for j in range((x.size + chunk - 1) // chunk):
+        s, e = j * chunk, min((j + 1) * chunk, x.size)
+        # rmode 1 (drawn noise): its noise argument, here invs, is not read
         _nb_stoch_codes(x[s:e], g + s, invs[j], 0, levels, 1, seed, invs, dst[s:e])
-        j += 1
 
 
 def _nb_qsgd_items(
