@@ -162,6 +162,39 @@ def test_codes_across_a_key_block_boundary() -> None:
     assert np.array_equal(codes, want)
 
 
+@pytest.mark.parametrize("start", [0, BLOCK - 300, BLOCK - 512, BLOCK])
+def test_qsgd_window_codes_equal_the_per_chunk_codes(start: int) -> None:
+    """QSGD's encode codes a window of short chunks in one call (``_nb_qsgd_window``, its own
+    code formula and one noise key per window): its codes equal ``_nb_stoch_codes``' chunk
+    by chunk, inside a key block and across a multiple of 2^32 (inside a chunk and on a
+    chunk boundary), with zeros of both signs, NaNs, infinities and multipliers of 0 and
+    inf; and, across the boundary, the codes of the reference noise."""
+    from commpress.codecs.kernels import numba_cpu
+
+    assert kernels._load() is not None  # compiles the helpers
+    n, chunk, seed, levels = 2000, 512, 2**61 + 11, 127
+    x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    x[[3, 700, 1100]] = [np.nan, np.inf, -np.inf]
+    x[[4, 5, 1600]] = [0.0, -0.0, -np.float32(np.nan)]
+    invs = np.array([30.0, 0.0, np.inf, 7.5], np.float32)
+    codes = np.zeros(n, np.uint8)
+    numba_cpu._nb_qsgd_window(x, start, chunk, invs, levels, np.uint64(seed), codes)
+    want = np.zeros(n, np.uint8)
+    noise = np.zeros(1, np.float32)
+    for j, s in enumerate(range(0, n, chunk)):
+        e = min(s + chunk, n)
+        numba_cpu._nb_stoch_codes(x[s:e], start + s, invs[j], 0, levels, 1, np.uint64(seed),
+                                  noise, want[s:e])
+    assert np.array_equal(codes, want)
+    assert len(set(codes.tolist())) > 50  # the codes spread over the levels
+    if start == BLOCK - 300:
+        inv = np.repeat(invs, chunk)[:n]
+        with np.errstate(invalid="ignore"):
+            t = np.floor(np.abs(x) * inv + reference(seed, start, n))
+        t = np.clip(np.nan_to_num(t, nan=0.0), 0, levels)
+        assert np.array_equal(codes, np.where(x < 0, levels - t, levels + t).astype(np.uint8))
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # 0 / 0 of zero blocks, in numpy
 @pytest.mark.parametrize("spec", ["thc", "thc:block_log2=0", "thc:bits=2,block_log2=3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
