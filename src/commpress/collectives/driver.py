@@ -881,8 +881,7 @@ def bound_applies(bound: Bound, ex: Exchange) -> bool:
     (what :func:`shoot` requires of a request it issues itself)."""
     w = bound.wire
     return (ex.world_size > 1 and w.numel() > 0 and w.is_contiguous()
-            and w.dtype in _NATIVE_REDUCE_DTYPES and w.device == ex.comm_device(w.device)
-            and (ex.backend != "nccl" or w.is_cuda))
+            and direct_path_applies(w, ex) and (ex.backend != "nccl" or w.is_cuda))
 
 
 def fire(ex: Exchange, bound: Bound, ctx: CodecContext) -> torch.futures.Future[Any]:
