@@ -25,6 +25,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
 
 from commpress.codecs import CodecContext, get_codec, kernels  # noqa: E402
+from commpress.codecs.base import saturating_cast  # noqa: E402
 from commpress.codecs.bitpack import pack_bits, unpack_bits  # noqa: E402
 from commpress.codecs.quantize import (  # noqa: E402
     minmax_decode_torch,
@@ -190,9 +191,96 @@ def test_empty_inputs() -> None:
 
 def test_bad_output_buffer_is_refused() -> None:
     packed, lo, scale = tg.minmax_encode(sample(10, 1), chunk=4, bits=4, stochastic=False)
-    with pytest.raises(CommpressError, match="10 contiguous float32"):
-        tg.minmax_decode(packed, lo, scale, chunk=4, bits=4, n=10,
-                         out=torch.empty(10, dtype=torch.float16, device=DEVICE))
+    for bad in (torch.empty(10, dtype=torch.float64, device=DEVICE),
+                torch.empty(11, device=DEVICE), torch.empty(20, device=DEVICE)[::2]):
+        with pytest.raises(CommpressError, match="10 contiguous float32, bfloat16 or float16"):
+            tg.minmax_decode(packed, lo, scale, chunk=4, bits=4, n=10, out=bad)
+
+
+def _conversion_cases() -> torch.Tensor:
+    """float32 values whose conversion to bfloat16 / float16 is easy to get wrong: ties of
+    both types (to even, up and down), values just below, at and beyond each type's largest,
+    float16 subnormals and their ties, +-0, +-Inf, NaNs of both signs, and random values of
+    every scale."""
+    bits = [0x3F808000, 0x3F818000, 0xBF808000, 0x3F801000, 0x3F803000,  # ties
+            0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0xFF7F8000,  # bfloat16's top
+            0x477FE000, 0x477FEFFF, 0x477FF000, 0x47800000, 0xC77FF000,  # float16's top
+            0x33800000, 0x33C00000, 0x34000000, 0x387FC000, 0x38800000,  # float16 subnormals
+            0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001,
+            0x7F800001]
+    special = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    return torch.cat([special, sample(1000, seed=5) * 1e4, sample(500, seed=6) * 1e-4])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal 16-bit patterns, NaN where the other is NaN (of any sign or payload)."""
+    a, b = a.cpu(), b.cpu()
+    assert a.dtype == b.dtype and a.shape == b.shape
+    nan = torch.isnan(a)
+    assert torch.equal(nan, torch.isnan(b))
+    assert torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("saturate", [False, True])
+def test_decodes_write_16bit_outputs_as_torch_converts(dtype: torch.dtype, saturate: bool) -> None:
+    """The minmax, offset (QSGD / TernGrad) and sign decodes store a 16-bit ``out`` in the
+    kernel (no float32 intermediate): the same bits as their float32 result converted by
+    torch, ``saturating_cast`` with ``saturate`` and ``.to`` without (round to nearest even,
+    overflow to Inf)."""
+    values = _conversion_cases().to(DEVICE)
+    n = values.numel()
+
+    def check(decode) -> None:  # type: ignore[no-untyped-def]
+        wide = decode(None)
+        assert wide.dtype == torch.float32
+        out = torch.full((n,), 7.0, dtype=dtype, device=DEVICE)
+        assert decode(out).data_ptr() == out.data_ptr()
+        _same_bits(out, saturating_cast(wide, dtype) if saturate else wide.to(dtype))
+
+    # offset decode with codes 1 - 0: each value is its chunk's step, exactly
+    ones = torch.ones(n, dtype=torch.uint8, device=DEVICE)
+    check(lambda out: tg.offset_decode(ones, values, chunk=1, bits=8, offset=0.0, n=n,
+                                       out=out, saturate=saturate))
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).to(DEVICE)
+    steps = (values * 1e-2).nan_to_num(nan=1.0)
+    check(lambda out: tg.offset_decode(codes, steps, chunk=1, bits=8, offset=127.0, n=n,
+                                       out=out, saturate=saturate))
+    # minmax: lo the values, scales small, odd chunks
+    scale = sample(n, seed=8).abs() * 1e-3
+    check(lambda out: tg.minmax_decode(codes, values, scale.to(DEVICE), chunk=1, bits=8, n=n,
+                                       out=out, saturate=saturate))
+    # sign: one scale per call, the largest finite values, Inf and NaN among them
+    signs = torch.randint(0, 256, (n // 8 + 1,), generator=g, dtype=torch.uint8).to(DEVICE)
+    for scale_value in values[:26].tolist() + [0.1, 70000.0]:
+        one = torch.tensor([scale_value], dtype=torch.float32, device=DEVICE)
+        check(lambda out, one=one: tg.sign_decode(signs, one, n, out=out, saturate=saturate))
+
+
+@pytest.mark.parametrize("spec", ["minmax", "qsgd", "terngrad", "sign"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16bit_decodes_into_out_need_no_scratch(spec: str, dtype: torch.dtype,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 16-bit payload decoded into a 16-bit ``out`` on the Triton backend is written by
+    the kernel itself: no float32 scratch buffer, no converting copy afterwards."""
+    codec = get_codec(spec)
+    x = sample(1001, seed=9, dtype=dtype)
+    with kernels.use_backend("triton"):
+        p = codec.encode(x)
+        want = codec.decode(p)
+
+        def no_scratch(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise AssertionError("a float32 scratch buffer was asked for")
+
+        monkeypatch.setattr(kernels, "scratch32", no_scratch)
+        monkeypatch.setattr(torch.Tensor, "copy_", no_scratch)
+        out = torch.empty(x.shape, dtype=dtype, device=DEVICE)
+        assert codec.decode(p, out=out) is out
+    monkeypatch.undo()
+    same(out, want)
+    with kernels.use_backend("torch"):
+        same(codec.decode(p), want)
 
 
 def test_tensors_beyond_the_size_limit_take_the_torch_path() -> None:

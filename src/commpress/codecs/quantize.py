@@ -163,12 +163,12 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _direct(
     out: torch.Tensor | None, payload: Payload, codes: torch.Tensor
 ) -> torch.Tensor | None:
-    """Where a decode kernel writes: on the numba backend, ``out`` itself, or a new tensor of
-    the payload's dtype (the kernels write float32, bfloat16 and float16, rounding in cache:
-    no second pass); on Triton ``out`` when it is float32, else the scratch buffer (then
-    copied, converting, into ``out``) or a fresh float32 tensor (``None``). :func:`_into`
-    finishes either way."""
-    if kernels.backend_for(codes) == "numba" and payload.dtype in _KERNEL_DTYPES:
+    """Where a decode kernel writes: ``out`` itself when it is contiguous and of the
+    payload's dtype, else a new tensor of that dtype (the numba and Triton kernels write
+    float32, bfloat16 and float16, rounding as they store: no second pass); for another
+    dtype ``out`` when it is float32, else the scratch buffer (then copied, converting, into
+    ``out``). :func:`_into` finishes either way."""
+    if payload.dtype in _KERNEL_DTYPES:
         if out is None:
             return torch.empty(payload.numel, dtype=payload.dtype, device=codes.device)
         if out.dtype == payload.dtype and out.is_contiguous():

@@ -363,7 +363,7 @@ def minmax_decode(
 ) -> torch.Tensor:
     """Inverse of :func:`minmax_encode`: ``n`` values ``code * scale + min`` computed in
     float32, written into ``out`` when given (``n`` contiguous values on the codes' device:
-    float32, or on the numba backend also bfloat16 or float16, rounded to nearest even as
+    float32, bfloat16 or float16 on either kernel backend, rounded to nearest even as
     ``.to`` rounds and, with ``saturate``, finite values beyond the dtype's largest clamped
     to it as :func:`~commpress.codecs.base.saturating_cast` does), else into a new float32
     tensor."""

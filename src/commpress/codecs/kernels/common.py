@@ -6,8 +6,6 @@ import threading
 
 import torch
 
-from commpress.errors import CommpressError
-
 _scratch = threading.local()
 
 
@@ -44,22 +42,4 @@ def widen(x: torch.Tensor) -> torch.Tensor:
     return scratch32(flat.numel(), flat.device).copy_(flat)
 
 
-def out32(out: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
-    """``out`` viewed as ``n`` contiguous fp32 values, or a fresh such tensor on
-    ``device``."""
-    if out is None:
-        return torch.empty(n, dtype=torch.float32, device=device)
-    if (
-        out.dtype != torch.float32
-        or out.numel() != n
-        or not out.is_contiguous()
-        or out.device != device
-    ):
-        raise CommpressError(
-            f"kernel output must be {n} contiguous float32 values on {device}, got "
-            f"{out.numel()} {out.dtype} values on {out.device}"
-        )
-    return out.view(-1)
-
-
-__all__ = ["out32", "scratch32", "widen"]
+__all__ = ["scratch32", "widen"]

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from commpress.codecs.kernels.common import TRITON_MAX_ELEMENTS, out32
+from commpress.codecs.kernels.common import TRITON_MAX_ELEMENTS
 from commpress.errors import CommpressError
 
 #: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` at import).
@@ -88,9 +88,38 @@ _SHIFT_DOWN = tl.constexpr(2.0**-64)
 _INT32_MAX = tl.constexpr(INT32_MAX)
 _INT32_MIN = tl.constexpr(INT32_MIN)
 _F64_MAX = tl.constexpr(1.7976931348623157e308)
+_BF16_MAX = tl.constexpr(3.3895313892515355e38)
+_F16_MAX = tl.constexpr(65504.0)
+#: ``OUT`` of the decode kernels: the dtype they store (see _store_out)
+OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 # ---------------------------------------------------------------------- device helpers
+@triton.jit
+def _store_out(out_ptr, idx, v, mask, OUT: tl.constexpr, SATURATE: tl.constexpr):
+    # float32 ``v`` stored as float32 (OUT 0), bfloat16 (OUT 1, through an int16 view of the
+    # output) or float16 (OUT 2), rounded to nearest even as torch's ``.to`` rounds; with
+    # SATURATE, finite values beyond the output type's largest are clamped to it first
+    # (base.saturating_cast; NaN and +-Inf stay). One write, no float32 intermediate.
+    if OUT == 0:
+        tl.store(out_ptr + idx, v, mask=mask)
+    else:
+        if SATURATE:
+            top = _BF16_MAX if OUT == 1 else _F16_MAX
+            inf = tl.full(v.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
+            big = (tl.abs(v) > top) & (tl.abs(v) < inf)
+            v = tl.where(big, tl.where(v > 0.0, top, -top), v)
+        if OUT == 1:
+            # rounded on the bit pattern (Triton's interpreter truncates its float32 ->
+            # bfloat16 casts); a NaN stays a (quiet) NaN
+            b = v.to(tl.uint32, bitcast=True)
+            b16 = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
+            b16 = tl.where(v != v, ((b >> 16) | 0x40).to(tl.uint16), b16)
+            tl.store(out_ptr + idx, b16.to(tl.int16, bitcast=True), mask=mask)
+        else:
+            tl.store(out_ptr + idx, v.to(tl.float16), mask=mask)
+
+
 @triton.jit
 def _splitmix(seed, idx):
     # SplitMix64 of (seed + (idx + 1) * golden gamma), seed a uint64: the numba kernels' and
@@ -332,9 +361,10 @@ def _minmax_quantize_kernel(
 @triton.jit
 def _minmax_decode_kernel(
     packed_ptr, lo_ptr, scale_ptr, out_ptr, n, chunk, nbytes, BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, OUT: tl.constexpr, SATURATE: tl.constexpr,
 ):
-    # (code * scale * pre + lo * pre) / pre, saturated at float32's largest magnitude
+    # (code * scale * pre + lo * pre) / pre, saturated at float32's largest magnitude, stored
+    # as the output's dtype (_store_out)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     code = _unpack_load(packed_ptr, idx, mask, nbytes, BITS).to(tl.float32)
@@ -345,7 +375,7 @@ def _minmax_decode_kernel(
     post = tl.where(pre == _SHIFT_UP, _SHIFT_DOWN, tl.where(pre == _SHIFT_DOWN, _SHIFT_UP, 1.0))
     v = (code * (scale * pre) + lo * pre) * post
     v = tl.where(v > _F32_MAX, _F32_MAX, tl.where(v < -_F32_MAX, -_F32_MAX, v))
-    tl.store(out_ptr + idx, v, mask=mask)
+    _store_out(out_ptr, idx, v, mask, OUT, SATURATE)
 
 
 # ---------------------------------------------------------------------- sign
@@ -359,12 +389,13 @@ def _sign_encode_kernel(x_ptr, packed_ptr, partial_ptr, n, nbytes, GROUPS: tl.co
 
 
 @triton.jit
-def _sign_decode_kernel(packed_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _sign_decode_kernel(packed_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr,
+                        OUT: tl.constexpr, SATURATE: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     bit = (tl.load(packed_ptr + (idx >> 3), mask=mask, other=0).to(tl.int32) >> (idx & 7)) & 1
     scale = tl.load(scale_ptr)
-    tl.store(out_ptr + idx, tl.where(bit != 0, scale, -scale), mask=mask)
+    _store_out(out_ptr, idx, tl.where(bit != 0, scale, -scale), mask, OUT, SATURATE)
 
 
 # ---------------------------------------------------------------------- qsgd / terngrad
@@ -540,14 +571,14 @@ def _stat_finish_kernel(partial_ptr, stat_ptr, inv_ptr, nchunks, nseg, clamp,
 @triton.jit
 def _offset_decode_kernel(
     packed_ptr, step_ptr, out_ptr, n, chunk, nbytes, offset, BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, OUT: tl.constexpr, SATURATE: tl.constexpr,
 ):
-    # (code - offset) * step[chunk]
+    # (code - offset) * step[chunk], stored as the output's dtype (_store_out)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
     code = _unpack_load(packed_ptr, idx, mask, nbytes, BITS).to(tl.float32)
     step = tl.load(step_ptr + idx // chunk, mask=mask, other=0.0)
-    tl.store(out_ptr + idx, (code - offset) * step, mask=mask)
+    _store_out(out_ptr, idx, (code - offset) * step, mask, OUT, SATURATE)
 
 
 # ---------------------------------------------------------------------- selection by threshold
@@ -688,7 +719,6 @@ def _spread_kernel(idx_ptr, val_ptr, out_ptr, k, BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------------- THC decode
-_BF16_MAX = tl.constexpr(3.3895313892515355e38)
 
 
 @triton.jit(do_not_specialize=["sign_seed"])
@@ -713,17 +743,9 @@ def _thc_decode_kernel(codes_ptr, step_ptr, factor_ptr, out_ptr, numel, nblocks,
     bit = (word >> (idx % 64).to(tl.uint64)) & 1
     v = v * tl.where(bit != 0, -factor, factor)
     if BF16:
-        inf = tl.full(v.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
-        big = (tl.abs(v) > _BF16_MAX) & (tl.abs(v) < inf)
-        v = tl.where(big, tl.where(v > 0.0, _BF16_MAX, -_BF16_MAX), v)
-        # rounded to nearest even on the bit pattern (Triton's interpreter truncates its
-        # float32 -> bfloat16 casts), stored through an int16 view of ``out``; NaN stays NaN
-        b = v.to(tl.uint32, bitcast=True)
-        b16 = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
-        b16 = tl.where(v != v, ((b >> 16) | 0x40).to(tl.uint16), b16)
-        tl.store(out_ptr + idx, b16.to(tl.int16, bitcast=True), mask=idx < numel)
+        _store_out(out_ptr, idx, v, idx < numel, 1, True)
     else:
-        tl.store(out_ptr + idx, v, mask=idx < numel)
+        _store_out(out_ptr, idx, v, idx < numel, 0, True)
 
 
 # ---------------------------------------------------------------------- tensor entry points
@@ -796,6 +818,26 @@ def minmax_encode(
     return packed, lo, scale
 
 
+def _decode_out(
+    out: torch.Tensor | None, n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A decode kernel's output: ``out`` (``n`` contiguous float32, bfloat16 or float16
+    values on ``device``) or a fresh float32 tensor; the tensor the kernel stores through (a
+    bfloat16 output as int16, see _store_out) and its ``OUT`` code."""
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=device)
+    elif (out.dtype not in OUT_CODES or out.numel() != n or not out.is_contiguous()
+          or out.device != device):
+        raise CommpressError(
+            f"kernel output must be {n} contiguous float32, bfloat16 or float16 values on "
+            f"{device}, got {out.numel()} {out.dtype} on {out.device}"
+            f"{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
+    flat = out.view(-1)
+    code = OUT_CODES[out.dtype]
+    return out, flat.view(torch.int16) if code == 1 else flat, code
+
+
 def minmax_decode(
     packed: torch.Tensor,
     lo: torch.Tensor,
@@ -807,13 +849,15 @@ def minmax_decode(
     out: torch.Tensor | None = None,
     saturate: bool = False,
 ) -> torch.Tensor:
-    """See :func:`commpress.codecs.kernels.minmax_decode`."""
-    out = out32(out, n, packed.device)
+    """See :func:`commpress.codecs.kernels.minmax_decode` (float32, bfloat16 or float16
+    outputs, written in the kernel)."""
+    out, target, code = _decode_out(out, n, packed.device)
     if n:
         block = 8 * GROUPS
         _minmax_decode_kernel[_blocks(n, block)](
-            packed.contiguous(), lo.contiguous(), scale.contiguous(), out, n, chunk,
-            packed.numel(), BITS=bits, BLOCK=block, enable_fp_fusion=False,
+            packed.contiguous(), lo.contiguous(), scale.contiguous(), target, n, chunk,
+            packed.numel(), BITS=bits, BLOCK=block, OUT=code, SATURATE=saturate,
+            enable_fp_fusion=False,
         )
     return out
 
@@ -839,13 +883,14 @@ def sign_decode(
     out: torch.Tensor | None = None,
     saturate: bool = False,
 ) -> torch.Tensor:
-    """See :func:`commpress.codecs.kernels.sign_decode` (float32 outputs only, so
-    ``saturate`` has nothing to clamp)."""
-    out = out32(out, n, packed.device)
+    """See :func:`commpress.codecs.kernels.sign_decode` (float32, bfloat16 or float16
+    outputs, written in the kernel)."""
+    out, target, code = _decode_out(out, n, packed.device)
     if n:
         block = 8 * GROUPS
         _sign_decode_kernel[_blocks(n, block)](
-            packed.contiguous(), scale.to(torch.float32).contiguous(), out, n, BLOCK=block
+            packed.contiguous(), scale.to(torch.float32).contiguous(), target, n, BLOCK=block,
+            OUT=code, SATURATE=saturate,
         )
     return out
 
@@ -1008,13 +1053,15 @@ def offset_decode(
     out: torch.Tensor | None = None,
     saturate: bool = False,
 ) -> torch.Tensor:
-    """See :func:`commpress.codecs.kernels.offset_decode`."""
-    out = out32(out, n, packed.device)
+    """See :func:`commpress.codecs.kernels.offset_decode` (float32, bfloat16 or float16
+    outputs, written in the kernel)."""
+    out, target, code = _decode_out(out, n, packed.device)
     if n:
         block = 8 * GROUPS
         _offset_decode_kernel[_blocks(n, block)](
-            packed.contiguous(), step.contiguous(), out, n, chunk, packed.numel(),
-            float(offset), BITS=bits, BLOCK=block, enable_fp_fusion=False,
+            packed.contiguous(), step.contiguous(), target, n, chunk, packed.numel(),
+            float(offset), BITS=bits, BLOCK=block, OUT=code, SATURATE=saturate,
+            enable_fp_fusion=False,
         )
     return out
 
