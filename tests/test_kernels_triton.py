@@ -258,6 +258,48 @@ def test_decodes_write_16bit_outputs_as_torch_converts(dtype: torch.dtype, satur
         check(lambda out, one=one: tg.sign_decode(signs, one, n, out=out, saturate=saturate))
 
 
+@pytest.mark.parametrize("src", DTYPES, ids=str)
+@pytest.mark.parametrize("dst", DTYPES, ids=str)
+@pytest.mark.parametrize("saturate", [False, True])
+def test_convert_matches_torch(src: torch.dtype, dst: torch.dtype, saturate: bool) -> None:
+    """The Triton conversion (the 16-bit casts between float16 and bfloat16, TopKC's values)
+    gives torch's bits: ``saturating_cast`` with ``saturate``, ``.to`` without."""
+    x = _conversion_cases().to(DEVICE).to(src)
+    out = torch.full((x.numel(),), 7.0, dtype=dst, device=DEVICE)
+    assert tg.convert(x, out, saturate=saturate) is out
+    want = saturating_cast(x, dst) if saturate else x.to(dst)
+    if dst == torch.float32:
+        same(out, want)
+    else:
+        _same_bits(out, want)
+    with pytest.raises(CommpressError, match="float32, bfloat16 or float16"):
+        tg.convert(x.double(), out)
+    with pytest.raises(CommpressError, match="contiguous"):
+        tg.convert(x, torch.empty(x.numel() + 1, dtype=dst, device=DEVICE))
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "topkc"])
+def test_casts_between_16bit_types_go_through_the_conversion_kernel(spec: str) -> None:
+    """On the Triton backend a float16 <-> bfloat16 cast (encode and decode) and TopKC's
+    decode of a 16-bit tensor dispatch the conversion kernel, and decode to the torch path's
+    values."""
+    codec = get_codec(spec)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = sample(1001, seed=12, dtype=dtype)
+        with kernels.use_backend("triton"):
+            before = kernels.dispatch_counts().get("triton", 0)
+            p = codec.encode(x)
+            out = torch.empty_like(x)
+            codec.decode(p, out=out)
+            dispatched = kernels.dispatch_counts().get("triton", 0) - before
+        with kernels.use_backend("torch"):
+            q = codec.encode(x)
+            want = codec.decode(q)
+        _payloads_equal(p, q)
+        same(out, want)
+        assert dispatched >= (1 if spec == "topkc" or x.dtype != codec.wire_dtype else 0)
+
+
 @pytest.mark.parametrize("spec", ["minmax", "qsgd", "terngrad", "sign"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_16bit_decodes_into_out_need_no_scratch(spec: str, dtype: torch.dtype,

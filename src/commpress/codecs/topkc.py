@@ -433,7 +433,7 @@ class TopKC(Codec):
             if values.dtype == dtype:
                 return values
             n = values.numel()
-            scratch = kernels.scratch32(-(-n // 2)).view(dtype)[:n]
+            scratch = kernels.scratch32(-(-n // 2), values.device).view(dtype)[:n]
             return kernels.convert(values.reshape(-1).contiguous(), scratch, saturate=True)
         return saturating_cast(values.to(work), dtype)
 
