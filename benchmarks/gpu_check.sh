@@ -70,7 +70,7 @@ fi
 if want profile; then
   stage profile
   timeout "${PROFILE_S:-60}" python3 -m commpress bench codecs --device cuda \
-    --profile "$OUT/profile-cuda.json" \
+    --profile "$OUT/profile-cuda.json" --repeat "${PROFILE_REPEAT:-3}" \
     --profile-sizes "${PROFILE_SIZES:-4096,1048576,16777216,67108864}" 2>&1 | tail -20
 fi
 if want nccl; then
