@@ -209,7 +209,7 @@ def _conversion_cases() -> torch.Tensor:
             0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001,
             0x7F800001]
     special = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
-    return torch.cat([special, sample(1000, seed=5) * 1e4, sample(500, seed=6) * 1e-4])
+    return torch.cat([special.to(DEVICE), sample(1000, seed=5) * 1e4, sample(500, seed=6) * 1e-4])
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
