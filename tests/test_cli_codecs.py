@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from commpress.bench.codecs import run_bench
+from commpress.bench.codecs import CodecRow, copy_ceiling, render, run_bench, run_samples
 from commpress.cli import main
 from commpress.codecs import codec_ids
 
@@ -62,7 +62,85 @@ def test_bench_codecs_measures_every_requested_codec(
     assert fp16["bits_per_coordinate"] == 16.0
     assert 0 < fp16["nmse_gaussian"] < 2.0**-22  # fp16 unit roundoff squared
     assert fp16["encode_gbps"] > 0 and fp16["memcpy_gbps"] > 0
-    assert "copy ceilings" in capsys.readouterr().out
+    # the JSON keeps every copy sample and the run's one ceiling beside each row
+    samples = [r[k] for r in rows for k in ("hot_memcpy_gbps", "hot_memcpy_after_gbps")]
+    assert all(s > 0 for s in samples)
+    assert {r["ceiling_gbps"] for r in rows} == {max(samples)}
+    out = capsys.readouterr().out
+    assert f"copy ceiling: hot memcpy into a reused buffer {max(samples):.2f} GB/s" in out
+    assert "the best of 4 samples" in out
+
+
+def test_ratios_are_against_the_run_ceiling() -> None:
+    """Every row divides by the same ceiling: the best of all the run's copy samples."""
+    rows = run_bench(["identity", "fp16", "sign"], size_mb=0.05, repeat=2, progress=False)
+    samples = run_samples(rows)
+    assert len(samples) == 2 * len(rows) and all(math.isfinite(s) and s > 0 for s in samples)
+    ceiling = max(samples)
+    for r in rows:
+        assert r.ceiling_gbps == ceiling
+        assert r.encode_vs_memcpy == r.encode_gbps / ceiling
+        assert r.decode_vs_memcpy == r.decode_into_gbps / ceiling
+    assert rows[1].encode_into_vs_memcpy == rows[1].encode_into_gbps / ceiling
+    assert math.isnan(rows[2].encode_into_vs_memcpy)  # sign has no encodes_into
+
+
+def test_copy_samples_bracket_every_codec_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One hot-memcpy sample right before and one right after each codec's timings, in run
+    order; the ceiling is the best of them wherever it falls, and the ratios use it."""
+    import commpress.bench.codecs as bench
+
+    fake = iter([5.0, 1.0, 9.0, 2.0, 3.0, 4.0])  # the best (9) is neither first nor last
+    events: list[str] = []
+
+    def fake_memcpy(x: object, repeat: int, *, clone: bool = True) -> tuple[float, float]:
+        events.append("copy")
+        value = next(fake)
+        return (value / 2 if clone else math.nan), value
+
+    real_best_time = bench.best_time
+
+    def logged_best_time(fn: object, repeat: int) -> float:
+        events.append("time")
+        return real_best_time(fn, repeat)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bench, "memcpy_gbps", fake_memcpy)
+    monkeypatch.setattr(bench, "best_time", logged_best_time)
+    rows = run_bench(["identity", "fp16", "sign"], size_mb=0.01, repeat=1, progress=False)
+    # identity, sign: encode, decode, decode into; fp16 also encode with scratch=
+    timings = [3, 4, 3]
+    assert events == [e for n in timings for e in ["copy"] + ["time"] * n + ["copy"]]
+    assert [r.copy_samples for r in rows] == [(5.0, 1.0), (9.0, 2.0), (3.0, 4.0)]
+    assert [r.memcpy_gbps for r in rows] == [2.5, 4.5, 1.5]  # clone: before the timings only
+    assert all(r.ceiling_gbps == 9.0 for r in rows)
+    assert [r.encode_vs_memcpy for r in rows] == [r.encode_gbps / 9.0 for r in rows]
+    text = render(rows)
+    assert "hot memcpy into a reused buffer 9.00 GB/s, the best of 6 samples" in text
+    assert "(samples 1.00-9.00 GB/s, median 3.50)" in text
+    assert "clone into fresh memory: best 4.50 GB/s" in text
+    # below 0.7 of the ceiling around them: identity (1/9) and fp16 (2/9), sign (3/9)
+    assert "identity (0.11), fp16 (0.22), sign (0.33)" in text
+
+
+def test_copy_ceiling_is_the_best_finite_sample() -> None:
+    assert copy_ceiling([3.0, 7.5, 2.0]) == 7.5
+    assert copy_ceiling([math.nan, 4.0]) == 4.0
+    assert math.isnan(copy_ceiling([])) and math.isnan(copy_ceiling([math.nan]))
+
+
+def test_render_names_only_rows_timed_while_busy() -> None:
+    def row(name: str, before: float, after: float) -> CodecRow:
+        return CodecRow(codec=name, bits_per_coordinate=8.0, nmse_gaussian=0.0, nmse_heavy=0.0,
+                        encode_gbps=10.0, decode_gbps=10.0, decode_into_gbps=10.0,
+                        memcpy_gbps=4.0, hot_memcpy_gbps=before, hot_memcpy_after_gbps=after,
+                        ceiling_gbps=40.0)
+
+    text = render([row("quiet", 40.0, 30.0), row("busy", 27.0, 39.0)])
+    lines = text.splitlines()
+    assert lines[2].split("|")[10].strip() == "40/30"  # the samples around the codec
+    assert lines[2].split("|")[11].strip() == "0.25"  # 10 GB/s over the 40 GB/s ceiling
+    assert lines[-1].endswith("their ratios may be low): busy (0.68)")
+    assert "busy" not in render([row("quiet", 40.0, 30.0)]).splitlines()[-1]
 
 
 def test_bench_all_codecs_small() -> None:
