@@ -63,8 +63,9 @@ def test_bench_codecs_measures_every_requested_codec(
     assert 0 < fp16["nmse_gaussian"] < 2.0**-22  # fp16 unit roundoff squared
     assert fp16["encode_gbps"] > 0 and fp16["memcpy_gbps"] > 0
     # the JSON keeps every copy sample and the run's one ceiling beside each row
-    samples = [r[k] for r in rows for k in ("hot_memcpy_gbps", "hot_memcpy_after_gbps")]
-    assert all(s > 0 for s in samples)
+    samples = [s for r in rows for s in r["copy_samples"]]
+    assert len(samples) == 4 and all(s > 0 for s in samples)
+    assert [r["hot_memcpy_gbps"] for r in rows] == samples[0::2]  # the sample before each
     assert {r["ceiling_gbps"] for r in rows} == {max(samples)}
     out = capsys.readouterr().out
     assert f"copy ceiling: hot memcpy into a reused buffer {max(samples):.2f} GB/s" in out
@@ -110,7 +111,7 @@ def test_copy_samples_bracket_every_codec_timing(monkeypatch: pytest.MonkeyPatch
     # identity, sign: encode, decode, decode into; fp16 also encode with scratch=
     timings = [3, 4, 3]
     assert events == [e for n in timings for e in ["copy"] + ["time"] * n + ["copy"]]
-    assert [r.copy_samples for r in rows] == [(5.0, 1.0), (9.0, 2.0), (3.0, 4.0)]
+    assert [r.copy_samples for r in rows] == [[5.0, 1.0], [9.0, 2.0], [3.0, 4.0]]
     assert [r.memcpy_gbps for r in rows] == [2.5, 4.5, 1.5]  # clone: before the timings only
     assert all(r.ceiling_gbps == 9.0 for r in rows)
     assert [r.encode_vs_memcpy for r in rows] == [r.encode_gbps / 9.0 for r in rows]
@@ -132,7 +133,7 @@ def test_render_names_only_rows_timed_while_busy() -> None:
     def row(name: str, before: float, after: float) -> CodecRow:
         return CodecRow(codec=name, bits_per_coordinate=8.0, nmse_gaussian=0.0, nmse_heavy=0.0,
                         encode_gbps=10.0, decode_gbps=10.0, decode_into_gbps=10.0,
-                        memcpy_gbps=4.0, hot_memcpy_gbps=before, hot_memcpy_after_gbps=after,
+                        memcpy_gbps=4.0, hot_memcpy_gbps=before, copy_samples=[before, after],
                         ceiling_gbps=40.0)
 
     text = render([row("quiet", 40.0, 30.0), row("busy", 27.0, 39.0)])
@@ -165,6 +166,10 @@ def test_bench_labels_the_kernel_backend_that_ran() -> None:
 def test_bad_arguments_give_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "codecs", "--repeat", "0"]) == 2
     assert "error" in capsys.readouterr().err
+    assert main(["bench", "codecs", "--rounds", "0"]) == 2
+    assert "--rounds must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "codecs", "--rounds", "2", "--profile", "p.json"]) == 2
+    assert "not to --profile" in capsys.readouterr().err
     assert main(["bench", "codecs", "--codecs", "nope", "--size-mb", "0.01"]) == 2
 
 
@@ -242,3 +247,42 @@ def test_did_you_mean_and_defaults_in_help(capsys: pytest.CaptureFixture[str]) -
     text = " ".join(capsys.readouterr().out.split())
     assert "--max-nmse MAX_NMSE error budget" in text and "(default 1)" in text
     assert "(default: sweep)" in text or "(sweep/)" in text
+
+
+def test_rounds_keep_each_codecs_best_and_every_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With rounds, each throughput is the best over the passes, the samples of every pass
+    stay with their row in order, and the ceiling is the best of all of them."""
+    import commpress.bench.codecs as bench
+
+    copies = iter([1.0, 2.0, 3.0, 4.0, 8.0, 5.0, 6.0, 7.0])
+    # identity times encode, decode, decode into; sign too; rounds 1 then 2
+    times = iter([1.0, 2.0, 4.0, 3.0, 3.0, 3.0, 2.0, 1.0, 8.0, 1.0, 5.0, 5.0])
+
+    def fake_memcpy(x: object, repeat: int, *, clone: bool = True) -> tuple[float, float]:
+        return (0.5 if clone else math.nan), next(copies)
+
+    monkeypatch.setattr(bench, "memcpy_gbps", fake_memcpy)
+    monkeypatch.setattr(bench, "best_time", lambda fn, repeat: next(times))
+    rows = run_bench(["identity", "sign"], size_mb=0.01, repeat=1, progress=False, rounds=2)
+    assert [r.copy_samples for r in rows] == [[1.0, 2.0, 8.0, 5.0], [3.0, 4.0, 6.0, 7.0]]
+    assert [r.ceiling_gbps for r in rows] == [8.0, 8.0]
+    nbytes = 50 * 50 * 4  # 0.01 MB of fp32 is a 50 x 50 matrix
+    assert [(r.encode_gbps, r.decode_gbps, r.decode_into_gbps) for r in rows] == [
+        tuple(nbytes / t / 1e9 for t in best) for best in ((1.0, 1.0, 4.0), (1.0, 3.0, 3.0))]
+    # quietest round of identity: min(8, 5) = 5 of 8; of sign: min(6, 7) = 6 of 8
+    assert [r.quietest_round for r in rows] == [5.0, 6.0]
+    with pytest.raises(ValueError, match="rounds"):
+        run_bench(["identity"], size_mb=0.01, repeat=1, progress=False, rounds=0)
+
+
+def test_busy_flag_needs_every_round_busy() -> None:
+    def row(samples: list[float]) -> CodecRow:
+        return CodecRow(codec="c", bits_per_coordinate=8.0, nmse_gaussian=0.0, nmse_heavy=0.0,
+                        encode_gbps=10.0, decode_gbps=10.0, decode_into_gbps=10.0,
+                        memcpy_gbps=4.0, hot_memcpy_gbps=samples[0], copy_samples=samples,
+                        ceiling_gbps=40.0)
+
+    assert "busy" not in render([row([10.0, 40.0, 35.0, 30.0])]).splitlines()[-1]
+    text = render([row([10.0, 40.0, 20.0, 40.0])])
+    assert text.splitlines()[-1].endswith("may be low): c (0.50)")
+    assert "| 10/40, 20/40 " in text

@@ -11,7 +11,9 @@ For each codec, on the same tensors in one run:
    noisy: its copy speed moved 19-47 GB/s between the codecs of one run). Each row keeps the
    samples around it, and the table's footer prints the ceiling with the samples' range and
    count, so the noise stays visible: a row whose samples are far below the ceiling was
-   timed while the machine was busy. ``x.clone()`` into *freshly allocated* memory (for
+   timed while the machine was busy. With ``--rounds N`` the codecs are timed in N passes
+   (each throughput the best over them; samples around every pass), so that a burst of
+   load hits fewer of a codec's timings. ``x.clone()`` into *freshly allocated* memory (for
    large tensors the allocator maps new pages, and first-touch page faults cost as much as
    the copy) is sampled before each codec too and printed for reference;
 2. time ``encode``, ``encode(..., scratch=pool)`` with its payload in buffers reused across
@@ -40,7 +42,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,8 +80,9 @@ class CodecRow:
     #: encode with ``scratch=`` (payload memory reused across calls); NaN for codecs without
     #: ``encodes_into``
     encode_into_gbps: float = math.nan
-    #: hot memcpy right after this codec's timings
-    hot_memcpy_after_gbps: float = math.nan
+    #: the hot-memcpy samples around this codec's timings in the order taken: right before
+    #: and right after them, in each round (``--rounds``); the first is ``hot_memcpy_gbps``
+    copy_samples: list[float] = field(default_factory=list)
     #: the run's copy ceiling that every ratio divides by (the best hot-memcpy sample of the
     #: run; a row measured alone: the better of its own two samples)
     ceiling_gbps: float = math.nan
@@ -105,9 +108,21 @@ class CodecRow:
         return self._vs_ceiling(self.decode_into_gbps)
 
     @property
-    def copy_samples(self) -> tuple[float, float]:
-        """The hot-memcpy samples (GB/s) right before and right after this codec's timings."""
-        return self.hot_memcpy_gbps, self.hot_memcpy_after_gbps
+    def quietest_round(self) -> float:
+        """The best round's lower copy sample: the copy speed (GB/s) on both sides of the
+        quietest of this codec's timing rounds (NaN without samples)."""
+        pairs = zip(self.copy_samples[0::2], self.copy_samples[1::2], strict=False)
+        return max((min(pair) for pair in pairs), default=math.nan)
+
+    def add_round(self, other: CodecRow) -> None:
+        """Fold in another round of the same codec: the best of each throughput, and its copy
+        samples after this row's."""
+        for name in ("encode_gbps", "encode_into_gbps", "decode_gbps", "decode_into_gbps",
+                     "memcpy_gbps"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            setattr(self, name, theirs if math.isnan(mine) else
+                    mine if math.isnan(theirs) else max(mine, theirs))
+        self.copy_samples.extend(other.copy_samples)
 
 
 #: How a run's copy ceiling is taken from its hot-memcpy samples (see :func:`copy_ceiling`).
@@ -190,7 +205,7 @@ def bench_codec(
         decode_into_gbps=nbytes / dec_into / 1e9,
         memcpy_gbps=copy,
         hot_memcpy_gbps=hot,
-        hot_memcpy_after_gbps=hot_after,
+        copy_samples=[hot, hot_after],
         ceiling_gbps=copy_ceiling([hot, hot_after]),
         kernels="+".join(ran) or "-",
     )
@@ -204,10 +219,15 @@ def run_bench(
     repeat: int = 3,
     device: str = "cpu",
     progress: bool = True,
+    rounds: int = 1,
 ) -> list[CodecRow]:
-    """Benchmark each codec spec on one Gaussian and one heavy-tailed matrix of ``size_mb``;
-    every row's ratios are against the run's one copy ceiling, :func:`copy_ceiling` of the
-    hot-memcpy samples taken before and after each codec's timings."""
+    """Benchmark each codec spec on one Gaussian and one heavy-tailed matrix of ``size_mb``,
+    in ``rounds`` passes over the codecs (each throughput the best over the passes, so that
+    a burst of load hits fewer of a codec's timings); every row's ratios are against the
+    run's one copy ceiling, :func:`copy_ceiling` of the hot-memcpy samples taken before and
+    after each codec's timings in every pass."""
+    if rounds < 1:
+        raise CommpressError(f"rounds must be >= 1, got {rounds}")
     element = torch.empty(0, dtype=dtype).element_size()
     numel = max(1, int(size_mb * 1e6 / element))
     cols = 4096 if numel >= 4096 * 16 else max(1, int(math.sqrt(numel)))
@@ -215,9 +235,17 @@ def run_bench(
     x = gaussian(rows * cols, seed=0).reshape(rows, cols).to(dtype=dtype, device=device)
     heavy = heavy_tailed(rows * cols, seed=1).reshape(rows, cols).to(dtype=dtype, device=device)
     codecs = [get_codec(s) for s in specs]
-    results = []
-    for codec in tqdm(codecs, desc="codecs", unit="codec", disable=not progress):
-        results.append(bench_codec(codec, x, heavy, repeat))
+    results: list[CodecRow] = []
+    with tqdm(total=rounds * len(codecs), desc="codecs", unit="codec",
+              disable=not progress) as bar:
+        for r in range(rounds):
+            for i, codec in enumerate(codecs):
+                row = bench_codec(codec, x, heavy, repeat)
+                if r == 0:
+                    results.append(row)
+                else:
+                    results[i].add_round(row)
+                bar.update()
     ceiling = copy_ceiling(run_samples(results))
     for row in results:
         row.ceiling_gbps = ceiling
@@ -225,7 +253,8 @@ def run_bench(
 
 
 def run_samples(rows: Sequence[CodecRow]) -> list[float]:
-    """Every hot-memcpy sample of a run, in the order taken (before and after each codec)."""
+    """Every hot-memcpy sample of a run's rows (before and after each codec's timings, row
+    by row; with several rounds, a row's samples are its rounds' in order)."""
     return [s for r in rows for s in r.copy_samples]
 
 
@@ -244,7 +273,8 @@ def render(rows: Sequence[CodecRow]) -> str:
         [
             r.codec, r.kernels, r.bits_per_coordinate, r.nmse_gaussian, r.nmse_heavy, r.encode_gbps,
             r.encode_into_gbps, r.decode_gbps, r.decode_into_gbps,
-            "/".join(format_cell(s) for s in r.copy_samples),
+            ", ".join("/".join(format_cell(s) for s in r.copy_samples[i:i + 2])
+                      for i in range(0, len(r.copy_samples), 2)),
             r.encode_vs_memcpy, r.encode_into_vs_memcpy, r.decode_vs_memcpy,
         ]
         for r in rows
@@ -254,8 +284,8 @@ def render(rows: Sequence[CodecRow]) -> str:
     fresh = max((r.memcpy_gbps for r in rows), default=math.nan)
     low = f"{min(samples):.2f}" if samples else "nan"
     mid = f"{statistics.median(samples):.2f}" if samples else "nan"
-    busy = [f"{r.codec} ({min(r.copy_samples) / ceiling:.2f})" for r in rows
-            if samples and min(r.copy_samples) < BUSY_FRACTION * ceiling]
+    busy = [f"{r.codec} ({r.quietest_round / ceiling:.2f})" for r in rows
+            if samples and not r.quietest_round >= BUSY_FRACTION * ceiling]
     return render_table(headers, table) + (
         f"\n\ncopy ceiling: hot memcpy into a reused buffer {ceiling:.2f} GB/s, the "
         f"{CEILING_STATISTIC} of {len(samples)} samples (each best of the repeats) taken right "
@@ -263,8 +293,9 @@ def render(rows: Sequence[CodecRow]) -> str:
         f"{mid}); every ratio is against it. clone into fresh memory: best {fresh:.2f} GB/s. "
         f"enc->buf encodes with scratch= into payload buffers reused across calls (codecs "
         f"with encodes_into only), dec->buf decodes with out= into a reused buffer"
-        + (f"\ntimed while the machine was busy (a copy sample around them below "
-           f"{BUSY_FRACTION:g} of the ceiling; their ratios may be low): " + ", ".join(busy)
+        + (f"\ntimed while the machine was busy (in every round a copy sample around them "
+           f"below {BUSY_FRACTION:g} of the ceiling; their ratios may be low): "
+           + ", ".join(busy)
            if busy else "")
     )
 
@@ -481,6 +512,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size-mb", type=float, default=64.0, help="input tensor size (MB)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (best)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="passes over the codecs, each codec's throughput the best of them "
+                   "(spreads its timings through the run, so that a burst of other load hits "
+                   "fewer of them; not with --profile)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--profile", metavar="FILE",
@@ -495,17 +530,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeat < 1 or args.size_mb <= 0:
-        raise CommpressError("--repeat must be >= 1 and --size-mb > 0")
+    if args.repeat < 1 or args.size_mb <= 0 or args.rounds < 1:
+        raise CommpressError("--repeat and --rounds must be >= 1 and --size-mb > 0")
     specs = codec_ids() if args.codecs == ["all"] else list(args.codecs)
     if args.profile:
+        if args.rounds != 1:
+            raise CommpressError("--rounds applies to the table, not to --profile")
         return write_profile(args, specs)
     rows = run_bench(
         specs, size_mb=args.size_mb, dtype=DTYPES[args.dtype], repeat=args.repeat,
-        device=args.device,
+        device=args.device, rounds=args.rounds,
     )
+    rounds = f" over {args.rounds} rounds" if args.rounds > 1 else ""
     print(f"{args.size_mb:g} MB {args.dtype} tensors on {args.device}, "
-          f"{torch.get_num_threads()} threads, best of {args.repeat}; "
+          f"{torch.get_num_threads()} threads, best of {args.repeat}{rounds}; "
           f"{kernels.ENV_VAR}={kernels.requested_backend()}")
     print(render(rows))
     if args.json:
