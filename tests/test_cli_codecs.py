@@ -117,7 +117,7 @@ def test_copy_samples_bracket_every_codec_timing(monkeypatch: pytest.MonkeyPatch
     assert [r.encode_vs_memcpy for r in rows] == [r.encode_gbps / 9.0 for r in rows]
     text = render(rows)
     assert "hot memcpy into a reused buffer 9.00 GB/s, the best of 6 samples" in text
-    assert "(samples 1.00-9.00 GB/s, median 3.50)" in text
+    assert "(samples 1.00-9.00 GB/s, median 3.50, the best three 9.00, 5.00, 4.00)" in text
     assert "clone into fresh memory: best 4.50 GB/s" in text
     # below 0.7 of the ceiling around them: identity (1/9) and fp16 (2/9), sign (3/9)
     assert "identity (0.11), fp16 (0.22), sign (0.33)" in text

@@ -284,13 +284,15 @@ def render(rows: Sequence[CodecRow]) -> str:
     fresh = max((r.memcpy_gbps for r in rows), default=math.nan)
     low = f"{min(samples):.2f}" if samples else "nan"
     mid = f"{statistics.median(samples):.2f}" if samples else "nan"
+    top = ", ".join(f"{v:.2f}" for v in sorted(samples, reverse=True)[:3])
     busy = [f"{r.codec} ({r.quietest_round / ceiling:.2f})" for r in rows
             if samples and not r.quietest_round >= BUSY_FRACTION * ceiling]
     return render_table(headers, table) + (
         f"\n\ncopy ceiling: hot memcpy into a reused buffer {ceiling:.2f} GB/s, the "
         f"{CEILING_STATISTIC} of {len(samples)} samples (each best of the repeats) taken right "
         f"before and after each codec's timings (samples {low}-{ceiling:.2f} GB/s, median "
-        f"{mid}); every ratio is against it. clone into fresh memory: best {fresh:.2f} GB/s. "
+        f"{mid}, the best three {top}); every ratio is against it. clone into fresh memory: "
+        f"best {fresh:.2f} GB/s. "
         f"enc->buf encodes with scratch= into payload buffers reused across calls (codecs "
         f"with encodes_into only), dec->buf decodes with out= into a reused buffer"
         + (f"\ntimed while the machine was busy (in every round a copy sample around them "
