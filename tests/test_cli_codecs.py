@@ -129,19 +129,20 @@ def test_copy_ceiling_is_the_best_finite_sample() -> None:
     assert math.isnan(copy_ceiling([])) and math.isnan(copy_ceiling([math.nan]))
 
 
-def test_render_names_only_rows_timed_while_busy() -> None:
-    def row(name: str, before: float, after: float) -> CodecRow:
-        return CodecRow(codec=name, bits_per_coordinate=8.0, nmse_gaussian=0.0, nmse_heavy=0.0,
-                        encode_gbps=10.0, decode_gbps=10.0, decode_into_gbps=10.0,
-                        memcpy_gbps=4.0, hot_memcpy_gbps=before, copy_samples=[before, after],
-                        ceiling_gbps=40.0)
+def _row(name: str, samples: list[float]) -> CodecRow:
+    """A row at 10 GB/s everywhere, with these copy samples and a 40 GB/s ceiling."""
+    return CodecRow(codec=name, bits_per_coordinate=8.0, nmse_gaussian=0.0, nmse_heavy=0.0,
+                    encode_gbps=10.0, decode_gbps=10.0, decode_into_gbps=10.0, memcpy_gbps=4.0,
+                    hot_memcpy_gbps=samples[0], copy_samples=samples, ceiling_gbps=40.0)
 
-    text = render([row("quiet", 40.0, 30.0), row("busy", 27.0, 39.0)])
+
+def test_render_names_only_rows_timed_while_busy() -> None:
+    text = render([_row("quiet", [40.0, 30.0]), _row("busy", [27.0, 39.0])])
     lines = text.splitlines()
     assert lines[2].split("|")[10].strip() == "40/30"  # the samples around the codec
     assert lines[2].split("|")[11].strip() == "0.25"  # 10 GB/s over the 40 GB/s ceiling
     assert lines[-1].endswith("their ratios may be low): busy (0.68)")
-    assert "busy" not in render([row("quiet", 40.0, 30.0)]).splitlines()[-1]
+    assert "busy" not in render([_row("quiet", [40.0, 30.0])]).splitlines()[-1]
 
 
 def test_bench_all_codecs_small() -> None:
@@ -276,13 +277,7 @@ def test_rounds_keep_each_codecs_best_and_every_sample(monkeypatch: pytest.Monke
 
 
 def test_busy_flag_needs_every_round_busy() -> None:
-    def row(samples: list[float]) -> CodecRow:
-        return CodecRow(codec="c", bits_per_coordinate=8.0, nmse_gaussian=0.0, nmse_heavy=0.0,
-                        encode_gbps=10.0, decode_gbps=10.0, decode_into_gbps=10.0,
-                        memcpy_gbps=4.0, hot_memcpy_gbps=samples[0], copy_samples=samples,
-                        ceiling_gbps=40.0)
-
-    assert "busy" not in render([row([10.0, 40.0, 35.0, 30.0])]).splitlines()[-1]
-    text = render([row([10.0, 40.0, 20.0, 40.0])])
+    assert "busy" not in render([_row("c", [10.0, 40.0, 35.0, 30.0])]).splitlines()[-1]
+    text = render([_row("c", [10.0, 40.0, 20.0, 40.0])])
     assert text.splitlines()[-1].endswith("may be low): c (0.50)")
     assert "| 10/40, 20/40 " in text
