@@ -281,3 +281,17 @@ def test_busy_flag_needs_every_round_busy() -> None:
     text = render([_row("c", [10.0, 40.0, 20.0, 40.0])])
     assert text.splitlines()[-1].endswith("may be low): c (0.50)")
     assert "| 10/40, 20/40 " in text
+
+
+def test_bench_codecs_rounds_from_the_command_line(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_file = tmp_path / "rows.json"  # type: ignore[operator]
+    assert main(["bench", "codecs", "--size-mb", "0.02", "--repeat", "1", "--rounds", "2",
+                 "--codecs", "fp16", "sign", "--json", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("0.02 MB fp32 tensors on cpu, ")
+    assert "best of 1 over 2 rounds;" in out.splitlines()[0]
+    rows = json.loads(out_file.read_text())
+    assert [len(r["copy_samples"]) for r in rows] == [4, 4]  # before/after, two passes
+    assert "the best of 8 samples" in out
