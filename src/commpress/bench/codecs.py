@@ -15,7 +15,8 @@ For each codec, on the same tensors in one run:
    (each throughput the best over them; samples around every pass), so that a burst of
    load hits fewer of a codec's timings. ``x.clone()`` into *freshly allocated* memory (for
    large tensors the allocator maps new pages, and first-touch page faults cost as much as
-   the copy) is sampled before each codec too and printed for reference;
+   the copy) is sampled before each codec too and printed for reference. How to read the
+   ratios under load: README.md, "Codec speeds";
 2. time ``encode``, ``encode(..., scratch=pool)`` with its payload in buffers reused across
    calls (codecs with ``encodes_into``, the 16-bit casts, as their ``reduce`` does in the
    collectives; ``-`` for the others), ``decode`` into fresh memory and ``decode(...,
@@ -132,8 +133,9 @@ CEILING_STATISTIC = "best"
 def copy_ceiling(samples: Sequence[float]) -> float:
     """A run's copy ceiling: the best (highest) of its hot-memcpy samples, the machine's copy
     speed when it was least disturbed (NaN samples, from a failed timing, are skipped; NaN
-    when none is left). Higher samples than the ceiling cannot be noise on a shared machine:
-    other jobs only slow a copy down."""
+    when none is left). Other jobs only slow a copy down, so the best is the least disturbed;
+    a lone sample far above the others (seen on the shared 2-core machine: 41-45 GB/s against
+    24-28) is not filtered out, and :func:`render` prints the best three so that it shows."""
     finite = [s for s in samples if math.isfinite(s)]
     return max(finite) if finite else math.nan
 
