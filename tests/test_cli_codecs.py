@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from commpress.bench.codecs import run_bench
+from commpress.bench.codecs import CodecRow, copy_ceiling, render, run_bench, run_samples
 from commpress.cli import main
 from commpress.codecs import codec_ids
 
@@ -62,7 +62,87 @@ def test_bench_codecs_measures_every_requested_codec(
     assert fp16["bits_per_coordinate"] == 16.0
     assert 0 < fp16["nmse_gaussian"] < 2.0**-22  # fp16 unit roundoff squared
     assert fp16["encode_gbps"] > 0 and fp16["memcpy_gbps"] > 0
-    assert "copy ceilings" in capsys.readouterr().out
+    # the JSON keeps every copy sample and the run's one ceiling beside each row
+    samples = [s for r in rows for s in r["copy_samples"]]
+    assert len(samples) == 4 and all(s > 0 for s in samples)
+    assert [r["hot_memcpy_gbps"] for r in rows] == samples[0::2]  # the sample before each
+    assert {r["ceiling_gbps"] for r in rows} == {max(samples)}
+    out = capsys.readouterr().out
+    assert f"copy ceiling: hot memcpy into a reused buffer {max(samples):.2f} GB/s" in out
+    assert "the best of 4 samples" in out
+
+
+def test_ratios_are_against_the_run_ceiling() -> None:
+    """Every row divides by the same ceiling: the best of all the run's copy samples."""
+    rows = run_bench(["identity", "fp16", "sign"], size_mb=0.05, repeat=2, progress=False)
+    samples = run_samples(rows)
+    assert len(samples) == 2 * len(rows) and all(math.isfinite(s) and s > 0 for s in samples)
+    ceiling = max(samples)
+    for r in rows:
+        assert r.ceiling_gbps == ceiling
+        assert r.encode_vs_memcpy == r.encode_gbps / ceiling
+        assert r.decode_vs_memcpy == r.decode_into_gbps / ceiling
+    assert rows[1].encode_into_vs_memcpy == rows[1].encode_into_gbps / ceiling
+    assert math.isnan(rows[2].encode_into_vs_memcpy)  # sign has no encodes_into
+
+
+def test_copy_samples_bracket_every_codec_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One hot-memcpy sample right before and one right after each codec's timings, in run
+    order; the ceiling is the best of them wherever it falls, and the ratios use it."""
+    import commpress.bench.codecs as bench
+
+    fake = iter([5.0, 1.0, 9.0, 2.0, 3.0, 4.0])  # the best (9) is neither first nor last
+    events: list[str] = []
+
+    def fake_memcpy(x: object, repeat: int, *, clone: bool = True) -> tuple[float, float]:
+        events.append("copy")
+        value = next(fake)
+        return (value / 2 if clone else math.nan), value
+
+    real_best_time = bench.best_time
+
+    def logged_best_time(fn: object, repeat: int) -> float:
+        events.append("time")
+        return real_best_time(fn, repeat)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bench, "memcpy_gbps", fake_memcpy)
+    monkeypatch.setattr(bench, "best_time", logged_best_time)
+    rows = run_bench(["identity", "fp16", "sign"], size_mb=0.01, repeat=1, progress=False)
+    # identity, sign: encode, decode, decode into; fp16 also encode with scratch=
+    timings = [3, 4, 3]
+    assert events == [e for n in timings for e in ["copy"] + ["time"] * n + ["copy"]]
+    assert [r.copy_samples for r in rows] == [[5.0, 1.0], [9.0, 2.0], [3.0, 4.0]]
+    assert [r.memcpy_gbps for r in rows] == [2.5, 4.5, 1.5]  # clone: before the timings only
+    assert all(r.ceiling_gbps == 9.0 for r in rows)
+    assert [r.encode_vs_memcpy for r in rows] == [r.encode_gbps / 9.0 for r in rows]
+    text = render(rows)
+    assert "hot memcpy into a reused buffer 9.00 GB/s, the best of 6 samples" in text
+    assert "(samples 1.00-9.00 GB/s, median 3.50, the best three 9.00, 5.00, 4.00)" in text
+    assert "clone into fresh memory: best 4.50 GB/s" in text
+    # below 0.7 of the ceiling around them: identity (1/9) and fp16 (2/9), sign (3/9)
+    assert "identity (0.11), fp16 (0.22), sign (0.33)" in text
+
+
+def test_copy_ceiling_is_the_best_finite_sample() -> None:
+    assert copy_ceiling([3.0, 7.5, 2.0]) == 7.5
+    assert copy_ceiling([math.nan, 4.0]) == 4.0
+    assert math.isnan(copy_ceiling([])) and math.isnan(copy_ceiling([math.nan]))
+
+
+def _row(name: str, samples: list[float]) -> CodecRow:
+    """A row at 10 GB/s everywhere, with these copy samples and a 40 GB/s ceiling."""
+    return CodecRow(codec=name, bits_per_coordinate=8.0, nmse_gaussian=0.0, nmse_heavy=0.0,
+                    encode_gbps=10.0, decode_gbps=10.0, decode_into_gbps=10.0, memcpy_gbps=4.0,
+                    hot_memcpy_gbps=samples[0], copy_samples=samples, ceiling_gbps=40.0)
+
+
+def test_render_names_only_rows_timed_while_busy() -> None:
+    text = render([_row("quiet", [40.0, 30.0]), _row("busy", [27.0, 39.0])])
+    lines = text.splitlines()
+    assert lines[2].split("|")[10].strip() == "40/30"  # the samples around the codec
+    assert lines[2].split("|")[11].strip() == "0.25"  # 10 GB/s over the 40 GB/s ceiling
+    assert lines[-1].endswith("their ratios may be low): busy (0.68)")
+    assert "busy" not in render([_row("quiet", [40.0, 30.0])]).splitlines()[-1]
 
 
 def test_bench_all_codecs_small() -> None:
@@ -87,6 +167,10 @@ def test_bench_labels_the_kernel_backend_that_ran() -> None:
 def test_bad_arguments_give_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "codecs", "--repeat", "0"]) == 2
     assert "error" in capsys.readouterr().err
+    assert main(["bench", "codecs", "--rounds", "0"]) == 2
+    assert "--rounds must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "codecs", "--rounds", "2", "--profile", "p.json"]) == 2
+    assert "not to --profile" in capsys.readouterr().err
     assert main(["bench", "codecs", "--codecs", "nope", "--size-mb", "0.01"]) == 2
 
 
@@ -164,3 +248,50 @@ def test_did_you_mean_and_defaults_in_help(capsys: pytest.CaptureFixture[str]) -
     text = " ".join(capsys.readouterr().out.split())
     assert "--max-nmse MAX_NMSE error budget" in text and "(default 1)" in text
     assert "(default: sweep)" in text or "(sweep/)" in text
+
+
+def test_rounds_keep_each_codecs_best_and_every_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With rounds, each throughput is the best over the passes, the samples of every pass
+    stay with their row in order, and the ceiling is the best of all of them."""
+    import commpress.bench.codecs as bench
+
+    copies = iter([1.0, 2.0, 3.0, 4.0, 8.0, 5.0, 6.0, 7.0])
+    # identity times encode, decode, decode into; sign too; rounds 1 then 2
+    times = iter([1.0, 2.0, 4.0, 3.0, 3.0, 3.0, 2.0, 1.0, 8.0, 1.0, 5.0, 5.0])
+
+    def fake_memcpy(x: object, repeat: int, *, clone: bool = True) -> tuple[float, float]:
+        return (0.5 if clone else math.nan), next(copies)
+
+    monkeypatch.setattr(bench, "memcpy_gbps", fake_memcpy)
+    monkeypatch.setattr(bench, "best_time", lambda fn, repeat: next(times))
+    rows = run_bench(["identity", "sign"], size_mb=0.01, repeat=1, progress=False, rounds=2)
+    assert [r.copy_samples for r in rows] == [[1.0, 2.0, 8.0, 5.0], [3.0, 4.0, 6.0, 7.0]]
+    assert [r.ceiling_gbps for r in rows] == [8.0, 8.0]
+    nbytes = 50 * 50 * 4  # 0.01 MB of fp32 is a 50 x 50 matrix
+    assert [(r.encode_gbps, r.decode_gbps, r.decode_into_gbps) for r in rows] == [
+        tuple(nbytes / t / 1e9 for t in best) for best in ((1.0, 1.0, 4.0), (1.0, 3.0, 3.0))]
+    # quietest round of identity: min(8, 5) = 5 of 8; of sign: min(6, 7) = 6 of 8
+    assert [r.quietest_round for r in rows] == [5.0, 6.0]
+    with pytest.raises(ValueError, match="rounds"):
+        run_bench(["identity"], size_mb=0.01, repeat=1, progress=False, rounds=0)
+
+
+def test_busy_flag_needs_every_round_busy() -> None:
+    assert "busy" not in render([_row("c", [10.0, 40.0, 35.0, 30.0])]).splitlines()[-1]
+    text = render([_row("c", [10.0, 40.0, 20.0, 40.0])])
+    assert text.splitlines()[-1].endswith("may be low): c (0.50)")
+    assert "| 10/40, 20/40 " in text
+
+
+def test_bench_codecs_rounds_from_the_command_line(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_file = tmp_path / "rows.json"  # type: ignore[operator]
+    assert main(["bench", "codecs", "--size-mb", "0.02", "--repeat", "1", "--rounds", "2",
+                 "--codecs", "fp16", "sign", "--json", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("0.02 MB fp32 tensors on cpu, ")
+    assert "best of 1 over 2 rounds;" in out.splitlines()[0]
+    rows = json.loads(out_file.read_text())
+    assert [len(r["copy_samples"]) for r in rows] == [4, 4]  # before/after, two passes
+    assert "the best of 8 samples" in out

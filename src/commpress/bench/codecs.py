@@ -2,13 +2,21 @@
 
 For each codec, on the same tensors in one run:
 
-1. measure the machine's memory-copy bandwidth on the input right before the codec, so each
-   codec's throughput is compared with a ceiling taken under the same load (this machine is
-   shared and noisy: ratios, not absolute numbers, are the result). Two ceilings are measured:
-   ``x.clone()``, which writes a *freshly allocated* output (for large tensors the allocator
-   maps new pages, and first-touch page faults cost as much as the copy), and ``dst.copy_(x)``
-   into a buffer reused across calls (hot memcpy). Ratios are against the hot memcpy (the
-   goal of issue 16); the clone figure is printed for reference;
+1. measure one copy ceiling for the whole run: the hot memcpy of the input (``dst.copy_(x)``
+   into a buffer reused across calls, best of ``--repeat``) is sampled right before and right
+   after every codec's timings, so the samples interleave with the codecs through the run,
+   and the run's ceiling is the *best* sample (the highest bandwidth seen: the machine's copy
+   speed when it was least disturbed). Every ratio is against that one ceiling, so a codec's
+   ratio no longer moves with the one copy measured next to it (this machine is shared and
+   noisy: its copy speed moved 19-47 GB/s between the codecs of one run). Each row keeps the
+   samples around it, and the table's footer prints the ceiling with the samples' range and
+   count, so the noise stays visible: a row whose samples are far below the ceiling was
+   timed while the machine was busy. With ``--rounds N`` the codecs are timed in N passes
+   (each throughput the best over them; samples around every pass), so that a burst of
+   load hits fewer of a codec's timings. ``x.clone()`` into *freshly allocated* memory (for
+   large tensors the allocator maps new pages, and first-touch page faults cost as much as
+   the copy) is sampled before each codec too and printed for reference. How to read the
+   ratios under load: README.md, "Codec speeds";
 2. time ``encode``, ``encode(..., scratch=pool)`` with its payload in buffers reused across
    calls (codecs with ``encodes_into``, the 16-bit casts, as their ``reduce`` does in the
    collectives; ``-`` for the others), ``decode`` into fresh memory and ``decode(...,
@@ -32,9 +40,10 @@ import argparse
 import functools
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,7 +52,7 @@ from tqdm import tqdm
 from commpress.codecs import Codec, CodecContext, codec_ids, get_codec, kernels
 from commpress.errors import CommpressError
 from commpress.metrics import gaussian, heavy_tailed, nmse
-from commpress.report import render_table
+from commpress.report import format_cell, render_table
 
 if TYPE_CHECKING:
     from commpress.perfmodel.codec_costs import CodecSpeed
@@ -53,7 +62,9 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclass(slots=True, kw_only=True)
 class CodecRow:
-    """One codec's results."""
+    """One codec's results. The ratios are against :attr:`ceiling_gbps`, the run's one copy
+    ceiling (:func:`copy_ceiling` of every hot-memcpy sample of the run); the samples taken
+    right before and after this codec's timings are kept beside it, to show the noise."""
 
     codec: str
     bits_per_coordinate: float
@@ -62,27 +73,71 @@ class CodecRow:
     encode_gbps: float
     decode_gbps: float
     decode_into_gbps: float
+    #: ``x.clone()`` into fresh memory, sampled right before this codec's timings
     memcpy_gbps: float
+    #: hot memcpy (``dst.copy_(x)`` into a reused buffer) right before this codec's timings
     hot_memcpy_gbps: float
     kernels: str = "-"
     #: encode with ``scratch=`` (payload memory reused across calls); NaN for codecs without
     #: ``encodes_into``
     encode_into_gbps: float = math.nan
+    #: the hot-memcpy samples around this codec's timings in the order taken: right before
+    #: and right after them, in each round (``--rounds``); the first is ``hot_memcpy_gbps``
+    copy_samples: list[float] = field(default_factory=list)
+    #: the run's copy ceiling that every ratio divides by (the best hot-memcpy sample of the
+    #: run; a row measured alone: the better of its own two samples)
+    ceiling_gbps: float = math.nan
+
+    def _vs_ceiling(self, gbps: float) -> float:
+        ok = math.isfinite(self.ceiling_gbps) and self.ceiling_gbps > 0
+        return gbps / self.ceiling_gbps if ok else math.nan
 
     @property
     def encode_vs_memcpy(self) -> float:
-        """Encode throughput over the hot memcpy's, measured just before it."""
-        return self.encode_gbps / self.hot_memcpy_gbps if self.hot_memcpy_gbps else math.nan
+        """Encode throughput over the run's copy ceiling."""
+        return self._vs_ceiling(self.encode_gbps)
 
     @property
     def encode_into_vs_memcpy(self) -> float:
-        """Encode-into-reused-buffers throughput over the hot memcpy's (NaN when not run)."""
-        return self.encode_into_gbps / self.hot_memcpy_gbps if self.hot_memcpy_gbps else math.nan
+        """Encode-into-reused-buffers throughput over the run's copy ceiling (NaN when not
+        run)."""
+        return self._vs_ceiling(self.encode_into_gbps)
 
     @property
     def decode_vs_memcpy(self) -> float:
-        """Decode-into-a-buffer throughput over the hot memcpy's."""
-        return self.decode_into_gbps / self.hot_memcpy_gbps if self.hot_memcpy_gbps else math.nan
+        """Decode-into-a-buffer throughput over the run's copy ceiling."""
+        return self._vs_ceiling(self.decode_into_gbps)
+
+    @property
+    def quietest_round(self) -> float:
+        """The best round's lower copy sample: the copy speed (GB/s) on both sides of the
+        quietest of this codec's timing rounds (NaN without samples)."""
+        pairs = zip(self.copy_samples[0::2], self.copy_samples[1::2], strict=False)
+        return max((min(pair) for pair in pairs), default=math.nan)
+
+    def add_round(self, other: CodecRow) -> None:
+        """Fold in another round of the same codec: the best of each throughput, and its copy
+        samples after this row's."""
+        for name in ("encode_gbps", "encode_into_gbps", "decode_gbps", "decode_into_gbps",
+                     "memcpy_gbps"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            setattr(self, name, theirs if math.isnan(mine) else
+                    mine if math.isnan(theirs) else max(mine, theirs))
+        self.copy_samples.extend(other.copy_samples)
+
+
+#: How a run's copy ceiling is taken from its hot-memcpy samples (see :func:`copy_ceiling`).
+CEILING_STATISTIC = "best"
+
+
+def copy_ceiling(samples: Sequence[float]) -> float:
+    """A run's copy ceiling: the best (highest) of its hot-memcpy samples, the machine's copy
+    speed when it was least disturbed (NaN samples, from a failed timing, are skipped; NaN
+    when none is left). Other jobs only slow a copy down, so the best is the least disturbed;
+    a lone sample far above the others (seen on the shared 2-core machine: 41-45 GB/s against
+    24-28) is not filtered out, and :func:`render` prints the best three so that it shows."""
+    finite = [s for s in samples if math.isfinite(s)]
+    return max(finite) if finite else math.nan
 
 
 def wall_times(fn: Callable[[], object], repeat: int) -> list[float]:
@@ -104,20 +159,23 @@ def best_time(fn: Callable[[], object], repeat: int) -> float:
     return min(wall_times(fn, repeat), default=math.inf)
 
 
-def memcpy_gbps(x: torch.Tensor, repeat: int) -> tuple[float, float]:
-    """Copy bandwidth in GB/s of source bytes: (``clone`` into fresh memory, hot ``copy_``)."""
+def memcpy_gbps(x: torch.Tensor, repeat: int, *, clone: bool = True) -> tuple[float, float]:
+    """Copy bandwidth in GB/s of source bytes, each the best of ``repeat`` copies: (``clone``
+    into fresh memory, NaN with ``clone=False``; hot ``copy_`` into a reused buffer)."""
     nbytes = x.numel() * x.element_size()
     dst = torch.empty_like(x)
     dst.copy_(x)
     hot = nbytes / best_time(lambda: dst.copy_(x), repeat) / 1e9
-    fresh = nbytes / best_time(x.clone, repeat) / 1e9
+    fresh = nbytes / best_time(x.clone, repeat) / 1e9 if clone else math.nan
     return fresh, hot
 
 
 def bench_codec(
     codec: Codec, x: torch.Tensor, heavy: torch.Tensor, repeat: int
 ) -> CodecRow:
-    """Measure one codec on ``x`` (timings, bits, Gaussian NMSE) and ``heavy`` (NMSE)."""
+    """Measure one codec on ``x`` (timings, bits, Gaussian NMSE) and ``heavy`` (NMSE), its
+    timings bracketed by hot-memcpy samples of ``x`` (the row's ceiling is the better of the
+    two until :func:`run_bench` sets the run's)."""
     ctx = CodecContext(key="bench")
     before = kernels.dispatch_counts()
     payload = codec.encode(x, ctx)  # warm-up (compiles fused kernels)
@@ -136,6 +194,7 @@ def bench_codec(
         enc_into = best_time(lambda: codec.encode(x, ctx, scratch=pool), repeat)
     dec = best_time(lambda: codec.decode(payload, ctx), repeat)
     dec_into = best_time(lambda: codec.decode(payload, ctx, out=buffer), repeat)
+    _, hot_after = memcpy_gbps(x, repeat, clone=False)
     heavy_out = codec.decode(codec.encode(heavy, ctx), ctx)
     return CodecRow(
         codec=codec.spec(),
@@ -148,6 +207,8 @@ def bench_codec(
         decode_into_gbps=nbytes / dec_into / 1e9,
         memcpy_gbps=copy,
         hot_memcpy_gbps=hot,
+        copy_samples=[hot, hot_after],
+        ceiling_gbps=copy_ceiling([hot, hot_after]),
         kernels="+".join(ran) or "-",
     )
 
@@ -160,8 +221,15 @@ def run_bench(
     repeat: int = 3,
     device: str = "cpu",
     progress: bool = True,
+    rounds: int = 1,
 ) -> list[CodecRow]:
-    """Benchmark each codec spec on one Gaussian and one heavy-tailed matrix of ``size_mb``."""
+    """Benchmark each codec spec on one Gaussian and one heavy-tailed matrix of ``size_mb``,
+    in ``rounds`` passes over the codecs (each throughput the best over the passes, so that
+    a burst of load hits fewer of a codec's timings); every row's ratios are against the
+    run's one copy ceiling, :func:`copy_ceiling` of the hot-memcpy samples taken before and
+    after each codec's timings in every pass."""
+    if rounds < 1:
+        raise CommpressError(f"rounds must be >= 1, got {rounds}")
     element = torch.empty(0, dtype=dtype).element_size()
     numel = max(1, int(size_mb * 1e6 / element))
     cols = 4096 if numel >= 4096 * 16 else max(1, int(math.sqrt(numel)))
@@ -169,34 +237,70 @@ def run_bench(
     x = gaussian(rows * cols, seed=0).reshape(rows, cols).to(dtype=dtype, device=device)
     heavy = heavy_tailed(rows * cols, seed=1).reshape(rows, cols).to(dtype=dtype, device=device)
     codecs = [get_codec(s) for s in specs]
-    results = []
-    for codec in tqdm(codecs, desc="codecs", unit="codec", disable=not progress):
-        results.append(bench_codec(codec, x, heavy, repeat))
+    results: list[CodecRow] = []
+    with tqdm(total=rounds * len(codecs), desc="codecs", unit="codec",
+              disable=not progress) as bar:
+        for r in range(rounds):
+            for i, codec in enumerate(codecs):
+                row = bench_codec(codec, x, heavy, repeat)
+                if r == 0:
+                    results.append(row)
+                else:
+                    results[i].add_round(row)
+                bar.update()
+    ceiling = copy_ceiling(run_samples(results))
+    for row in results:
+        row.ceiling_gbps = ceiling
     return results
+
+
+def run_samples(rows: Sequence[CodecRow]) -> list[float]:
+    """Every hot-memcpy sample of a run's rows (before and after each codec's timings, row
+    by row; with several rounds, a row's samples are its rounds' in order)."""
+    return [s for r in rows for s in r.copy_samples]
+
+
+#: A row whose copy samples fell below this fraction of the ceiling is named in the footer:
+#: the machine was busy around its timings.
+BUSY_FRACTION = 0.7
 
 
 def render(rows: Sequence[CodecRow]) -> str:
     headers = [
         "codec", "kernels", "bits/coord", "NMSE gauss", "NMSE heavy", "enc GB/s",
-        "enc->buf GB/s", "dec GB/s", "dec->buf GB/s", "memcpy GB/s", "enc/memcpy",
-        "enc->buf/memcpy", "dec->buf/memcpy",
+        "enc->buf GB/s", "dec GB/s", "dec->buf GB/s", "memcpy before/after", "enc/ceiling",
+        "enc->buf/ceiling", "dec->buf/ceiling",
     ]
     table = [
         [
             r.codec, r.kernels, r.bits_per_coordinate, r.nmse_gaussian, r.nmse_heavy, r.encode_gbps,
-            r.encode_into_gbps, r.decode_gbps, r.decode_into_gbps, r.hot_memcpy_gbps,
+            r.encode_into_gbps, r.decode_gbps, r.decode_into_gbps,
+            ", ".join("/".join(format_cell(s) for s in r.copy_samples[i:i + 2])
+                      for i in range(0, len(r.copy_samples), 2)),
             r.encode_vs_memcpy, r.encode_into_vs_memcpy, r.decode_vs_memcpy,
         ]
         for r in rows
     ]
+    samples = [s for s in run_samples(rows) if math.isfinite(s)]
+    ceiling = copy_ceiling(samples)
     fresh = max((r.memcpy_gbps for r in rows), default=math.nan)
-    hot = max((r.hot_memcpy_gbps for r in rows), default=math.nan)
+    low = f"{min(samples):.2f}" if samples else "nan"
+    mid = f"{statistics.median(samples):.2f}" if samples else "nan"
+    top = ", ".join(f"{v:.2f}" for v in sorted(samples, reverse=True)[:3])
+    busy = [f"{r.codec} ({r.quietest_round / ceiling:.2f})" for r in rows
+            if samples and not r.quietest_round >= BUSY_FRACTION * ceiling]
     return render_table(headers, table) + (
-        f"\n\ncopy ceilings (best seen): hot memcpy into a reused buffer {hot:.2f} GB/s, "
-        f"clone into fresh memory {fresh:.2f} GB/s. The memcpy column and the ratios use the "
-        f"hot memcpy measured just before each codec; enc->buf encodes with scratch= into "
-        f"payload buffers reused across calls (codecs with encodes_into only), dec->buf "
-        f"decodes with out= into a reused buffer"
+        f"\n\ncopy ceiling: hot memcpy into a reused buffer {ceiling:.2f} GB/s, the "
+        f"{CEILING_STATISTIC} of {len(samples)} samples (each best of the repeats) taken right "
+        f"before and after each codec's timings (samples {low}-{ceiling:.2f} GB/s, median "
+        f"{mid}, the best three {top}); every ratio is against it. clone into fresh memory: "
+        f"best {fresh:.2f} GB/s. "
+        f"enc->buf encodes with scratch= into payload buffers reused across calls (codecs "
+        f"with encodes_into only), dec->buf decodes with out= into a reused buffer"
+        + (f"\ntimed while the machine was busy (in every round a copy sample around them "
+           f"below {BUSY_FRACTION:g} of the ceiling; their ratios may be low): "
+           + ", ".join(busy)
+           if busy else "")
     )
 
 
@@ -260,8 +364,6 @@ def _profile_shapes(n: int, *, low_rank: bool) -> list[tuple[int, int]]:
 
 def _timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
     """(best, median) of :func:`wall_times`."""
-    import statistics
-
     times = wall_times(fn, repeat)
     return min(times), statistics.median(times)
 
@@ -281,8 +383,6 @@ def _fit(points: Sequence[ProfilePoint], with_flops: bool
     eps = 1.0 / coef[1] if coef[1] > 0 else math.inf
     rate = 1.0 / coef[2] if with_flops and coef[2] > 0 else math.inf
     orth = 1.0 / coef[3] if with_orth and coef[3] > 0 else math.inf
-    import statistics
-
     residual = max(abs(sum(a * b for a, b in zip(r, coef, strict=False)) - p.best_s) / p.best_s
                    for r, p in zip(rows, points, strict=True))
     jitter = statistics.median(p.median_s / p.best_s - 1.0 for p in points)
@@ -416,6 +516,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size-mb", type=float, default=64.0, help="input tensor size (MB)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (best)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="passes over the codecs, each codec's throughput the best of them "
+                   "(spreads its timings through the run, so that a burst of other load hits "
+                   "fewer of them; not with --profile)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--profile", metavar="FILE",
@@ -430,17 +534,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeat < 1 or args.size_mb <= 0:
-        raise CommpressError("--repeat must be >= 1 and --size-mb > 0")
+    if args.repeat < 1 or args.size_mb <= 0 or args.rounds < 1:
+        raise CommpressError("--repeat and --rounds must be >= 1 and --size-mb > 0")
     specs = codec_ids() if args.codecs == ["all"] else list(args.codecs)
     if args.profile:
+        if args.rounds != 1:
+            raise CommpressError("--rounds applies to the table, not to --profile")
         return write_profile(args, specs)
     rows = run_bench(
         specs, size_mb=args.size_mb, dtype=DTYPES[args.dtype], repeat=args.repeat,
-        device=args.device,
+        device=args.device, rounds=args.rounds,
     )
+    rounds = f" over {args.rounds} rounds" if args.rounds > 1 else ""
     print(f"{args.size_mb:g} MB {args.dtype} tensors on {args.device}, "
-          f"{torch.get_num_threads()} threads, best of {args.repeat}; "
+          f"{torch.get_num_threads()} threads, best of {args.repeat}{rounds}; "
           f"{kernels.ENV_VAR}={kernels.requested_backend()}")
     print(render(rows))
     if args.json:
