@@ -279,16 +279,16 @@ def test_convert_matches_torch(src: torch.dtype, dst: torch.dtype, saturate: boo
 
 
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "topkc"])
-def test_casts_between_16bit_types_go_through_the_conversion_kernel(spec: str) -> None:
-    """On the Triton backend a float16 <-> bfloat16 cast (encode and decode) and TopKC's
-    decode of a 16-bit tensor dispatch the conversion kernel, and decode to the torch path's
-    values."""
+def test_16bit_conversions_on_the_triton_backend(spec: str) -> None:
+    """On the Triton backend TopKC's decode of 16-bit values to the other 16-bit type goes
+    through the conversion kernel, while the casts between float16 and bfloat16 keep torch's
+    copy (as fast on an H100, without a Triton launch); all give the torch path's values."""
     codec = get_codec(spec)
     for dtype in (torch.float16, torch.bfloat16):
         x = sample(1001, seed=12, dtype=dtype)
         with kernels.use_backend("triton"):
-            before = kernels.dispatch_counts().get("triton", 0)
             p = codec.encode(x)
+            before = kernels.dispatch_counts().get("triton", 0)
             out = torch.empty_like(x)
             codec.decode(p, out=out)
             dispatched = kernels.dispatch_counts().get("triton", 0) - before
@@ -297,7 +297,10 @@ def test_casts_between_16bit_types_go_through_the_conversion_kernel(spec: str) -
             want = codec.decode(q)
         _payloads_equal(p, q)
         same(out, want)
-        assert dispatched >= (1 if spec == "topkc" or x.dtype != codec.wire_dtype else 0)
+        if spec != "topkc":
+            assert dispatched == 0
+        elif p.parts["values"].dtype != dtype:
+            assert dispatched == 1
 
 
 @pytest.mark.parametrize("spec", ["minmax", "qsgd", "terngrad", "sign"])
