@@ -358,3 +358,21 @@ def test_fp64_mask_and_bitplane_extremes() -> None:
         codec = get_codec("netzip", **config)
         assert_bit_exact(codec.decode(codec.encode(x)), x)
     assert np.isnan(get_codec("netzip").decode(get_codec("netzip").encode(x))[4].item())
+
+
+def test_accelerator_tensors_are_told_the_entropy_stage_runs_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """netzip on a tensor outside the CPU warns, once per process and device type, that its
+    entropy stage runs on the host (the lossless stage of issue 16: no silent fallback)."""
+    import warnings
+
+    from commpress.codecs.netzip import codec as netzip_codec
+
+    monkeypatch.setattr(netzip_codec, "_NOTIFIED", set())
+    with pytest.warns(netzip_codec.HostEntropyWarning, match="cuda tensors runs on the CPU"):
+        assert netzip_codec.host_stage_notice(torch.device("cuda"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not netzip_codec.host_stage_notice(torch.device("cuda"))
+        assert not netzip_codec.host_stage_notice(torch.device("cpu"))

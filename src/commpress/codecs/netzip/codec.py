@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -331,6 +332,8 @@ class NetZip(Codec):
                 fast = self._encode_fast(x)
                 if fast is not None:
                     return fast
+            if x.device.type != "cpu":
+                host_stage_notice(x.device)
             return self._encode_general(x, ctx if ctx is not None else self._default_ctx())
         except CommpressError as exc:
             raise prefixed(exc, f"{self.codec_id}.encode") from exc.__cause__
@@ -930,6 +933,28 @@ class NetZip(Codec):
 
 
 # ---------------------------------------------------------------------- helpers
+class HostEntropyWarning(UserWarning):
+    """netzip coded a tensor that lives on an accelerator with its CPU entropy stage."""
+
+
+_NOTIFIED: set[str] = set()
+
+
+def host_stage_notice(device: torch.device) -> bool:
+    """Warn, once per process and device type, that netzip's entropy stage runs on the CPU
+    for tensors on ``device`` (its planes are copied to the host and the stream back: about
+    1 GB/s on an H100's host, docs/lossless.md "On a GPU"). Returns whether it warned."""
+    if device.type == "cpu" or device.type in _NOTIFIED:
+        return False
+    _NOTIFIED.add(device.type)
+    warnings.warn(
+        f"netzip: the entropy stage of {device.type} tensors runs on the CPU (planes copied "
+        "to the host and back, about 1 GB/s on an H100's host); see docs/lossless.md, "
+        "'On a GPU'", HostEntropyWarning, stacklevel=3,
+    )
+    return True
+
+
 def _ref_name(key: str, rank: int) -> str:
     return f"{key}#{rank}"
 
