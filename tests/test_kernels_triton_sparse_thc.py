@@ -171,7 +171,8 @@ def test_thc_decode_is_the_torch_paths(spec: str) -> None:
                 out = torch.full(x.shape, 7.0, dtype=dtype, device=DEVICE)
                 assert codec.decode(p, ctx, out=out) is out
                 calls = triton_calls() - before
-            assert calls == (2 if x.numel() and tiled else 0), (spec, name, calls)
+            # two decodes, each the parameters' kernel and the decode's
+            assert calls == (4 if x.numel() and tiled else 0), (spec, name, calls)
             assert got.shape == x.shape and got.dtype == dtype
             same(got, want)
             same(out, want)
@@ -204,11 +205,43 @@ def test_thc_decode_of_sums_and_extreme_ranges(lane: torch.dtype) -> None:
             with kernels.use_backend("triton"):
                 before = triton_calls()
                 got = codec._output(codes, ranges, lay, ctx, **kw)  # type: ignore[arg-type]
-                assert triton_calls() - before == 1
+                assert triton_calls() - before == 2  # the parameters' kernel, the decode's
             same(got, want)
             if dtype == torch.bfloat16:
                 saturated += int((want.abs() == torch.finfo(dtype).max).sum())
     assert saturated >= 16  # the kernel's saturating branch was exercised
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("spec", ["thc", "thc:bits=2,block_log2=0", "thc:bits=8,block_log2=11",
+                                  "thc:bits=4,block_log2=12,saturate=true,lane_bits=16"])
+def test_thc_decode_params_kernel_is_decode_params(spec: str) -> None:
+    """The Triton kernel of THC's per-block decode parameters gives
+    :meth:`Thc._decode_params`'s float64 results rounded to float32, bit for bit: ranges of
+    every binade (subnormal to float32's largest, where the ``2^-k`` pre-scaling starts),
+    zero, +Inf, NaN and (a corrupted payload) negative ranges; summed codes of up to 2^20
+    ranks; the mean's division by 1, 3 and 7."""
+    codec = get_codec(spec)
+    lay = codec.layout(5000)
+    g = torch.Generator().manual_seed(lay.block)
+    ranges = torch.exp2(torch.randint(-149, 128, (300,), generator=g).float())
+    ranges *= 1 + torch.rand(300, generator=g)
+    ranges = torch.cat([ranges, torch.tensor(
+        [0.0, 1e-45, 3.4e38, torch.finfo(torch.float32).max, math.inf, math.nan, -2.5, -0.0])])
+    ranges = ranges.to(DEVICE)
+    for summed in (1, 3, 2**20):
+        for divide in (1, 3, 7):
+            steps, factors = tg.thc_decode_params(
+                ranges, levels=codec.levels, block=lay.block, summed=summed, divide=divide,
+                headroom=lay.headroom_log2)
+            with kernels.use_backend("torch"):
+                want_s, want_f = codec._decode_params(
+                    ranges, lay, summed=summed, divide=divide, work=torch.float32)
+            assert steps.dtype == factors.dtype == torch.float32
+            same(steps, want_s)
+            same(factors, want_f.to(torch.float32))
+    empty = tg.thc_decode_params(ranges[:0], levels=1, block=1, summed=1, divide=1, headroom=0)
+    assert empty[0].numel() == empty[1].numel() == 0
 
 
 def test_thc_decode_refuses_other_outputs() -> None:

@@ -83,6 +83,7 @@ TRITON_OPS = frozenset(
         "thc_encode",
         "thc_quantize",
         "thc_decode",
+        "thc_decode_params",
         "gather_finite",
         "spread",
     }
@@ -495,6 +496,18 @@ def thc_decode(
     return _impl(codes, "thc_decode").thc_decode(
         codes, block=block, numel=numel, sign_seed=sign_seed, steps=steps, factors=factors,
         out=out,
+    )
+
+
+def thc_decode_params(
+    ranges: torch.Tensor, *, levels: int, block: int, summed: int, divide: int, headroom: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """THC's per-block decode parameters for a float32 decode (Triton only): the step to
+    multiply the codes by and the factor of the final signs, each rounded to float32, as
+    :meth:`commpress.codecs.thc.Thc._decode_params` computes them in float64 (bit for bit),
+    in one launch."""
+    return _impl(ranges, "thc_decode_params").thc_decode_params(
+        ranges, levels=levels, block=block, summed=summed, divide=divide, headroom=headroom,
     )
 
 

@@ -90,6 +90,8 @@ _INT32_MIN = tl.constexpr(INT32_MIN)
 _F64_MAX = tl.constexpr(1.7976931348623157e308)
 _BF16_MAX = tl.constexpr(3.3895313892515355e38)
 _F16_MAX = tl.constexpr(65504.0)
+#: half of float32's largest value, as float64 bits (THC's decode limit)
+_HALF_F32_MAX_BITS = tl.constexpr(0x47DFFFFFE0000000)
 #: ``OUT`` of the decode kernels: the dtype they store (see _store_out)
 OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -728,6 +730,41 @@ def _spread_kernel(idx_ptr, val_ptr, out_ptr, k, BLOCK: tl.constexpr):
     tl.store(out_ptr + at, tl.load(val_ptr + j, mask=keep), mask=keep)
 
 
+@triton.jit
+def _pow2_f64(e):
+    # 2^e as float64 for integer-valued float64 ``e`` in [-1022, 1023], exactly (exponent bits)
+    return ((e.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["nblocks", "levels", "block", "summed", "divide", "headroom"])
+def _thc_params_kernel(range_ptr, step_ptr, factor_ptr, nblocks, levels, block, summed, divide,
+                       headroom, BLOCK: tl.constexpr):
+    # thc.Thc._decode_params for a float32 work dtype, block by block, in its float64
+    # arithmetic and order (integer arguments, so that no float64 constant passes through a
+    # float32 kernel argument): the step M / L rounded up to float32 (THC.steps); k =
+    # max(0, ceil(log2(block * summed * L * step / limit))), 0 where not finite, limit half of
+    # float32's largest; the step times 2^-k and the factor 2^(k + headroom) / (sqrt(block)
+    # divide), both rounded to float32
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < nblocks
+    lv = levels.to(tl.int64).to(tl.float64)
+    exact = tl.load(range_ptr + i, mask=live, other=0.0).to(tl.float64) / lv
+    step = exact.to(tl.float32)
+    bits = step.to(tl.int32, bitcast=True)
+    up = tl.where(bits < 0, bits - 1, bits + 1).to(tl.float32, bitcast=True)  # nextafter(+inf)
+    step = tl.where(step.to(tl.float64) < exact, up, step)
+    wide = step.to(tl.float64)
+    mult = (block.to(tl.int64) * summed.to(tl.int64) * levels.to(tl.int64)).to(tl.float64)
+    limit = tl.full((1,), _HALF_F32_MAX_BITS, tl.int64).to(tl.float64, bitcast=True)
+    k = tl.ceil(tl.log2(mult * wide / limit))
+    k = tl.maximum(k, 0.0)
+    k = tl.where((k == k) & (k < float("inf")), k, 0.0)
+    c = 1.0 / (tl.sqrt(block.to(tl.int64).to(tl.float64)) * divide.to(tl.int64).to(tl.float64))
+    tl.store(step_ptr + i, (wide * _pow2_f64(-k)).to(tl.float32), mask=live)
+    tl.store(factor_ptr + i, (c * _pow2_f64(k + headroom.to(tl.int64).to(tl.float64))
+                              ).to(tl.float32), mask=live)
+
+
 # ---------------------------------------------------------------------- THC decode
 
 
@@ -1248,6 +1285,23 @@ def spread(idx: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
         )
 
 
+def thc_decode_params(
+    ranges: torch.Tensor, *, levels: int, block: int, summed: int, divide: int, headroom: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`commpress.codecs.kernels.thc_decode_params`: one launch instead of the
+    torch path's two dozen small operations per decode."""
+    ranges = _flat(ranges)
+    nblocks = ranges.numel()
+    steps = torch.empty(nblocks, dtype=torch.float32, device=ranges.device)
+    factors = torch.empty(nblocks, dtype=torch.float32, device=ranges.device)
+    if nblocks:
+        _thc_params_kernel[_blocks(nblocks, PARAM_BLOCK)](
+            ranges.to(torch.float32).contiguous(), steps, factors, nblocks, levels, block,
+            summed, divide, headroom, BLOCK=PARAM_BLOCK,
+        )
+    return steps, factors
+
+
 def thc_decode(
     codes: torch.Tensor, *, block: int, numel: int, sign_seed: int, steps: torch.Tensor,
     factors: torch.Tensor, out: torch.Tensor,
@@ -1290,6 +1344,7 @@ __all__ = [
     "stochastic_encode",
     "terngrad_encode",
     "thc_decode",
+    "thc_decode_params",
     "thc_encode",
     "thc_quantize",
     "thc_rotate",
