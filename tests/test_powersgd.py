@@ -596,7 +596,11 @@ def test_lowrank_decode_of_rank_zero_is_zeros() -> None:
 
 # ---------------------------------------------------------------- the encode's numba products
 _PRODUCT_SHAPES = [(1, 1, 1), (3, 2, 2), (2, 3, 1), (5, 4, 3), (4, 5, 2), (9, 7, 4),
-                   (6, 8, 1), (7, 9, 5), (3, 33, 4), (13, 1000, 4), (5, 4097, 2)]
+                   (6, 8, 1), (7, 9, 5), (3, 33, 4), (13, 1000, 4), (5, 4097, 2),
+                   # from h = 256 on with m a multiple of 16, P's vector path (subtrees in
+                   # registers): all pairs, one pair vector, some pairs, 1-7 ranks
+                   (3, 512, 1), (10, 272, 2), (19, 1040, 5), (9, 784, 6), (11, 2304, 3),
+                   (5, 4096, 4), (2, 1536, 7)]
 
 
 def _tree_sum_rows(t: torch.Tensor) -> torch.Tensor:
@@ -657,20 +661,21 @@ def test_lowrank_products_do_not_depend_on_the_thread_count() -> None:
 
     if not kernels.available():
         pytest.skip("numba kernels unavailable")
-    x = _kernel_input(301, 2500, torch.bfloat16, 3)
-    q = torch.randn(2500, 4, generator=torch.Generator().manual_seed(1))
-    p = torch.randn(301, 4, generator=torch.Generator().manual_seed(2))
-    before = torch.get_num_threads()
-    got = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            with kernels.use_backend("numba"):
-                got.append((kernels.lowrank_right(x, q), kernels.lowrank_left(x, p)))
-    finally:
-        torch.set_num_threads(before)
-    for a, b in got[1:]:
-        assert torch.equal(a, got[0][0]) and torch.equal(b, got[0][1])
+    for m in (2500, 2560):  # P by the scalar and by the vector path
+        x = _kernel_input(301, m, torch.bfloat16, 3)
+        q = torch.randn(m, 4, generator=torch.Generator().manual_seed(1))
+        p = torch.randn(301, 4, generator=torch.Generator().manual_seed(2))
+        before = torch.get_num_threads()
+        got = []
+        try:
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                with kernels.use_backend("numba"):
+                    got.append((kernels.lowrank_right(x, q), kernels.lowrank_left(x, p)))
+        finally:
+            torch.set_num_threads(before)
+        for a, b in got[1:]:
+            assert torch.equal(a, got[0][0]) and torch.equal(b, got[0][1])
 
 
 def test_lowrank_products_are_accurate_and_propagate_nan() -> None:
