@@ -2132,6 +2132,10 @@ def _bit_counts() -> tuple[Any, Any]:
     return unary("llvm.cttz.i64", [ir.Constant(ir.IntType(1), 0)]), unary("llvm.ctpop.i64", [])
 
 
+#: Whether this numba and llvmlite compile LLVM's prefetch (set by _prefetcher()).
+_PREFETCHES = [False]
+
+
 def _prefetcher() -> Any:
     """A numba intrinsic ``prefetch(arr, i)``: LLVM's prefetch of ``arr[i]`` for reading
     into every cache level (a hint; results never depend on it), or a jitted no-op where
@@ -2170,6 +2174,7 @@ def _prefetcher() -> Any:
             pass
 
         return numba.njit(nothing)
+    _PREFETCHES[0] = True
     return prefetch
 
 
@@ -2231,7 +2236,7 @@ _LR_ROWS = 8
 _LR_BLOCK = 32768
 
 
-def _lowrank_vector_kernels() -> dict[str, Any]:
+def _lowrank_vector_kernels(prefetch: bool) -> dict[str, Any]:
     """PowerSGD's product intrinsics, LLVM vector code written directly for ``K`` = 1, 2 or 4
     ranks at once (each value of the matrix loaded and widened once for the ``K`` products;
     numba's loops reloaded and rewidened it per rank and kept the pairwise sum's levels in
@@ -2251,7 +2256,8 @@ def _lowrank_vector_kernels() -> dict[str, Any]:
 
     ``_vrowsK(x, xo, m, pn, po, rs, acc, ao, w)``: ``acc[ao + k w + j] += p[t, k] x[t, j]``
     for the 8 rows ``t`` (row ``t`` at ``x[xo + t m:]``, ``p[t, k]`` at ``pn[po + t rs +
-    k]``) added in row order, for the whole vectors ``j < w`` (``w // 16`` of them)."""
+    k]``) added in row order, for the whole vectors ``j < w`` (``w // 16`` of them); with
+    ``prefetch`` it also prefetches the same columns of the next eight rows (a hint)."""
     from llvmlite import ir
     from numba.core import cgutils, types
     from numba.extending import intrinsic
@@ -2396,6 +2402,11 @@ def _lowrank_vector_kernels() -> dict[str, Any]:
             load, adata, awide = loader(context, builder, sig.args[6], args[6])
             pdata = context.make_array(sig.args[3])(context, builder, args[3]).data
             ity = xo.type
+            bytes_ptr = ir.IntType(8).as_pointer()
+            fetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [bytes_ptr, i32, i32, i32]),
+                "llvm.prefetch.p0",
+            ) if prefetch else None
             coef = [
                 [
                     splat(builder, builder.load(builder.gep(pdata, [builder.add(
@@ -2406,12 +2417,21 @@ def _lowrank_vector_kernels() -> dict[str, Any]:
                 for t in range(_LR_ROWS)
             ]
             starts = [builder.add(xo, builder.mul(m, ir.Constant(ity, t))) for t in range(_LR_ROWS)]
+            xdata = context.make_array(sig.args[0])(context, builder, args[0]).data
+            ahead = builder.mul(m, ir.Constant(ity, _LR_ROWS))
             accs = [builder.add(ao, builder.mul(w, ir.Constant(ity, k))) for k in range(ranks)]
             count = builder.udiv(w, ir.Constant(ity, _LR_VEC))
             with cgutils.for_range(builder, count) as loop:
                 j = builder.mul(loop.index, ir.Constant(ity, _LR_VEC))
                 sums = [load(builder.add(a, j)) for a in accs]
                 for t in range(_LR_ROWS):
+                    if prefetch:
+                        # the same columns of the next pass's rows: each row's piece is
+                        # short, then a jump of m, which the hardware prefetcher follows
+                        # poorly (a hint: no effect on results, never faults)
+                        at = builder.gep(xdata, [builder.add(builder.add(starts[t], j), ahead)])
+                        at = builder.bitcast(at, bytes_ptr)
+                        builder.call(fetch, [at, i32(0), i32(3), i32(1)])
                     xv = loadx(builder.add(starts[t], j))
                     for k in range(ranks):
                         sums[k] = builder.fadd(sums[k], builder.fmul(coef[t][k], xv))
@@ -2454,7 +2474,7 @@ def _build() -> dict[str, Callable[..., Any]]:
     module["_nb_tz"], module["_nb_popcount"] = _bit_counts()
     module["_vsum_sq"] = _vector_lane_sum(True)
     module["_vsum_abs"] = _vector_lane_sum(False)
-    module.update(_lowrank_vector_kernels())
+    module.update(_lowrank_vector_kernels(_PREFETCHES[0]))
     for name in _HELPERS:
         module[name] = numba.njit(cache=True, fastmath=False, error_model="numpy")(module[name])
     for name in _INLINED:
