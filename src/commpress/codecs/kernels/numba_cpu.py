@@ -1710,16 +1710,6 @@ def _nb_lowrank_right(
             wide = np.empty(m * rows if mode == 2 else 1, np.float32)
             if mode == 2:
                 _nb_widen(xf, x16, mode, i0 * m, (i0 + rows) * m, wide)
-            else:
-                # the leaves are read out of order (strides of 16 S vectors), which the
-                # hardware prefetcher does not follow: ask for the next block's lines
-                a = min(n, i0 + per) * m
-                b = min(n, i0 + 2 * per) * m
-                for j in range(a, b, 16 if mode == 0 else 32):
-                    if mode == 0:
-                        _nb_prefetch(xf, j)
-                    else:
-                        _nb_prefetch(x16, j)
             for g in range(0, r, 4):
                 left = r - g
                 if mode == 1:
@@ -2132,6 +2122,18 @@ def _bit_counts() -> tuple[Any, Any]:
     return unary("llvm.cttz.i64", [ir.Constant(ir.IntType(1), 0)]), unary("llvm.ctpop.i64", [])
 
 
+def _emit_prefetch(builder: Any, ptr: Any) -> None:
+    """LLVM's prefetch of ``ptr`` for reading (0), high locality (3), data cache (1)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    bytes_ptr = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [bytes_ptr, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(ptr, bytes_ptr), i32(0), i32(3), i32(1)])
+
+
 #: Whether this numba and llvmlite compile LLVM's prefetch (set by _prefetcher()).
 _PREFETCHES = [False]
 
@@ -2141,7 +2143,6 @@ def _prefetcher() -> Any:
     into every cache level (a hint; results never depend on it), or a jitted no-op where
     this numba and llvmlite cannot compile it (probed once here)."""
     import numba
-    from llvmlite import ir
     from numba.core import cgutils, types
     from numba.extending import intrinsic
 
@@ -2153,12 +2154,7 @@ def _prefetcher() -> Any:
             ptr = cgutils.get_item_pointer(
                 context, builder, aryty, ary, [args[1]], wraparound=False, boundscheck=False
             )
-            bytes_ptr = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.VoidType(), [bytes_ptr, i32, i32, i32])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-            # read (0), high locality (3), data cache (1)
-            builder.call(fn, [builder.bitcast(ptr, bytes_ptr), i32(0), i32(3), i32(1)])
+            _emit_prefetch(builder, ptr)
             return context.get_dummy_value()
 
         return types.void(arr, idx), codegen
@@ -2337,6 +2333,16 @@ def _lowrank_vector_kernels(prefetch: bool) -> dict[str, Any]:
                     row = rowloop.index
                     px = builder.gep(xdata, [builder.add(base, builder.mul(row, m))])
                     pxh = builder.gep(px, [h])
+                    if prefetch:
+                        # the leaves are read out of order (strides of 16 S vectors), which
+                        # the hardware prefetcher does not follow: this row's counterpart in
+                        # the next block of rows, 512 values per subtree (m <= 512 S), line
+                        # by line (a hint: no effect on results, never faults)
+                        ahead = builder.gep(px, [builder.add(builder.mul(nrows, m), builder.mul(
+                            c, const(512)))])
+                        line = 64 // (2 if xty.dtype == types.uint16 else 4)
+                        for at in range(0, 512, line):
+                            _emit_prefetch(builder, builder.gep(ahead, [const(at)]))
                     # a stack per rank: (level, partial sum); consecutive leaves of the
                     # bit-reversed order are the pairs u, u + 8, so adding the top two entries
                     # of equal level gives the tree's sums, the earlier (lower index) first
@@ -2402,11 +2408,6 @@ def _lowrank_vector_kernels(prefetch: bool) -> dict[str, Any]:
             load, adata, awide = loader(context, builder, sig.args[6], args[6])
             pdata = context.make_array(sig.args[3])(context, builder, args[3]).data
             ity = xo.type
-            bytes_ptr = ir.IntType(8).as_pointer()
-            fetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [bytes_ptr, i32, i32, i32]),
-                "llvm.prefetch.p0",
-            ) if prefetch else None
             coef = [
                 [
                     splat(builder, builder.load(builder.gep(pdata, [builder.add(
@@ -2429,9 +2430,9 @@ def _lowrank_vector_kernels(prefetch: bool) -> dict[str, Any]:
                         # the same columns of the next pass's rows: each row's piece is
                         # short, then a jump of m, which the hardware prefetcher follows
                         # poorly (a hint: no effect on results, never faults)
-                        at = builder.gep(xdata, [builder.add(builder.add(starts[t], j), ahead)])
-                        at = builder.bitcast(at, bytes_ptr)
-                        builder.call(fetch, [at, i32(0), i32(3), i32(1)])
+                        _emit_prefetch(builder, builder.gep(
+                            xdata, [builder.add(builder.add(starts[t], j), ahead)]
+                        ))
                     xv = loadx(builder.add(starts[t], j))
                     for k in range(ranks):
                         sums[k] = builder.fadd(sums[k], builder.fmul(coef[t][k], xv))
