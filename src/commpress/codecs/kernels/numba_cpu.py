@@ -1775,6 +1775,18 @@ def _nb_lowrank_right(
                 p[i, k] = part[0]
 
 
+def _nb_vrows(
+    x: Any, xo: Any, m: Any, pf: Any, po: Any, rs: Any, acc: Any, ao: Any, w: Any, left: Any
+) -> None:
+    # _vrowsK for K = 4 (3 or more ranks left, the fourth's p zero), 2 or 1
+    if left >= 3:
+        _vrows4(x, xo, m, pf, po, rs, acc, ao, w)
+    elif left == 2:
+        _vrows2(x, xo, m, pf, po, rs, acc, ao, w)
+    else:
+        _vrows1(x, xo, m, pf, po, rs, acc, ao, w)
+
+
 def _nb_lowrank_left(
     xf: Any, x16: Any, mode: Any, n: Any, m: Any, p: Any, q: Any, cols: Any
 ) -> None:
@@ -1805,26 +1817,11 @@ def _nb_lowrank_left(
             for g in range(0, r, 4):
                 left = r - g
                 po = i * rs + g
-                if mode == 0:
-                    if left >= 3:
-                        _vrows4(xf, i * m + c0, m, pf, po, rs, acc, g * w, w)
-                    elif left == 2:
-                        _vrows2(xf, i * m + c0, m, pf, po, rs, acc, g * w, w)
-                    else:
-                        _vrows1(xf, i * m + c0, m, pf, po, rs, acc, g * w, w)
-                elif mode == 1:
-                    if left >= 3:
-                        _vrows4(x16, i * m + c0, m, pf, po, rs, acc, g * w, w)
-                    elif left == 2:
-                        _vrows2(x16, i * m + c0, m, pf, po, rs, acc, g * w, w)
-                    else:
-                        _vrows1(x16, i * m + c0, m, pf, po, rs, acc, g * w, w)
-                elif left >= 3:
-                    _vrows4(wide, 0, w, pf, po, rs, acc, g * w, w)
-                elif left == 2:
-                    _vrows2(wide, 0, w, pf, po, rs, acc, g * w, w)
+                if mode == 1:
+                    _nb_vrows(x16, i * m + c0, m, pf, po, rs, acc, g * w, w, left)
                 else:
-                    _vrows1(wide, 0, w, pf, po, rs, acc, g * w, w)
+                    _nb_vrows(xf if mode == 0 else wide, i * m + c0 if mode == 0 else 0,
+                              m if mode == 0 else w, pf, po, rs, acc, g * w, w, left)
             if wv < w:  # the last columns (fewer than 16), row by row
                 for t in range(8):
                     a = (i + t) * m
@@ -1970,6 +1967,7 @@ def _nb_spread(idx: Any, vals: Any, out: Any) -> None:
 _HELPERS = (
     "_nb_widen",
     "_nb_vtree",
+    "_nb_vrows",
     "_nb_cap",
     "_nb_bf16",
     "_nb_f16",
