@@ -2852,8 +2852,8 @@ class NumbaKernels:
             s0, groups = h // 256, -(-r // 4)
             wide = torch.zeros(2 * h, 4 * groups, dtype=torch.float32)
             wide[:m, :r] = q
-            qv = wide.view(2, 16, s0, 16, groups, 4).permute(4, 2, 1, 0, 5, 3)
-            qv = _np(qv[:, :, _LEAF_ORDER].contiguous().view(-1))
+            leaves = wide.view(2, 16, s0, 16, groups, 4).permute(4, 2, 1, 0, 5, 3)
+            qv = _np(leaves[:, :, _LEAF_ORDER].contiguous().view(-1))
             qt = _QT_NONE
         else:
             qv = _QV_NONE
