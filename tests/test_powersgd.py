@@ -654,6 +654,32 @@ def test_lowrank_products_follow_their_stated_order_bit_for_bit(
     assert torch.equal(got_q, want_q)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [784, 1040, 4096])
+def test_lowrank_right_keeps_the_sign_of_zero_sums(dtype: torch.dtype, m: int) -> None:
+    """Signed zeros through P's vector path, bit for bit: rows of zeros of random signs (a
+    sum of -0.0 products stays -0.0, one +0.0 makes it +0.0), including the leaves without
+    a pair (m = 784, 1040), which add -0.0 in their pair's place."""
+    from commpress.codecs import kernels
+
+    if not kernels.available():
+        pytest.skip("numba kernels unavailable")
+    g = torch.Generator().manual_seed(m)
+    signs = torch.rand(6, m, generator=g) < 0.5
+    x = torch.where(signs, -0.0, 0.0)
+    x[0] = -0.0  # every product -0.0 against a positive q: the sum is -0.0
+    x[1, : m // 2] = torch.randn(m // 2, generator=g)  # values in the paired half only
+    x = x.to(dtype)
+    q = torch.randn(m, 3, generator=g).abs()
+    q[:, 1] = -q[:, 1]
+    q[::7, 2] = 0.0
+    want = torch.stack([_tree_sum_rows(x.to(torch.float32) * q[:, k]) for k in range(3)], 1)
+    with kernels.use_backend("numba"):
+        got = kernels.lowrank_right(x, q)
+    assert got[0, 0].item() == 0.0 and math.copysign(1.0, got[0, 0].item()) == -1.0
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 def test_lowrank_products_do_not_depend_on_the_thread_count() -> None:
     """Entries are the same sums whatever the split of rows and column blocks (the column
     blocks of X^T P narrow with more threads)."""
