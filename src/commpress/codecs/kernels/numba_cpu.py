@@ -1685,9 +1685,9 @@ def _nb_lowrank_right(
     # bits x16, widened exactly) and Q given transposed (qt, (r, m) float32) or, for the
     # vector path below, interleaved (qv, see lowrank_right; empty otherwise): p[i, k] is a
     # pairwise (tree) sum of the products x[i, j] * q[j, k] in float32 without fused
-    # multiply-adds: with h the largest power of two below m (1 for
-    # m = 1), the first level adds the products of j and j + h (j < m - h) and keeps j alone
-    # for m - h <= j < h, each next level adds entry j and j + s for s = h/2, h/4, ..., 1.
+    # multiply-adds: with h the largest power of two below m (1 for m = 1), the first level
+    # adds the products of j and j + h (j < m - h) and keeps j alone for m - h <= j < h,
+    # each next level adds entry j and j + s for s = h/2, h/4, ..., 1.
     # One pass over X, rows in parallel; each sum is the same sequence of operations
     # whatever the thread count (and more accurate than a running sum: its error grows with
     # log2(m), not m). From h = 256 on (m a multiple of 16) the levels down to s = 16 S
@@ -2246,7 +2246,8 @@ def _lowrank_vector_kernels(prefetch: bool) -> dict[str, Any]:
     leaf, ``_vtreeK`` takes every leaf as paired), added ``u`` and ``u + 8`` first, then
     ``+4``, ``+2``, ``+1`` (the stated tree's order), into ``part[16 ((4 i + k) S + c):]``
     for rank ``k < K``; ``q`` comes interleaved from ``qv[qo:]`` (see ``lowrank_right``), so
-    a subtree's q (8 KB) is read at fixed offsets and stays in L1 across the rows.
+    a subtree's q (8 KB) is read at fixed offsets and stays in L1 across the rows; with
+    ``prefetch`` each subtree step also prefetches 512 values of the row ``rows`` further on.
 
     ``_vrowsK(x, xo, m, pn, po, rs, acc, ao, w)``: ``acc[ao + k w + j] += p[t, k] x[t, j]``
     for the 8 rows ``t`` (row ``t`` at ``x[xo + t m:]``, ``p[t, k]`` at ``pn[po + t rs +
