@@ -596,7 +596,11 @@ def test_lowrank_decode_of_rank_zero_is_zeros() -> None:
 
 # ---------------------------------------------------------------- the encode's numba products
 _PRODUCT_SHAPES = [(1, 1, 1), (3, 2, 2), (2, 3, 1), (5, 4, 3), (4, 5, 2), (9, 7, 4),
-                   (6, 8, 1), (7, 9, 5), (3, 33, 4), (13, 1000, 4), (5, 4097, 2)]
+                   (6, 8, 1), (7, 9, 5), (3, 33, 4), (13, 1000, 4), (5, 4097, 2),
+                   # from h = 256 on with m a multiple of 16, P's vector path (subtrees in
+                   # registers): all pairs, one pair vector, some pairs, 1-7 ranks
+                   (3, 512, 1), (10, 272, 2), (19, 1040, 5), (9, 784, 6), (11, 2304, 3),
+                   (5, 4096, 4), (2, 1536, 7)]
 
 
 def _tree_sum_rows(t: torch.Tensor) -> torch.Tensor:
@@ -650,6 +654,32 @@ def test_lowrank_products_follow_their_stated_order_bit_for_bit(
     assert torch.equal(got_q, want_q)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [784, 1040, 4096])
+def test_lowrank_right_keeps_the_sign_of_zero_sums(dtype: torch.dtype, m: int) -> None:
+    """Signed zeros through P's vector path, bit for bit: rows of zeros of random signs (a
+    sum of -0.0 products stays -0.0, one +0.0 makes it +0.0), including the leaves without
+    a pair (m = 784, 1040), which add -0.0 in their pair's place."""
+    from commpress.codecs import kernels
+
+    if not kernels.available():
+        pytest.skip("numba kernels unavailable")
+    g = torch.Generator().manual_seed(m)
+    signs = torch.rand(6, m, generator=g) < 0.5
+    x = torch.where(signs, -0.0, 0.0)
+    x[0] = -0.0  # every product -0.0 against a positive q: the sum is -0.0
+    x[1, : m // 2] = torch.randn(m // 2, generator=g)  # values in the paired half only
+    x = x.to(dtype)
+    q = torch.randn(m, 3, generator=g).abs()
+    q[:, 1] = -q[:, 1]
+    q[::7, 2] = 0.0
+    want = torch.stack([_tree_sum_rows(x.to(torch.float32) * q[:, k]) for k in range(3)], 1)
+    with kernels.use_backend("numba"):
+        got = kernels.lowrank_right(x, q)
+    assert got[0, 0].item() == 0.0 and math.copysign(1.0, got[0, 0].item()) == -1.0
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 def test_lowrank_products_do_not_depend_on_the_thread_count() -> None:
     """Entries are the same sums whatever the split of rows and column blocks (the column
     blocks of X^T P narrow with more threads)."""
@@ -657,20 +687,21 @@ def test_lowrank_products_do_not_depend_on_the_thread_count() -> None:
 
     if not kernels.available():
         pytest.skip("numba kernels unavailable")
-    x = _kernel_input(301, 2500, torch.bfloat16, 3)
-    q = torch.randn(2500, 4, generator=torch.Generator().manual_seed(1))
-    p = torch.randn(301, 4, generator=torch.Generator().manual_seed(2))
-    before = torch.get_num_threads()
-    got = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            with kernels.use_backend("numba"):
-                got.append((kernels.lowrank_right(x, q), kernels.lowrank_left(x, p)))
-    finally:
-        torch.set_num_threads(before)
-    for a, b in got[1:]:
-        assert torch.equal(a, got[0][0]) and torch.equal(b, got[0][1])
+    for m in (2500, 2560):  # P by the scalar and by the vector path
+        x = _kernel_input(301, m, torch.bfloat16, 3)
+        q = torch.randn(m, 4, generator=torch.Generator().manual_seed(1))
+        p = torch.randn(301, 4, generator=torch.Generator().manual_seed(2))
+        before = torch.get_num_threads()
+        got = []
+        try:
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                with kernels.use_backend("numba"):
+                    got.append((kernels.lowrank_right(x, q), kernels.lowrank_left(x, p)))
+        finally:
+            torch.set_num_threads(before)
+        for a, b in got[1:]:
+            assert torch.equal(a, got[0][0]) and torch.equal(b, got[0][1])
 
 
 def test_lowrank_products_are_accurate_and_propagate_nan() -> None:

@@ -57,6 +57,12 @@ WINDOW = 2048
 #: Widest column block of PowerSGD's ``X^T P`` kernel (its partial sums: r x 1024 float32).
 LEFT_COLS = 1024
 
+#: The order in which PowerSGD's ``_vtreeK`` reads the 16 leaves of a subtree (4-bit
+#: reversed: consecutive leaves are the pairs of the tree's levels).
+_LEAF_ORDER = [int(f"{t:04b}"[::-1], 2) for t in range(16)]
+_QT_NONE = np.zeros((1, 1), np.float32)
+_QV_NONE = np.zeros(0, np.float32)
+
 _lock = threading.Lock()
 
 
@@ -95,6 +101,16 @@ _F16_TINY = f32(2.0**-24)  # float16's smallest subnormal
 prange = range  # replaced by numba.prange in _build()
 _vsum_sq: Any = None  # replaced by _vector_lane_sum(True) in _build()
 _vsum_abs: Any = None  # replaced by _vector_lane_sum(False) in _build()
+# PowerSGD's product intrinsics for K = 1, 2, 4 ranks (_lowrank_vector_kernels, in _build())
+_vtree1: Any = None
+_vtree2: Any = None
+_vtree4: Any = None
+_vtree1m: Any = None
+_vtree2m: Any = None
+_vtree4m: Any = None
+_vrows1: Any = None
+_vrows2: Any = None
+_vrows4: Any = None
 _nb_tz: Any = None  # replaced by _bit_counts() in _build()
 _nb_popcount: Any = None  # replaced by _bit_counts() in _build()
 
@@ -1641,20 +1657,77 @@ def _nb_lowrank_decode(p: Any, qt: Any, factor: Any, outf: Any, out16: Any, omod
 
 
 
-def _nb_lowrank_right(xf: Any, x16: Any, mode: Any, n: Any, m: Any, qt: Any, p: Any) -> None:
+def _nb_vtree(
+    x: Any, base: Any, s0: Any, h: Any, npair: Any, qv: Any, qo: Any, m: Any, part: Any,
+    rows: Any, left: Any, mixed: Any,
+) -> None:
+    # _vtreeK (K = 4 for 3 or more ranks left, the fourth's q zero) or, with leaves that
+    # have no pair, its masked variant
+    if mixed:
+        if left >= 3:
+            _vtree4m(x, base, s0, h, npair, qv, qo, m, part, rows)
+        elif left == 2:
+            _vtree2m(x, base, s0, h, npair, qv, qo, m, part, rows)
+        else:
+            _vtree1m(x, base, s0, h, npair, qv, qo, m, part, rows)
+    elif left >= 3:
+        _vtree4(x, base, s0, h, npair, qv, qo, m, part, rows)
+    elif left == 2:
+        _vtree2(x, base, s0, h, npair, qv, qo, m, part, rows)
+    else:
+        _vtree1(x, base, s0, h, npair, qv, qo, m, part, rows)
+
+
+def _nb_lowrank_right(
+    xf: Any, x16: Any, mode: Any, n: Any, m: Any, qt: Any, qv: Any, p: Any
+) -> None:
     # PowerSGD's P = X Q for the (n, m) matrix X (flat, row-major; float32 xf or the 16-bit
-    # bits x16, widened exactly) and Q given transposed (qt, (r, m) float32): p[i, k] is a
+    # bits x16, widened exactly) and Q given transposed (qt, (r, m) float32) or, for the
+    # vector path below, interleaved (qv, see lowrank_right; empty otherwise): p[i, k] is a
     # pairwise (tree) sum of the products x[i, j] * q[j, k] in float32 without fused
     # multiply-adds: with h the largest power of two below m (1 for m = 1), the first level
-    # adds the products of j and j + h (j < m - h) and keeps j alone for m - h <= j < h, each
-    # next level adds entry j and j + s for s = h/2, h/4, ..., 1. One pass over X, rows in
-    # parallel; each sum is the same sequence of operations whatever the thread count (and
-    # more accurate than a running sum: its error grows with log2(m), not m).
-    r = qt.shape[0]
+    # adds the products of j and j + h (j < m - h) and keeps j alone for m - h <= j < h,
+    # each next level adds entry j and j + s for s = h/2, h/4, ..., 1.
+    # One pass over X, rows in parallel; each sum is the same sequence of operations
+    # whatever the thread count (and more accurate than a running sum: its error grows with
+    # log2(m), not m). From h = 256 on (m a multiple of 16) the levels down to s = 16 S
+    # (S = h / 256) run in registers, up to four ranks and a block of rows at once
+    # (_vtreeK: subtrees of 16 vectors), the last levels over part[:16 S] per row and rank.
+    r = p.shape[1]
     h = 1
     while 2 * h < m:
         h *= 2
     per = max(1, 4096 // max(1, m))
+    if qv.size > 0:  # h >= 256, m a multiple of 16
+        s0 = h // 256
+        npair = (m - h) // 16
+        mixed = npair * 16 < h
+        per = max(1, _LR_BLOCK // m)  # rows per work item, all through each subtree in turn
+        for item in prange((n + per - 1) // per):
+            i0 = item * per
+            rows = min(n, i0 + per) - i0
+            part = np.empty(64 * s0 * rows, np.float32)
+            wide = np.empty(m * rows if mode == 2 else 1, np.float32)
+            if mode == 2:
+                _nb_widen(xf, x16, mode, i0 * m, (i0 + rows) * m, wide)
+            for g in range(0, r, 4):
+                left = r - g
+                if mode == 1:
+                    _nb_vtree(x16, i0 * m, s0, h, npair, qv, g * 512 * s0, m, part, rows, left,
+                              mixed)
+                else:
+                    _nb_vtree(xf if mode == 0 else wide, i0 * m if mode == 0 else 0, s0, h,
+                              npair, qv, g * 512 * s0, m, part, rows, left, mixed)
+                for t in range(rows):
+                    for kk in range(min(4, left)):
+                        pk = part[16 * s0 * (4 * t + kk) : 16 * s0 * (4 * t + kk + 1)]
+                        s = 8 * s0
+                        while s >= 1:
+                            for j in range(s):
+                                pk[j] += pk[j + s]
+                            s //= 2
+                        p[i0 + t, g + kk] = pk[0]
+        return
     for item in prange((n + per - 1) // per):
         part = np.empty(h, np.float32)
         wide = np.empty(m if mode != 0 else 1, np.float32)
@@ -1702,57 +1775,75 @@ def _nb_lowrank_right(xf: Any, x16: Any, mode: Any, n: Any, m: Any, qt: Any, p: 
                 p[i, k] = part[0]
 
 
+def _nb_vrows(
+    x: Any, xo: Any, m: Any, pf: Any, po: Any, rs: Any, acc: Any, ao: Any, w: Any, left: Any
+) -> None:
+    # _vrowsK for K = 4 (3 or more ranks left, the fourth's p zero), 2 or 1
+    if left >= 3:
+        _vrows4(x, xo, m, pf, po, rs, acc, ao, w)
+    elif left == 2:
+        _vrows2(x, xo, m, pf, po, rs, acc, ao, w)
+    else:
+        _vrows1(x, xo, m, pf, po, rs, acc, ao, w)
+
+
 def _nb_lowrank_left(
     xf: Any, x16: Any, mode: Any, n: Any, m: Any, p: Any, q: Any, cols: Any
 ) -> None:
-    # PowerSGD's Q = X^T P for the (n, m) matrix X (as in _nb_lowrank_right) and p (n, r)
-    # float32: q[j, k] = x[0, j] p[0, k] + x[1, j] p[1, k] + ... added in row order in float32
-    # without fused multiply-adds (a running sum, as the plain loop computes it). Parallel
-    # over blocks of ``cols`` columns, each reading its block of every row, four rows at a
-    # time (the sum's order kept; bfloat16 widened inside the loop, float16 into a small
-    # buffer), so no thread partition changes a result.
-    r = p.shape[1]
-    n4 = n - n % 4
+    # PowerSGD's Q = X^T P for the (n, m) matrix X (as in _nb_lowrank_right) and p (n, r4)
+    # float32 (r4 >= r columns, those past r zero): q[j, k] = x[0, j] p[0, k] + x[1, j]
+    # p[1, k] + ... added in row order in float32 without fused multiply-adds (a running
+    # sum, as the plain loop computes it). Parallel over blocks of ``cols`` columns, each
+    # reading its block of every row, eight rows at a time for up to four ranks at once
+    # (_vrowsK: each value loaded and widened once, the partial sums of 16 columns in
+    # registers; the sum's order kept; float16 widened into a small buffer), so no thread
+    # partition changes a result.
+    r = q.shape[1]
+    rs = p.shape[1]
+    pf = p.reshape(-1)
+    n8 = n - n % 8
     for blk in prange((m + cols - 1) // cols):
         c0 = blk * cols
         c1 = min(c0 + cols, m)
         w = c1 - c0
-        acc = np.zeros((r, w), np.float32)
-        wide = np.empty((4, w if mode != 0 else 1), np.float32)
-        for i in range(0, n4, 4):
-            if mode == 1:
-                s0 = x16[i * m + c0 : i * m + c1]
-                s1 = x16[(i + 1) * m + c0 : (i + 1) * m + c1]
-                s2 = x16[(i + 2) * m + c0 : (i + 2) * m + c1]
-                s3 = x16[(i + 3) * m + c0 : (i + 3) * m + c1]
-                for k in range(r):
-                    a0, a1, a2, a3 = p[i, k], p[i + 1, k], p[i + 2, k], p[i + 3, k]
-                    ak = acc[k]
-                    for j in range(w):
-                        v = ak[j] + a0 * u32(u32(s0[j]) << u32(16)).view(f32)
-                        v = v + a1 * u32(u32(s1[j]) << u32(16)).view(f32)
-                        v = v + a2 * u32(u32(s2[j]) << u32(16)).view(f32)
-                        ak[j] = v + a3 * u32(u32(s3[j]) << u32(16)).view(f32)
-            else:
-                x0 = _nb_widen(xf, x16, mode, i * m + c0, i * m + c1, wide[0])
-                x1 = _nb_widen(xf, x16, mode, (i + 1) * m + c0, (i + 1) * m + c1, wide[1])
-                x2 = _nb_widen(xf, x16, mode, (i + 2) * m + c0, (i + 2) * m + c1, wide[2])
-                x3 = _nb_widen(xf, x16, mode, (i + 3) * m + c0, (i + 3) * m + c1, wide[3])
-                for k in range(r):
-                    a0, a1, a2, a3 = p[i, k], p[i + 1, k], p[i + 2, k], p[i + 3, k]
-                    ak = acc[k]
-                    for j in range(w):
-                        ak[j] = (((ak[j] + a0 * x0[j]) + a1 * x1[j]) + a2 * x2[j]) + a3 * x3[j]
-        for i in range(n4, n):
-            xi = _nb_widen(xf, x16, mode, i * m + c0, i * m + c1, wide[0])
+        wv = w - w % 16
+        acc = np.zeros(rs * w, np.float32)
+        wide = np.empty(8 * w if mode != 0 else 1, np.float32)
+        for i in range(0, n8, 8):
+            if mode == 2:
+                for t in range(8):
+                    a = (i + t) * m
+                    _nb_widen(xf, x16, mode, a + c0, a + c1, wide[t * w : (t + 1) * w])
+            for g in range(0, r, 4):
+                left = r - g
+                po = i * rs + g
+                if mode == 1:
+                    _nb_vrows(x16, i * m + c0, m, pf, po, rs, acc, g * w, w, left)
+                else:
+                    _nb_vrows(xf if mode == 0 else wide, i * m + c0 if mode == 0 else 0,
+                              m if mode == 0 else w, pf, po, rs, acc, g * w, w, left)
+            if wv < w:  # the last columns (fewer than 16), row by row
+                for t in range(8):
+                    a = (i + t) * m
+                    if mode == 2:
+                        xt = wide[t * w : (t + 1) * w]
+                    else:
+                        xt = _nb_widen(xf, x16, mode, a + c0, a + c1, wide[:w])
+                    for k in range(r):
+                        a0 = p[i + t, k]
+                        ak = acc[k * w : (k + 1) * w]
+                        for j in range(wv, w):
+                            ak[j] += a0 * xt[j]
+        for i in range(n8, n):
+            xi = _nb_widen(xf, x16, mode, i * m + c0, i * m + c1, wide[:w])
             for k in range(r):
                 a0 = p[i, k]
-                ak = acc[k]
+                ak = acc[k * w : (k + 1) * w]
                 for j in range(w):
                     ak[j] += a0 * xi[j]
         for j in range(w):
             for k in range(r):
-                q[c0 + j, k] = acc[k, j]
+                q[c0 + j, k] = acc[k * w + j]
 
 
 def _nb_prefetch(arr: Any, i: Any) -> None:
@@ -1875,6 +1966,8 @@ def _nb_spread(idx: Any, vals: Any, out: Any) -> None:
 
 _HELPERS = (
     "_nb_widen",
+    "_nb_vtree",
+    "_nb_vrows",
     "_nb_cap",
     "_nb_bf16",
     "_nb_f16",
@@ -2027,12 +2120,27 @@ def _bit_counts() -> tuple[Any, Any]:
     return unary("llvm.cttz.i64", [ir.Constant(ir.IntType(1), 0)]), unary("llvm.ctpop.i64", [])
 
 
+def _emit_prefetch(builder: Any, ptr: Any) -> None:
+    """LLVM's prefetch of ``ptr`` for reading (0), high locality (3), data cache (1)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    bytes_ptr = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [bytes_ptr, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(ptr, bytes_ptr), i32(0), i32(3), i32(1)])
+
+
+#: Whether this numba and llvmlite compile LLVM's prefetch (set by _prefetcher()).
+_PREFETCHES = [False]
+
+
 def _prefetcher() -> Any:
     """A numba intrinsic ``prefetch(arr, i)``: LLVM's prefetch of ``arr[i]`` for reading
     into every cache level (a hint; results never depend on it), or a jitted no-op where
     this numba and llvmlite cannot compile it (probed once here)."""
     import numba
-    from llvmlite import ir
     from numba.core import cgutils, types
     from numba.extending import intrinsic
 
@@ -2044,12 +2152,7 @@ def _prefetcher() -> Any:
             ptr = cgutils.get_item_pointer(
                 context, builder, aryty, ary, [args[1]], wraparound=False, boundscheck=False
             )
-            bytes_ptr = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.VoidType(), [bytes_ptr, i32, i32, i32])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-            # read (0), high locality (3), data cache (1)
-            builder.call(fn, [builder.bitcast(ptr, bytes_ptr), i32(0), i32(3), i32(1)])
+            _emit_prefetch(builder, ptr)
             return context.get_dummy_value()
 
         return types.void(arr, idx), codegen
@@ -2065,6 +2168,7 @@ def _prefetcher() -> Any:
             pass
 
         return numba.njit(nothing)
+    _PREFETCHES[0] = True
     return prefetch
 
 
@@ -2114,6 +2218,250 @@ def _vector_lane_sum(square: bool) -> Any:
     return lane_sum
 
 
+#: Vectors of 16 float32 in PowerSGD's product intrinsics (one AVX-512 register; LLVM splits
+#: them on narrower CPUs without changing any value).
+_LR_VEC = 16
+#: Leaves (vectors) of the subtree that ``_vtreeK`` sums in registers, and rows that
+#: ``_vrowsK`` adds per pass over a column block.
+_LR_LEAVES = 16
+_LR_ROWS = 8
+#: Values of X per work item of PowerSGD's ``X Q`` kernel (``_LR_BLOCK // m`` rows, at least
+#: one): its rows go through each subtree in turn, sharing the subtree's q in L1.
+_LR_BLOCK = 32768
+
+
+def _lowrank_vector_kernels(prefetch: bool) -> dict[str, Any]:
+    """PowerSGD's product intrinsics, LLVM vector code written directly for ``K`` = 1, 2 or 4
+    ranks at once (each value of the matrix loaded and widened once for the ``K`` products;
+    numba's loops reloaded and rewidened it per rank and kept the pairwise sum's levels in
+    memory). Float32 ``fmul`` and ``fadd`` only, operands in the scalar code's order (no
+    fused multiply-add, no fast-math flags): every result is the scalar definition's, bit
+    for bit, on any machine.
+
+    ``_vtreeK(x, base, S, h, npair, qv, qo, m, part, rows)``: for each ``c < S`` and each of
+    the ``rows`` rows ``x[base + i m :]`` (``i < rows``; float32 or bfloat16 bits), the
+    subtree of the row's pairwise sum whose leaves are the vectors ``b = c + u S`` (``u <
+    16``) of the first level (``x[16b:] q[16b:] + x[16b + h:] q[16b + h:]`` for ``b <
+    npair``, else the first product alone; the masked variant ``_vtreeKm`` decides per
+    leaf, ``_vtreeK`` takes every leaf as paired), added ``u`` and ``u + 8`` first, then
+    ``+4``, ``+2``, ``+1`` (the stated tree's order), into ``part[16 ((4 i + k) S + c):]``
+    for rank ``k < K``; ``q`` comes interleaved from ``qv[qo:]`` (see ``lowrank_right``), so
+    a subtree's q (8 KB) is read at fixed offsets and stays in L1 across the rows; with
+    ``prefetch`` each subtree step also prefetches 512 values of the row ``rows`` further on.
+
+    ``_vrowsK(x, xo, m, pn, po, rs, acc, ao, w)``: ``acc[ao + k w + j] += p[t, k] x[t, j]``
+    for the 8 rows ``t`` (row ``t`` at ``x[xo + t m:]``, ``p[t, k]`` at ``pn[po + t rs +
+    k]``) added in row order, for the whole vectors ``j < w`` (``w // 16`` of them); with
+    ``prefetch`` it also prefetches the same columns of the next eight rows (a hint)."""
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    f32 = ir.FloatType()
+    i32 = ir.IntType(32)
+    vec = ir.VectorType(f32, _LR_VEC)
+    ivec = ir.VectorType(i32, _LR_VEC)
+
+    def vector_array(ty: Any, dtypes: tuple[Any, ...]) -> bool:
+        return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and (
+            ty.dtype in dtypes
+        )
+
+    def loader(context: Any, builder: Any, ty: Any, arr: Any) -> Any:
+        data = context.make_array(ty)(context, builder, arr).data
+        wide = ir.VectorType(context.get_data_type(ty.dtype), _LR_VEC).as_pointer()
+
+        def load(at: Any) -> Any:
+            v = builder.load(builder.bitcast(builder.gep(data, [at]), wide), align=1)
+            if ty.dtype == types.uint16:  # bfloat16 bits: the upper half of a float32
+                v = builder.bitcast(
+                    builder.shl(builder.zext(v, ivec), ir.Constant(ivec, [16] * _LR_VEC)), vec
+                )
+            return v
+
+        return load, data, wide
+
+    def ints(context: Any, builder: Any, sig: Any, args: Any, which: tuple[int, ...]) -> list[Any]:
+        return [context.cast(builder, args[a], sig.args[a], types.intp) for a in which]
+
+    def splat(builder: Any, v: Any, ty: Any = vec) -> Any:
+        one = builder.insert_element(ir.Constant(ty, ir.Undefined), v, i32(0))
+        return builder.shuffle_vector(one, one, ir.Constant(ivec, [0] * _LR_VEC))
+
+    def tree(ranks: int, mixed: bool) -> Any:
+        order = _LEAF_ORDER
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            base, s, h, npair, qo, m = ints(context, builder, sig, args, (1, 2, 3, 4, 6, 7))
+            xty, qty = sig.args[0], sig.args[5]
+            xdata = context.make_array(xty)(context, builder, args[0]).data
+            qdata = context.make_array(qty)(context, builder, args[5]).data
+            pdata = context.make_array(sig.args[8])(context, builder, args[8]).data
+            xwide = ir.VectorType(context.get_data_type(xty.dtype), _LR_VEC).as_pointer()
+            ity = base.type
+
+            def const(v: int) -> Any:
+                return ir.Constant(ity, v)
+
+            def loadx(ptr: Any, at: Any) -> Any:
+                v = builder.load(builder.bitcast(builder.gep(ptr, [at]), xwide), align=1)
+                if xty.dtype == types.uint16:  # bfloat16 bits: the upper half of a float32
+                    v = builder.bitcast(
+                        builder.shl(builder.zext(v, ivec), ir.Constant(ivec, [16] * _LR_VEC)),
+                        vec,
+                    )
+                return v
+
+            def loadq(ptr: Any, at: Any) -> Any:
+                return builder.load(
+                    builder.bitcast(builder.gep(ptr, [at]), vec.as_pointer()), align=1
+                )
+
+            # q comes interleaved in the order the leaves are read (see lowrank_right):
+            # per c, per leaf, the first and the second product's 16 columns of 4 ranks
+            nrows = context.cast(builder, args[9], sig.args[9], types.intp)
+            stride = builder.mul(s, const(_LR_VEC))
+            sign = ir.Constant(ivec, [-(1 << 31)] * _LR_VEC)
+            block = _LR_LEAVES * 2 * 4 * _LR_VEC
+            # subtree c of every row in turn: its 8 KB of q stay in L1 across the rows
+            with cgutils.for_range(builder, s) as loop:
+                c = loop.index
+                pq = builder.gep(qdata, [builder.add(qo, builder.mul(c, const(block)))])
+                xc = builder.mul(c, const(_LR_VEC))
+                with cgutils.for_range(builder, nrows) as rowloop:
+                    row = rowloop.index
+                    px = builder.gep(xdata, [builder.add(base, builder.mul(row, m))])
+                    pxh = builder.gep(px, [h])
+                    if prefetch:
+                        # the leaves are read out of order (strides of 16 S vectors), which
+                        # the hardware prefetcher does not follow: this row's counterpart in
+                        # the next block of rows, 512 values per subtree (m <= 512 S), line
+                        # by line (a hint: no effect on results, never faults)
+                        ahead = builder.gep(px, [builder.add(builder.mul(nrows, m), builder.mul(
+                            c, const(512)))])
+                        line = 64 // (2 if xty.dtype == types.uint16 else 4)
+                        for at in range(0, 512, line):
+                            _emit_prefetch(builder, builder.gep(ahead, [const(at)]))
+                    # a stack per rank: (level, partial sum); consecutive leaves of the
+                    # bit-reversed order are the pairs u, u + 8, so adding the top two entries
+                    # of equal level gives the tree's sums, the earlier (lower index) first
+                    stacks: list[list[tuple[int, Any]]] = [[] for _ in range(ranks)]
+                    for t, u in enumerate(order):
+                        j = builder.add(xc, builder.mul(stride, const(u)))
+                        if mixed:
+                            # a leaf past the pairs reads its own values again and adds -0.0
+                            # in their place (x + -0.0 is x for every x)
+                            paired = builder.icmp_signed(
+                                "<", builder.add(c, builder.mul(s, const(u))), npair
+                            )
+                            keep = builder.sext(paired, i32)
+                            keep = splat(builder, keep, ivec)
+                            x1 = loadx(px, j)
+                            x2 = loadx(px, builder.select(paired, builder.add(j, h), j))
+                        else:
+                            x1, x2 = loadx(px, j), loadx(pxh, j)
+                        for k in range(ranks):
+                            at = (2 * t * 4 + k) * _LR_VEC
+                            one = builder.fmul(x1, loadq(pq, const(at)))
+                            two = builder.fmul(x2, loadq(pq, const(at + 4 * _LR_VEC)))
+                            if mixed:
+                                two = builder.bitcast(two, ivec)
+                                two = builder.bitcast(builder.or_(
+                                    builder.and_(two, keep), builder.and_(sign, builder.not_(keep))
+                                ), vec)
+                            v = builder.fadd(one, two)
+                            stack = stacks[k]
+                            level = 0
+                            while stack and stack[-1][0] == level:
+                                v = builder.fadd(stack.pop()[1], v)
+                                level += 1
+                            stack.append((level, v))
+                    for k in range(ranks):
+                        (_, v), = stacks[k]
+                        slot = builder.add(builder.mul(row, const(4)), const(k))
+                        at = builder.mul(builder.add(builder.mul(s, slot), c), const(_LR_VEC))
+                        builder.store(
+                            v, builder.bitcast(builder.gep(pdata, [at]), vec.as_pointer()), align=1
+                        )
+            return context.get_dummy_value()
+
+        @intrinsic
+        def vtree(
+            typingctx: Any, x: Any, base: Any, s: Any, h: Any, npair: Any, qt: Any, qo: Any,
+            m: Any, part: Any, rows: Any,
+        ) -> Any:
+            if not (
+                vector_array(x, (types.float32, types.uint16))
+                and vector_array(qt, (types.float32,)) and vector_array(part, (types.float32,))
+                and all(isinstance(a, types.Integer) for a in (base, s, h, npair, qo, m, rows))
+            ):
+                return None
+            return types.void(x, base, s, h, npair, qt, qo, m, part, rows), codegen
+
+        return vtree
+
+    def rows(ranks: int) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            xo, m, po, rs, ao, w = ints(context, builder, sig, args, (1, 2, 4, 5, 7, 8))
+            loadx = loader(context, builder, sig.args[0], args[0])[0]
+            load, adata, awide = loader(context, builder, sig.args[6], args[6])
+            pdata = context.make_array(sig.args[3])(context, builder, args[3]).data
+            ity = xo.type
+            coef = [
+                [
+                    splat(builder, builder.load(builder.gep(pdata, [builder.add(
+                        po, builder.add(builder.mul(rs, ir.Constant(ity, t)), ir.Constant(ity, k))
+                    )])))
+                    for k in range(ranks)
+                ]
+                for t in range(_LR_ROWS)
+            ]
+            starts = [builder.add(xo, builder.mul(m, ir.Constant(ity, t))) for t in range(_LR_ROWS)]
+            xdata = context.make_array(sig.args[0])(context, builder, args[0]).data
+            ahead = builder.mul(m, ir.Constant(ity, _LR_ROWS))
+            accs = [builder.add(ao, builder.mul(w, ir.Constant(ity, k))) for k in range(ranks)]
+            count = builder.udiv(w, ir.Constant(ity, _LR_VEC))
+            with cgutils.for_range(builder, count) as loop:
+                j = builder.mul(loop.index, ir.Constant(ity, _LR_VEC))
+                sums = [load(builder.add(a, j)) for a in accs]
+                for t in range(_LR_ROWS):
+                    if prefetch:
+                        # the same columns of the next pass's rows: each row's piece is
+                        # short, then a jump of m, which the hardware prefetcher follows
+                        # poorly (a hint: no effect on results, never faults)
+                        _emit_prefetch(builder, builder.gep(
+                            xdata, [builder.add(builder.add(starts[t], j), ahead)]
+                        ))
+                    xv = loadx(builder.add(starts[t], j))
+                    for k in range(ranks):
+                        sums[k] = builder.fadd(sums[k], builder.fmul(coef[t][k], xv))
+                for a, v in zip(accs, sums, strict=True):
+                    at = builder.bitcast(builder.gep(adata, [builder.add(a, j)]), awide)
+                    builder.store(v, at, align=1)
+            return context.get_dummy_value()
+
+        @intrinsic
+        def vrows(
+            typingctx: Any, x: Any, xo: Any, m: Any, pn: Any, po: Any, rs: Any, acc: Any,
+            ao: Any, w: Any,
+        ) -> Any:
+            if not (
+                vector_array(x, (types.float32, types.uint16))
+                and vector_array(pn, (types.float32,)) and vector_array(acc, (types.float32,))
+                and all(isinstance(a, types.Integer) for a in (xo, m, po, rs, ao, w))
+            ):
+                return None
+            return types.void(x, xo, m, pn, po, rs, acc, ao, w), codegen
+
+        return vrows
+
+    out: dict[str, Any] = {}
+    for k in (1, 2, 4):
+        out[f"_vtree{k}"] = tree(k, False)
+        out[f"_vtree{k}m"] = tree(k, True)
+        out[f"_vrows{k}"] = rows(k)
+    return out
+
 def _build() -> dict[str, Callable[..., Any]]:
     import numba
 
@@ -2126,6 +2474,7 @@ def _build() -> dict[str, Callable[..., Any]]:
     module["_nb_tz"], module["_nb_popcount"] = _bit_counts()
     module["_vsum_sq"] = _vector_lane_sum(True)
     module["_vsum_abs"] = _vector_lane_sum(False)
+    module.update(_lowrank_vector_kernels(_PREFETCHES[0]))
     for name in _HELPERS:
         module[name] = numba.njit(cache=True, fastmath=False, error_model="numpy")(module[name])
     for name in _INLINED:
@@ -2493,18 +2842,37 @@ class NumbaKernels:
         """See :func:`commpress.codecs.kernels.lowrank_right`."""
         n, m = mat.shape
         xf, x16, mode, _ = source(mat)
-        qt = _np(q.to(torch.float32).T.contiguous())
-        p = torch.empty(n, q.shape[1], dtype=torch.float32)
+        r = q.shape[1]
+        h = 1 << max(0, (m - 1).bit_length() - 1)  # the largest power of two below m (1: m <= 2)
+        if h >= 256 and m % 16 == 0:
+            # the vector path: q interleaved in the order its intrinsic reads it; for rank
+            # group g (ranks 4g..4g+3, past r zero), subtree c (< S = h / 256), the t-th
+            # leaf read (vector u = _LEAF_ORDER[t] of the subtree: columns 16 (u S + c) +
+            # lane), the first product's then the pair's (h further on; zero past m) 16
+            # columns of each of the 4 ranks
+            s0, groups = h // 256, -(-r // 4)
+            wide = torch.zeros(2 * h, 4 * groups, dtype=torch.float32)
+            wide[:m, :r] = q
+            leaves = wide.view(2, 16, s0, 16, groups, 4).permute(4, 2, 1, 0, 5, 3)
+            qv = _np(leaves[:, :, _LEAF_ORDER].contiguous().view(-1))
+            qt = _QT_NONE
+        else:
+            qv = _QV_NONE
+            qt = _np(q.to(torch.float32).T.contiguous())
+        p = torch.empty(n, r, dtype=torch.float32)
         with _launch():
-            self["lowrank_right"](xf, x16, mode, n, m, qt, _np(p))
+            self["lowrank_right"](xf, x16, mode, n, m, qt, qv, _np(p))
         return p
 
     def lowrank_left(self, mat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """See :func:`commpress.codecs.kernels.lowrank_left`."""
         n, m = mat.shape
         xf, x16, mode, _ = source(mat)
-        pn = _np(p.to(torch.float32).contiguous())
-        q = torch.empty(m, p.shape[1], dtype=torch.float32)
+        r = p.shape[1]
+        padded = torch.zeros(n, -(-r // 4) * 4, dtype=torch.float32)  # ranks padded to fours
+        padded[:, :r] = p
+        pn = _np(padded)
+        q = torch.empty(m, r, dtype=torch.float32)
         # column blocks: at most LEFT_COLS wide (the block's r partial sums stay in L1), and
         # at least as many as threads where the matrix is wide enough (any split gives the
         # same sums: every column is summed over the rows in row order)
