@@ -280,9 +280,11 @@ def test_convert_matches_torch(src: torch.dtype, dst: torch.dtype, saturate: boo
 
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "topkc"])
 def test_16bit_conversions_on_the_triton_backend(spec: str) -> None:
-    """On the Triton backend TopKC's decode of 16-bit values to the other 16-bit type goes
-    through the conversion kernel, while the casts between float16 and bfloat16 keep torch's
-    copy (as fast on an H100, without a Triton launch); all give the torch path's values."""
+    """On the Triton backend the casts between float16 and bfloat16 keep torch's copy (as
+    fast on an H100, without a Triton launch); TopKC's decode of 16-bit values to the other
+    16-bit type goes through the conversion kernel only for CPU tensors (the interpreter's:
+    TopKC._cast_values; CUDA values take unscale + saturating_cast, which needs no host
+    sync); all give the torch path's values."""
     codec = get_codec(spec)
     for dtype in (torch.float16, torch.bfloat16):
         x = sample(1001, seed=12, dtype=dtype)
@@ -300,7 +302,7 @@ def test_16bit_conversions_on_the_triton_backend(spec: str) -> None:
         if spec != "topkc":
             assert dispatched == 0
         elif p.parts["values"].dtype != dtype:
-            assert dispatched == 1
+            assert dispatched == (1 if DEVICE.type == "cpu" else 0)
 
 
 @pytest.mark.parametrize("spec", ["minmax", "qsgd", "terngrad", "sign"])
