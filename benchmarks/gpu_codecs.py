@@ -5,8 +5,11 @@ goes on (``commpress bench codecs`` stops at the first failure).
     python benchmarks/gpu_codecs.py --json gpu-codecs.json [--size-mb 64] [--repeat 5]
 
 Per codec and dtype (float32, bfloat16): the columns of ``commpress bench codecs`` (input bytes
-per second of one call, the device synchronized around it, best of ``--repeat``; the hot
-device-to-device copy measured just before each codec) and ``fixed_us``: the median wall time
+per second of one call, the device synchronized around it, best of ``--repeat``; the ratios
+``enc_vs_copy`` / ``dec_into_vs_copy`` are against the better of the two hot device-to-device
+copies sampled right before and right after the codec's timings, ``bench_codec``'s row
+ceiling since branch mc23: the committed runs docs/results/codecs-h100-*.json predate it and
+used the copy just before) and ``fixed_us``: the median wall time
 of one encode and of one decode of a 1024-element tensor (the launch and Python cost a call
 pays whatever its size), median of 50 after 5 warm-ups.
 """
@@ -75,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_codecs needs a CUDA GPU for --device cuda "
+                         "(torch.cuda.is_available() is False; --device cpu runs on the CPU)")
     specs = args.codecs or codec_ids()
     rows: list[dict[str, Any]] = []
     for dname in args.dtypes.split(","):

@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="gpu-profile.txt")
     ap.add_argument("--size-mb", type=float, default=64.0)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_profile needs a CUDA GPU (torch.cuda.is_available() is False)")
     try:
         floors = floor_costs()
     except Exception as exc:  # noqa: BLE001 - reported, the run goes on

@@ -200,12 +200,13 @@ def test_bad_output_buffer_is_refused() -> None:
 def _conversion_cases() -> torch.Tensor:
     """float32 values whose conversion to bfloat16 / float16 is easy to get wrong: ties of
     both types (to even, up and down), values just below, at and beyond each type's largest,
-    float16 subnormals and their ties, +-0, +-Inf, NaNs of both signs, and random values of
-    every scale."""
+    float16 subnormals and their ties, float32 subnormals (bfloat16's, ties among them), +-0,
+    +-Inf, NaNs of both signs, and random values of every scale."""
     bits = [0x3F808000, 0x3F818000, 0xBF808000, 0x3F801000, 0x3F803000,  # ties
             0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0xFF7F8000,  # bfloat16's top
             0x477FE000, 0x477FEFFF, 0x477FF000, 0x47800000, 0xC77FF000,  # float16's top
             0x33800000, 0x33C00000, 0x34000000, 0x387FC000, 0x38800000,  # float16 subnormals
+            0x00000001, 0x00008000, 0x00018000, 0x007FFFFF, 0x807F8000,  # float32 subnormals
             0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001,
             0x7F800001]
     special = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
@@ -253,7 +254,7 @@ def test_decodes_write_16bit_outputs_as_torch_converts(dtype: torch.dtype, satur
                                        out=out, saturate=saturate))
     # sign: one scale per call, the largest finite values, Inf and NaN among them
     signs = torch.randint(0, 256, (n // 8 + 1,), generator=g, dtype=torch.uint8).to(DEVICE)
-    for scale_value in values[:26].tolist() + [0.1, 70000.0]:
+    for scale_value in values[:31].tolist() + [0.1, 70000.0]:
         one = torch.tensor([scale_value], dtype=torch.float32, device=DEVICE)
         check(lambda out, one=one: tg.sign_decode(signs, one, n, out=out, saturate=saturate))
 
@@ -265,6 +266,11 @@ def test_convert_matches_torch(src: torch.dtype, dst: torch.dtype, saturate: boo
     """The Triton conversion (the 16-bit casts between float16 and bfloat16, TopKC's values)
     gives torch's bits: ``saturating_cast`` with ``saturate``, ``.to`` without."""
     x = _conversion_cases().to(DEVICE).to(src)
+    if src == torch.bfloat16 and tg.INTERPRETED:
+        # Triton's interpreter (3.9) widens bfloat16 subnormal inputs to 0 (its load's
+        # conversion, not the kernel's code); compiled, the widening is exact
+        tiny = torch.finfo(torch.bfloat16).tiny
+        x = torch.where((x != 0) & (x.abs() < tiny), x * 0, x)
     out = torch.full((x.numel(),), 7.0, dtype=dst, device=DEVICE)
     assert tg.convert(x, out, saturate=saturate) is out
     want = saturating_cast(x, dst) if saturate else x.to(dst)
@@ -280,9 +286,11 @@ def test_convert_matches_torch(src: torch.dtype, dst: torch.dtype, saturate: boo
 
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "topkc"])
 def test_16bit_conversions_on_the_triton_backend(spec: str) -> None:
-    """On the Triton backend TopKC's decode of 16-bit values to the other 16-bit type goes
-    through the conversion kernel, while the casts between float16 and bfloat16 keep torch's
-    copy (as fast on an H100, without a Triton launch); all give the torch path's values."""
+    """On the Triton backend the casts between float16 and bfloat16 keep torch's copy (as
+    fast on an H100, without a Triton launch); TopKC's decode of 16-bit values to the other
+    16-bit type goes through the conversion kernel only for CPU tensors (the interpreter's:
+    TopKC._cast_values; CUDA values take unscale + saturating_cast, which needs no host
+    sync); all give the torch path's values."""
     codec = get_codec(spec)
     for dtype in (torch.float16, torch.bfloat16):
         x = sample(1001, seed=12, dtype=dtype)
@@ -300,7 +308,7 @@ def test_16bit_conversions_on_the_triton_backend(spec: str) -> None:
         if spec != "topkc":
             assert dispatched == 0
         elif p.parts["values"].dtype != dtype:
-            assert dispatched == 1
+            assert dispatched == (1 if DEVICE.type == "cpu" else 0)
 
 
 @pytest.mark.parametrize("spec", ["minmax", "qsgd", "terngrad", "sign"])

@@ -45,6 +45,7 @@ from commpress.perfmodel.model import (
 from commpress.perfmodel.timeline import Segment, simulate_step
 from commpress.units import (
     format_bandwidth,
+    format_count,
     parse_bandwidth,
     parse_count,
     parse_duration,
@@ -88,6 +89,17 @@ def test_parse_other_units() -> None:
     assert parse_size("25MiB") == 25 * 1024**2
     assert parse_size("25MB") == 25e6
     assert format_bandwidth(12.5e9) == "100 Gbit/s"
+
+
+def test_format_count_of_an_infinite_rate() -> None:
+    """The built-in GPU profile has infinite encode rates (sign, identity: no size term
+    found); the speed tables of ``bench codecs --profile`` and ``predict --calibrate-codecs``
+    print them with format_count, which read ``infT``."""
+    assert format_count(1.3e9) == "1.3B"
+    assert format_count(math.inf) == "inf"
+    assert format_count(math.nan) == "nan"
+    sign = SpeedTable.builtin("gpu").speeds["sign"]
+    assert sign.encode_eps == math.inf and format_count(sign.encode_eps) == "inf"
 
 
 @pytest.mark.parametrize(

@@ -174,7 +174,10 @@ def format_bandwidth(bytes_per_s: float) -> str:
 
 
 def format_count(n: float) -> str:
-    """``1.3e9`` -> ``"1.3B"``."""
+    """``1.3e9`` -> ``"1.3B"``; ``inf`` (a profile's rate where the fit found no size term,
+    e.g. the built-in GPU profile's sign encode) -> ``"inf"``, not ``"infT"``."""
+    if not math.isfinite(n):
+        return f"{n}"
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= scale:
             return f"{n / scale:.4g}{unit}"
