@@ -78,7 +78,6 @@ TRITON_OPS = frozenset(
         "terngrad_encode",
         "at_least",
         "chunk_square_sums",
-        "convert",
         "thc_rotate",
         "thc_encode",
         "thc_quantize",
@@ -545,13 +544,12 @@ def chunk_range(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def convert(x: torch.Tensor, out: torch.Tensor, *, saturate: bool = False) -> torch.Tensor:
-    """``out`` (as many contiguous float32, bfloat16 or float16 values as ``x`` holds, on
-    ``x``'s device) = ``x`` (float32, bfloat16 or float16) converted as ``out.copy_(x)``
-    converts (rounded to nearest even), with ``saturate`` as
-    :func:`~commpress.codecs.base.saturating_cast`: one parallel pass (numba on a CPU,
-    Triton on a GPU); torch converts between the two 16-bit formats through float32
-    elementwise at a fraction of memory speed. NaN stays NaN (its payload bits may differ
-    from torch's, which vary with the CPU)."""
+    """``out`` (as many contiguous float32, bfloat16 or float16 CPU values as ``x`` holds) =
+    ``x`` (float32, bfloat16 or float16) converted as ``out.copy_(x)`` converts (rounded to
+    nearest even), with ``saturate`` as :func:`~commpress.codecs.base.saturating_cast`: one
+    parallel pass (numba only); torch converts between the two 16-bit formats through
+    float32 elementwise at a fraction of memory speed. NaN stays NaN (its payload bits may
+    differ from torch's, which vary with the CPU)."""
     return _impl(x, "convert").convert(x, out, saturate)
 
 

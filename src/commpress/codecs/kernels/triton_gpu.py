@@ -380,16 +380,6 @@ def _minmax_decode_kernel(
     _store_out(out_ptr, idx, v, mask, OUT, SATURATE)
 
 
-@triton.jit
-def _convert_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, OUT: tl.constexpr,
-                    SATURATE: tl.constexpr):
-    # x (float32, bfloat16 or float16; widened exactly) stored as the output's dtype
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
-    _store_out(out_ptr, idx, tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32), mask,
-               OUT, SATURATE)
-
-
 # ---------------------------------------------------------------------- sign
 @triton.jit
 def _sign_encode_kernel(x_ptr, packed_ptr, partial_ptr, n, nbytes, GROUPS: tl.constexpr):
@@ -909,20 +899,6 @@ def minmax_decode(
     return out
 
 
-def convert(x: torch.Tensor, out: torch.Tensor, saturate: bool = False) -> torch.Tensor:
-    """See :func:`commpress.codecs.kernels.convert` (CUDA tensors: one read, one write)."""
-    x = _flat(x)
-    if x.dtype not in OUT_CODES:
-        raise CommpressError(f"convert takes float32, bfloat16 or float16 values, not {x.dtype}")
-    out, target, code = _decode_out(out, x.numel(), x.device)
-    if x.numel():
-        block = 8 * GROUPS
-        _convert_kernel[_blocks(x.numel(), block)](
-            x, target, x.numel(), BLOCK=block, OUT=code, SATURATE=saturate,
-        )
-    return out
-
-
 def sign_encode_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`commpress.codecs.kernels.sign_encode_scaled`."""
     x = _flat(x)
@@ -1332,7 +1308,6 @@ __all__ = [
     "at_least",
     "chunk_norms",
     "chunk_square_sums",
-    "convert",
     "gather_finite",
     "minmax_decode",
     "minmax_encode",
