@@ -35,6 +35,7 @@ gradient's dtype, so that Table 1 cannot separate it from the compute.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -135,6 +136,7 @@ ROOFLINE_SPREAD = 1.0
 PAPER_BASE_PROFILE = PROFILE_DIR / "speeds-h100-2026-11-25.json"
 
 
+@functools.cache
 def _paper_base() -> SpeedTable:
     table = SpeedTable.from_dict(json.loads(PAPER_BASE_PROFILE.read_text()))
     return SpeedTable({"*": FALLBACK_SPEED, **table.speeds},

@@ -22,6 +22,6 @@ The algorithm and the tuning advice are in :mod:`commpress.codecs.netzip.codec`;
 guide is ``docs/lossless.md``.
 """
 
-from commpress.codecs.netzip.codec import NetZip
+from commpress.codecs.netzip.codec import HostEntropyWarning, NetZip
 
-__all__ = ["NetZip"]
+__all__ = ["HostEntropyWarning", "NetZip"]
