@@ -274,11 +274,16 @@ def _builtin_table(device: str) -> SpeedTable:
 
 @functools.cache
 def _load_builtin(device: str) -> SpeedTable:
-    path = PROFILE_DIR / BUILTIN_PROFILES[device]
+    return shipped_profile(PROFILE_DIR / BUILTIN_PROFILES[device], f"built-in {device} profile")
+
+
+def shipped_profile(path: Path, label: str) -> SpeedTable:
+    """A profile shipped with the package (:data:`PROFILE_DIR`), its source prefixed with
+    ``label``, with :data:`FALLBACK_SPEED` for codecs it does not list."""
     table = SpeedTable.from_dict(json.loads(path.read_text()))
     speeds = dict(table.speeds)
     speeds.setdefault("*", FALLBACK_SPEED)
-    return SpeedTable(speeds, f"built-in {device} profile: {table.source}", table.provenance)
+    return SpeedTable(speeds, f"{label}: {table.source}", table.provenance)
 
 
 def spec_key(codec: Codec) -> str:

@@ -47,11 +47,11 @@ from typing import Any
 from commpress.errors import CommpressError
 from commpress.perfmodel.calibration import nelder_mead
 from commpress.perfmodel.codec_costs import (
-    FALLBACK_SPEED,
     PROFILE_DIR,
     CodecSpeed,
     RotationCost,
     SpeedTable,
+    shipped_profile,
 )
 from commpress.perfmodel.collectives import Cluster
 from commpress.perfmodel.model import Platform, Workload, predict, predict_baseline
@@ -138,10 +138,7 @@ PAPER_BASE_PROFILE = PROFILE_DIR / "speeds-h100-2026-11-25.json"
 
 @functools.cache
 def _paper_base() -> SpeedTable:
-    table = SpeedTable.from_dict(json.loads(PAPER_BASE_PROFILE.read_text()))
-    return SpeedTable({"*": FALLBACK_SPEED, **table.speeds},
-                      f"H100 profile before the Triton kernels: {table.source}",
-                      table.provenance)
+    return shipped_profile(PAPER_BASE_PROFILE, "H100 profile before the Triton kernels")
 
 
 def paper_speeds(base: SpeedTable | None = None, *,
