@@ -16,6 +16,10 @@ was before the refactor:
 * ``ddp/...``: the DDP comm hook (``commpress.ddp.register``) with a selection of codecs and
   strategies on 2 ranks, 2 training steps: the tensors sent (except the hook's agreement
   checks, which carry hashes of the settings rather than data) and the final parameters.
+  The model's sums run in float64 (:class:`ExactLinear`), so its gradients are the same on
+  every CPU; these cases, and PowerSGD's in them (its QR now in float64 too), were recorded
+  again on 2026-11-26 when the float32 versions were found to give other bytes on an Intel
+  machine than on the AMD one that had recorded them.
   Cases run with ``batch_rounds=False`` (one exchange per tensor, the bytes recorded before
   the hook batched rounds) unless they name ``batch_rounds=True`` (the default since: round
   ``k`` of a bucket's protocols merged into one all-reduce, the same values in another
@@ -234,6 +238,25 @@ def _dist_worker(rank: int, world: int, codec_ids: list[str]) -> dict[str, str]:
     return out
 
 
+class ExactLinear(torch.nn.Module):
+    """``torch.nn.Linear`` (the same parameters, initialised from the same draws) whose sums
+    of products run in float64 and are rounded once to float32, forward and backward. A
+    float32 BLAS sums in an order of its own that depends on the CPU (the DDP cases'
+    gradients differed in their last bits between an AMD and an Intel machine, and with
+    them every payload of a codec that keeps those bits); float64 sums of float32
+    products, rounded to float32, come out the same on every machine (barring a sum within
+    about 1e-16 of a float32 rounding boundary)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        lin = torch.nn.Linear(n_in, n_out)
+        self.weight, self.bias = lin.weight, lin.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(x.double(), self.weight.double(), self.bias.double())
+        return out.float()
+
+
 def _ddp_worker(rank: int, world: int, configs: list[dict[str, Any]]) -> dict[str, str]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -251,9 +274,7 @@ def _ddp_worker(rank: int, world: int, configs: list[dict[str, Any]]) -> dict[st
     for cfg in configs:
         name = _ddp_name(cfg)
         torch.manual_seed(0)
-        net = torch.nn.Sequential(
-            torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
-        )
+        net = torch.nn.Sequential(ExactLinear(12, 16), torch.nn.ReLU(), ExactLinear(16, 4))
         model = DDP(net, bucket_cap_mb=0.0005)  # several buckets
         # one exchange per tensor unless the case says otherwise: the bytes recorded before
         # the hook batched rounds

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -791,3 +794,35 @@ def test_reduce_matrix_survives_other_protocols_between_rounds(
         assert torch.allclose(got.float(), want, rtol=1e-4, atol=1e-5)
     else:
         assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+_ORTHO_SCRIPT = """
+import hashlib, torch
+from commpress.codecs.powersgd import orthonormalize
+g = torch.Generator().manual_seed(0)
+for n, r in [(16, 2), (64, 4), (300, 8), (4096, 4)]:
+    q = orthonormalize(torch.randn(n, r, generator=g))
+    print(hashlib.sha256(q.numpy().tobytes()).hexdigest())
+"""
+
+
+def test_orthonormalize_gives_the_same_bits_whichever_cpu_kernels_lapack_picks() -> None:
+    """PowerSGD's payload must not depend on the machine: MKL picks its QR kernel by the CPU's
+    instruction set, and a float32 QR came out different in its last bits with each of
+    MKL_ENABLE_INSTRUCTIONS=AVX2 / SSE4_2 / the AVX-512 default (every one of these four
+    shapes), so P and Q differed between an AMD and an Intel machine. The QR now runs in
+    float64 and is rounded once. (Where torch does not use MKL the variable changes nothing
+    and the runs agree trivially.)"""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    runs = []
+    for isa in (None, "AVX2", "SSE4_2"):
+        env = {k: v for k, v in os.environ.items() if k != "MKL_ENABLE_INSTRUCTIONS"}
+        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+        if isa:
+            env["MKL_ENABLE_INSTRUCTIONS"] = isa
+        done = subprocess.run([sys.executable, "-c", _ORTHO_SCRIPT], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        runs.append(done.stdout.split())
+    assert len(runs[0]) == 4
+    assert runs[1] == runs[0] and runs[2] == runs[0]

@@ -31,13 +31,18 @@ def orthonormalize(p: torch.Tensor) -> torch.Tensor:
 
     Householder QR always returns orthonormal columns, also for rank-deficient or zero input,
     and it is a fixed sequence of operations, so every worker holding the same ``p`` gets the
-    same result. Non-finite columns are zeroed before the factorisation (LAPACK is not asked to
-    work on NaN) and set to NaN afterwards, so a NaN or Inf gradient still poisons the output.
-    This needs no host synchronisation.
+    same result. It runs in float64 and is rounded once to ``p``'s dtype: LAPACK's float32
+    QR rounds in an order of its own that differs between CPUs (an AVX2 and an AVX-512 MKL
+    kernel gave different last bits), while float64 results that differ in their last bits
+    round to the same float32 unless within about 1e-16 of a rounding boundary, so the same
+    ``p`` gives the same payload on every machine. Non-finite columns are zeroed before the
+    factorisation (LAPACK is not asked to work on NaN) and set to NaN afterwards, so a NaN or
+    Inf gradient still poisons the output. This needs no host synchronisation.
     """
     finite = torch.isfinite(p).all(dim=0)
     clean = torch.where(finite, p, torch.zeros((), dtype=p.dtype, device=p.device))
-    q, _ = torch.linalg.qr(clean, mode="reduced")
+    q, _ = torch.linalg.qr(clean.double(), mode="reduced")
+    q = q.to(p.dtype)
     return torch.where(finite, q, torch.full((), math.nan, dtype=q.dtype, device=q.device))
 
 
