@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -529,20 +529,31 @@ class DGC(_SparsePayload):
         return pair_bytes(self.target(d), d, dtype, _VALUE_DTYPES[self.value_dtype]) + 4
 
     def select_kernel(self, flat: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
-        """:meth:`select` on the magnitudes of a 1-D tensor through the kernels (numba on
-        CPU: fp32 bit patterns, fp16/bf16 16-bit keys read in place; Triton: fp32, fp16 or
-        bf16, compared as fp32): the same samples, thresholds, counts and indices, without
-        materialising the magnitudes or the mask (each count is one read pass, the indices
-        one more)."""
-        if flat.dtype in (torch.float16, torch.bfloat16) and not _triton_at_least(flat):
-            count_at = kernels_extra.at_least16
-        else:
-            count_at = kernels.at_least
+        """:meth:`select` on the magnitudes of a 1-D tensor through the kernels: the same
+        samples, thresholds, counts and indices, without materialising the magnitudes or the
+        mask. numba (CPU; float32 bit patterns, float16/bfloat16 16-bit keys, read in place):
+        the sample's magnitude keys gathered and radix-selected, and each count one read pass
+        that also collects the indices (up to twice ``max_count_factor * K`` of them; a
+        second pass only over parts holding more). Triton: the sample gathered as
+        magnitudes, each count one read pass (compared as float32), the indices one more."""
+        d = flat.numel()
+        if kernels.backend_for(flat) == "numba":
+            dtype = flat.dtype
+            expect = math.ceil(self.max_count_factor * self.target(d))
+            return self._select(
+                d, ctx, flat.device,
+                exact=lambda k: top_magnitudes(flat, k),
+                sample=lambda positions: kernels.magnitude_keys(flat, positions),
+                kth=lambda keys, k: kernels.key_value(kernels.kth_key(keys, k), dtype),
+                at_least=lambda threshold: kernels.at_least(flat, float(threshold), expect),
+                importance_of=lambda idx: magnitudes(_gather(flat, idx)),
+            )
         return self._select(
-            flat.numel(), ctx, flat.device,
+            d, ctx, flat.device,
             exact=lambda k: top_magnitudes(flat, k),
             sample=lambda positions: magnitudes(_gather(flat, positions)),
-            at_least=lambda threshold: count_at(flat, float(threshold)),
+            kth=_kth_largest,
+            at_least=lambda threshold: kernels.at_least(flat, float(threshold)),
             importance_of=lambda idx: magnitudes(_gather(flat, idx)),
         )
 
@@ -557,6 +568,7 @@ class DGC(_SparsePayload):
             importance.numel(), ctx, importance.device,
             exact=lambda k: exact_top(importance, k),
             sample=lambda positions: _gather(importance, positions),
+            kth=_kth_largest,
             at_least=at_least,
             importance_of=lambda idx: _gather(importance, idx),
         )
@@ -569,11 +581,13 @@ class DGC(_SparsePayload):
         *,
         exact: Callable[[int], torch.Tensor],
         sample: Callable[[torch.Tensor], torch.Tensor],
-        at_least: Callable[[torch.Tensor], tuple[int, Callable[[], torch.Tensor]]],
+        kth: Callable[[torch.Tensor, int], torch.Tensor | float],
+        at_least: Callable[[Any], tuple[int, Callable[[], torch.Tensor]]],
         importance_of: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """Steps 1-4 over ``d`` magnitudes reached through the callables: ``exact(k)`` (small
-        tensors), ``sample(positions)``, ``at_least(threshold)`` (the count of magnitudes
+        tensors), ``sample(positions)``, ``kth(samples, k)`` (the ``k``-th largest sampled
+        magnitude), ``at_least(threshold)`` (the count of magnitudes
         ``>= threshold`` and a function giving their ascending indices) and
         ``importance_of(indices)``."""
         k = self.target(d)
@@ -585,7 +599,7 @@ class DGC(_SparsePayload):
         samples = sample(positions)
         k_s = min(s, max(1, math.ceil(k * s / d)))
         for attempt in range(self.adapt_iters + 1):
-            count, collect = at_least(_kth_largest(samples, k_s))
+            count, collect = at_least(kth(samples, k_s))
             if count >= self.min_count_factor * k or k_s == s or attempt == self.adapt_iters:
                 break
             k_s = min(s, max(k_s + 1, math.ceil(k_s * k / max(count, 1))))
@@ -598,18 +612,16 @@ class DGC(_SparsePayload):
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         flat = x.reshape(-1)
         d = flat.numel()
-        sixteen = x.dtype in (torch.float16, torch.bfloat16)
-        if (
-            (x.dtype == torch.float32 and kernels.use_kernels(flat, "at_least"))
-            or (sixteen and _triton_at_least(flat))
-            or (sixteen and kernels_extra.use_kernels(flat))
-        ):
-            idx = self.select_kernel(flat.contiguous(), ctx)
+        if x.dtype != torch.float64 and kernels.use_kernels(flat, "at_least"):
+            flat = flat.contiguous()
+            idx = self.select_kernel(flat, ctx)
         else:
             idx = self.select(magnitudes(flat), ctx)
-        parts = encode_values(
-            self, x, flat.index_select(0, idx), _VALUE_DTYPES[self.value_dtype]
-        )
+        if kernels.backend_for(flat) == "numba" and x.dtype != torch.float64:
+            selected = kernels.take(flat, idx)
+        else:
+            selected = flat.index_select(0, idx)
+        parts = encode_values(self, x, selected, _VALUE_DTYPES[self.value_dtype])
         count = torch.tensor([idx.numel()], dtype=torch.int32, device=flat.device)
         return self.make_payload(
             x, {**parts, "indices": idx.to(index_dtype(d)), "count": count}

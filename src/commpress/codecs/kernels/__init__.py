@@ -565,11 +565,47 @@ def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
     return _impl(x, "topk_select").topk_select(x, k)
 
 
-def at_least(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch.Tensor]]:
-    """How many ``|x| >= threshold`` (NaN counting as +inf) in a 1-D contiguous fp32 CPU
-    tensor, and a function that returns their ascending int64 indices (a second pass, run
-    only when the count is accepted). ``threshold`` is a magnitude (``>= 0``, may be inf)."""
-    return _impl(x, "at_least").at_least(x, threshold)
+def at_least(
+    x: torch.Tensor, threshold: float, expect: int | None = None
+) -> tuple[int, Callable[[], torch.Tensor]]:
+    """How many ``|x| >= threshold`` (NaN counting as +inf) in a 1-D contiguous float32 CPU
+    tensor (numba: also bfloat16 and float16, compared by their 16-bit magnitude keys,
+    ``threshold`` then a value of their dtype; Triton: any of the three, as float32), and a
+    function that returns their ascending int64 indices. ``threshold`` is a magnitude (``>=
+    0``, may be inf). The indices take a second pass over ``x``, except on numba where
+    ``expect`` (about how many the caller expects) is given: the count's pass then also
+    writes the indices into a buffer of twice that size in parts, and only a part whose hits
+    overflow its share is read again."""
+    return _impl(x, "at_least").at_least(x, threshold, expect)
+
+
+def magnitude_keys(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int32 order keys of ``|x[positions]|`` (NaN ranked as +inf) for a 1-D contiguous
+    float32, bfloat16 or float16 CPU tensor: the magnitude's bits (16-bit ones for 16-bit
+    inputs), gathered without a copy of the values; numba only. :func:`kth_key` selects
+    among them, :func:`key_value` turns a key back into the magnitude."""
+    return _impl(x, "magnitude_keys").magnitude_keys(x, positions)
+
+
+def kth_key(keys: torch.Tensor, k: int) -> int:
+    """The ``k``-th largest of int32 keys in ``[0, 2^31)`` (``1 <= k <= keys.numel()``), by a
+    radix select (numba only): :func:`magnitude_keys`' keys order like the magnitudes, so
+    this is the key of the ``k``-th largest sampled magnitude."""
+    if not 1 <= k <= keys.numel():
+        raise CommpressError(f"kth_key: k={k} outside 1..{keys.numel()}")
+    return int(_impl(keys, "kth_key").kth_key(keys, k))
+
+
+def take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]`` for a 1-D contiguous float32, bfloat16 or float16 CPU tensor and valid
+    int64 indices (numba only; unchecked: the caller's own selection), as
+    ``x.index_select(0, idx)`` gives it."""
+    return _impl(x, "take").take(x, idx)
+
+
+def key_value(key: int, dtype: torch.dtype) -> float:
+    """The magnitude of ``dtype`` whose :func:`magnitude_keys` key is ``key``."""
+    return numba_cpu.key_value(key, dtype)
 
 
 def lowrank_decode(p: torch.Tensor, q: torch.Tensor, factor: float, out: torch.Tensor) -> None:

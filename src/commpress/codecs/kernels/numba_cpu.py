@@ -1520,38 +1520,48 @@ def _nb_write_selected(
         )
 
 
-def _nb_count_at_least(xi: Any, key: Any, counts: Any) -> None:
-    # counts[p] = how many magnitude keys of partition p are >= key
-    n = xi.size
+def _nb_at_least_room(
+    xs: Any, mask: Any, inf_key: Any, key: Any, room: Any, counts: Any, fits: Any, rooms: Any
+) -> None:
+    # One pass in counts.size parts over the magnitude keys (xs & mask: float32 bits as
+    # int32 or 16-bit float bits as uint16; keys above inf_key, NaNs, rank as inf_key):
+    # counts[p] = how many keys of part p are >= key (key >= 1), written as ascending indices
+    # into part p's room (rooms[p * room:][:room]) where they fit (fits[p] = 1). A part with
+    # more hits than its room (fits[p] = 0) is counted by a second loop over it and collected
+    # by _nb_gather_room. room 0: count only.
+    n = xs.size
     nparts = counts.size
     per = (n + nparts - 1) // nparts
+    no_keys = np.empty(1, np.int32)
     for p in prange(nparts):
-        src = xi[min(p * per, n) : min((p + 1) * per, n)]
-        c = 0
-        if key <= _KEY_POS_INF:  # the raw key then compares as the clamped one
+        a = min(p * per, n)
+        src = xs[a : min((p + 1) * per, n)]
+        j = -1
+        if key > inf_key:
+            j = 0  # no key is above +Inf's
+        elif room > 0:
+            j = _nb_pick(
+                src, a, mask, inf_key, key - i32(1), 0, rooms[p * room : (p + 1) * room],
+                no_keys, False,
+            )
+        if j >= 0:
+            counts[p] = j
+            fits[p] = 1
+        else:  # the raw key compares as the clamped one (key <= inf_key): a loop that vectorizes
+            c = 0
             for i in range(src.size):
-                c += 1 if (src[i] & i32(0x7FFFFFFF)) >= key else 0
-        counts[p] = c
+                c += 1 if i32(src[i] & mask) >= key else 0
+            counts[p] = c
+            fits[p] = 1 if c == 0 else 0
 
 
-def _nb_collect_at_least(xi: Any, key: Any, counts: Any, out: Any) -> None:
-    # out = ascending indices of the magnitude keys >= key (counts from _nb_count_at_least)
-    n = xi.size
-    nparts = counts.size
-    per = (n + nparts - 1) // nparts
-    start = np.zeros(nparts, np.int64)
-    take = np.zeros(nparts, np.int64)
-    for p in range(1, nparts):
-        start[p] = start[p - 1] + counts[p - 1]
-    # keys >= key are keys > key - 1 (key >= 1 here: key 0 selects everything)
-    _nb_write_selected(xi, key - i32(1), nparts, per, start, take, out)
-
-
-def _nb_collect_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any, out: Any) -> None:
-    # out = ascending indices of the 16-bit magnitude keys (xb & 0x7FFF, NaN keys clamped to
-    # inf_key) >= key, counted per part (counts, as numba_transforms' count_at_least16
-    # partitions them; key >= 1)
-    n = xb.size
+def _nb_gather_room(
+    xs: Any, mask: Any, inf_key: Any, key: Any, room: Any, counts: Any, fits: Any, rooms: Any,
+    out: Any,
+) -> None:
+    # out = the ascending indices of the keys >= key that _nb_at_least_room counted (out
+    # exactly their total): a part that fit copied from its room, the others picked again
+    n = xs.size
     nparts = counts.size
     per = (n + nparts - 1) // nparts
     start = np.zeros(nparts + 1, np.int64)
@@ -1559,11 +1569,39 @@ def _nb_collect_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any, out: An
         start[p + 1] = start[p] + counts[p]
     no_keys = np.empty(1, np.int32)
     for p in prange(nparts):
-        a = min(p * per, n)
-        _nb_pick(
-            xb[a : min((p + 1) * per, n)], a, u16(0x7FFF), i32(inf_key), i32(key) - i32(1), 0,
-            out[start[p] : start[p + 1]], no_keys, False,
-        )
+        dst = out[start[p] : start[p + 1]]
+        if fits[p]:
+            dst[:] = rooms[p * room : p * room + counts[p]]
+        else:
+            a = min(p * per, n)
+            _nb_pick(
+                xs[a : min((p + 1) * per, n)], a, mask, inf_key, key - i32(1), 0, dst,
+                no_keys, False,
+            )
+
+
+def _nb_sample_keys(xs: Any, mask: Any, inf_key: Any, positions: Any, keys: Any) -> None:
+    # keys[i] = the magnitude key of element positions[i] (clamped to inf_key: NaN ranks as
+    # +Inf), the keys of DGC's sample without a gathered copy or its magnitudes
+    # (lines prefetched a few positions ahead: the random loads missed the cache one by one)
+    for i in prange(positions.size):
+        if i + _LOOKAHEAD < positions.size:
+            _nb_prefetch(xs, positions[i + _LOOKAHEAD])
+        k = i32(xs[positions[i]] & mask)
+        keys[i] = k if k <= inf_key else inf_key
+
+
+def _nb_take(xs: Any, idx: Any, out: Any) -> None:
+    # out[j] = xs[idx[j]] (bits of any width; idx ascending, as DGC's selections are)
+    for j in prange(idx.size):
+        out[j] = xs[idx[j]]
+
+
+def _nb_kth_key(keys: Any, k: Any) -> Any:
+    # the k-th largest of the int32 keys in [0, 0x7FFFFFFF] (1 <= k <= keys.size): a radix
+    # select, where torch.kthvalue partitions float values
+    hist = np.empty((1, 65536), np.int32)
+    return _nb_key_threshold(keys, k, hist)[0]
 
 
 def _nb_top_keys(bits: Any, inf_key: Any, count: Any, out: Any) -> None:
@@ -2031,9 +2069,10 @@ _KERNELS = (
     "_nb_sign_decode",
     "_nb_stochastic_fused",
     "_nb_topk_select",
-    "_nb_count_at_least",
-    "_nb_collect_at_least",
-    "_nb_collect_at_least16",
+    "_nb_at_least_room",
+    "_nb_gather_room",
+    "_nb_sample_keys",
+    "_nb_take",
     "_nb_lowrank_decode",
     "_nb_lowrank_right",
     "_nb_lowrank_left",
@@ -2052,6 +2091,7 @@ _SERIAL = (
     "_nb_chunk_range",
     "_nb_top_keys",
     "_nb_uniforms",
+    "_nb_kth_key",
 )
 
 
@@ -2586,6 +2626,60 @@ def target(
     return flat, _DUMMY_F32, _bits16(flat), omode
 
 
+#: The magnitude key of +Inf per dtype (keys above it are NaNs, ranked as +Inf).
+INF_KEYS = {torch.float32: int(_KEY_POS_INF), torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
+def magnitude_keys_of(
+    x: torch.Tensor, threshold: float
+) -> tuple[np.ndarray, Any, np.int32, np.int32]:
+    """``(xs, mask, inf_key, key)``: a 1-D contiguous float32, bfloat16 or float16 CPU
+    tensor's bits as the selection kernels read them (int32 for float32, uint16 else), the
+    mask of their magnitude keys, +Inf's key, and the key of magnitude ``threshold`` (``>=
+    0``, may be inf; for 16-bit inputs a value of their dtype)."""
+    if x.dtype == torch.float32:
+        key = int(np.array([threshold], np.float32).view(np.int32)[0]) & 0x7FFFFFFF
+        return _np(x).view(np.int32), np.int32(0x7FFFFFFF), _KEY_POS_INF, np.int32(key)
+    if x.dtype not in INF_KEYS:
+        raise CommpressError(f"magnitude keys of float32, bfloat16 or float16, not {x.dtype}")
+    t = torch.tensor([threshold], dtype=x.dtype)
+    if float(t) != threshold and threshold == threshold:
+        raise CommpressError(f"threshold {threshold} is not a {x.dtype} value")
+    key = int(t.view(torch.int16)) & 0x7FFF
+    return _bits16(x), np.uint16(0x7FFF), np.int32(INF_KEYS[x.dtype]), np.int32(key)
+
+
+def key_value(key: int, dtype: torch.dtype) -> float:
+    """The magnitude whose key (:func:`magnitude_keys_of`) is ``key``, as a float."""
+    if dtype == torch.float32:
+        return float(np.array([key], np.int32).view(np.float32)[0])
+    return float(torch.tensor([key], dtype=torch.int16).view(dtype)[0])
+
+
+_rooms = threading.local()
+
+
+def room_buffer(size: int) -> tuple[np.ndarray, object | None]:
+    """``size`` int64 slots for :func:`_nb_at_least_room`'s rooms and a token for
+    :func:`room_kept`: this thread's buffer, kept up to :data:`WORK_KEPT` bytes between
+    calls (fresh memory costs page faults), or a fresh one beyond (token ``None``)."""
+    if size * 8 > WORK_KEPT:
+        return np.empty(size, np.int64), None
+    buf = getattr(_rooms, "buf", None)
+    if buf is None or buf.size < size:
+        buf = np.empty(max(size, 1), np.int64)
+        _rooms.buf = buf
+    token = object()
+    _rooms.token = token
+    return buf[:size], token
+
+
+def room_kept(token: object | None) -> bool:
+    """Whether the rooms :func:`room_buffer` gave with ``token`` hold what was written into
+    them: a fresh buffer always does, the kept one until the next call takes it."""
+    return token is None or getattr(_rooms, "token", None) is token
+
+
 class NumbaKernels:
     """The compiled kernels behind tensor entry points (CPU tensors only); one instance,
     made by the loader of :mod:`commpress.codecs.kernels`."""
@@ -2790,30 +2884,61 @@ class NumbaKernels:
         return out
 
     def at_least(
-        self, x: torch.Tensor, threshold: float
+        self, x: torch.Tensor, threshold: float, expect: int | None = None
     ) -> tuple[int, Callable[[], torch.Tensor]]:
-        """See :func:`commpress.codecs.kernels.at_least`."""
-        bits = _np(x).view(np.int32)
-        key = np.int32(np.array([threshold], np.float32).view(np.int32)[0] & 0x7FFFFFFF)
+        """See :func:`commpress.codecs.kernels.at_least` (float32, bfloat16 or float16, read
+        in place: 16-bit magnitude keys order and tie like float32's)."""
+        xs, mask, inf_key, key = magnitude_keys_of(x, threshold)
+        n = xs.size
+        if key == 0:  # every magnitude is >= 0
+            return n, lambda: torch.arange(n)
         with _launch():
             import numba
 
-            counts = np.zeros(4 * numba.get_num_threads(), np.int64)
-            if key == 0:
-                counts[0] = bits.size  # every magnitude is >= 0
-            else:
-                self["count_at_least"](bits, key, counts)
+            nparts = 4 * numba.get_num_threads()
+            room = 0 if not expect else -(-2 * expect // nparts) + 8
+            counts = np.zeros(nparts, np.int64)
+            fits = np.zeros(nparts, np.uint8)
+            rooms, token = room_buffer(nparts * room)
+            self["at_least_room"](xs, mask, inf_key, key, room, counts, fits, rooms)
         total = int(counts.sum())
 
         def collect() -> torch.Tensor:
-            if key == 0:
-                return torch.arange(total)
             out = torch.empty(total, dtype=torch.int64)
-            with _launch():
-                self["collect_at_least"](bits, key, counts, _np(out))
+            if total:
+                if not room_kept(token):  # another call took the rooms since: pick again
+                    fits[:] = 0
+                with _launch():
+                    self["gather_room"](
+                        xs, mask, inf_key, key, room, counts, fits, rooms, _np(out)
+                    )
             return out
 
         return total, collect
+
+    def magnitude_keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """See :func:`commpress.codecs.kernels.magnitude_keys`."""
+        xs, mask, inf_key, _ = magnitude_keys_of(x, 0.0)
+        keys = torch.empty(positions.numel(), dtype=torch.int32)
+        pos = _np(positions.to(torch.int64).contiguous())
+        with _launch():
+            self["sample_keys"](xs, mask, inf_key, pos, _np(keys))
+        return keys
+
+    def take(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """See :func:`commpress.codecs.kernels.take`."""
+        out = torch.empty(idx.numel(), dtype=x.dtype)
+        if x.element_size() == 2:
+            src, dst = _bits16(x), _bits16(out)
+        else:
+            src, dst = _np(x.view(torch.int32)), _np(out.view(torch.int32))
+        with _launch():
+            self["take"](src, _np(idx.to(torch.int64).contiguous()), dst)
+        return out
+
+    def kth_key(self, keys: torch.Tensor, k: int) -> int:
+        """See :func:`commpress.codecs.kernels.kth_key`."""
+        return int(self["kth_key"](_np(keys.contiguous()), k))
 
     def lowrank_decode(
         self, p: torch.Tensor, q: torch.Tensor, factor: float, out: torch.Tensor

@@ -881,21 +881,6 @@ def _nb_square_out(acc: Any, top: Any, out: Any, c: Any, big: Any) -> Any:
     return big
 
 
-def _nb_count_at_least16(xb: Any, inf_key: Any, key: Any, counts: Any) -> None:
-    # counts[p] = how many 16-bit magnitude keys of partition p are >= key (NaN keys,
-    # above inf_key, count as inf_key: NaN ranks as +Inf)
-    n = xb.size
-    nparts = counts.size
-    per = (n + nparts - 1) // nparts
-    for p in prange(nparts):
-        src = xb[min(p * per, n) : min((p + 1) * per, n)]
-        c = 0
-        if key <= inf_key:  # the raw key then compares as the clamped one (a loop that
-            for i in range(src.size):  # vectorizes)
-                c += 1 if (src[i] & u16(0x7FFF)) >= key else 0
-        counts[p] = c
-
-
 #: QSGD's and TernGrad's noise generator (numba_cpu), compiled here too by build() (from the
 #: Python functions: numba_cpu's module may not be built yet) for THC's stochastic rounding.
 _nb_noise_start = numba_cpu._nb_noise_start
@@ -908,7 +893,7 @@ _HELPERS = (
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",
-    "_nb_chunk_squares", "_nb_count_at_least16",
+    "_nb_chunk_squares",
 )
 
 
@@ -1061,35 +1046,6 @@ def top_keys(norms: torch.Tensor, count: int) -> torch.Tensor:
     return out
 
 
-def at_least16(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch.Tensor]]:
-    """:func:`kernels.at_least` of a 1-D contiguous float16 or bfloat16 CPU tensor, read in
-    place: how many ``|x| >= threshold`` (NaN counting as +Inf; ``threshold`` a magnitude
-    that ``x``'s dtype represents exactly, as DGC's sampled thresholds are), and a function
-    giving their ascending int64 indices. Compares 16-bit magnitude keys, which order like
-    the values; one read pass to count, one more to collect."""
-    inf_key = 0x7F80 if x.dtype == torch.bfloat16 else 0x7C00
-    bits = _np(x.view(torch.int16)).view(np.uint16)
-    t = torch.tensor([threshold], dtype=x.dtype)
-    if float(t) != threshold:  # pragma: no cover - callers pass values of x's dtype
-        raise CommpressError(f"threshold {threshold} is not a {x.dtype} value")
-    key = np.uint16(int(t.view(torch.int16)) & 0x7FFF)
-    with numba_cpu._launch():
-        import numba
-
-        counts = np.zeros(4 * numba.get_num_threads(), np.int64)
-        _kernel("count_at_least16")(bits, np.uint16(inf_key), key, counts)
-    total = int(counts.sum())
-
-    def collect() -> torch.Tensor:
-        out = torch.empty(total, dtype=torch.int64)
-        with numba_cpu._launch():
-            # (the collecting kernel lives beside the float32 one, whose helper it shares)
-            kernels._kernel("collect_at_least16")(bits, inf_key, int(key), counts, _np(out))
-        return out
-
-    return total, collect
-
-
 def top16(x: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D contiguous float16 or
     bfloat16 CPU tensor (``1 <= k <= len(x)``; NaN ranks as +Inf; ties at the threshold go
@@ -1113,7 +1069,6 @@ def top16(x: torch.Tensor, k: int) -> torch.Tensor:
 
 __all__ = [
     "LOCAL_BLOCK",
-    "at_least16",
     "chunk_norms",
     "sign_bytes",
     "splitmix_words",

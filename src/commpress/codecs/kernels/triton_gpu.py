@@ -1107,11 +1107,13 @@ def offset_decode(
 SELECT_BLOCK = 4096
 
 
-def at_least(x: torch.Tensor, threshold: float) -> tuple[int, Callable[[], torch.Tensor]]:
+def at_least(
+    x: torch.Tensor, threshold: float, expect: int | None = None
+) -> tuple[int, Callable[[], torch.Tensor]]:
     """See :func:`commpress.codecs.kernels.at_least` (float32, float16 or bfloat16 input,
-    compared as float32). One read pass counts per block (the count is one host sync); the
-    indices are a second pass that writes each block's hits from an exclusive prefix sum of
-    the counts, so they come out ascending without a sort."""
+    compared as float32; ``expect`` is not used). One read pass counts per block (the count
+    is one host sync); the indices are a second pass that writes each block's hits from an
+    exclusive prefix sum of the counts, so they come out ascending without a sort."""
     x = _flat(x)
     n = x.numel()
     key = int(torch.tensor([threshold], dtype=torch.float32).view(torch.int32)) & INT32_MAX
