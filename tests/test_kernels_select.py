@@ -65,13 +65,16 @@ def test_at_least_counts_and_collects_like_a_mask(
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_at_least_collect_after_another_call_is_still_right(dtype: torch.dtype) -> None:
     """The rooms are one kept buffer per thread: a ``collect`` called after a later
-    ``at_least`` (which took the buffer) reads the input again instead of stale rooms."""
+    ``at_least`` (which took the buffer) reads the input again instead of stale rooms.
+    The first call asks for the larger rooms, so that the second reuses (and overwrites)
+    the same buffer whatever earlier tests left in it (the other order allocated a new,
+    larger buffer when run alone, and passed with stale rooms read)."""
     x = _data("gauss", 50_000, dtype)
     m = magnitudes(x.float())
     with kernels.use_backend("numba"):
         t1, t2 = _threshold(x, 0.99), _threshold(x, 0.9)
-        c1, collect1 = kernels.at_least(x, t1, 1000)
-        c2, collect2 = kernels.at_least(x, t2, 10_000)
+        c1, collect1 = kernels.at_least(x, t1, 10_000)
+        c2, collect2 = kernels.at_least(x, t2, 1000)
         assert torch.equal(collect1(), torch.nonzero(m >= t1).reshape(-1))
         assert torch.equal(collect2(), torch.nonzero(m >= t2).reshape(-1))
         assert (c1, c2) == (int((m >= t1).sum()), int((m >= t2).sum()))
