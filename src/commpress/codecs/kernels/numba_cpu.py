@@ -2896,7 +2896,8 @@ class NumbaKernels:
             import numba
 
             nparts = 4 * numba.get_num_threads()
-            room = 0 if not expect else -(-2 * expect // nparts) + 8
+            # (a part's room: twice its share of ``expect``, at most the part's length)
+            room = 0 if not expect else min(-(-2 * expect // nparts) + 8, -(-n // nparts))
             counts = np.zeros(nparts, np.int64)
             fits = np.zeros(nparts, np.uint8)
             rooms, token = room_buffer(nparts * room)
