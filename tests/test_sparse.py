@@ -607,8 +607,9 @@ def test_band_reports_a_missed_bound_and_the_histogram_select_takes_over(
     s = n // 256
     stride = n // s
     j = np.arange(s, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        jitter = ((j * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)).astype(np.int64) % stride
+    with np.errstate(over="ignore"):  # numba_cpu._nb_jitter's offsets
+        h = (j * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
+    jitter = ((h * np.uint64(stride)) >> np.uint64(24)).astype(np.int64)
     positions = torch.from_numpy(np.arange(s, dtype=np.int64) * stride + jitter)
     x = torch.randn(n, generator=torch.Generator().manual_seed(6))
     x[positions] = 1000.0

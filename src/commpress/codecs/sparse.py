@@ -132,6 +132,15 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     return exact_top(magnitudes(flat), k)
 
 
+def _take(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``flat[idx]`` for a selection's ascending indices: the numba gather where the
+    backend gives CPU tensors numba (the same values; see :func:`kernels.take`), else
+    torch's ``index_select``."""
+    if kernels.backend_for(flat) == "numba" and flat.dtype != torch.float64:
+        return kernels.take(flat.contiguous(), idx)
+    return flat.index_select(0, idx)
+
+
 def _triton_at_least(flat: torch.Tensor) -> bool:
     """Whether the Triton kernels count and collect magnitudes at a threshold for ``flat``
     (float32, float16 or bfloat16; the numba kernels have their own paths)."""
@@ -399,9 +408,7 @@ class TopK(_SparsePayload):
         flat = x.reshape(-1)
         d = flat.numel()
         idx = top_magnitudes(flat, self.count(d))
-        parts = encode_values(
-            self, x, flat.index_select(0, idx), _VALUE_DTYPES[self.value_dtype]
-        )
+        parts = encode_values(self, x, _take(flat, idx), _VALUE_DTYPES[self.value_dtype])
         return self.make_payload(x, {**parts, "indices": idx.to(index_dtype(d))})
 
     def _sparse_parts(
@@ -617,11 +624,7 @@ class DGC(_SparsePayload):
             idx = self.select_kernel(flat, ctx)
         else:
             idx = self.select(magnitudes(flat), ctx)
-        if kernels.backend_for(flat) == "numba" and x.dtype != torch.float64:
-            selected = kernels.take(flat, idx)
-        else:
-            selected = flat.index_select(0, idx)
-        parts = encode_values(self, x, selected, _VALUE_DTYPES[self.value_dtype])
+        parts = encode_values(self, x, _take(flat, idx), _VALUE_DTYPES[self.value_dtype])
         count = torch.tensor([idx.numel()], dtype=torch.int32, device=flat.device)
         return self.make_payload(
             x, {**parts, "indices": idx.to(index_dtype(d)), "count": count}

@@ -227,6 +227,8 @@ def warm_up() -> bool:
         keys = magnitude_keys(x, torch.arange(5))
         kth_key(keys, 2)
         take(x, torch.arange(3))
+        finite_max_abs(x)
+        finite_max_abs(x.to(torch.bfloat16))  # the 16-bit kernel (float16's too)
         first_distinct(torch.arange(20), 5, 20)
         values, _ = gather_finite(x, torch.arange(3))
         spread(torch.arange(3), values, torch.empty(20))
@@ -607,6 +609,14 @@ def take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return _impl(x, "take").take(x, idx)
 
 
+def finite_max_abs(x: torch.Tensor) -> torch.Tensor:
+    """``max |v|`` over the finite entries of a 1-D contiguous float32, bfloat16 or float16
+    CPU tensor (``+0`` when there are none), a 0-d tensor of its dtype (numba only): the
+    largest magnitude key below the +Inf key, one pass on the integer bits. The value of
+    :func:`commpress.codecs.common.finite_max_abs`'s torch path, in its dtype."""
+    return _impl(x, "finite_max_abs").finite_max_abs(x)
+
+
 def key_value(key: int, dtype: torch.dtype) -> float:
     """The magnitude of ``dtype`` whose :func:`magnitude_keys` key is ``key``."""
     return numba_cpu.key_value(key, dtype)
@@ -699,6 +709,7 @@ __all__ = [
     "chunk_range",
     "convert",
     "dispatch_counts",
+    "finite_max_abs",
     "first_distinct",
     "gather_finite",
     "lowrank_decode",

@@ -1,0 +1,132 @@
+"""The numba kernels' hot loops run on lanes as narrow as their data.
+
+numba computes arithmetic on small integers (``int16``, ``uint16``, ``int32``, ``uint32``) in
+64 bits unless every intermediate is cast back; LLVM then vectorizes the loop on 64-bit lanes,
+2-4x fewer values per vector (the 16-bit order keys of minmax's bfloat16 encode ran 4x
+slower, float32's order keys 2x, the sign bits of ``sign`` 3.8x). These tests compile the
+loops afresh and read their optimized LLVM IR: a vector of 64-bit integers there means a loop
+widened again. Sign bits are also checked against numpy's ``packbits``."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from commpress.codecs import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+
+
+def _vector_types(name: str, *argtypes: object) -> set[tuple[int, str]]:
+    """The vector types ``(lanes, element)`` in the optimized LLVM IR of numba_cpu's helper
+    ``name`` compiled afresh (no disk cache) for ``argtypes``."""
+    import numba
+
+    from commpress.codecs.kernels import numba_cpu
+
+    kernels.load_numba("numba_cpu")  # binds the module's intrinsics
+    helper = getattr(numba_cpu, name)  # a helper's dispatcher or a kernel's Python function
+    fresh = numba.njit(tuple(argtypes), cache=False, fastmath=False, error_model="numpy")(
+        getattr(helper, "py_func", helper)
+    )
+    ir = fresh.inspect_llvm(fresh.signatures[0])
+    return {(int(n), t) for n, t in re.findall(r"<(\d+) x (i\d+|float|double)>", ir)}
+
+
+def _array(dtype: object) -> object:
+    from numba import types
+
+    return types.Array(dtype, 1, "C")
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "lane"),
+    [
+        ("_nb_minmax_keys", ("int32",), "i32"),
+        ("_nb_minmax_keys16", ("int16",), "i16"),
+        ("_nb_max_key16", ("uint16",), "i16"),
+    ],
+)
+def test_order_key_loops_vectorize_on_their_own_width(
+    name: str, args: tuple[str, ...], lane: str
+) -> None:
+    from numba import types
+
+    found = _vector_types(name, *(_array(getattr(types, a)) for a in args))
+    assert any(t == lane and n >= 4 for n, t in found), found  # vectorized at all
+    assert not any(t == "i64" for _, t in found), found
+
+
+def test_float16_widening_has_no_64_bit_lanes() -> None:
+    from numba import types
+
+    found = _vector_types(
+        "_nb_widen", _array(types.float32), _array(types.uint16), types.int64, types.int64,
+        types.int64, _array(types.float32),
+    )
+    assert any(t == "i32" and n >= 4 for n, t in found), found
+    assert not any(t == "i64" for _, t in found), found
+
+
+def test_sign_bits_compare_whole_vectors() -> None:
+    from numba import types
+
+    found = _vector_types("_nb_sign_bits", _array(types.float32), _array(types.uint8))
+    assert (32, "i1") in found, found  # one compare per 32 values, its lanes the word's bits
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 31, 32, 33, 63, 64, 100, 2048, 2049, 16384 + 45])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sign_bits_equal_numpy_packbits(n: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g)
+    specials = torch.tensor([float("nan"), -float("nan"), -0.0, 0.0, float("inf"), -float("inf")])
+    x[: min(n, 6)] = specials[: min(n, 6)]
+    if n > 40:
+        x[33:39] = specials  # in a whole vector group, not only the scalar tail
+    x = x.to(dtype)
+    with kernels.use_backend("numba"):
+        packed, _ = kernels.load_numba("numba_cpu").sign_encode(x)
+    expected = np.packbits((x.float() >= 0).numpy(), bitorder="little")
+    assert packed.numpy().tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("n", [1, 2, 31, 1000, 70001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["plain", "specials", "all_nonfinite", "zeros", "subnormal"])
+def test_finite_max_abs_kernel_equals_the_torch_path(n: int, dtype: torch.dtype, case: str) -> None:
+    from commpress.codecs.common import finite_max_abs
+
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 1e3).to(dtype)
+    if case == "specials":
+        x[torch.randperm(n, generator=g)[: max(1, n // 10)]] = float("inf")
+        x[torch.randperm(n, generator=g)[: max(1, n // 10)]] = -float("nan")
+        x[0] = -torch.finfo(dtype).max if n > 1 else x[0]
+    elif case == "all_nonfinite":
+        x[:] = float("nan")
+        x[::2] = -float("inf")
+    elif case == "zeros":
+        x[:] = -0.0
+    elif case == "subnormal":
+        x = torch.full((n,), torch.finfo(dtype).tiny / 4, dtype=dtype) * -1
+    with kernels.use_backend("torch"):
+        expected = finite_max_abs(x)
+    with kernels.use_backend("numba"):
+        got = finite_max_abs(x)
+    assert got.dtype == expected.dtype and got.shape == expected.shape == ()
+    ints = torch.int32 if dtype == torch.float32 else torch.int16
+    assert got.view(ints).item() == expected.view(ints).item(), (got, expected)
+
+
+def test_finite_max_loops_vectorize_on_their_own_width() -> None:
+    from numba import types
+
+    found16 = _vector_types("_nb_finite_max16", _array(types.uint16), types.uint16)
+    found32 = _vector_types("_nb_finite_max32", _array(types.int32))
+    assert any(t == "i16" and n >= 8 for n, t in found16), found16
+    assert any(t == "i32" and n >= 4 for n, t in found32), found32
+    assert not any(t == "i64" for _, t in found16 | found32), (found16, found32)
