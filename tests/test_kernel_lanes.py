@@ -130,3 +130,29 @@ def test_finite_max_loops_vectorize_on_their_own_width() -> None:
     assert any(t == "i16" and n >= 8 for n, t in found16), found16
     assert any(t == "i32" and n >= 4 for n, t in found32), found32
     assert not any(t == "i64" for _, t in found16 | found32), (found16, found32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_finite_max_abs_kernel_path_takes_any_layout(dtype: torch.dtype) -> None:
+    """common.finite_max_abs hands the kernel a flat contiguous copy: 0-d, transposed and
+    strided inputs give the torch path's bits; float64 keeps the torch path (no dispatch)."""
+    from commpress.codecs.common import finite_max_abs
+
+    g = torch.Generator().manual_seed(3)
+    base = (torch.randn(40, 30, generator=g) * 100).to(dtype)
+    base[3, 7] = float("inf")
+    base[5, 2] = float("nan")
+    base[11, 1] = -70000.0 if dtype == torch.float16 else -5e4  # -inf in float16
+    strided = base.reshape(4, 10, 30)[:, ::2].transpose(0, 2)
+    inputs = [base.t(), base[::3, 1::2], base[2, 5], strided]
+    ints = {torch.float32: torch.int32, torch.float64: torch.int64}.get(dtype, torch.int16)
+    for x in inputs:
+        with kernels.use_backend("torch"):
+            expected = finite_max_abs(x)
+        before = kernels.dispatch_counts()["numba"]
+        with kernels.use_backend("numba"):
+            got = finite_max_abs(x)
+        dispatched = kernels.dispatch_counts()["numba"] - before
+        assert dispatched == (0 if dtype == torch.float64 else 1), (dtype, x.shape)
+        assert got.dtype == expected.dtype and got.shape == expected.shape == ()
+        assert got.view(ints).item() == expected.view(ints).item(), (x.shape, got, expected)
