@@ -227,6 +227,7 @@ def warm_up() -> bool:
         keys = magnitude_keys(x, torch.arange(5))
         kth_key(keys, 2)
         take(x, torch.arange(3))
+        take(x.to(torch.bfloat16), torch.arange(3))  # Top-K's and DGC's 16-bit values
         finite_max_abs(x)
         finite_max_abs(x.to(torch.bfloat16))  # the 16-bit kernel (float16's too)
         first_distinct(torch.arange(20), 5, 20)

@@ -2265,6 +2265,17 @@ def _prefetcher() -> Any:
     return prefetch
 
 
+def _c_array(ty: Any, dtype: Any, ndim: int | None = None) -> bool:
+    """Whether numba type ``ty`` is a C-contiguous array of ``dtype`` (and ``ndim``
+    dimensions, when given): the argument check of the intrinsics below."""
+    from numba.core import types
+
+    return (
+        isinstance(ty, types.Array) and ty.dtype == dtype and ty.layout == "C"
+        and (ndim is None or ty.ndim == ndim)
+    )
+
+
 def _vector_lane_sum(square: bool) -> Any:
     """A numba intrinsic ``(src, lanes)``: ``lanes[j] += f64(src[8g + j]) ** 2`` (``square``)
     or ``|f64(src[8g + j])|`` for every whole group of eight of the contiguous float32
@@ -2278,11 +2289,7 @@ def _vector_lane_sum(square: bool) -> Any:
 
     @intrinsic
     def lane_sum(typingctx: Any, src: Any, lanes: Any) -> Any:
-        if not (
-            isinstance(src, types.Array) and src.dtype == types.float32 and src.ndim == 1
-            and src.layout == "C" and isinstance(lanes, types.Array)
-            and lanes.dtype == types.float64 and lanes.layout == "C"
-        ):
+        if not (_c_array(src, types.float32, 1) and _c_array(lanes, types.float64)):
             return None
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -2328,11 +2335,7 @@ def _vector_sign_bits() -> Any:
 
     @intrinsic
     def sign_bits(typingctx: Any, src: Any, dst: Any) -> Any:
-        if not (
-            isinstance(src, types.Array) and src.dtype == types.float32 and src.ndim == 1
-            and src.layout == "C" and isinstance(dst, types.Array)
-            and dst.dtype == types.uint8 and dst.layout == "C"
-        ):
+        if not (_c_array(src, types.float32, 1) and _c_array(dst, types.uint8)):
             return None
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
