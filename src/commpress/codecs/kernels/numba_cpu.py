@@ -125,12 +125,15 @@ _nb_popcount: Any = None  # replaced by _bit_counts() in _build()
 def _nb_widen(xf: Any, x16: Any, mode: Any, a: Any, b: Any, wide: Any) -> Any:
     # x[a:b] as float32 values: a slice of xf, or x16[a:b] widened exactly into wide
     # (bfloat16: the top half of a float32; float16: rebiased exponent, subnormals scaled)
+    # the next window's lines (at most WINDOW values) are asked for now, so that they
+    # arrive while this one is worked on (the hardware prefetcher stops at each 4 KB page)
     if mode == 0:
+        ahead = min(xf.size, b + min(b - a, WINDOW))
+        for k in range(b, ahead, 16):
+            _nb_prefetch(xf, k)
         return xf[a:b]
     src = x16[a:b]
     bits = wide.view(np.uint32)
-    # the next window's lines are asked for now, so that they arrive while this one is
-    # worked on
     ahead = min(x16.size, b + (b - a))
     for k in range(b, ahead, 32):
         _nb_prefetch(x16, k)
@@ -613,7 +616,16 @@ def _nb_minmax_encode(
                     cur = nxt
                 if mode != 2 and c + 1 < c1:
                     # float32 and bfloat16 ranges are read in place: the next chunk's now,
-                    # its loads and divisions overlapping this chunk's quantizing
+                    # its loads and divisions overlapping this chunk's quantizing; the lines
+                    # of the chunk after it are asked for too (the hardware prefetcher
+                    # stops at each 4 KB page, and this key read was the first touch)
+                    ahead = min(n, e + 2 * chunk)
+                    if mode == 1:
+                        for k in range(e + chunk, ahead, 32):
+                            _nb_prefetch(x16, k)
+                    else:
+                        for k in range(e + chunk, ahead, 16):
+                            _nb_prefetch(xf, k)
                     lo_next, hi_next = _nb_keys_in_place(xf, x16, mode, e, min(e + chunk, n))
                     nxt = _nb_chunk_params(lo_next, hi_next, levels)
                 lo, scale, pre, inv = cur
