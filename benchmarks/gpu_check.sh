@@ -9,6 +9,8 @@
 #            (benchmarks/nvcomp_compare.py -> nvcomp.json; needs nvidia-nvcomp-cu13/cu12)
 #   why      where each codec's time goes: host (Python, launches, synchronizations) or device,
 #            from torch.profiler (benchmarks/gpu_profile.py -> gpu-profile.txt)
+#   python   the Python functions with the most host time per call, per codec, 1024 elements
+#            (benchmarks/gpu_profile.py --python 15 -> gpu-python.txt)
 #   torch    the codecs on the plain torch path (COMMPRESS_KERNELS=torch), beside the kernels
 #            (-> gpu-codecs-torch.json)
 #   cuda     tests/test_cuda.py (codecs, collectives, p2p and the DDP hook on GPU tensors)
@@ -55,6 +57,11 @@ fi
 if want why; then
   stage why
   timeout "${WHY_S:-150}" python3 benchmarks/gpu_profile.py --out "$OUT/gpu-profile.txt"
+fi
+if want python; then
+  stage python
+  timeout "${PYTHON_S:-120}" python3 benchmarks/gpu_profile.py --python 15 --out "$OUT/gpu-python.txt" \
+    >/dev/null 2>&1; echo "rc $?"
 fi
 if want torch; then
   stage torch

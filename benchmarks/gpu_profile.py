@@ -16,11 +16,19 @@ For each codec on float32 CUDA tensors, two sizes (1024 elements: the fixed cost
 
 Beside them, the floor of a call: a trivial Triton kernel launched from Python, one
 ``torch.empty``, one ``torch.cuda.synchronize`` of an idle device.
+
+``--python N`` instead writes, per codec and operation on a 1024-element tensor, the N Python
+functions with the most own time over 200 calls (cProfile; microseconds per call), which says
+which part of the host time is the codec's Python, the kernel wrapper's, Triton's launcher or
+torch's; ``--device cpu`` runs the same on the CPU (the numba kernels then count as host time).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -107,14 +115,73 @@ def per_call_profile(fn: Callable[[], object], calls: int
     return table, round(kernels / calls), kernel_us / calls, per
 
 
+def python_profile(fn: Callable[[], object], top: int, calls: int = 200) -> str:
+    """The ``top`` functions by own time over ``calls`` calls of ``fn``, per call."""
+    for _ in range(5):
+        fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, name), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        where = f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line}({name})"
+        rows.append((tt, ct, nc, where))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows) / calls * 1e6
+    out = io.StringIO()
+    out.write(f"  python total {total:8.1f} us/call\n  {'own us':>8} {'cum us':>8} "
+              f"{'calls':>6}  function\n")
+    for tt, ct, nc, where in rows[:top]:
+        out.write(f"  {tt / calls * 1e6:8.2f} {ct / calls * 1e6:8.2f} {nc / calls:6.1f}  "
+                  f"{where}\n")
+    return out.getvalue()
+
+
+def python_report(specs: list[str], top: int, device: str, out_path: str) -> None:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    report = [f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
+              f"torch {torch.__version__}, cProfile over 200 calls on 1024 float32 elements"]
+    for spec in specs:
+        codec = get_codec(spec)
+        x = gaussian(1024, seed=0).to(device)
+        ctx = CodecContext(key="profile")
+        out = torch.empty_like(x)
+        try:
+            payload = codec.encode(x, ctx)
+            for op, fn in (("encode", lambda: codec.encode(x, ctx)),  # noqa: B023
+                           ("decode", lambda: codec.decode(payload, ctx, out=out))):  # noqa: B023
+                text = python_profile(fn, top)
+                sync()
+                report.append(f"\n### {spec} {op}\n{text}")
+                print(report[-1], flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+            report.append(f"\n### {spec} error {type(exc).__name__}: {exc}"[:400])
+            print(report[-1], flush=True)
+        with open(out_path, "w") as f:
+            f.write("\n".join(report) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--codecs", nargs="*", default=DEFAULT)
     ap.add_argument("--out", default="gpu-profile.txt")
     ap.add_argument("--size-mb", type=float, default=64.0)
+    ap.add_argument("--python", type=int, default=0, metavar="N",
+                    help="write the N Python functions with the most own time per call instead")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="with --python: where the tensors live")
     args = ap.parse_args(argv)
+    if args.python and args.device == "cpu":
+        python_report(args.codecs, args.python, "cpu", args.out)
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("gpu_profile needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if args.python:
+        python_report(args.codecs, args.python, "cuda", args.out)
+        return 0
     try:
         floors = floor_costs()
     except Exception as exc:  # noqa: BLE001 - reported, the run goes on
