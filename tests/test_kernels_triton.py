@@ -133,6 +133,23 @@ def test_sign_matches_torch(n: int) -> None:
         same(tg.sign_decode(packed, scale, n), sign_decode_torch(packed_t, scale_t, n))
 
 
+def test_sign_scale_kernel_sums_many_partials_as_torch() -> None:
+    """sign's scale is finished on the device by one program (no torch ops after the
+    encode): partial sums beyond one pass of its lanes, a masked tail, the float64 mean
+    rounded once to float32 as torch's ``(sum / n).to(float32)``; an empty input sends 0."""
+    g = torch.Generator().manual_seed(3)
+    for nparts in (1, tg.SIGN_LANES - 1, 2 * tg.SIGN_LANES + 5):
+        partial = (torch.rand(nparts, generator=g, dtype=torch.float64) * 1e4).to(DEVICE)
+        n = 2048 * nparts - 7
+        scale = torch.empty(1, dtype=torch.float32, device=DEVICE)
+        tg._sign_scale_kernel[(1,)](partial, scale, nparts, n, LANES=tg.SIGN_LANES)
+        # another order of the float64 sum: equal after rounding to float32 (not near a
+        # rounding boundary for these inputs)
+        same(scale, (partial.sum() / n).to(torch.float32).reshape(1))
+    packed, scale = tg.sign_encode_scaled(torch.empty(0, device=DEVICE))
+    assert packed.numel() == 0 and scale.tolist() == [0.0]
+
+
 @pytest.mark.parametrize("kind", ["qsgd", "terngrad"])
 @pytest.mark.parametrize("n", [1, 9, 1000, 3001])
 def test_stochastic_kernels_with_given_noise_match_torch(kind: str, n: int) -> None:

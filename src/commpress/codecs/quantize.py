@@ -143,7 +143,8 @@ def _max_abs(view: torch.Tensor) -> torch.Tensor:
 
 def _flat32(x: torch.Tensor) -> torch.Tensor:
     """``x`` flattened to contiguous float32 (for the torch path and the Triton norms)."""
-    return x.reshape(-1).to(torch.float32).contiguous()
+    flat = x.reshape(-1)
+    return (flat if flat.dtype == torch.float32 else flat.to(torch.float32)).contiguous()
 
 
 def _flat_in(x: torch.Tensor) -> torch.Tensor:

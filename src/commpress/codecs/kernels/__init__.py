@@ -132,12 +132,19 @@ def requested_backend() -> str:
     The only place the environment variable is read."""
     if _override is not None:
         return _override
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value not in _BACKENDS:
-        raise CommpressError(
-            f"environment variable {ENV_VAR}={value!r} is not one of {', '.join(_BACKENDS)}"
-        )
-    return value
+    raw = os.environ.get(ENV_VAR)
+    parsed = _parsed_env.get(raw)  # every call reads the variable; the parse is cached
+    if parsed is None:
+        value = (raw or "auto").strip().lower() or "auto"
+        if value not in _BACKENDS:
+            raise CommpressError(
+                f"environment variable {ENV_VAR}={value!r} is not one of {', '.join(_BACKENDS)}"
+            )
+        parsed = _parsed_env[raw] = value
+    return parsed
+
+
+_parsed_env: dict[str | None, str] = {}
 
 
 def backend_for(t: torch.Tensor) -> str:
@@ -146,7 +153,8 @@ def backend_for(t: torch.Tensor) -> str:
     wanted = requested_backend()
     if wanted == "torch":
         return "torch"
-    device = t.device.type
+    # is_cpu / is_cuda: a call's fixed cost on a GPU is host time, and t.device builds an object
+    device = "cpu" if t.is_cpu else ("cuda" if t.is_cuda else "other")
     if device == "cpu" and wanted in ("auto", "numba"):
         if _load() is not None:
             return "numba"

@@ -49,6 +49,7 @@ sends larger tensors to the torch path.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Literal
@@ -68,6 +69,7 @@ try:
 except ImportError:  # pragma: no cover - Triton before 3.4 reads the variable directly
     INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
+
 #: Groups of 8 elements per program of the element-wise kernels.
 GROUPS = 256
 #: Elements reduced per program when finding chunk ranges.
@@ -75,6 +77,7 @@ RANGE_BLOCK = 2048
 #: Chunks of at most this length are reduced one row per chunk (no atomics).
 ROW_MAX = 2048
 PARAM_BLOCK = 256
+SIGN_LANES = 1024  # lanes of sign's scale kernel (its partial sums: one per 8 * GROUPS values)
 MAX_ELEMENTS = TRITON_MAX_ELEMENTS
 
 INT32_MAX = 2**31 - 1
@@ -94,6 +97,7 @@ _F16_MAX = tl.constexpr(65504.0)
 _HALF_F32_MAX_BITS = tl.constexpr(0x47DFFFFFE0000000)
 #: ``OUT`` of the decode kernels: the dtype they store (see _store_out)
 OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
 
 
 # ---------------------------------------------------------------------- device helpers
@@ -388,6 +392,18 @@ def _sign_encode_kernel(x_ptr, packed_ptr, partial_ptr, n, nbytes, GROUPS: tl.co
     x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     _pack_store(packed_ptr, tl.where(mask & (x >= 0.0), 1, 0), groups, nbytes, 1)
     tl.store(partial_ptr + tl.program_id(0), tl.sum(tl.abs(x).to(tl.float64)))
+
+
+@triton.jit(do_not_specialize=["nparts", "n"])
+def _sign_scale_kernel(partial_ptr, scale_ptr, nparts, n, LANES: tl.constexpr):
+    # one program: the partial sums added in a fixed order (LANES lanes, then a tree), the
+    # float64 mean, rounded once to float32 (what torch's sum / n and .to(float32) compute,
+    # in another order of the sum)
+    lanes = tl.arange(0, LANES)
+    acc = tl.zeros((LANES,), dtype=tl.float64)
+    for j in range(0, nparts, LANES):
+        acc += tl.load(partial_ptr + j + lanes, mask=j + lanes < nparts, other=0.0)
+    tl.store(scale_ptr, (tl.sum(acc) / n.to(tl.float64)).to(tl.float32))
 
 
 @triton.jit
@@ -795,8 +811,26 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).contiguous()
 
 
+@functools.lru_cache(maxsize=64)
+def _float32(value: float) -> float:
+    """``value`` rounded to float32 as torch rounds it (a codec's few constants: cached,
+    since a torch.tensor costs a small call's host time)."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+# Host arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are Triton
+# constexpr functions, which cost microseconds per call from Python (several per codec call).
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_at_least(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _blocks(n: int, per: int) -> tuple[int]:
-    return (triton.cdiv(n, per),)
+    return (_cdiv(n, per),)
 
 
 def minmax_encode(
@@ -811,8 +845,8 @@ def minmax_encode(
     """See :func:`commpress.codecs.kernels.minmax_encode`."""
     x = _flat(x)
     n, dev = x.numel(), x.device
-    nchunks = triton.cdiv(n, chunk)
-    nbytes = triton.cdiv(n * bits, 8)
+    nchunks = _cdiv(n, chunk)
+    nbytes = _cdiv(n * bits, 8)
     packed = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     lo = torch.empty(nchunks, dtype=torch.float32, device=dev)
     scale = torch.empty(nchunks, dtype=torch.float32, device=dev)
@@ -830,7 +864,7 @@ def minmax_encode(
     if chunk <= ROW_MAX:
         lo_key = torch.empty(nchunks, dtype=torch.int32, device=dev)
         hi_key = torch.empty(nchunks, dtype=torch.int32, device=dev)
-        width = triton.next_power_of_2(chunk)
+        width = _pow2_at_least(chunk)
         rows = max(1, ROW_MAX // width)
         _row_range_kernel[_blocks(nchunks, rows)](
             x, lo_key, hi_key, n, chunk, nchunks, ROWS=rows, WIDTH=width
@@ -838,7 +872,7 @@ def minmax_encode(
     else:
         lo_key = torch.full((nchunks,), INT32_MAX, dtype=torch.int32, device=dev)
         hi_key = torch.full((nchunks,), INT32_MIN, dtype=torch.int32, device=dev)
-        nseg = triton.cdiv(chunk, RANGE_BLOCK)
+        nseg = _cdiv(chunk, RANGE_BLOCK)
         _segment_range_kernel[(nchunks * nseg,)](
             x, lo_key, hi_key, n, chunk, nseg, BLOCK=RANGE_BLOCK
         )
@@ -903,13 +937,15 @@ def sign_encode_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`commpress.codecs.kernels.sign_encode_scaled`."""
     x = _flat(x)
     n = x.numel()
-    nbytes = triton.cdiv(n, 8)
+    nbytes = _cdiv(n, 8)
     packed = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    if not n:
+        return packed, scale.zero_()
     grid = _blocks(n, 8 * GROUPS)
-    partial = torch.zeros(max(1, grid[0]), dtype=torch.float64, device=x.device)
-    if n:
-        _sign_encode_kernel[grid](x, packed, partial, n, nbytes, GROUPS=GROUPS)
-    scale = (partial.sum() / max(n, 1)).to(torch.float32).reshape(1)
+    partial = torch.empty(grid[0], dtype=torch.float64, device=x.device)
+    _sign_encode_kernel[grid](x, packed, partial, n, nbytes, GROUPS=GROUPS)
+    _sign_scale_kernel[(1,)](partial, scale, grid[0], n, LANES=SIGN_LANES)
     return packed, scale
 
 
@@ -946,7 +982,7 @@ def stochastic_encode(
     """See :func:`commpress.codecs.kernels.stochastic_encode`."""
     x = _flat(x)
     n = x.numel()
-    nbytes = triton.cdiv(n * bits, 8)
+    nbytes = _cdiv(n * bits, 8)
     packed = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     if n:
         _stochastic_kernel[_blocks(n, 8 * GROUPS)](
@@ -974,7 +1010,7 @@ def _segment_stats(
     """Per-chunk statistics of chunks longer than :data:`ROW_MAX`: per-segment partials,
     then a kernel combining each chunk's in a fixed order (deterministic, no atomics) into
     ``stat`` and ``inv`` (``inv=None``: the raw float64 statistic into ``stat``)."""
-    nseg = triton.cdiv(chunk, RANGE_BLOCK)
+    nseg = _cdiv(chunk, RANGE_BLOCK)
     partial = torch.empty(nchunks * nseg, dtype=torch.float64, device=x.device)
     _stat_segment_kernel[(nchunks * nseg,)](
         x, partial, x.numel(), chunk, nseg, KIND=kind_id, BLOCK=RANGE_BLOCK
@@ -992,12 +1028,12 @@ def chunk_square_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:
     (TopKC's squared chunk norms; Inf and NaN propagate)."""
     x = _flat(x)
     n = x.numel()
-    nchunks = triton.cdiv(n, chunk) if n else 0
+    nchunks = _cdiv(n, chunk) if n else 0
     out = torch.empty(nchunks, dtype=torch.float64, device=x.device)
     if n == 0:
         return out
     if chunk <= ROW_MAX:
-        width = triton.next_power_of_2(chunk)
+        width = _pow2_at_least(chunk)
         rows = max(1, ROW_MAX // width)
         _square_sum_rows_kernel[_blocks(nchunks, rows)](
             x, out, n, chunk, nchunks, ROWS=rows, WIDTH=width
@@ -1025,8 +1061,8 @@ def _stochastic_fused(
     chunk in a fixed order (deterministic, no atomics) and the quantize kernel."""
     x = _flat(x)
     n, dev = x.numel(), x.device
-    nchunks = triton.cdiv(n, chunk) if n else 0
-    nbytes = triton.cdiv(n * bits, 8)
+    nchunks = _cdiv(n, chunk) if n else 0
+    nbytes = _cdiv(n * bits, 8)
     packed = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     stat = torch.empty(nchunks, dtype=torch.float32, device=dev)
     if n == 0:
@@ -1035,9 +1071,9 @@ def _stochastic_fused(
     kind_id = 0 if kind == "qsgd" else 1
     mode = 1 if noise is None else 2
     noise_arg = x if noise is None else noise.contiguous()
-    clamp32 = float(torch.tensor(clamp, dtype=torch.float32))  # as the numba kernel's
+    clamp32 = _float32(clamp)  # as the numba kernel's
     if chunk <= ROW_MAX:
-        width = triton.next_power_of_2(chunk)
+        width = _pow2_at_least(chunk)
         rows = max(1, ROW_MAX // width)
         fuse = width == chunk >= 8
         _stochastic_rows_kernel[_blocks(nchunks, rows)](
@@ -1238,8 +1274,8 @@ def gather_finite(x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, tor
     n, k = x.numel(), idx.numel()
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
-    xprogs = triton.cdiv(n, GATHER_BLOCK)
-    grid = (xprogs + triton.cdiv(k, GATHER_BLOCK),)
+    xprogs = _cdiv(n, GATHER_BLOCK)
+    grid = (xprogs + _cdiv(k, GATHER_BLOCK),)
     if grid[0]:
         _gather_finite_kernel[grid](x, idx, values, bad, n, k, xprogs, BLOCK=GATHER_BLOCK)
     return values, bad[0] == 0
