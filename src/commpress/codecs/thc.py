@@ -548,15 +548,6 @@ class Thc(Codec):
         :meth:`_reconstruct` and a saturating cast, fused in the CPU or the Triton kernel."""
         triton = self._triton(codes, lay)
         if (triton or self._fused(codes, lay)) and dtype != torch.float64:
-            if triton:  # the same float32 values, one launch instead of two dozen
-                step, factor = kernels.thc_decode_params(
-                    ranges, levels=self.levels, block=lay.block, summed=summed, divide=divide,
-                    headroom=lay.headroom_log2,
-                )
-            else:
-                step, factor = self._decode_params(
-                    ranges, lay, summed=summed, divide=divide, work=torch.float32
-                )
             direct = dtype in (torch.float32, torch.bfloat16)
             if out is not None and direct:
                 target = out
@@ -564,10 +555,20 @@ class Thc(Codec):
                 target = torch.empty(
                     lay.numel, dtype=dtype if direct else torch.float32, device=codes.device
                 )
-            (kernels.thc_decode if triton else kernels_extra.thc_decode)(
-                codes, block=lay.block, numel=lay.numel, sign_seed=self._sign_seed(ctx),
-                steps=step, factors=factor.to(torch.float32), out=target,
-            )
+            if triton:  # one launch: the parameters' float32 values computed in the kernel
+                kernels.thc_decode(
+                    codes, block=lay.block, numel=lay.numel, sign_seed=self._sign_seed(ctx),
+                    ranges=ranges, levels=self.levels, summed=summed, divide=divide,
+                    headroom=lay.headroom_log2, out=target,
+                )
+            else:
+                step, factor = self._decode_params(
+                    ranges, lay, summed=summed, divide=divide, work=torch.float32
+                )
+                kernels_extra.thc_decode(
+                    codes, block=lay.block, numel=lay.numel, sign_seed=self._sign_seed(ctx),
+                    steps=step, factors=factor.to(torch.float32), out=target,
+                )
             result = target if direct else saturating_cast(target, dtype)
         else:
             flat = self._reconstruct(

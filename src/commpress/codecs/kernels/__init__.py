@@ -500,16 +500,18 @@ def thc_quantize(
 
 
 def thc_decode(
-    codes: torch.Tensor, *, block: int, numel: int, sign_seed: int, steps: torch.Tensor,
-    factors: torch.Tensor, out: torch.Tensor,
+    codes: torch.Tensor, *, block: int, numel: int, sign_seed: int, ranges: torch.Tensor,
+    levels: int, summed: int, divide: int, headroom: int, out: torch.Tensor,
 ) -> torch.Tensor:
     """THC's decode (Triton only; power-of-two blocks up to 4096; the CPU twin is
     :func:`.numba_transforms.thc_decode`): ``out`` (``numel`` contiguous float32 or bfloat16
     values, bfloat16 saturating) = the first ``numel`` coordinates of ``signs * factor *
-    H(codes * step)`` block by block, in float32, the torch path's arithmetic in its order."""
+    H(codes * step)`` block by block, in float32, the torch path's arithmetic in its order,
+    with each block's step and factor computed in the kernel from its range as
+    :func:`thc_decode_params` computes them (one launch per decode)."""
     return _impl(codes, "thc_decode").thc_decode(
-        codes, block=block, numel=numel, sign_seed=sign_seed, steps=steps, factors=factors,
-        out=out,
+        codes, block=block, numel=numel, sign_seed=sign_seed, ranges=ranges, levels=levels,
+        summed=summed, divide=divide, headroom=headroom, out=out,
     )
 
 

@@ -742,19 +742,16 @@ def _pow2_f64(e):
     return ((e.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["nblocks", "levels", "block", "summed", "divide", "headroom"])
-def _thc_params_kernel(range_ptr, step_ptr, factor_ptr, nblocks, levels, block, summed, divide,
-                       headroom, BLOCK: tl.constexpr):
-    # thc.Thc._decode_params for a float32 work dtype, block by block, in its float64
-    # arithmetic and order (integer arguments, so that no float64 constant passes through a
-    # float32 kernel argument): the step M / L rounded up to float32 (THC.steps); k =
-    # max(0, ceil(log2(block * summed * L * step / limit))), 0 where not finite, limit half of
-    # float32's largest; the step times 2^-k and the factor 2^(k + headroom) / (sqrt(block)
-    # divide), both rounded to float32
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = i < nblocks
+@triton.jit
+def _thc_params(r, levels, block, summed, divide, headroom):
+    # thc.Thc._decode_params for a float32 work dtype, for the blocks whose ranges are ``r``,
+    # in its float64 arithmetic and order (integer arguments, so that no float64 constant
+    # passes through a float32 kernel argument): the step M / L rounded up to float32
+    # (THC.steps); k = max(0, ceil(log2(block * summed * L * step / limit))), 0 where not
+    # finite, limit half of float32's largest; the step times 2^-k and the factor
+    # 2^(k + headroom) / (sqrt(block) divide), both rounded to float32
     lv = levels.to(tl.int64).to(tl.float64)
-    exact = tl.load(range_ptr + i, mask=live, other=0.0).to(tl.float64) / lv
+    exact = r.to(tl.float64) / lv
     step = exact.to(tl.float32)
     bits = step.to(tl.int32, bitcast=True)
     up = tl.where(bits < 0, bits - 1, bits + 1).to(tl.float32, bitcast=True)  # nextafter(+inf)
@@ -766,35 +763,46 @@ def _thc_params_kernel(range_ptr, step_ptr, factor_ptr, nblocks, levels, block, 
     k = tl.maximum(k, 0.0)
     k = tl.where((k == k) & (k < float("inf")), k, 0.0)
     c = 1.0 / (tl.sqrt(block.to(tl.int64).to(tl.float64)) * divide.to(tl.int64).to(tl.float64))
-    tl.store(step_ptr + i, (wide * _pow2_f64(-k)).to(tl.float32), mask=live)
-    tl.store(factor_ptr + i, (c * _pow2_f64(k + headroom.to(tl.int64).to(tl.float64))
-                              ).to(tl.float32), mask=live)
+    factor = c * _pow2_f64(k + headroom.to(tl.int64).to(tl.float64))
+    return (wide * _pow2_f64(-k)).to(tl.float32), factor.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["nblocks", "levels", "block", "summed", "divide", "headroom"])
+def _thc_params_kernel(range_ptr, step_ptr, factor_ptr, nblocks, levels, block, summed, divide,
+                       headroom, BLOCK: tl.constexpr):
+    # _thc_params of BLOCK blocks per program, stored
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < nblocks
+    r = tl.load(range_ptr + i, mask=live, other=0.0)
+    step, factor = _thc_params(r, levels, block, summed, divide, headroom)
+    tl.store(step_ptr + i, step, mask=live)
+    tl.store(factor_ptr + i, factor, mask=live)
 
 
 # ---------------------------------------------------------------------- THC decode
 
 
-@triton.jit(do_not_specialize=["sign_seed"])
-def _thc_decode_kernel(codes_ptr, step_ptr, factor_ptr, out_ptr, numel, nblocks, sign_seed,
-                       ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr,
-                       BF16: tl.constexpr):
-    # ROWS blocks per program: codes (any integer lane) times the block's step in float32,
-    # the Sylvester Hadamard butterflies in registers (stage h: a + b, a - b, as
-    # thc.hadamard_transform), times the shared sign (bit i % 64 of SplitMix64 word i // 64:
-    # 1 gives -factor, 0 +factor) times the block's factor; the first ``numel`` values
-    # written as float32, or (BF16) clamped to bfloat16's largest finite value where finite
-    # and rounded to nearest even (base.saturating_cast)
+@triton.jit(do_not_specialize=["sign_seed", "levels", "block", "summed", "divide", "headroom"])
+def _thc_decode_kernel(codes_ptr, range_ptr, out_ptr, numel, nblocks, sign_seed, levels, block,
+                       summed, divide, headroom, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                       LOG2: tl.constexpr, BF16: tl.constexpr):
+    # ROWS blocks per program: each block's step and factor from its range (_thc_params),
+    # codes (any integer lane) times the step in float32, the Sylvester Hadamard butterflies
+    # in registers (stage h: a + b, a - b, as thc.hadamard_transform), times the shared sign
+    # (bit i % 64 of SplitMix64 word i // 64: 1 gives -factor, 0 +factor) times the factor;
+    # the first ``numel`` values written as float32, or (BF16) clamped to bfloat16's largest
+    # finite value where finite and rounded to nearest even (base.saturating_cast)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     idx = rows[:, None] * BLOCK + cols[None, :]
     live = rows < nblocks
+    r = tl.load(range_ptr + rows, mask=live, other=0.0)
+    step, factor = _thc_params(r, levels, block, summed, divide, headroom)
     c = tl.load(codes_ptr + idx, mask=live[:, None], other=0).to(tl.float32)
-    v = c * tl.load(step_ptr + rows, mask=live, other=0.0)[:, None]
-    v = _butterflies(v, ROWS, BLOCK, LOG2)
-    factor = tl.load(factor_ptr + rows, mask=live, other=0.0)[:, None]
+    v = _butterflies(c * step[:, None], ROWS, BLOCK, LOG2)
     word = _splitmix(sign_seed.to(tl.uint64), idx // 64)
     bit = (word >> (idx % 64).to(tl.uint64)) & 1
-    v = v * tl.where(bit != 0, -factor, factor)
+    v = v * tl.where(bit != 0, -factor[:, None], factor[:, None])
     if BF16:
         _store_out(out_ptr, idx, v, idx < numel, 1, True)
     else:
@@ -1317,11 +1325,12 @@ def thc_decode_params(
 
 
 def thc_decode(
-    codes: torch.Tensor, *, block: int, numel: int, sign_seed: int, steps: torch.Tensor,
-    factors: torch.Tensor, out: torch.Tensor,
+    codes: torch.Tensor, *, block: int, numel: int, sign_seed: int, ranges: torch.Tensor,
+    levels: int, summed: int, divide: int, headroom: int, out: torch.Tensor,
 ) -> torch.Tensor:
-    """See :func:`commpress.codecs.kernels.thc_decode` (the numba kernel's twin): one read
-    of the codes, one write of ``out``, the inverse rotation in registers."""
+    """See :func:`commpress.codecs.kernels.thc_decode` (the numba kernel's twin): one launch,
+    one read of the codes, one write of ``out``, each block's decode parameters
+    (:func:`thc_decode_params`) and the inverse rotation in registers."""
     rows = _thc_block(block)
     codes = _flat(codes)
     flat = out.view(-1)
@@ -1334,8 +1343,8 @@ def thc_decode(
     bf16 = flat.dtype == torch.bfloat16
     if numel:
         _thc_decode_kernel[_blocks(nblocks, rows)](
-            codes, steps.to(torch.float32).contiguous(), factors.to(torch.float32).contiguous(),
-            flat.view(torch.int16) if bf16 else flat, numel, nblocks, sign_seed, ROWS=rows,
+            codes, _flat(ranges.to(torch.float32)), flat.view(torch.int16) if bf16 else flat,
+            numel, nblocks, sign_seed, levels, block, summed, divide, headroom, ROWS=rows,
             BLOCK=block, LOG2=block.bit_length() - 1, BF16=bf16, enable_fp_fusion=False,
         )
     return out
