@@ -386,12 +386,19 @@ def _minmax_decode_kernel(
 
 # ---------------------------------------------------------------------- sign
 @triton.jit
-def _sign_encode_kernel(x_ptr, packed_ptr, partial_ptr, n, nbytes, GROUPS: tl.constexpr):
+def _sign_encode_kernel(x_ptr, packed_ptr, partial_ptr, n, nbytes, GROUPS: tl.constexpr,
+                        FINISH: tl.constexpr):
+    # the sign bits and this program's float64 sum of |x|; FINISH (one program for the whole
+    # input): the scale itself, float32(sum / n), as _sign_scale_kernel would finish it
     idx, groups = _element_tile(GROUPS)
     mask = idx < n
     x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     _pack_store(packed_ptr, tl.where(mask & (x >= 0.0), 1, 0), groups, nbytes, 1)
-    tl.store(partial_ptr + tl.program_id(0), tl.sum(tl.abs(x).to(tl.float64)))
+    total = tl.sum(tl.abs(x).to(tl.float64))
+    if FINISH:
+        tl.store(partial_ptr, (total / n).to(tl.float32))  # n: int32, exact in float64
+    else:
+        tl.store(partial_ptr + tl.program_id(0), total)
 
 
 @triton.jit(do_not_specialize=["nparts", "n"])
@@ -951,8 +958,11 @@ def sign_encode_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not n:
         return packed, scale.zero_()
     grid = _blocks(n, 8 * GROUPS)
+    if grid[0] == 1:  # one program: it finishes the scale itself (one launch)
+        _sign_encode_kernel[grid](x, packed, scale, n, nbytes, GROUPS=GROUPS, FINISH=True)
+        return packed, scale
     partial = torch.empty(grid[0], dtype=torch.float64, device=x.device)
-    _sign_encode_kernel[grid](x, packed, partial, n, nbytes, GROUPS=GROUPS)
+    _sign_encode_kernel[grid](x, packed, partial, n, nbytes, GROUPS=GROUPS, FINISH=False)
     _sign_scale_kernel[(1,)](partial, scale, grid[0], n, LANES=SIGN_LANES)
     return packed, scale
 
