@@ -113,6 +113,7 @@ def _fused(x: torch.Tensor) -> ModuleType | None:
         or not kernels.use_kernels(x, "chunk_square_sums")
     ):
         return None
+    kernels.note_dispatch("triton")  # one per fused encode or decode, for dispatch_counts
     return kernels._load_triton()
 
 
