@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import ClassVar, Literal
 
 import torch
@@ -28,6 +29,7 @@ from commpress.codecs.base import (
 )
 from commpress.codecs.common import finite_max_abs, reply_part, scale_values, unscale_values
 from commpress.codecs.kernels import numba_transforms as kernels_extra
+from commpress.codecs.kernels.common import TRITON_MAX_ELEMENTS
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.registry import register_codec
 from commpress.errors import error_context
@@ -97,6 +99,29 @@ def select_chunks(norms: torch.Tensor, count: int) -> torch.Tensor:
     keys = (bits << 32) | ((1 << 32) - 1 - index)
     chosen = torch.topk(keys, count, sorted=False).indices
     return torch.sort(chosen).values
+
+
+def _fused(x: torch.Tensor) -> ModuleType | None:
+    """The Triton module when ``x`` (an encode's input, or a payload's values) takes TopKC's
+    fused Triton path: a non-empty float32/16-bit tensor on the Triton backend (CUDA, or CPU
+    under Triton's interpreter). A handful of launches and no host sync per call instead of
+    the torch path's ~50 small operations; the same payload bytes and decoded values."""
+    if (
+        x.numel() == 0
+        or x.dtype == torch.float64
+        or kernels.backend_for(x) != "triton"
+        or not kernels.use_kernels(x, "chunk_square_sums")
+    ):
+        return None
+    kernels.note_dispatch("triton")  # one per fused encode or decode, for dispatch_counts
+    return kernels._load_triton()
+
+
+def _chosen(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """:func:`select_chunks` from precomputed keys (unique, ordered like the chunks' rank)."""
+    if count >= keys.numel():
+        return torch.arange(keys.numel(), device=keys.device)
+    return torch.sort(torch.topk(keys, count, sorted=False).indices).values
 
 
 @register_codec
@@ -345,8 +370,44 @@ class TopKC(Codec):
         payload = self.make_payload(x, {"norms": norms, "values": values, "bound": bound})
         return payload if summed == 1 else payload.replace(summed=summed)
 
+    def _value_top(self) -> float:
+        return torch.finfo(self._value_dtype).max / _MARGIN
+
+    def _encode_fused(
+        self, x: torch.Tensor, lay: TopkcLayout, tri: ModuleType
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_encode`'s norms, values and bound on the Triton path: the norms, keys and
+        partial maxima in one launch, the bound, exponent and ``2^-e`` in a second, the top
+        ``J`` keys (``topk`` and ``sort``), the gather times ``2^-e`` and the wire cast."""
+        norms, keys, parts = tri.topkc_norms(
+            x, lay.chunk, torch.finfo(self._norm_dtype).max, self._norm_dtype
+        )
+        bound, e, factor = tri.topkc_bound(
+            parts, shift=_BOUND_SHIFT.get(x.dtype, _DEFAULT_BOUND_SHIFT),
+            value_top=self._value_top(), bound_dtype=self.bound_dtype(x.dtype),
+        )
+        chosen = _chosen(keys, lay.selected)
+        return norms, self._gather_fused(x, lay, chosen, e, factor, tri), bound
+
+    def _gather_fused(
+        self, x: torch.Tensor, lay: TopkcLayout, chosen: torch.Tensor, e: torch.Tensor,
+        factor: torch.Tensor, tri: ModuleType,
+    ) -> torch.Tensor:
+        """The chosen chunks' wire values on the Triton path: gathered times ``2^-e`` in
+        float32, cast by torch. On CPU tensors (Triton's interpreter) an exponent of 0 takes
+        the input's own values instead, as :func:`scale_values` does there (a direct cast
+        between 16-bit types gives other NaN bits than one through float32)."""
+        values = tri.topkc_gather(x, chosen, factor, lay.chunk).to(self._value_dtype)
+        if x.device.type == "cpu":
+            direct = self._pick(self._chunked(x, lay), chosen).to(self._value_dtype)
+            values = torch.where(e == 0, direct, values)
+        return values
+
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         lay = self.layout(x.numel())
+        tri = _fused(x)
+        if tri is not None:
+            return self._payload(x, *self._encode_fused(x, lay, tri))
         chunks = self._chunked(x, lay)
         norms, largest_sq = self._norms(chunks, self._kernel_source(x))
         bound = self._bound(x, largest_sq)
@@ -389,6 +450,13 @@ class TopKC(Codec):
             payload, "values", numel=lay.selected * lay.chunk, dtype=self._value_dtype
         )
         bound = self.part(payload, "bound", numel=1, dtype=self.bound_dtype(payload.dtype))
+        tri = (
+            _fused(values)
+            if payload.dtype != torch.float64 and lay.chunks * lay.chunk <= TRITON_MAX_ELEMENTS
+            else None
+        )
+        if tri is not None:
+            return self._decode_fused(payload, lay, norms, values, bound, tri, out)
         chosen = select_chunks(norms, lay.selected)
         work = torch.float64 if payload.dtype == torch.float64 else torch.float32
         e = self.exponent(bound, payload.dtype)
@@ -409,6 +477,44 @@ class TopKC(Codec):
             rows = rows.view(torch.int16)
             chosen_values = chosen_values.view(torch.int16)
         rows.index_copy_(0, chosen, chosen_values.view(lay.selected, lay.chunk))
+        result = target[: lay.numel]
+        if out is None:
+            return result.reshape(payload.shape)
+        if result.data_ptr() != out.data_ptr():
+            out.view(-1).copy_(result)
+        return out
+
+    def _decode_fused(
+        self, payload: Payload, lay: TopkcLayout, norms: torch.Tensor, values: torch.Tensor,
+        bound: torch.Tensor, tri: ModuleType, out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """:meth:`_decode` on the Triton path: keys, exponent and ``2^e`` in one launch, the
+        top ``J`` keys, the zeroing of the output, and one launch scaling the values into
+        their chunks (16-bit outputs: scaled in order, then the torch path's saturating cast
+        and copy into the chunks)."""
+        keys, e, factor = tri.topkc_keys(
+            norms, bound, shift=_BOUND_SHIFT.get(payload.dtype, _DEFAULT_BOUND_SHIFT),
+            value_top=self._value_top(),
+        )
+        chosen = _chosen(keys, lay.selected)
+        cpu = values.device.type == "cpu"
+        if out is None or lay.chunks * lay.chunk != lay.numel:
+            target = torch.zeros(lay.chunks * lay.chunk, dtype=payload.dtype,
+                                 device=values.device)
+        else:
+            target = out.view(-1)
+            target.zero_()
+        if payload.dtype == torch.float32 and not cpu:
+            tri.topkc_scatter(values, chosen, factor, lay.chunk, out=target)
+        else:
+            scaled = tri.topkc_scatter(values, chosen, factor, lay.chunk)
+            if cpu:  # exponent 0: the values' own cast, as the CPU decode (NaN bits)
+                scaled = torch.where(e == 0, values.to(torch.float32), scaled)
+            scaled = saturating_cast(scaled, payload.dtype)
+            rows = target.view(lay.chunks, lay.chunk)
+            if payload.dtype != torch.float32:
+                rows, scaled = rows.view(torch.int16), scaled.view(torch.int16)
+            rows.index_copy_(0, chosen, scaled.view(lay.selected, lay.chunk))
         result = target[: lay.numel]
         if out is None:
             return result.reshape(payload.shape)
@@ -442,16 +548,34 @@ class TopKC(Codec):
         x = self.check_input(tensor)
         with error_context(f"{self.codec_id}.reduce"):
             lay = self.layout(x.numel())
-            chunks = self._chunked(x, lay)
-            local_norms, largest_sq = self._norms(chunks, self._kernel_source(x))
-            local_bound = self._bound(x, largest_sq)
+            tri = _fused(x)
+            chunks = self._chunked(x, lay) if tri is None else x
+            if tri is None:
+                local_norms, largest_sq = self._norms(chunks, self._kernel_source(x))
+                local_bound = self._bound(x, largest_sq)
+            else:
+                local_norms, _, parts = tri.topkc_norms(
+                    x, lay.chunk, torch.finfo(self._norm_dtype).max, self._norm_dtype
+                )
+                local_bound = tri.topkc_bound(
+                    parts, shift=_BOUND_SHIFT.get(x.dtype, _DEFAULT_BOUND_SHIFT),
+                    value_top=self._value_top(), bound_dtype=self.bound_dtype(x.dtype),
+                )[0]
         reply = yield AllReduce(tensors={"norms": local_norms, "bound": local_bound})
         norms = reply_part(reply, "norms", local_norms)
         bound = reply_part(reply, "bound", local_bound)
         with error_context(f"{self.codec_id}.reduce"):
-            chosen = select_chunks(norms, lay.selected)
-            e = self.exponent(bound, x.dtype)
-            values = scale_values(self._pick(chunks, chosen), self._value_dtype, e)
+            if tri is None:
+                chosen = select_chunks(norms, lay.selected)
+                e = self.exponent(bound, x.dtype)
+                values = scale_values(self._pick(chunks, chosen), self._value_dtype, e)
+            else:
+                keys, e, down = tri.topkc_keys(
+                    norms, bound, shift=_BOUND_SHIFT.get(x.dtype, _DEFAULT_BOUND_SHIFT),
+                    value_top=self._value_top(), up=False,
+                )
+                chosen = _chosen(keys, lay.selected)
+                values = self._gather_fused(x, lay, chosen, e, down, tri)
             averaging = ctx.average and ctx.world_size > 1
             sent = values / ctx.world_size if averaging else values
         reply = yield AllReduce(tensors={"values": sent})

@@ -816,6 +816,181 @@ def _thc_decode_kernel(codes_ptr, range_ptr, out_ptr, numel, nblocks, sign_seed,
         _store_out(out_ptr, idx, v, idx < numel, 0, True)
 
 
+# ---------------------------------------------------------------------- TopKC (tc26)
+#: order key of a NaN chunk norm in TopKC's selection: one above +Inf's float32 pattern
+_TOPKC_NAN_KEY = tl.constexpr(0x7F800001)
+
+
+@triton.jit
+def _topkc_load(ptr, idx, mask, BF16: tl.constexpr):
+    # float32 values of a float32/float16 tensor, or of a bfloat16 one given as int16 bits
+    # (widened on the bit pattern: Triton's interpreter flushes bfloat16 subnormals)
+    if BF16:
+        h = tl.load(ptr + idx, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return (h << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + idx, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _topkc_key(h, idx, FP16: tl.constexpr):
+    # TopKC's selection key of a 16-bit norm given as int16 bits ``h``: the float32 pattern
+    # of |norm| (NaN: one above +Inf's) above the complemented chunk index
+    m = h.to(tl.int32) & 0x7FFF
+    if FP16:
+        nan = m > 0x7C00
+        f = m.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        fbits = f.to(tl.int32, bitcast=True)
+    else:
+        nan = m > 0x7F80
+        fbits = m << 16
+    fbits = tl.where(nan, _TOPKC_NAN_KEY, fbits)
+    return (fbits.to(tl.int64) << 32) | (0xFFFFFFFF - idx.to(tl.int64))
+
+
+@triton.jit
+def _topkc_norms_kernel(x_ptr, sq_ptr, norms_ptr, keys_ptr, part_ptr, n, chunk, nchunks, top,
+                        ROWS: tl.constexpr, WIDTH: tl.constexpr, FROM_SQ: tl.constexpr,
+                        FP16: tl.constexpr, BF16: tl.constexpr):
+    # per chunk: the float64 sum of squares (_square_sum_rows_kernel's, or read from sq_ptr),
+    # clamped to ``top``, in float32 (NaN for a non-finite sum) and the selection key of its
+    # 16-bit wire value; per program: the largest finite sum
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < nchunks
+    if FROM_SQ:
+        sq = tl.load(sq_ptr + rows, mask=live, other=0.0)
+    else:
+        cols = tl.arange(0, WIDTH)
+        idx = rows[:, None] * chunk + cols[None, :]
+        mask = (cols[None, :] < chunk) & (idx < n)
+        x = _topkc_load(x_ptr, idx, mask, BF16)
+        sq = _stat_partial(x, mask, 0, 1)
+    finite = sq < float("inf")  # sums of squares are >= 0 or NaN
+    tl.store(part_ptr + tl.program_id(0), tl.max(tl.where(finite & live, sq, 0.0), axis=0))
+    # the float32 norm (NaN: the float64 NaN's cast on this device); torch casts it to the
+    # wire type, whose NaN bits depend on torch's conversion code
+    nan = tl.full(sq.shape, float("nan"), tl.float64)
+    f = tl.where(finite, tl.minimum(sq, top), nan).to(tl.float32)
+    tl.store(norms_ptr + rows, f, mask=live)
+    # the key of the wire value: rounded to nearest even here (finite, >= 0)
+    if FP16:
+        h = f.to(tl.float16).to(tl.int16, bitcast=True)
+    else:
+        b = f.to(tl.int32, bitcast=True)
+        h = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16)
+    h = tl.where(finite, h, 0x7FFF)
+    tl.store(keys_ptr + rows, _topkc_key(h, rows, FP16), mask=live)
+
+
+@triton.jit
+def _topkc_exponent(w, shift, top, inv_top, RECIP: tl.constexpr):
+    # TopKC.exponent of a float64 bound ``w``: the smallest e >= 0 with
+    # w * 2^shift * 2^-e <= top (frexp of the rounded ratio, as the torch path; RECIP: the
+    # ratio as w * (1 / top), which is how torch divides a CUDA tensor by a scalar)
+    ratio = w * inv_top if RECIP else w / top
+    bits = ratio.to(tl.int64, bitcast=True)
+    expo = ((bits >> 52) & 0x7FF).to(tl.int32) - 1022
+    ceil_log2 = expo - ((bits & 0xFFFFFFFFFFFFF) == 0).to(tl.int32)
+    e = tl.maximum(ceil_log2 + shift, 0)
+    usable = (ratio > 0.0) & (ratio < float("inf"))  # the ratio is normal here
+    return tl.where(usable, e, 0)
+
+
+@triton.jit
+def _topkc_pow2(e, UP: tl.constexpr):
+    # the float32 2^e (UP) or 2^-e for an int32 e >= 0, exactly (subnormal, 0 or Inf beyond)
+    if UP:
+        bits = tl.where(e <= 127, (127 + e) << 23, 0x7F800000)
+    else:
+        sub = tl.where((e >= 127) & (e <= 149), 1 << (149 - tl.minimum(e, 149)), 0)
+        bits = tl.where(e <= 126, (127 - tl.minimum(e, 126)) << 23, sub)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _topkc_bound_kernel(part_ptr, nparts, bound_ptr, e_ptr, factor_ptr, shift, top, inv_top,
+                        RECIP: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
+    # one program: the largest finite squared chunk norm, the bound sqrt(.) * 2^-shift
+    # rounded up to its wire type (bfloat16 or float32, stored as int16 / int32 bits), the
+    # exponent of that bound and 2^-e
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float64)
+    for j in range(0, nparts, BLOCK):
+        acc = tl.maximum(acc, tl.load(part_ptr + j + lanes, mask=j + lanes < nparts, other=0.0))
+    largest = tl.max(acc, axis=0)
+    scale = (tl.full((), 1023, tl.int64) - shift.to(tl.int64)) << 52
+    exact = tl.sqrt(largest) * scale.to(tl.float64, bitcast=True)  # correctly rounded
+    f = exact.to(tl.float32)
+    b = f.to(tl.int32, bitcast=True)
+    if BF16:
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        w = (b << 16).to(tl.float32, bitcast=True).to(tl.float64)
+        b = tl.where(w < exact, b + 1, b)
+        tl.store(bound_ptr, b.to(tl.int16))
+        w = (b << 16).to(tl.float32, bitcast=True).to(tl.float64)
+    else:
+        b = tl.where(f.to(tl.float64) < exact, b + 1, b)
+        tl.store(bound_ptr, b)
+        w = b.to(tl.float32, bitcast=True).to(tl.float64)
+    e = _topkc_exponent(w, shift, top, inv_top, RECIP)
+    tl.store(e_ptr, e.to(tl.int64))
+    tl.store(factor_ptr, _topkc_pow2(e, False))
+
+
+@triton.jit
+def _topkc_keys_kernel(norms_ptr, keys_ptr, nchunks, bound_ptr, e_ptr, factor_ptr, shift, top,
+                       inv_top, RECIP: tl.constexpr, FP16: tl.constexpr,
+                       BOUND: tl.constexpr, UP: tl.constexpr, BLOCK: tl.constexpr):
+    # the selection keys of the 16-bit norms; program 0 also derives the exponent from the
+    # bound (BOUND 1: bfloat16 bits, 2: float32) and 2^e (UP, a decode's) or 2^-e
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = idx < nchunks
+    h = tl.load(norms_ptr + idx, mask=live, other=0)
+    tl.store(keys_ptr + idx, _topkc_key(h, idx, FP16), mask=live)
+    if tl.program_id(0) == 0:
+        if BOUND == 1:
+            raw = tl.load(bound_ptr).to(tl.int32) & 0xFFFF
+            w = (raw << 16).to(tl.float32, bitcast=True).to(tl.float64)
+        else:
+            w = tl.load(bound_ptr).to(tl.float32, bitcast=True).to(tl.float64)
+        e = _topkc_exponent(w, shift, top, inv_top, RECIP)
+        tl.store(e_ptr, e.to(tl.int64))
+        tl.store(factor_ptr, _topkc_pow2(e, UP))
+
+
+@triton.jit
+def _topkc_gather_kernel(x_ptr, chosen_ptr, factor_ptr, out_ptr, n, chunk, total,
+                         BF16: tl.constexpr, BLOCK: tl.constexpr):
+    # the chosen chunks' values (zero past the input's end) times 2^-e, float32
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = j < total
+    row = j // chunk
+    src = tl.load(chosen_ptr + row, mask=live, other=0) * chunk + (j - row * chunk)
+    v = _topkc_load(x_ptr, src, live & (src < n), BF16)
+    tl.store(out_ptr + j, v * tl.load(factor_ptr), mask=live)
+
+
+@triton.jit
+def _topkc_scatter_kernel(values_ptr, chosen_ptr, factor_ptr, out_ptr, size, chunk, total,
+                          SCATTER: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
+    # the values times 2^e in float32, a finite value whose product overflows saturating at
+    # float32's largest (common.unscale_values); SCATTER: stored at their chunks' places in
+    # ``out`` (``size`` elements), else in order
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = j < total
+    v = _topkc_load(values_ptr, j, live, BF16)
+    scaled = v * tl.load(factor_ptr)
+    inf = float("inf")
+    over = ((scaled == inf) | (scaled == -inf)) & (tl.abs(v) < inf)
+    scaled = tl.where(over, tl.where(v < 0.0, -_F32_MAX, _F32_MAX), scaled)
+    if SCATTER:
+        row = j // chunk
+        dst = tl.load(chosen_ptr + row, mask=live, other=0) * chunk + (j - row * chunk)
+        tl.store(out_ptr + dst, scaled, mask=live & (dst < size))
+    else:
+        tl.store(out_ptr + j, scaled, mask=live)
+
+
 # ---------------------------------------------------------------------- tensor entry points
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 1-D contiguous tensor of at most :data:`MAX_ELEMENTS` elements."""
@@ -1360,6 +1535,132 @@ def thc_decode(
     return out
 
 
+# ---------------------------------------------------------------------- TopKC entry points (tc26)
+#: Chunk norms per program of TopKC's key kernel, elements per program of its gather/scatter.
+TOPKC_BLOCK = 1024
+
+
+def topkc_norms(
+    x: torch.Tensor, chunk: int, top: float, norm_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TopKC's wire norms of ``x`` (float32, float16 or bfloat16, not empty): each chunk's
+    float64 sum of squares (:func:`chunk_square_sums`' values) clamped to ``top`` and rounded
+    through float32 to ``norm_dtype`` (NaN for a NaN/Inf chunk; torch's cast, as the torch
+    path: its NaN bits differ between devices and CPU code paths), their int64 selection keys
+    (see :func:`commpress.codecs.topkc.select_chunks`) and per-program float64 partial maxima
+    of the finite sums, for :func:`topkc_bound`. One launch for chunks up to
+    :data:`ROW_MAX` (longer ones: :func:`chunk_square_sums`, then a second)."""
+    x = _flat(x)
+    n = x.numel()
+    nchunks = triton.cdiv(n, chunk)
+    norms = torch.empty(nchunks, dtype=torch.float32, device=x.device)
+    keys = torch.empty(nchunks, dtype=torch.int64, device=x.device)
+    fp16 = norm_dtype == torch.float16
+    if chunk <= ROW_MAX:
+        width = triton.next_power_of_2(chunk)
+        rows = max(1, ROW_MAX // width)
+        sq = x
+        from_sq = False
+    else:
+        sq = chunk_square_sums(x, chunk)
+        width, rows, from_sq = 1, TOPKC_BLOCK, True
+    grid = _blocks(nchunks, rows)
+    parts = torch.empty(grid[0], dtype=torch.float64, device=x.device)
+    bf16 = x.dtype == torch.bfloat16
+    _topkc_norms_kernel[grid](
+        _bits(x), sq, norms, keys, parts, n, chunk, nchunks, top,
+        ROWS=rows, WIDTH=width, FROM_SQ=from_sq, FP16=fp16, BF16=bf16,
+    )
+    return norms.to(norm_dtype), keys, parts
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 tensor as its int16 bits (see _topkc_load), any other as it is."""
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+def _topkc_bound_args(shift: int, value_top: float, device: torch.device) -> dict[str, object]:
+    return {"shift": shift, "top": value_top, "inv_top": 1.0 / value_top,
+            "RECIP": device.type == "cuda"}
+
+
+def topkc_bound(
+    parts: torch.Tensor, *, shift: int, value_top: float, bound_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From :func:`topkc_norms`' partial maxima, in one launch: TopKC's ``bound`` part (the
+    largest finite chunk norm times ``2^-shift``, rounded up to ``bound_dtype``, bfloat16 or
+    float32; shape ``(1,)``), its overflow exponent (0-d int64; ``value_top`` is
+    ``max(value_dtype) / 4``) and ``2^-e`` (float32, shape ``(1,)``)."""
+    dev = parts.device
+    bound = torch.empty(1, dtype=bound_dtype, device=dev)
+    e = torch.empty((), dtype=torch.int64, device=dev)
+    factor = torch.empty(1, dtype=torch.float32, device=dev)
+    bf16 = bound_dtype == torch.bfloat16
+    _topkc_bound_kernel[(1,)](
+        parts, parts.numel(), bound.view(torch.int16 if bf16 else torch.int32), e, factor,
+        **_topkc_bound_args(shift, value_top, dev), BF16=bf16, BLOCK=TOPKC_BLOCK,
+    )
+    return bound, e, factor
+
+
+def topkc_keys(
+    norms: torch.Tensor, bound: torch.Tensor, *, shift: int, value_top: float, up: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For TopKC's decode (and its all-reduce's second round), in one launch: the selection
+    keys of the 16-bit ``norms``, the overflow exponent of the ``bound`` (one bfloat16 or
+    float32 value; 0-d int64) and ``2^e`` (``up``; else ``2^-e``; float32, shape ``(1,)``)."""
+    norms = _flat(norms)
+    dev = norms.device
+    nchunks = norms.numel()
+    keys = torch.empty(nchunks, dtype=torch.int64, device=dev)
+    e = torch.empty((), dtype=torch.int64, device=dev)
+    factor = torch.empty(1, dtype=torch.float32, device=dev)
+    bf16 = bound.dtype == torch.bfloat16
+    _topkc_keys_kernel[(max(1, triton.cdiv(nchunks, TOPKC_BLOCK)),)](
+        norms.view(torch.int16), keys, nchunks,
+        bound.reshape(-1).view(torch.int16 if bf16 else torch.int32), e, factor,
+        **_topkc_bound_args(shift, value_top, dev), FP16=norms.dtype == torch.float16,
+        BOUND=1 if bf16 else 2, UP=up, BLOCK=TOPKC_BLOCK,
+    )
+    return keys, e, factor
+
+
+def topkc_gather(
+    x: torch.Tensor, chosen: torch.Tensor, factor: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """The ``chosen`` chunks' values of ``x`` (zero past its end) times ``factor``, float32,
+    flat (TopKC's values before their wire cast)."""
+    x = _flat(x)
+    total = chosen.numel() * chunk
+    out = torch.empty(total, dtype=torch.float32, device=x.device)
+    if total:
+        _topkc_gather_kernel[_blocks(total, TOPKC_BLOCK)](
+            _bits(x), chosen.contiguous(), factor, out, x.numel(), chunk, total,
+            BF16=x.dtype == torch.bfloat16, BLOCK=TOPKC_BLOCK, enable_fp_fusion=False,
+        )
+    return out
+
+
+def topkc_scatter(
+    values: torch.Tensor, chosen: torch.Tensor, factor: torch.Tensor, chunk: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """TopKC's decoded chosen values (``values`` times ``factor`` in float32, saturating as
+    :func:`commpress.codecs.common.unscale_values`): written at their chunks' places into the
+    zeroed flat float32 ``out`` (and ``out`` returned), or in order into a new tensor."""
+    values = _flat(values)
+    total = values.numel()
+    scatter = out is not None
+    target = torch.empty(total, dtype=torch.float32, device=values.device) if out is None else out
+    if total:
+        _topkc_scatter_kernel[_blocks(total, TOPKC_BLOCK)](
+            _bits(values), chosen.contiguous(), factor, target, target.numel(), chunk, total,
+            SCATTER=scatter, BF16=values.dtype == torch.bfloat16, BLOCK=TOPKC_BLOCK,
+            enable_fp_fusion=False,
+        )
+    return target
+
+
 __all__ = [
     "INTERPRETED",
     "at_least",
@@ -1380,4 +1681,9 @@ __all__ = [
     "thc_encode",
     "thc_quantize",
     "thc_rotate",
+    "topkc_bound",
+    "topkc_gather",
+    "topkc_keys",
+    "topkc_norms",
+    "topkc_scatter",
 ]
