@@ -1552,12 +1552,12 @@ def topkc_norms(
     :data:`ROW_MAX` (longer ones: :func:`chunk_square_sums`, then a second)."""
     x = _flat(x)
     n = x.numel()
-    nchunks = triton.cdiv(n, chunk)
+    nchunks = _cdiv(n, chunk)
     norms = torch.empty(nchunks, dtype=torch.float32, device=x.device)
     keys = torch.empty(nchunks, dtype=torch.int64, device=x.device)
     fp16 = norm_dtype == torch.float16
     if chunk <= ROW_MAX:
-        width = triton.next_power_of_2(chunk)
+        width = _pow2_at_least(chunk)
         rows = max(1, ROW_MAX // width)
         sq = x
         from_sq = False
@@ -1616,7 +1616,7 @@ def topkc_keys(
     e = torch.empty((), dtype=torch.int64, device=dev)
     factor = torch.empty(1, dtype=torch.float32, device=dev)
     bf16 = bound.dtype == torch.bfloat16
-    _topkc_keys_kernel[(max(1, triton.cdiv(nchunks, TOPKC_BLOCK)),)](
+    _topkc_keys_kernel[(max(1, _cdiv(nchunks, TOPKC_BLOCK)),)](
         norms.view(torch.int16), keys, nchunks,
         bound.reshape(-1).view(torch.int16 if bf16 else torch.int32), e, factor,
         **_topkc_bound_args(shift, value_top, dev), FP16=norms.dtype == torch.float16,
