@@ -15,7 +15,8 @@ code's one or two bytes and writes float32. Per-chunk statistics come first:
   with atomic min/max beyond :data:`ROW_MAX`), a parameter kernel and a quantize + pack
   kernel;
 * ``sign``: bits + per-program float64 partial sums of ``|x|`` in one pass, the partial sums
-  added by torch (float64) and divided by ``n`` on the device (no host sync);
+  added in a fixed order and divided by ``n`` by a second, one-program kernel (float64,
+  rounded once to float32; no host sync);
 * ``qsgd`` / ``terngrad``: :func:`qsgd_encode` / :func:`terngrad_encode` compute each
   chunk's statistic (the L2 norm from a float64 sum of squares, as the numba kernel; the
   largest ``|x|`` as the largest magnitude bit pattern) and its multiplier in-kernel, then
