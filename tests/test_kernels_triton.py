@@ -133,6 +133,19 @@ def test_sign_matches_torch(n: int) -> None:
         same(tg.sign_decode(packed, scale, n), sign_decode_torch(packed_t, scale_t, n))
 
 
+def test_float32_constants_round_as_torch_and_keep_the_sign_of_zero() -> None:
+    """The wrappers' cached float32 rounding of a codec's constants: torch's, and -0.0 is
+    not served from 0.0's cache entry."""
+    import math
+
+    for v in (0.0, -0.0, 0.1, -1e-46, 3.5e38, 1e40, float("inf"), 2.0**-149):
+        tg._float32(v)
+        want = float(torch.tensor(v, dtype=torch.float32))
+        got = tg._float32(v)  # cached now
+        assert got == want and math.copysign(1.0, got) == math.copysign(1.0, want), v
+    assert math.isnan(tg._float32(float("nan")))
+
+
 def test_sign_scale_kernel_sums_many_partials_as_torch() -> None:
     """sign's scale is finished on the device by one program (no torch ops after the
     encode): partial sums beyond one pass of its lanes, a masked tail, the float64 mean

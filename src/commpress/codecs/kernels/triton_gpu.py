@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 from collections.abc import Callable
 from typing import Literal
 
@@ -405,8 +406,8 @@ def _sign_encode_kernel(x_ptr, packed_ptr, partial_ptr, n, nbytes, GROUPS: tl.co
 @triton.jit(do_not_specialize=["nparts", "n"])
 def _sign_scale_kernel(partial_ptr, scale_ptr, nparts, n, LANES: tl.constexpr):
     # one program: the partial sums added in a fixed order (LANES lanes, then a tree), the
-    # float64 mean, rounded once to float32 (what torch's sum / n and .to(float32) compute,
-    # in another order of the sum)
+    # float64 mean, rounded once to float32 (what the torch path's sum / n and .to(float32)
+    # compute on a CPU, in another order of the sum; torch on CUDA may multiply by 1 / n)
     lanes = tl.arange(0, LANES)
     acc = tl.zeros((LANES,), dtype=tl.float64)
     for j in range(0, nparts, LANES):
@@ -1002,11 +1003,16 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).contiguous()
 
 
-@functools.lru_cache(maxsize=64)
 def _float32(value: float) -> float:
-    """``value`` rounded to float32 as torch rounds it (a codec's few constants: cached,
-    since a torch.tensor costs a small call's host time)."""
-    return float(torch.tensor(value, dtype=torch.float32))
+    """``value`` rounded to float32 as torch rounds it (a codec's few constants: cached by
+    their bits, so that -0.0 is not 0.0, since a torch.tensor costs a small call's host
+    time)."""
+    return _float32_of(struct.pack("<d", value))
+
+
+@functools.lru_cache(maxsize=64)
+def _float32_of(raw: bytes) -> float:
+    return float(torch.tensor(struct.unpack("<d", raw)[0], dtype=torch.float32))
 
 
 # Host arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are Triton
