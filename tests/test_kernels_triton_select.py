@@ -10,6 +10,7 @@ counts and choices for the same samples.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
@@ -210,3 +211,58 @@ def test_topkc_sends_the_torch_payload(spec: str) -> None:
             for part in p.parts:
                 same(p.parts[part], q.parts[part])
             assert used == (1 if x.numel() else 0), (name, used)
+
+
+# ---------------------------------------------------------------------- host syncs per encode
+_SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select")
+
+
+def _host_syncs(fn: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The host-sync operators ``fn()`` dispatches outside the Triton launches (under the
+    interpreter a launch copies its arguments with torch operators of its own)."""
+    import triton.runtime.interpreter as interpreter
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    call = interpreter.GridExecutor.__call__
+
+    def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with record_function("triton-launch"):
+            return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", launch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    syncs = []
+    for event in prof.events():
+        parent, inside = event.cpu_parent, False
+        while parent is not None:
+            inside = inside or parent.name == "triton-launch"
+            parent = parent.cpu_parent
+        if event.name in _SYNC_OPS and not inside:
+            syncs.append(event.name)
+    return syncs
+
+
+@pytest.mark.skipif(not tg.INTERPRETED, reason="counts the interpreter's CPU operators")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("spec, n", [
+    ("topk:value_dtype=float32", 1024),  # the sampled bound, candidates, top_at
+    ("topk:value_dtype=float32", 70001),
+    ("dgc", 1024),  # at most min_samples elements: threshold_top
+    ("dgc", 70001),  # the sampled threshold read on the device
+    ("dgc:ratio=0.05,min_samples=100,max_count_factor=1.0", 9001),  # + the refinement
+])
+def test_sparse_encodes_sync_the_host_once(spec: str, n: int,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Top-K's and DGC's Triton encodes wait for the device once per call: the count at
+    the threshold, which sizes the collected indices (no .item() of thresholds, no nonzero,
+    no host-to-device copy of the count part). Float32 values: no exponent part (whose CPU
+    scaling reads the exponent on the host)."""
+    codec = get_codec(spec)
+    for dtype in DTYPES:
+        x = sample(n, seed=n, dtype=dtype)
+        ctx = CodecContext(rank=0, world_size=2, step=1, key="t")
+        with kernels.use_backend("triton"):
+            codec.encode(x, ctx)  # warm (the kernels' first launch)
+            syncs = _host_syncs(lambda x=x, ctx=ctx: codec.encode(x, ctx), monkeypatch)
+        assert syncs == ["aten::_local_scalar_dense"], (spec, n, dtype, syncs)

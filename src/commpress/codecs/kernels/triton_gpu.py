@@ -1245,21 +1245,26 @@ SELECT_BLOCK = 4096
 def _at_least(
     x: torch.Tensor, threshold: float | torch.Tensor, mags: bool
 ) -> tuple[int, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+    """:func:`at_least`'s count and a collection of the indices (and, with ``mags``, their
+    magnitudes; else an empty tensor)."""
     x = _flat(x)
     n = x.numel()
     from_ptr = isinstance(threshold, torch.Tensor)
-    if from_ptr:
-        assert isinstance(threshold, torch.Tensor)
+    if isinstance(threshold, torch.Tensor):
         key, key_ptr = 0, threshold.reshape(()).to(torch.float32)
     else:
-        with np.errstate(over="ignore"):  # beyond float32: +inf, as torch rounds it
+        # the float32 threshold's magnitude bits, without a torch operator (beyond float32's
+        # range: +inf, as torch rounds it)
+        with np.errstate(over="ignore"):
             key = int(np.array(threshold, dtype=np.float32).view(np.int32)) & INT32_MAX
         key_ptr = x
     grid = _blocks(n, SELECT_BLOCK)
     if n == 0 or (not from_ptr and key == 0):  # every magnitude is >= 0
+
         def everything() -> tuple[torch.Tensor, torch.Tensor]:
-            return torch.arange(n, device=x.device), (
-                magnitude_of(x) if mags else x[:0])
+            mag = x.abs().nan_to_num_(nan=float("inf"), posinf=float("inf")) if mags else x[:0]
+            return torch.arange(n, device=x.device), mag
+
         return n, everything
     counts = torch.empty(grid[0], dtype=torch.int32, device=x.device)
     _count_at_least_kernel[grid](x, counts, n, key, key_ptr, BLOCK=SELECT_BLOCK,
@@ -1270,17 +1275,13 @@ def _at_least(
     def collect() -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(total, dtype=torch.int64, device=x.device)
         mag = torch.empty(total if mags else 0, dtype=x.dtype, device=x.device)
-        if total:
-            _collect_at_least_kernel[grid](x, ends, counts, out, mag, n, key, key_ptr,
+        if total:  # (without MAGS the kernel is given ``out`` as a never-read mag_ptr)
+            _collect_at_least_kernel[grid](x, ends, counts, out, mag if mags else out, n,
+                                           key, key_ptr,
                                            BLOCK=SELECT_BLOCK, FROM_PTR=from_ptr, MAGS=mags)
         return out, mag
 
     return total, collect
-
-
-def magnitude_of(x: torch.Tensor) -> torch.Tensor:
-    """``|x|`` with NaN as +inf (:func:`commpress.codecs.sparse.magnitudes`), by torch."""
-    return x.abs().nan_to_num_(nan=float("inf"), posinf=float("inf"))
 
 
 def at_least(
