@@ -59,8 +59,9 @@ def finite_max_abs(values: torch.Tensor) -> torch.Tensor:
         # one pass over the bits (torch's abs, isfinite, where and amax: four passes, the
         # 16-bit ones through float32; 1.5 ms for a 64 MB bfloat16 Top-K's 320 k values)
         return kernels.finite_max_abs(values.reshape(-1).contiguous())
-    mag = values.abs()
-    return torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag)).amax()
+    # |v| with NaN and +inf (all the non-finite magnitudes) as 0, in place: three device
+    # operations (abs, isfinite, where and zeros_like took five)
+    return values.abs().nan_to_num_(nan=0.0, posinf=0.0).amax()
 
 
 def scale_values(

@@ -149,25 +149,27 @@ def _triton_at_least(flat: torch.Tensor) -> bool:
 
 def threshold_top(flat: torch.Tensor, k: int) -> torch.Tensor:
     """:func:`exact_top` of the magnitudes of ``flat`` (``0 < k < d``) without a top-k over
-    all of them, through :func:`commpress.codecs.kernels.at_least`: the ``j``-th largest of
-    an evenly strided sample of ``s = max(4096, d / 256)`` magnitudes, ``j`` some standard
-    deviations above ``k s / d``, is almost surely a lower bound on the ``k``-th largest; one
-    pass counts the coordinates at or above it, one more collects them (ascending), and
-    :func:`exact_top` among those picks the same coordinates as over the whole tensor (every
-    coordinate tied with the ``k``-th largest is a candidate, in index order). When the bound
-    misses (fewer than ``k`` candidates; it depends on the data only), :func:`exact_top` over
-    the whole tensor."""
+    all of them, through the Triton kernels: the ``j``-th largest of an evenly strided
+    sample of ``s = max(4096, d / 256)`` magnitudes (gathered in one launch), ``j`` some
+    standard deviations above ``k s / d``, is almost surely a lower bound on the ``k``-th
+    largest; one pass counts the coordinates at or above it (compared on the device: the
+    count is the one host sync), one more collects them (ascending) with their magnitudes,
+    whose ``k``-th largest ``t`` is the exact threshold; :func:`kernels.top_at` then keeps
+    every candidate above ``t`` and the lowest-indexed ones at ``t``, the coordinates
+    :func:`exact_top` picks over the whole tensor (every coordinate tied with the ``k``-th
+    largest is a candidate, in index order). When the bound misses (fewer than ``k``
+    candidates; it depends on the data only), :func:`exact_top` over the whole tensor."""
     d = flat.numel()
     s = min(d, max(4096, d // 256))
-    positions = torch.arange(s, device=flat.device) * d // s
     k_s = math.ceil(k * s / d)
     j = min(s, k_s + math.ceil(3 * math.sqrt(k_s)) + 8)
-    bound = _kth_largest(magnitudes(flat[positions]), j)
-    count, collect = kernels.at_least(flat, float(bound))
+    bound = _kth_largest(kernels.sample_magnitudes(flat, s), j)
+    count, collect = kernels.at_least_magnitudes(flat, bound)
     if count < k:
         return exact_top(magnitudes(flat), k)
-    candidates = collect()
-    return candidates[exact_top(magnitudes(flat[candidates]), k)]
+    candidates, mags = collect()
+    t = torch.topk(mags, k, sorted=False).values.min()
+    return kernels.top_at(mags, t, k, candidates)
 
 
 def _gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -285,18 +287,52 @@ def pair_bytes(
     return count * (value_dtype.itemsize + index_dtype(numel).itemsize) + exponent
 
 
+#: Per (device, input dtype, value dtype): the float64 bounds ``top * 2^n`` below the input
+#: dtype's largest value and the work dtype's factors ``2^-n`` (:func:`_exponent_tables`).
+_EXPONENT_TABLES: dict[
+    tuple[torch.device, torch.dtype, torch.dtype], tuple[torch.Tensor, torch.Tensor]
+] = {}
+
+
+def _exponent_tables(
+    device: torch.device, input_dtype: torch.dtype, value_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bounds, factors)`` on ``device``, made once: ``bounds[n] = top * 2^n`` (float64,
+    exact) for ``n`` below the exponent of the input dtype's largest value, ``factors[n] =
+    2^-n`` in the work dtype (exact powers of two), so that the exponent of a finite
+    magnitude ``b`` is the number of bounds below it (``bucketize``) and its factor one
+    lookup: two device operations instead of :func:`overflow_exponent`'s dozen."""
+    key = (device, input_dtype, value_dtype)
+    tables = _EXPONENT_TABLES.get(key)
+    if tables is None:
+        top = torch.finfo(value_dtype).max
+        most = torch.tensor(torch.finfo(input_dtype).max, dtype=input_dtype)
+        e_max = int(overflow_exponent(most, top))
+        n = torch.arange(e_max + 1, dtype=torch.float64)
+        bounds = torch.ldexp(torch.tensor(top, dtype=torch.float64), n[:e_max])
+        factors = torch.exp2(-n).to(work_dtype(input_dtype))
+        tables = (bounds.to(device), factors.to(device))
+        _EXPONENT_TABLES[key] = tables
+    return tables
+
+
 def encode_values(
     codec: Codec, x: torch.Tensor, selected: torch.Tensor, value_dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """The ``values`` (and, where they could overflow, ``exponent``) parts for the values
-    ``selected`` from ``x``."""
+    ``selected`` from ``x``. The exponent is :func:`overflow_exponent`'s of the largest
+    finite magnitude, found among the tabled bounds (:func:`_exponent_tables`); off the CPU
+    the values are scaled by the tabled factor (:func:`scale_values`' product), on it by
+    :func:`scale_values` (which skips the product for an exponent of 0)."""
     if not needs_exponent(x.dtype, value_dtype):
         return {"values": selected.to(value_dtype)}
-    e = overflow_exponent(finite_max_abs(selected), torch.finfo(value_dtype).max)
-    return {
-        "values": scale_values(selected, value_dtype, e),
-        "exponent": e.to(exponent_dtype(x.dtype)).reshape(1),
-    }
+    bounds, factors = _exponent_tables(selected.device, x.dtype, value_dtype)
+    e = torch.bucketize(finite_max_abs(selected).to(torch.float64), bounds)
+    if selected.device.type == "cpu":
+        values = scale_values(selected, value_dtype, e)
+    else:
+        values = (selected.to(factors.dtype) * factors[e]).to(value_dtype)
+    return {"values": values, "exponent": e.to(exponent_dtype(x.dtype)).reshape(1)}
 
 
 def decode_exponent(
@@ -541,8 +577,10 @@ class DGC(_SparsePayload):
         mask. numba (CPU; float32 bit patterns, float16/bfloat16 16-bit keys, read in place):
         the sample's magnitude keys gathered and radix-selected, and each count one read pass
         that also collects the indices (up to twice ``max_count_factor * K`` of them; a
-        second pass only over parts holding more). Triton: the sample gathered as
-        magnitudes, each count one read pass (compared as float32), the indices one more."""
+        second pass only over parts holding more). Triton: the sample gathered as float32
+        magnitudes in one launch, each count one read pass (compared as float32, the
+        threshold read on the device: the count is the only host sync), the indices and
+        their magnitudes (for the refinement's top-k) one more."""
         d = flat.numel()
         if kernels.backend_for(flat) == "numba":
             dtype = flat.dtype
@@ -555,13 +593,26 @@ class DGC(_SparsePayload):
                 at_least=lambda threshold: kernels.at_least(flat, float(threshold), expect),
                 importance_of=lambda idx: magnitudes(_gather(flat, idx)),
             )
+        mags: list[torch.Tensor] = []  # the collected coordinates' magnitudes
+
+        def at_least(threshold: torch.Tensor) -> tuple[int, Callable[[], torch.Tensor]]:
+            # the threshold stays on the device (read by the kernels: no host sync for it)
+            count, collect = kernels.at_least_magnitudes(flat, threshold)
+
+            def indices() -> torch.Tensor:
+                idx, m = collect()
+                mags.append(m)
+                return idx
+
+            return count, indices
+
         return self._select(
             d, ctx, flat.device,
             exact=lambda k: top_magnitudes(flat, k),
-            sample=lambda positions: magnitudes(_gather(flat, positions)),
+            sample=lambda positions: kernels.sample_magnitudes(flat, positions.numel(), positions),
             kth=_kth_largest,
-            at_least=lambda threshold: kernels.at_least(flat, float(threshold)),
-            importance_of=lambda idx: magnitudes(_gather(flat, idx)),
+            at_least=at_least,
+            importance_of=lambda idx: mags[-1],
         )
 
     def select(self, importance: torch.Tensor, ctx: CodecContext) -> torch.Tensor:
@@ -625,7 +676,8 @@ class DGC(_SparsePayload):
         else:
             idx = self.select(magnitudes(flat), ctx)
         parts = encode_values(self, x, _take(flat, idx), _VALUE_DTYPES[self.value_dtype])
-        count = torch.tensor([idx.numel()], dtype=torch.int32, device=flat.device)
+        # a fill on the device, not a host-to-device copy (which syncs the stream on CUDA)
+        count = torch.full((1,), idx.numel(), dtype=torch.int32, device=flat.device)
         return self.make_payload(
             x, {**parts, "indices": idx.to(index_dtype(d)), "count": count}
         )

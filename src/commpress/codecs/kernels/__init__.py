@@ -77,6 +77,9 @@ TRITON_OPS = frozenset(
         "qsgd_encode",
         "terngrad_encode",
         "at_least",
+        "at_least_magnitudes",
+        "sample_magnitudes",
+        "top_at",
         "chunk_square_sums",
         "thc_rotate",
         "thc_encode",
@@ -583,7 +586,7 @@ def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def at_least(
-    x: torch.Tensor, threshold: float, expect: int | None = None
+    x: torch.Tensor, threshold: float | torch.Tensor, expect: int | None = None
 ) -> tuple[int, Callable[[], torch.Tensor]]:
     """How many ``|x| >= threshold`` (NaN counting as +inf) in a 1-D contiguous float32 CPU
     tensor (numba: also bfloat16 and float16, compared by their 16-bit magnitude keys,
@@ -594,6 +597,34 @@ def at_least(
     writes the indices into a buffer of twice that size in parts, and only a part whose hits
     overflow its share is read again."""
     return _impl(x, "at_least").at_least(x, threshold, expect)
+
+
+def at_least_magnitudes(
+    x: torch.Tensor, threshold: torch.Tensor
+) -> tuple[int, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+    """:func:`at_least` at a 0-d threshold on ``x``'s device (Triton only: read by the
+    kernels, no host sync for it), whose collection gives the indices and their magnitudes
+    (NaN as +inf, in ``x``'s dtype) from the same pass."""
+    return _impl(x, "at_least_magnitudes").at_least_magnitudes(x, threshold)
+
+
+def sample_magnitudes(
+    x: torch.Tensor, s: int, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float32 ``|x[p]|`` (NaN as +inf) of a 1-D tensor of ``n`` elements at ``positions``
+    (``s`` valid int64 indices), or at ``i * n // s`` for ``i < s`` (Triton only; one
+    launch)."""
+    return _impl(x, "sample_magnitudes").sample_magnitudes(x, s, positions)
+
+
+def top_at(
+    mags: torch.Tensor, t: torch.Tensor, k: int, index_map: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Ascending int64 indices (or ``index_map`` at them) of the ``k`` largest of the
+    NaN-free magnitudes ``mags`` given their ``k``-th largest ``t`` (0-d, on the device):
+    every one above ``t`` and the lowest-indexed of those equal to it, as
+    :func:`commpress.codecs.sparse.exact_top` picks them (Triton only; no host sync)."""
+    return _impl(mags, "top_at").top_at(mags, t, k, index_map)
 
 
 def magnitude_keys(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -713,6 +744,7 @@ __all__ = [
     "NUMBA_MODULES",
     "TRITON_OPS",
     "at_least",
+    "at_least_magnitudes",
     "available",
     "backend_for",
     "chunk_norms",
@@ -735,6 +767,7 @@ __all__ = [
     "offset_decode",
     "qsgd_encode",
     "requested_backend",
+    "sample_magnitudes",
     "scratch32",
     "set_backend",
     "spread",
@@ -747,6 +780,7 @@ __all__ = [
     "thc_encode",
     "thc_quantize",
     "thc_rotate",
+    "top_at",
     "topk_select",
     "triton_interpreted",
     "use_backend",

@@ -56,6 +56,7 @@ import struct
 from collections.abc import Callable
 from typing import Literal
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -610,6 +611,23 @@ def _offset_decode_kernel(
 
 # ---------------------------------------------------------------------- selection by threshold
 @triton.jit
+def _magnitude_key(x):
+    # int32 order key of |x| as float32, a NaN's clamped to +inf's (magnitudes(): NaN ranks
+    # as +inf and ties with it)
+    key = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.minimum(key, 0x7F800000)
+
+
+@triton.jit
+def _threshold_key(key, key_ptr, FROM_PTR: tl.constexpr):
+    # the threshold's magnitude key: ``key`` from the host, or read from a 0-d device tensor
+    # (no host sync for a threshold computed on the device)
+    if FROM_PTR:
+        return tl.load(key_ptr).to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return key
+
+
+@triton.jit
 def _at_least_mask(x_ptr, idx, n, key):
     # |x| >= the threshold whose magnitude bits are ``key`` (int32 order of the magnitude bits;
     # a NaN's lie above +inf's, so a NaN counts as +inf)
@@ -619,20 +637,83 @@ def _at_least_mask(x_ptr, idx, n, key):
 
 
 @triton.jit
-def _count_at_least_kernel(x_ptr, counts_ptr, n, key, BLOCK: tl.constexpr):
+def _count_at_least_kernel(x_ptr, counts_ptr, n, key, key_ptr, BLOCK: tl.constexpr,
+                           FROM_PTR: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    hit = _at_least_mask(x_ptr, idx, n, key)
+    hit = _at_least_mask(x_ptr, idx, n, _threshold_key(key, key_ptr, FROM_PTR))
     tl.store(counts_ptr + tl.program_id(0), tl.sum(hit.to(tl.int32), axis=0))
 
 
 @triton.jit
-def _collect_at_least_kernel(x_ptr, starts_ptr, out_ptr, n, key, BLOCK: tl.constexpr):
+def _collect_at_least_kernel(x_ptr, ends_ptr, counts_ptr, out_ptr, mag_ptr, n, key, key_ptr,
+                             BLOCK: tl.constexpr, FROM_PTR: tl.constexpr, MAGS: tl.constexpr):
     # each block writes its hits' indices, ascending, from its start (an exclusive prefix sum
-    # of the counts): a stream compaction whose order is the index order
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    hit = _at_least_mask(x_ptr, idx, n, key).to(tl.int32)
-    pos = tl.load(starts_ptr + tl.program_id(0)) + tl.cumsum(hit, axis=0) - hit
+    # of the counts: the inclusive one less the block's count): a stream compaction whose
+    # order is the index order. MAGS: also their magnitudes (NaN as +inf) in mag's dtype
+    pid = tl.program_id(0)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    hit = _at_least_mask(x_ptr, idx, n, _threshold_key(key, key_ptr, FROM_PTR)).to(tl.int32)
+    start = tl.load(ends_ptr + pid) - tl.load(counts_ptr + pid)
+    pos = start + tl.cumsum(hit, axis=0) - hit
     tl.store(out_ptr + pos, idx.to(tl.int64), mask=hit != 0)
+    if MAGS:
+        x = tl.load(x_ptr + idx, mask=idx < n, other=0.0)
+        mag = _magnitude_key(x).to(tl.float32, bitcast=True)
+        tl.store(mag_ptr + pos, mag.to(mag_ptr.dtype.element_ty), mask=hit != 0)
+
+
+@triton.jit
+def _sample_magnitudes_kernel(x_ptr, pos_ptr, out_ptr, n, s, BLOCK: tl.constexpr,
+                              GATHER: tl.constexpr):
+    # |x[p_i]| (NaN as +inf) as float32 for i < s, p_i = positions[i] (GATHER: DGC's random
+    # sample) or i * n // s (threshold_top's strided one)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < s
+    if GATHER:  # noqa: SIM108 (a constexpr branch)
+        pos = tl.load(pos_ptr + i, mask=mask, other=0)
+    else:
+        pos = i.to(tl.int64) * n // s
+    x = tl.load(x_ptr + pos, mask=mask, other=0.0)
+    tl.store(out_ptr + i, _magnitude_key(x).to(tl.float32, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _count_top_kernel(m_ptr, t_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+    # per block: how many magnitudes lie above the threshold t (counts[2 b]) and at it
+    # (counts[2 b + 1]), compared by their float32 magnitude keys
+    pid = tl.program_id(0)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    key = _magnitude_key(tl.load(m_ptr + idx, mask=mask, other=0.0))
+    t = _magnitude_key(tl.load(t_ptr))
+    tl.store(counts_ptr + 2 * pid, tl.sum((mask & (key > t)).to(tl.int32), axis=0))
+    tl.store(counts_ptr + 2 * pid + 1, tl.sum((mask & (key == t)).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _collect_top_kernel(m_ptr, t_ptr, ends_ptr, counts_ptr, map_ptr, out_ptr, n, last, k,
+                        BLOCK: tl.constexpr, MAP: tl.constexpr):
+    # the k kept: every magnitude above t and, of those at t, the first k - (number above t)
+    # in index order; written ascending at (kept before this block) + (kept before, within
+    # it). ends: inclusive prefix sums of the [blocks, 2] counts; MAP: write map[i] for i
+    pid = tl.program_id(0)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    key = _magnitude_key(tl.load(m_ptr + idx, mask=mask, other=0.0))
+    t = _magnitude_key(tl.load(t_ptr))
+    above = (mask & (key > t)).to(tl.int32)
+    tie = (mask & (key == t)).to(tl.int32)
+    need = k - tl.load(ends_ptr + 2 * last)  # ties kept, over all blocks
+    above_before = tl.load(ends_ptr + 2 * pid) - tl.load(counts_ptr + 2 * pid)
+    ties_before = tl.load(ends_ptr + 2 * pid + 1) - tl.load(counts_ptr + 2 * pid + 1)
+    kept_tie = tie * ((ties_before + tl.cumsum(tie, axis=0)) <= need).to(tl.int32)
+    keep = above + kept_tie
+    pos = above_before + tl.minimum(ties_before, need) + tl.cumsum(keep, axis=0) - keep
+    if MAP:  # noqa: SIM108 (a constexpr branch)
+        val = tl.load(map_ptr + idx, mask=keep != 0, other=0)
+    else:
+        val = idx.to(tl.int64)
+    tl.store(out_ptr + pos, val, mask=keep != 0)
 
 
 # ---------------------------------------------------------------------- THC
@@ -1343,31 +1424,107 @@ def offset_decode(
 SELECT_BLOCK = 4096
 
 
-def at_least(
-    x: torch.Tensor, threshold: float, expect: int | None = None
-) -> tuple[int, Callable[[], torch.Tensor]]:
-    """See :func:`commpress.codecs.kernels.at_least` (float32, float16 or bfloat16 input,
-    compared as float32; ``expect`` is not used). One read pass counts per block (the count
-    is one host sync); the indices are a second pass that writes each block's hits from an
-    exclusive prefix sum of the counts, so they come out ascending without a sort."""
+def _at_least(
+    x: torch.Tensor, threshold: float | torch.Tensor, mags: bool
+) -> tuple[int, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+    """:func:`at_least`'s count and a collection of the indices (and, with ``mags``, their
+    magnitudes; else an empty tensor)."""
     x = _flat(x)
     n = x.numel()
-    key = int(torch.tensor([threshold], dtype=torch.float32).view(torch.int32)) & INT32_MAX
+    from_ptr = isinstance(threshold, torch.Tensor)
+    if isinstance(threshold, torch.Tensor):
+        key, key_ptr = 0, threshold.reshape(()).to(torch.float32)
+    else:
+        # the float32 threshold's magnitude bits, without a torch operator (beyond float32's
+        # range: +inf, as torch rounds it)
+        with np.errstate(over="ignore"):
+            key = int(np.array(threshold, dtype=np.float32).view(np.int32)) & INT32_MAX
+        key_ptr = x
     grid = _blocks(n, SELECT_BLOCK)
-    if key == 0 or n == 0:  # every magnitude is >= 0
-        return n, lambda: torch.arange(n, device=x.device)
+    if n == 0 or (not from_ptr and key == 0):  # every magnitude is >= 0
+
+        def everything() -> tuple[torch.Tensor, torch.Tensor]:
+            mag = x.abs().nan_to_num_(nan=float("inf"), posinf=float("inf")) if mags else x[:0]
+            return torch.arange(n, device=x.device), mag
+
+        return n, everything
     counts = torch.empty(grid[0], dtype=torch.int32, device=x.device)
-    _count_at_least_kernel[grid](x, counts, n, key, BLOCK=SELECT_BLOCK)
+    _count_at_least_kernel[grid](x, counts, n, key, key_ptr, BLOCK=SELECT_BLOCK,
+                                 FROM_PTR=from_ptr)
     ends = counts.cumsum(0)
     total = int(ends[-1])
 
-    def collect() -> torch.Tensor:
+    def collect() -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(total, dtype=torch.int64, device=x.device)
-        if total:
-            _collect_at_least_kernel[grid](x, ends - counts, out, n, key, BLOCK=SELECT_BLOCK)
-        return out
+        mag = torch.empty(total if mags else 0, dtype=x.dtype, device=x.device)
+        if total:  # (without MAGS the kernel is given ``out`` as a never-read mag_ptr)
+            _collect_at_least_kernel[grid](x, ends, counts, out, mag if mags else out, n,
+                                           key, key_ptr,
+                                           BLOCK=SELECT_BLOCK, FROM_PTR=from_ptr, MAGS=mags)
+        return out, mag
 
     return total, collect
+
+
+def at_least(
+    x: torch.Tensor, threshold: float | torch.Tensor, expect: int | None = None
+) -> tuple[int, Callable[[], torch.Tensor]]:
+    """See :func:`commpress.codecs.kernels.at_least` (float32, float16 or bfloat16 input,
+    compared as float32; ``expect`` is not used; ``threshold`` may be a 0-d device tensor,
+    read by the kernels: no host sync for it). One read pass counts per block (the count
+    is one host sync); the indices are a second pass that writes each block's hits from an
+    exclusive prefix sum of the counts, so they come out ascending without a sort."""
+    total, collect = _at_least(x, threshold, False)
+    return total, lambda: collect()[0]
+
+
+def at_least_magnitudes(
+    x: torch.Tensor, threshold: torch.Tensor
+) -> tuple[int, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+    """:func:`at_least` at a 0-d device ``threshold`` whose collection also gives the
+    collected coordinates' magnitudes (NaN as +inf, in ``x``'s dtype), from the same pass."""
+    return _at_least(x, threshold, True)
+
+
+def sample_magnitudes(
+    x: torch.Tensor, s: int, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float32 ``|x[p]|`` (NaN as +inf) at ``positions`` (``s`` valid int64 indices), or at
+    ``i * n // s`` for ``i < s`` (``s <= n``) without them, in one launch: the magnitudes of
+    DGC's random sample or of :func:`commpress.codecs.sparse.threshold_top`'s strided one."""
+    x = _flat(x)
+    out = torch.empty(s, dtype=torch.float32, device=x.device)
+    if s:
+        gather = positions is not None
+        _sample_magnitudes_kernel[_blocks(s, SELECT_BLOCK)](
+            x, positions.contiguous() if positions is not None else x, out, x.numel(), s,
+            BLOCK=SELECT_BLOCK, GATHER=gather,
+        )
+    return out
+
+
+def top_at(
+    mags: torch.Tensor, t: torch.Tensor, k: int, index_map: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Ascending int64 indices (or ``index_map`` at them) of the ``k`` kept magnitudes
+    (``mags``: 1-D, NaN-free) when ``t`` (0-d, on the device) is their ``k``-th largest:
+    every one above ``t`` and, of those equal to it, the lowest-indexed (the choice of
+    :func:`commpress.codecs.sparse.exact_top`), without a host sync: a counting pass (above
+    and at ``t`` per block), a prefix sum and a writing pass."""
+    mags = _flat(mags)
+    n = mags.numel()
+    grid = _blocks(n, SELECT_BLOCK)
+    out = torch.empty(k, dtype=torch.int64, device=mags.device)
+    if not k:
+        return out
+    t = t.reshape(())
+    counts = torch.empty((grid[0], 2), dtype=torch.int32, device=mags.device)
+    _count_top_kernel[grid](mags, t, counts, n, BLOCK=SELECT_BLOCK)
+    ends = counts.cumsum(0)
+    use_map = index_map is not None
+    _collect_top_kernel[grid](mags, t, ends, counts, index_map if use_map else out, out, n,
+                              grid[0] - 1, k, BLOCK=SELECT_BLOCK, MAP=use_map)
+    return out
 
 
 #: Largest THC rotation block the Triton kernel takes (one block in registers).
@@ -1671,6 +1828,7 @@ def topkc_scatter(
 __all__ = [
     "INTERPRETED",
     "at_least",
+    "at_least_magnitudes",
     "chunk_norms",
     "chunk_square_sums",
     "gather_finite",
@@ -1678,6 +1836,7 @@ __all__ = [
     "minmax_encode",
     "offset_decode",
     "qsgd_encode",
+    "sample_magnitudes",
     "sign_decode",
     "sign_encode_scaled",
     "spread",
@@ -1688,6 +1847,7 @@ __all__ = [
     "thc_encode",
     "thc_quantize",
     "thc_rotate",
+    "top_at",
     "topkc_bound",
     "topkc_gather",
     "topkc_keys",
