@@ -435,3 +435,79 @@ def test_decode_narrowing_equals_the_saturating_cast(dtype: torch.dtype) -> None
         v = torch.cat([base, torch.tensor(extra, dtype=torch.float32)])
         assert torch.equal(_bits(saturating_cast(v, dtype)),
                            _bits(_saturate(v, dtype, torch.finfo(dtype).max))), extra
+
+
+def _first_distinct_reference(draws: list[int], k: int) -> list[int] | None:
+    """The first k distinct values of ``draws`` in draw order, ascending (a plain loop)."""
+    seen: list[int] = []
+    for v in draws:
+        if v not in seen:
+            seen.append(v)
+            if len(seen) == k:
+                return sorted(seen)
+    return None
+
+
+def test_torch_sampler_equals_a_plain_loop() -> None:
+    """The torch path (CUDA's sampler) keeps the first k distinct draws, ascending, and
+    answers None when there are fewer: heavy repeats, short samples, k = 1, k = len(draws)."""
+    from commpress.codecs.randomk import first_distinct_torch
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(400):
+        d = (1, 2, 3, 7, 50, 1000)[trial % 6]
+        n = 1 + trial % 37
+        draws = torch.randint(0, d, (n,), generator=g)
+        for k in sorted({1, 2, n // 2 + 1, n, n + 1, d}):
+            want = _first_distinct_reference(draws.tolist(), k)
+            got = first_distinct_torch(draws, k)
+            assert (got is None) == (want is None), (draws.tolist(), k)
+            if got is not None:
+                assert got.dtype == torch.int64 and got.tolist() == want, (draws.tolist(), k)
+
+
+def test_complement_without_a_mask_equals_the_mask() -> None:
+    """The GPU's complement of the left-out coordinates (no numel-sized mask, no nonzero)
+    is the CPU's mask-and-nonzero one."""
+    from commpress.codecs.randomk import _complement
+
+    g = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        d = 1 + trial % 97
+        m = int(torch.randint(0, d + 1, (1,), generator=g))
+        left = torch.randperm(d, generator=g)[:m].sort().values
+        want = _complement(left, d, mask=True)
+        got = _complement(left, d, mask=False)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (d, left.tolist())
+
+
+def _syncs(fn: object) -> dict[str, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()  # type: ignore[operator]
+    names = [e.name for e in prof.events()]
+    return {name: names.count(name) for name in (
+        "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::kthvalue",
+        "aten::item",
+    )}
+
+
+@pytest.mark.parametrize(("d", "k"), [(1024, 10), (1000, 700), (5, 1)])
+def test_torch_sampler_synchronizes_once(d: int, k: int) -> None:
+    """The torch path (what CUDA tensors run) reads one value on the host per sample (the
+    count of distinct draws): no boolean indexing, nonzero or kthvalue, whose CUDA versions
+    each wait for the device; the complement of a k > d/2 sample adds no host read either."""
+    from commpress.codecs import kernels
+    from commpress.codecs.randomk import _complement, shared_sample
+
+    with kernels.use_backend("torch"):
+        g = torch.Generator().manual_seed(1)
+        m = min(k, d - k)
+        counts = _syncs(lambda: shared_sample(d, m, g, torch.device("cpu")))
+    assert counts["aten::_local_scalar_dense"] == 1, counts
+    assert counts["aten::nonzero"] == counts["aten::masked_select"] == 0, counts
+    assert counts["aten::kthvalue"] == 0, counts
+    left = torch.arange(0, d, 2)[:m]
+    counts = _syncs(lambda: _complement(left, d, mask=False))
+    assert sum(counts.values()) == 0, counts

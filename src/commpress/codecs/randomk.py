@@ -46,19 +46,36 @@ _INDEX_STREAM = 0x52B
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _first_distinct_fixed(draws: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chosen, count)`` for ``0 < k <= draws.numel()``: the first ``k`` distinct values of
+    ``draws`` in draw order, sorted ascending (meaningful only where ``count >= k``), and
+    ``count``, the number of distinct values (a 0-d int64 tensor). Fixed shapes, so no
+    host synchronization: a dozen operations on ``draws``' device."""
+    values, order = torch.sort(draws, stable=True)
+    # draw i is the earliest of its value's draws iff it starts a run of equal sorted values
+    # (the stable sort keeps each run in draw order)
+    first = torch.ones_like(draws, dtype=torch.bool)
+    first.scatter_(0, order[1:], values[1:] != values[:-1])
+    seen = first.cumsum(0)  # distinct values among draws[:i + 1]
+    # the earliest draws of the first k distinct values, in sorted (ascending) order
+    keep = torch.index_select(first & (seen <= k), 0, order)
+    # the k kept positions (padded with 0 for a short sample): nonzero_static has a fixed
+    # output size, so no host synchronization on CUDA either
+    at = torch.nonzero_static(keep, size=k, fill_value=0).reshape(-1)
+    return values.index_select(0, at), seen[-1]
+
+
 def first_distinct_torch(draws: torch.Tensor, k: int) -> torch.Tensor | None:
     """Plain-torch :func:`commpress.codecs.kernels.first_distinct`: the first ``k`` distinct
-    values of ``draws`` in draw order, sorted ascending (``None`` if there are fewer)."""
-    values, order = torch.sort(draws, stable=True)
-    first = torch.ones_like(values, dtype=torch.bool)
-    first[1:] = values[1:] != values[:-1]
-    values, position = values[first], order[first]  # stable: the earliest occurrence
-    if values.numel() < k:
+    values of ``draws`` in draw order, sorted ascending (``None`` if there are fewer).
+
+    One host synchronization (the count of distinct values); the rest has fixed shapes."""
+    if k <= 0:
+        return draws.new_empty(0)
+    if draws.numel() < k:
         return None
-    if values.numel() > k:
-        cutoff = torch.kthvalue(position, k).values
-        values = values[position <= cutoff]
-    return values
+    chosen, count = _first_distinct_fixed(draws, k)
+    return chosen if int(count) >= k else None
 
 
 def shared_sample(numel: int, k: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -69,7 +86,8 @@ def shared_sample(numel: int, k: int, g: torch.Generator, device: torch.device) 
     (rejecting repeats, which makes every ``k``-subset equally likely). When ``k > numel / 2``
     it draws the ``numel - k`` coordinates to leave out instead (same rule). The result is a
     function of ``g``'s stream only; the numba kernel and the torch path give the same
-    coordinates.
+    coordinates. The torch path (CUDA tensors) synchronizes with the host once per batch
+    of draws (almost always one batch).
     """
     if k >= numel:
         return torch.arange(numel, device=device)
@@ -80,8 +98,9 @@ def shared_sample(numel: int, k: int, g: torch.Generator, device: torch.device) 
     # expected repeats among m draws ~ m^2 / (2 numel): draw twice that, plus slack
     batch = m + 2 * (m * m // numel) + 64
     draws = torch.randint(0, numel, (batch,), generator=g, device=device)
+    numba = kernels.use_kernels(draws, "first_distinct")
     while True:
-        if kernels.use_kernels(draws, "first_distinct"):
+        if numba:
             chosen = kernels.first_distinct(draws, m, numel)
         else:
             chosen = first_distinct_torch(draws, m)
@@ -91,9 +110,23 @@ def shared_sample(numel: int, k: int, g: torch.Generator, device: torch.device) 
         draws = torch.cat([draws, extra])
     if not complement:
         return chosen
-    keep = torch.ones(numel, dtype=torch.bool, device=device)
-    keep[chosen] = False
-    return keep.nonzero().reshape(-1)
+    return _complement(chosen, numel, mask=device.type == "cpu")
+
+
+def _complement(left_out: torch.Tensor, numel: int, *, mask: bool) -> torch.Tensor:
+    """The coordinates of ``[0, numel)`` not in ``left_out`` (ascending, distinct, int64),
+    ascending. ``mask`` (CPUs): through a ``numel``-sized mask and ``nonzero``. Otherwise
+    without a host synchronization or a mask: the j-th kept coordinate is j plus the number
+    of left-out ones below it, and ``left_out[i] - i`` kept coordinates lie below
+    ``left_out[i]``, so those are the left-out ones with ``left_out[i] - i <= j``."""
+    device = left_out.device
+    if mask:
+        keep = torch.ones(numel, dtype=torch.bool, device=device)
+        keep[left_out] = False
+        return keep.nonzero().reshape(-1)
+    below = left_out - torch.arange(left_out.numel(), device=device)
+    j = torch.arange(numel - left_out.numel(), device=device)
+    return j + torch.searchsorted(below, j, right=True)
 
 
 @register_codec
@@ -218,7 +251,7 @@ class RandomK(Codec):
             gathered, finite = kernels.gather_finite(flat, idx)
             values = saturating_cast(gathered, wire)
             if isinstance(finite, torch.Tensor):  # Triton: a device flag, no host sync
-                return torch.where(finite, values, torch.full_like(values, math.nan))
+                return torch.where(finite, values, math.nan)
             return values if finite else torch.full_like(values, math.nan)
         values = saturating_cast(flat.index_select(0, idx), wire)
         # min and max are non-finite iff some element is (NaN propagates): two cheap

@@ -797,18 +797,19 @@ def _thc_quantize_kernel(y_ptr, step_ptr, noise_ptr, codes_ptr, padded, nblocks,
 
 # ---------------------------------------------------------------------- Random-K
 @triton.jit
-def _gather_finite_kernel(x_ptr, idx_ptr, val_ptr, bad_ptr, n, k, xprogs,
+def _gather_finite_kernel(x_ptr, idx_ptr, val_ptr, ok_ptr, n, k, xprogs,
                           BLOCK: tl.constexpr):
-    # programs below ``xprogs``: BLOCK elements of x each, bad = 1 (atomic max, so the order
-    # of the programs does not matter) when one of them is a NaN or an Inf; the others:
-    # val[j] = x[idx[j]] for BLOCK indices each, the values' bits moved as they are
+    # programs below ``xprogs``: BLOCK elements of x each, ok = 0 (a plain store: every
+    # program that stores writes the same byte, so their order does not matter) when one of
+    # them is a NaN or an Inf; the others: val[j] = x[idx[j]] for BLOCK indices each, the
+    # values' bits moved as they are
     pid = tl.program_id(0)
     if pid < xprogs:
         i = pid * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
         top = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
         if top >= 0x7F800000:
-            tl.atomic_max(bad_ptr, 1)
+            tl.store(ok_ptr, tl.zeros((), tl.int8))
     else:
         j = (pid - xprogs) * BLOCK + tl.arange(0, BLOCK)
         keep = j < k
@@ -1625,17 +1626,19 @@ GATHER_BLOCK = 1024
 def gather_finite(x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`commpress.codecs.kernels.gather_finite`: one launch, whose programs either
     check a block of ``x`` for a NaN or an Inf or gather a block of the values; ``finite``
-    is a 0-d bool tensor on ``x``'s device (no host sync)."""
+    is a 0-d bool tensor on ``x``'s device (no host sync), set before the launch and
+    cleared by the kernel (its bytes seen as int8), so two operations besides the launch."""
     x = _flat(x)
     idx = idx.reshape(-1).contiguous()
     n, k = x.numel(), idx.numel()
     values = torch.empty(k, dtype=x.dtype, device=x.device)
-    bad = torch.zeros(1, dtype=torch.int32, device=x.device)
+    finite = torch.ones((), dtype=torch.bool, device=x.device)
     xprogs = _cdiv(n, GATHER_BLOCK)
     grid = (xprogs + _cdiv(k, GATHER_BLOCK),)
     if grid[0]:
-        _gather_finite_kernel[grid](x, idx, values, bad, n, k, xprogs, BLOCK=GATHER_BLOCK)
-    return values, bad[0] == 0
+        _gather_finite_kernel[grid](x, idx, values, finite.view(torch.int8), n, k, xprogs,
+                                    BLOCK=GATHER_BLOCK)
+    return values, finite
 
 
 def spread(idx: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
