@@ -477,12 +477,7 @@ class TopKC(Codec):
             rows = rows.view(torch.int16)
             chosen_values = chosen_values.view(torch.int16)
         rows.index_copy_(0, chosen, chosen_values.view(lay.selected, lay.chunk))
-        result = target[: lay.numel]
-        if out is None:
-            return result.reshape(payload.shape)
-        if result.data_ptr() != out.data_ptr():
-            out.view(-1).copy_(result)
-        return out
+        return _finish(target, lay, payload, out)
 
     def _decode_fused(
         self, payload: Payload, lay: TopkcLayout, norms: torch.Tensor, values: torch.Tensor,
@@ -515,12 +510,7 @@ class TopKC(Codec):
             if payload.dtype != torch.float32:
                 rows, scaled = rows.view(torch.int16), scaled.view(torch.int16)
             rows.index_copy_(0, chosen, scaled.view(lay.selected, lay.chunk))
-        result = target[: lay.numel]
-        if out is None:
-            return result.reshape(payload.shape)
-        if result.data_ptr() != out.data_ptr():
-            out.view(-1).copy_(result)
-        return out
+        return _finish(target, lay, payload, out)
 
     @staticmethod
     def _cast_values(
@@ -588,3 +578,16 @@ class TopKC(Codec):
 
 
 __all__ = ["TopKC", "TopkcLayout", "select_chunks"]
+
+
+def _finish(
+    target: torch.Tensor, lay: TopkcLayout, payload: Payload, out: torch.Tensor | None
+) -> torch.Tensor:
+    """A decode's result: the first ``numel`` values of the chunk-padded ``target``, in the
+    payload's shape, or copied into ``out`` when they are not already there."""
+    result = target[: lay.numel]
+    if out is None:
+        return result.reshape(payload.shape)
+    if result.data_ptr() != out.data_ptr():
+        out.view(-1).copy_(result)
+    return out
