@@ -316,6 +316,16 @@ def _exponent_tables(
     return tables
 
 
+def _scale_by_table(
+    selected: torch.Tensor, factors: torch.Tensor, e: torch.Tensor, value_dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`scale_values`' product with the tabled factor ``factors[e]`` (``e`` 0-d on the
+    device), looked up by a one-element ``index_select``: indexing by a 0-d integer tensor
+    is a ``select`` at ``e.item()``, a host sync on CUDA."""
+    factor = factors.index_select(0, e.reshape(1))
+    return (selected.to(factors.dtype) * factor).to(value_dtype)
+
+
 def encode_values(
     codec: Codec, x: torch.Tensor, selected: torch.Tensor, value_dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -331,7 +341,7 @@ def encode_values(
     if selected.device.type == "cpu":
         values = scale_values(selected, value_dtype, e)
     else:
-        values = (selected.to(factors.dtype) * factors[e]).to(value_dtype)
+        values = _scale_by_table(selected, factors, e, value_dtype)
     return {"values": values, "exponent": e.to(exponent_dtype(x.dtype)).reshape(1)}
 
 
