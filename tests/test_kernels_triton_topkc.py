@@ -156,3 +156,36 @@ def test_no_host_sync_and_few_ops(n: int) -> None:
                    if e.name.startswith("aten::") and e.cpu_parent is None]
             # the interpreter's own copies in and out of its launches are top-level too
             assert len([t for t in top if t in ("aten::topk", "aten::sort")]) == 2, top
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("limit, fused", [(1200, True), (1199, False)])
+def test_padded_length_beyond_int32_indexing_takes_the_torch_path(
+    limit: int, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gather and scatter kernels index ``J * chunk`` values in int32 (review rv26b): an
+    input of at most TRITON_MAX_ELEMENTS values whose padded chunks go beyond it (a large
+    chunk, all chunks sent) takes the torch path for the encode, the decode and the
+    all-reduce, with the same bytes; here the limit is lowered to show where it cuts."""
+    import commpress.codecs.topkc as topkc_module
+
+    monkeypatch.setattr(topkc_module, "TRITON_MAX_ELEMENTS", limit)
+    codec = get_codec("topkc:chunk_size=300,chunk_ratio=1.0")  # 1000 values: 4 x 300 padded
+    x = sample(1000, 9)
+    calls = []
+
+    def spy(name: str) -> None:
+        original = getattr(tg, name)
+
+        def wrapped(*args: object, **kwargs: object) -> object:
+            calls.append(name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(tg, name, wrapped)
+
+    for name in ("topkc_norms", "topkc_keys"):
+        spy(name)
+    assert run("triton", codec, x) == run("torch", codec, x)
+    with kernels.use_backend("triton"):
+        simulate(codec, [x, -x], average=True)
+    assert bool(calls) == fused, calls

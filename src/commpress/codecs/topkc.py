@@ -101,13 +101,16 @@ def select_chunks(norms: torch.Tensor, count: int) -> torch.Tensor:
     return torch.sort(chosen).values
 
 
-def _fused(x: torch.Tensor) -> ModuleType | None:
+def _fused(x: torch.Tensor, lay: TopkcLayout) -> ModuleType | None:
     """The Triton module when ``x`` (an encode's input, or a payload's values) takes TopKC's
     fused Triton path: a non-empty float32/16-bit tensor on the Triton backend (CUDA, or CPU
-    under Triton's interpreter). A handful of launches and no host sync per call instead of
-    the torch path's ~50 small operations; the same payload bytes and decoded values."""
+    under Triton's interpreter) whose chunk-padded length fits the kernels' int32 indexing
+    (the gather and scatter index up to ``J * chunk`` values). A handful of launches and no
+    host sync per call instead of the torch path's ~50 small operations; the same payload
+    bytes and decoded values."""
     if (
         x.numel() == 0
+        or lay.chunks * lay.chunk > TRITON_MAX_ELEMENTS
         or x.dtype == torch.float64
         or kernels.backend_for(x) != "triton"
         or not kernels.use_kernels(x, "chunk_square_sums")
@@ -405,7 +408,7 @@ class TopKC(Codec):
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
         lay = self.layout(x.numel())
-        tri = _fused(x)
+        tri = _fused(x, lay)
         if tri is not None:
             return self._payload(x, *self._encode_fused(x, lay, tri))
         chunks = self._chunked(x, lay)
@@ -450,11 +453,7 @@ class TopKC(Codec):
             payload, "values", numel=lay.selected * lay.chunk, dtype=self._value_dtype
         )
         bound = self.part(payload, "bound", numel=1, dtype=self.bound_dtype(payload.dtype))
-        tri = (
-            _fused(values)
-            if payload.dtype != torch.float64 and lay.chunks * lay.chunk <= TRITON_MAX_ELEMENTS
-            else None
-        )
+        tri = _fused(values, lay) if payload.dtype != torch.float64 else None
         if tri is not None:
             return self._decode_fused(payload, lay, norms, values, bound, tri, out)
         chosen = select_chunks(norms, lay.selected)
@@ -538,7 +537,7 @@ class TopKC(Codec):
         x = self.check_input(tensor)
         with error_context(f"{self.codec_id}.reduce"):
             lay = self.layout(x.numel())
-            tri = _fused(x)
+            tri = _fused(x, lay)
             chunks = self._chunked(x, lay) if tri is None else x
             if tri is None:
                 local_norms, largest_sq = self._norms(chunks, self._kernel_source(x))
