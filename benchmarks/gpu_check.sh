@@ -47,7 +47,8 @@ if want triton; then
   TRITON_INTERPRET=0 timeout "${TRITON_S:-180}" python3 -m pytest -q -p no:cacheprovider \
     -n "${WORKERS:-8}" --timeout 150 -rfE tests/test_kernels_triton.py \
     tests/test_kernels_triton_fused.py tests/test_kernels_triton_select.py \
-    tests/test_kernels_triton_sparse_thc.py >"$OUT/pytest-triton.log" 2>&1
+    tests/test_kernels_triton_sparse_thc.py tests/test_kernels_triton_topkc.py \
+    tests/test_sparse_exponent_sync.py >"$OUT/pytest-triton.log" 2>&1
   echo "rc $?"; tail -40 "$OUT/pytest-triton.log"
 fi
 if want nvcomp; then
