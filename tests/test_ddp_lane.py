@@ -14,6 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commpress
+from commpress.codecs import kernels
 from commpress.collectives.policy import Guard
 from dist_utils import run_workers
 
@@ -48,6 +49,14 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
 
     hook.fire = fire  # type: ignore[assignment]
     real_cast, real_decode = cast._cast_into, cast._FloatCast._decode
+    real_divide = cast.kernels.convert_divide
+    fused = {"n": 0}
+
+    def counted_divide(*args: Any) -> Any:  # the bound fp16 mean's one pass
+        fused["n"] += 1
+        return real_divide(*args)
+
+    cast.kernels.convert_divide = counted_divide  # type: ignore[assignment]
     model = DDP(_model(), bucket_cap_mb=0.01)  # several buckets
     state = commpress.ddp.register(model, codec, **options)
     grads, errors = [], []
@@ -56,8 +65,9 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
             # collective) or decode (after it) fails at this step, on every rank
             def broken(*a: Any, **k: Any) -> Any:
                 raise RuntimeError("injected encode failure")
-            if where == "encode":
+            if where == "encode":  # the cast, and the fused cast and mean of a bound fp16
                 cast._cast_into = broken  # type: ignore[assignment]
+                cast.kernels.convert_divide = broken  # type: ignore[assignment]
         if where == "decode" and step == 0:
             # by the step in the codec context: a bucket decoded late, when the loop has
             # gone on, still fails
@@ -86,17 +96,19 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
             errors.append((step, "injected encode failure" in str(exc)))
         finally:
             cast._cast_into = real_cast  # type: ignore[assignment]
+            cast.kernels.convert_divide = counted_divide  # type: ignore[assignment]
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()
                                 if p.grad is not None]))
     hook._replay = real_replay  # type: ignore[assignment]
     hook.fire = real_fire  # type: ignore[assignment]
     cast._FloatCast._decode = real_decode  # type: ignore[method-assign]
+    cast.kernels.convert_divide = real_divide  # type: ignore[assignment]
     stats = [(s.step, s.tensors, s.codecs, s.reasons, s.wire_bytes, s.failed)
              for s in state.stats]
     plans = {k: (p.codec.codec_id, p.reason, p.step) for k, p in state.plans.items()}
     laned = sum(b.lane is not None for b in state._buckets.values())
     return {"grads": grads, "stats": stats, "plans": plans, "replays": replays["n"],
-            "fired": fired["n"],
+            "fired": fired["n"], "fused": fused["n"],
             "laned": laned, "errors": errors, "failed": state._failed is not None,
             "why": state._failed}
 
@@ -135,6 +147,11 @@ def test_lanes_replay_the_general_path_exactly(codec: str, options: dict[str, An
             # the reduction bound to its buffer (DDP hands over the same memory every step)
             assert on["laned"] >= 2 and on["replays"] >= 2 * on["laned"], on
             assert on["fired"] == on["replays"], on
+            # a float32 bucket's fp16 mean: the cast and division in one pass where it pays
+            if codec != "fp16" or not options:  # (a warm-up's identity lanes fire too)
+                pays = codec == "fp16" and kernels.convert_divide_pays(
+                    torch.ones(1), torch.ones(1, dtype=torch.float16))
+                assert on["fused"] == (on["fired"] if pays else 0), on
         else:
             assert on["laned"] == 0 and on["replays"] == 0 and on["fired"] == 0, on
         assert len(on["grads"]) == len(off["grads"]) == STEPS

@@ -84,6 +84,52 @@ def test_convert_rejects_a_wrong_output() -> None:
         kernels.convert(x.double(), torch.empty(10), saturate=False)
 
 
+DIVISORS = (1, 2, 3, 4, 7, 8, 12, 1000, 1024, 2**20)
+
+
+@pytest.mark.parametrize("src", [torch.float32, *HALF])
+@pytest.mark.parametrize("dst", HALF)
+def test_convert_divide_is_torchs_cast_then_division(src: torch.dtype, dst: torch.dtype) -> None:
+    """One pass, the bits of ``out.copy_(x)`` then ``out.div_(d)`` (the 16-bit casts' mean
+    before the sum): every 16-bit input, float32 bit patterns and rounding edges, divisors
+    that are powers of two (float32 -> float16 multiplies by the exact reciprocal) and not,
+    and ones that push results into the subnormals."""
+    x = _float_bits(200_001, seed=3) if src == torch.float32 else _all_16bit(src)
+    for d in DIVISORS:
+        want = torch.empty(x.numel(), dtype=dst)
+        want.copy_(x)
+        want.div_(d)
+        got = kernels.convert_divide(x, torch.empty(x.numel(), dtype=dst), d)
+        assert _same(got, want), (src, dst, d)
+
+
+def test_convert_divides_the_vector_groups_and_the_tail_alike() -> None:
+    """float32 -> float16 converts whole groups of 16 in vector code where the CPU has F16C
+    and the rest of a work item in scalar code: calls of 15 values (all scalar) give the bits
+    of one call over all of them."""
+    x = _float_bits(0, seed=4)[: 15 * 300]
+    for d in (2, 3):
+        whole = kernels.convert_divide(x, torch.empty(x.numel(), dtype=torch.float16), d)
+        parts = torch.cat([
+            kernels.convert_divide(p, torch.empty(p.numel(), dtype=torch.float16), d)
+            for p in x.split(15)
+        ])
+        assert _same(whole, parts)
+
+
+def test_convert_divide_pays_only_where_it_runs_as_vector_code() -> None:
+    x = torch.ones(40)
+    half = torch.empty(40, dtype=torch.float16)
+    fast = kernels.convert_divide_pays(x, half)
+    assert fast == kernels._load().vector_half  # type: ignore[union-attr]
+    assert not kernels.convert_divide_pays(x, torch.empty(40, dtype=torch.bfloat16))
+    assert not kernels.convert_divide_pays(x.double(), half)
+    with kernels.use_backend("torch"):
+        assert not kernels.convert_divide_pays(x, half)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        kernels.convert_divide(x, torch.empty(40), 2)
+
+
 DETERMINISTIC = ("minmax", "minmax:bits=3,chunk_size=100", "minmax:chunk_size=0", "sign")
 STOCHASTIC = (
     "minmax:rounding=stochastic", "qsgd", "qsgd:chunk_size=0", "terngrad",

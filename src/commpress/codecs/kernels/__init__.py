@@ -232,6 +232,7 @@ def warm_up() -> bool:
         codes = stochastic_encode(x, inv, kind="terngrad", chunk=8, levels=1, bits=2)
         offset_decode(codes, inv, chunk=8, bits=2, offset=1.0, n=20)
         chunk_norms(x, 8, 1.0)
+        convert_divide(x, torch.empty(20, dtype=torch.float16), 2)  # the fp16 mean's cast
         topk_select(x, 3)
         at_least(x, 0.5)[1]()
         at_least(x, 0.5, 4)[1]()
@@ -573,6 +574,28 @@ def convert(x: torch.Tensor, out: torch.Tensor, *, saturate: bool = False) -> to
     return _impl(x, "convert").convert(x, out, saturate)
 
 
+def convert_divide(x: torch.Tensor, out: torch.Tensor, divisor: int) -> torch.Tensor:
+    """``out`` (as many contiguous bfloat16 or float16 CPU values as ``x`` holds) = ``x``
+    (float32, bfloat16 or float16) converted to ``out``'s dtype and divided by ``divisor``,
+    bit for bit as ``out.copy_(x)`` followed by ``out.div_(divisor)`` (torch divides 16-bit
+    values in float32 and rounds to nearest even): one parallel pass instead of two (numba
+    only). The 16-bit casts' mean divides so before the sum (PyTorch's fp16 hook's order).
+    NaN stays NaN (payload bits as :func:`convert`'s)."""
+    return _impl(x, "convert_divide").convert_divide(x, out, divisor)
+
+
+def convert_divide_pays(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether :func:`convert_divide` of ``x`` into ``out`` beats torch's two passes: a
+    float32 CPU ``x`` into a float16 ``out`` on the numba backend, whose target CPU converts
+    in vector instructions (F16C). Its other cases give the same bits by scalar bit
+    arithmetic, slower than torch's copy and division on one thread."""
+    if not (x.dtype == torch.float32 and out.dtype == torch.float16 and x.is_cpu
+            and backend_for(x) == "numba"):
+        return False
+    kernels = _load()
+    return kernels is not None and kernels.vector_half
+
+
 def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D contiguous fp32 CPU
     tensor (``1 <= k <= n``; NaN ranks as +inf; among equal magnitudes at the threshold the
@@ -751,6 +774,8 @@ __all__ = [
     "chunk_square_sums",
     "chunk_range",
     "convert",
+    "convert_divide",
+    "convert_divide_pays",
     "dispatch_counts",
     "finite_max_abs",
     "first_distinct",

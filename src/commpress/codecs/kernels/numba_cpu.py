@@ -102,6 +102,9 @@ prange = range  # replaced by numba.prange in _build()
 _vsum_sq: Any = None  # replaced by _vector_lane_sum(True) in _build()
 _vsum_abs: Any = None  # replaced by _vector_lane_sum(False) in _build()
 _vsign_bits: Any = None  # replaced by _vector_sign_bits() in _build()
+# replaced by _vector_half_divide(...) in _build(), or stay None (no F16C)
+_vhalf_divide: Any = None
+_vhalf_scale: Any = None
 # PowerSGD's product intrinsics for K = 1, 2, 4 ranks (_lowrank_vector_kernels, in _build())
 _vtree1: Any = None
 _vtree2: Any = None
@@ -284,6 +287,57 @@ def _nb_convert(
             s16 = x16[a:b]
             for k in range(d16.size):
                 d16[k] = _nb_bf16(_nb_f16_value(s16[k]), cap)
+
+
+def _nb_convert_divide(
+    xf: Any, x16: Any, mode: Any, n: Any, out16: Any, omode: Any, divisor: Any
+) -> None:
+    # out = x rounded to out's 16-bit format (omode 1: bfloat16, 2: float16; not saturated),
+    # then divided by divisor (float32) and rounded again: what ``out.copy_(x)`` followed by
+    # ``out.div_(divisor)`` computes (torch divides 16-bit values in float32), in one pass
+    cap = _INF_BITS
+    d = f32(divisor)
+    # a power of two: multiply by its exact reciprocal (the same bits, _vector_half_divide)
+    pow2 = divisor >= 1 and (divisor & (divisor - 1)) == 0
+    inv = f32(1.0) / d
+    for unit in prange((n + UNIT - 1) // UNIT):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        d16 = out16[a:b]
+        if omode == 1:
+            if mode == 0:
+                src = xf[a:b]
+                for k in range(d16.size):
+                    d16[k] = _nb_bf16(_nb_bf16_value(_nb_bf16(src[k], cap)) / d, cap)
+            elif mode == 1:
+                s16 = x16[a:b]
+                for k in range(d16.size):
+                    d16[k] = _nb_bf16(_nb_bf16_value(s16[k]) / d, cap)
+            else:
+                s16 = x16[a:b]
+                for k in range(d16.size):
+                    d16[k] = _nb_bf16(
+                        _nb_bf16_value(_nb_bf16(_nb_f16_value(s16[k]), cap)) / d, cap
+                    )
+        elif mode == 0:
+            src = xf[a:b]
+            done = 0
+            if _vhalf_divide is not None:
+                if pow2:
+                    _vhalf_scale(src, d16, inv)
+                else:
+                    _vhalf_divide(src, d16, d)
+                done = src.size // _HALF_GROUP * _HALF_GROUP
+            for k in range(done, d16.size):
+                d16[k] = _nb_f16(_nb_f16_value(_nb_f16(src[k], cap)) / d, cap)
+        elif mode == 1:
+            s16 = x16[a:b]
+            for k in range(d16.size):
+                d16[k] = _nb_f16(_nb_f16_value(_nb_f16(_nb_bf16_value(s16[k]), cap)) / d, cap)
+        else:
+            s16 = x16[a:b]
+            for k in range(d16.size):
+                d16[k] = _nb_f16(_nb_f16_value(s16[k]) / d, cap)
 
 
 def _nb_uniform(seed: Any, i: Any) -> Any:
@@ -2126,6 +2180,7 @@ _PARALLEL_HELPERS = (
 )
 _KERNELS = (
     "_nb_convert",
+    "_nb_convert_divide",
     "_nb_minmax_encode",
     "_nb_decode_codes",
     "_nb_sign_encode",
@@ -2370,6 +2425,71 @@ def _vector_sign_bits() -> Any:
         return types.void(src, dst), codegen
 
     return sign_bits
+
+
+#: float32 values per vector of :func:`_vector_half_divide`.
+_HALF_GROUP = 16
+
+
+def _vector_half_divide(multiply: bool) -> Any:
+    """A numba intrinsic ``(src, dst, d)``: for every whole group of :data:`_HALF_GROUP`
+    values of the contiguous float32 ``src``, ``dst[i]`` = the float16 bits of
+    ``f16(f32(f16(src[i])) / d)`` (IEEE conversions, rounding to nearest even; the division in
+    float32), or with ``multiply`` of ``f16(f32(f16(src[i])) * d)`` (for ``d = 1 / 2^k``: the
+    same bits as dividing by ``2^k``, since a float16 value times a power of two is exact in
+    float32, at a fraction of a vector division's cost): LLVM's ``fptrunc``/``fpext`` to and
+    from ``half``, which x86 CPUs with F16C run as one instruction per vector
+    (``vcvtps2ph``/``vcvtph2ps``); the bit arithmetic of :func:`_nb_f16` costs about 20
+    operations per value. ``None`` where numba's target CPU
+    lacks F16C (LLVM would call a runtime conversion routine that numba's JIT may not
+    link): :func:`_nb_convert_divide` then converts with :func:`_nb_f16`. The same bits
+    either way (tests/test_kernels_16bit.py)."""
+    import numba
+    from llvmlite import binding, ir
+    from numba.core import cgutils, types
+    from numba.core.extending import intrinsic
+
+    features = numba.core.config.CPU_FEATURES  # type: ignore[attr-defined]
+    if features is None:
+        if numba.core.config.CPU_NAME not in (None, "host"):  # type: ignore[attr-defined]
+            return None  # a named target CPU (NUMBA_CPU_NAME) without stated features
+        has = binding.get_host_cpu_features().get("f16c", False)
+    else:
+        has = "+f16c" in str(features).split(",")
+    if not has:
+        return None
+
+    @intrinsic
+    def half_divide(typingctx: Any, src: Any, dst: Any, d: Any) -> Any:
+        if not (_c_array(src, types.float32, 1) and _c_array(dst, types.uint16)
+                and d == types.float32):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            s = context.make_array(signature.args[0])(context, builder, args[0])
+            o = context.make_array(signature.args[1])(context, builder, args[1])
+            vec = ir.VectorType(ir.FloatType(), _HALF_GROUP)
+            hvec = ir.VectorType(ir.HalfType(), _HALF_GROUP)
+            ivec = ir.VectorType(ir.IntType(16), _HALF_GROUP)
+            div = cgutils.get_null_value(vec)
+            for lane in range(_HALF_GROUP):
+                div = builder.insert_element(div, args[2], ir.Constant(ir.IntType(32), lane))
+            index = s.nitems.type
+            groups = builder.udiv(s.nitems, ir.Constant(index, _HALF_GROUP))
+            with cgutils.for_range(builder, groups) as loop:
+                first = builder.mul(loop.index, ir.Constant(index, _HALF_GROUP))
+                ptr = builder.bitcast(builder.gep(s.data, [first]), vec.as_pointer())
+                h = builder.fptrunc(builder.load(ptr, align=4), hvec)
+                wide = builder.fpext(h, vec)
+                q = builder.fmul(wide, div) if multiply else builder.fdiv(wide, div)
+                bits = builder.bitcast(builder.fptrunc(q, hvec), ivec)
+                out = builder.bitcast(builder.gep(o.data, [first]), ivec.as_pointer())
+                builder.store(bits, out, align=2)
+            return context.get_dummy_value()
+
+        return types.void(src, dst, d), codegen
+
+    return half_divide
 
 
 #: Vectors of 16 float32 in PowerSGD's product intrinsics (one AVX-512 register; LLVM splits
@@ -2629,6 +2749,8 @@ def _build() -> dict[str, Callable[..., Any]]:
     module["_vsum_sq"] = _vector_lane_sum(True)
     module["_vsum_abs"] = _vector_lane_sum(False)
     module["_vsign_bits"] = _vector_sign_bits()
+    module["_vhalf_divide"] = _vector_half_divide(False)
+    module["_vhalf_scale"] = _vector_half_divide(True)
     module.update(_lowrank_vector_kernels(_PREFETCHES[0]))
     for name in _HELPERS:
         module[name] = numba.njit(cache=True, fastmath=False, error_model="numpy")(module[name])
@@ -2807,6 +2929,12 @@ class NumbaKernels:
     def __getitem__(self, name: str) -> Callable[..., Any]:
         return self._compiled[name]
 
+    @property
+    def vector_half(self) -> bool:
+        """Whether float32 -> float16 conversions run as vector instructions
+        (:func:`_vector_half_divide`: numba's target CPU has F16C)."""
+        return _vhalf_divide is not None
+
     def minmax_encode(
         self,
         x: torch.Tensor,
@@ -2961,6 +3089,16 @@ class NumbaKernels:
         result, outf, out16, omode = target(out, n)
         with _launch():
             self["convert"](xf, x16, mode, n, outf, out16, omode, saturate)
+        return result
+
+    def convert_divide(self, x: torch.Tensor, out: torch.Tensor, divisor: int) -> torch.Tensor:
+        """See :func:`commpress.codecs.kernels.convert_divide`."""
+        xf, x16, mode, n = source(x)
+        result, _, out16, omode = target(out, n)
+        if omode == 0:
+            raise CommpressError(f"convert_divide writes bfloat16 or float16, not {out.dtype}")
+        with _launch():
+            self["convert_divide"](xf, x16, mode, n, out16, omode, divisor)
         return result
 
     def offset_decode(
