@@ -171,30 +171,38 @@ def _worker_job(arch: int, case: Case) -> str | None:
 def compile_all(module: ModuleType, jobs: list[tuple[int, Case]],
                 workers: int | None = None) -> dict[tuple[int, str], str | None]:
     """:func:`compile_case` of every ``(arch, case)`` of ``module`` (a :func:`load_kernels`
-    copy), in ``workers`` processes (default: the usable CPUs, at most 2; 1 compiles in
-    this process). Workers are spawned, not forked (a test process may run other threads),
-    and load the same source. Returns ``{(arch, case.label): None or the error}``; a
-    worker that dies fails its jobs."""
+    copy), in ``workers`` processes (default: the usable CPUs, at most 2). They are spawned
+    with ``TRITON_INTERPRET=0``: a process that imported triton under ``TRITON_INTERPRET=1``
+    (the test suite) cannot compile (triton.language's own jit functions are interpreted
+    ones), and a spawned one does not inherit a test process's threads. Returns
+    ``{(arch, case.label): None or the error}``; a worker that dies fails its jobs."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
 
     if workers is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        workers = min(2, cpus, len(jobs))
-    if workers <= 1:
-        return {(arch, case.label): _compile_one(module, case, arch) for arch, case in jobs}
+        workers = min(2, cpus)
+    workers = max(1, min(workers, len(jobs)))
     out: dict[tuple[int, str], str | None] = {}
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
-                             initargs=(str(module.__file__),)) as pool:
-        futures = {(arch, case.label): pool.submit(_worker_job, arch, case)
-                   for arch, case in jobs}
-        for key, future in futures.items():
-            try:
-                out[key] = future.result()
-            except Exception as exc:  # noqa: BLE001 - a worker that died
-                out[key] = f"the compiling process failed: {type(exc).__name__}: {exc}"
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"  # for the workers' import of triton
+    try:
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
+                                 initargs=(str(module.__file__),)) as pool:
+            futures = {(arch, case.label): pool.submit(_worker_job, arch, case)
+                       for arch, case in jobs}
+            for key, future in futures.items():
+                try:
+                    out[key] = future.result()
+                except Exception as exc:  # noqa: BLE001 - a worker that died
+                    out[key] = f"the compiling process failed: {type(exc).__name__}: {exc}"
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
     return out
 
 
