@@ -991,7 +991,7 @@ def _topkc_pow2(e, UP: tl.constexpr):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["shift"])  # shift.to(): a runtime int even when it is 1
 def _topkc_bound_kernel(part_ptr, nparts, bound_ptr, e_ptr, factor_ptr, shift, top, inv_top,
                         RECIP: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
     # one program: the largest finite squared chunk norm, the bound sqrt(.) * 2^-shift
