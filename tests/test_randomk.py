@@ -511,39 +511,3 @@ def test_torch_sampler_synchronizes_once(d: int, k: int) -> None:
     left = torch.arange(0, d, 2)[:m]
     counts = _syncs(lambda: _complement(left, d, mask=False))
     assert sum(counts.values()) == 0, counts
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_split_walk_sampler_equals_the_serial_one(threads: int) -> None:
-    """The sampler whose sorted walk is split over threads (block counts taken while the
-    draws go in) gives the serial kernel's coordinates for any number of parts and threads:
-    one and many blocks, parts without values, short samples, k = 1, k = len(draws), bad
-    draws."""
-    from commpress.codecs import kernels
-
-    pytest.importorskip("numba")
-    nk = kernels._load()
-    assert nk is not None
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        g = torch.Generator().manual_seed(11)
-        for trial in range(120):
-            d = (1, 5, 64, 4096, 4097, 70_000, 1 << 20, 3 << 20)[trial % 8]
-            n = 1 + (trial * 97) % 4000
-            draws = torch.randint(0, d, (n,), generator=g)
-            if trial % 3 == 0:
-                draws = draws // 5  # repeats, and the top blocks left empty
-            for k in sorted({1, 2, n // 2 + 1, n, d, n + 1}):
-                want = nk.first_distinct(draws, k, d, parts=1)
-                for parts in (2, 3, 7, 300):
-                    got = nk.first_distinct(draws, k, d, parts=parts)
-                    assert (got is None) == (want is None), (trial, k, parts)
-                    if got is not None and want is not None:
-                        assert torch.equal(got, want), (trial, k, parts)
-        with pytest.raises(CommpressError, match="outside"):
-            nk.first_distinct(torch.tensor([5, 1, 200, 2]), 3, 100, parts=2)
-        again = nk.first_distinct(torch.tensor([5000, 7, 9, 11]), 3, 10000, parts=2)
-        assert again is not None and again.tolist() == [7, 9, 5000]
-    finally:
-        torch.set_num_threads(old)

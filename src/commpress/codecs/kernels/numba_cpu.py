@@ -2023,88 +2023,6 @@ def _nb_first_distinct(draws: Any, k: Any, d: Any, out: Any, bitmap: Any, summar
     return -1 if bad else count
 
 
-#: most blocks _nb_first_distinct_split counts its new values in (the walk's work items)
-SAMPLER_BLOCKS = 256
-
-
-def _nb_first_distinct_split(
-    draws: Any, k: Any, d: Any, out: Any, bitmap: Any, summary: Any, nparts: Any
-) -> Any:
-    # _nb_first_distinct (the same out[:k] and count) with its sorted walk split over
-    # nparts threads: the draws go in serially as there (the first k distinct ones), each
-    # new value also counted in its block (2^shift bitmap words, at most SAMPLER_BLOCKS
-    # blocks), so each part's first slot in out, the count of the blocks before it, is
-    # known before the walk; the parts then walk their own blocks. The coordinates do not
-    # depend on nparts.
-    words = (d + 63) >> 6
-    shift = 6  # a block: at least one summary word
-    while ((words - 1) >> shift) >= SAMPLER_BLOCKS:
-        shift += 1
-    nblocks = ((words - 1) >> shift) + 1
-    blocks = np.zeros(nblocks + 1, np.int64)
-    count = 0
-    bad = False
-    for i in range(draws.size):
-        if i + _LOOKAHEAD < draws.size:
-            nxt = draws[i + _LOOKAHEAD]
-            if nxt >= 0 and nxt < d:
-                _nb_prefetch(bitmap, nxt >> 6)
-        v = draws[i]
-        if v < 0 or v >= d:
-            bad = True
-            break
-        w = v >> 6
-        bit = u64(1) << u64(v & 63)
-        word = bitmap[w]
-        if not word & bit:
-            bitmap[w] = word | bit
-            summary[w >> 6] |= u64(1) << u64(w & 63)
-            blocks[(w >> shift) + 1] += 1
-            count += 1
-            if count == k:
-                break
-    for b in range(nblocks):  # blocks[b]: the values in the blocks before b
-        blocks[b + 1] += blocks[b]
-    for p in prange(nparts):
-        b_lo = (nblocks * p) // nparts
-        b_hi = (nblocks * (p + 1)) // nparts
-        # the serial walk over the part's summary words, the four unconditional slots only
-        # where they stay inside the part's share of out
-        j = blocks[b_lo]
-        end = blocks[b_hi]
-        s_lo = (b_lo << shift) >> 6
-        s_hi = min((b_hi << shift) >> 6, (d + 4095) >> 12)
-        for s in range(s_lo, s_hi):
-            marks = summary[s]
-            if marks == u64(0):
-                continue
-            summary[s] = u64(0)
-            while marks:
-                w = s * 64 + np.int64(_nb_tz(marks))
-                marks &= marks - u64(1)
-                word = bitmap[w]
-                bitmap[w] = u64(0)
-                base = w * 64
-                bits = np.int64(_nb_popcount(word))
-                if j + bits + 4 > end:
-                    while word:
-                        if j < end:
-                            out[j] = base + np.int64(_nb_tz(word))
-                        word &= word - u64(1)
-                        j += 1
-                    continue
-                for slot in range(4):
-                    out[j + slot] = base + np.int64(_nb_tz(word))
-                    word &= word - u64(1)
-                at = j + 4
-                while word:
-                    out[at] = base + np.int64(_nb_tz(word))
-                    word &= word - u64(1)
-                    at += 1
-                j += bits
-    return -1 if bad else count
-
-
 def _nb_gather_finite(
     xf: Any, x16: Any, mode: Any, n: Any, idx: Any, valf: Any, val16: Any, bad: Any
 ) -> None:
@@ -2223,7 +2141,6 @@ _KERNELS = (
     "_nb_lowrank_left",
     "_nb_top16",
     "_nb_gather_finite",
-    "_nb_first_distinct_split",
 )
 # kernels without a parallel loop of their own
 # (the first two are a parallel helper's wrappers)
@@ -3215,25 +3132,14 @@ class NumbaKernels:
             self["lowrank_left"](xf, x16, mode, n, m, pn, _np(q), cols)
         return q
 
-    def first_distinct(
-        self, draws: torch.Tensor, k: int, d: int, *, parts: int | None = None
-    ) -> torch.Tensor | None:
-        """See :func:`commpress.codecs.kernels.first_distinct`. ``parts``: how many threads
-        share the sampler's sorted walk (``None``: torch's thread count, one below
-        :data:`SAMPLER_SPLIT` values; ``1``: the serial kernel). The result does not depend
-        on it."""
+    def first_distinct(self, draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
+        """See :func:`commpress.codecs.kernels.first_distinct`."""
         out = torch.empty(k + 4, dtype=torch.int64)  # 4 spare slots for the walk's writes
-        if parts is None:
-            parts = 1 if k < SAMPLER_SPLIT else torch.get_num_threads()
-        src = _np(draws.contiguous())
         with _launch():
             bitmap, summary = _sampler_bitmaps(d)
-            if parts <= 1:
-                found = self["first_distinct"](src, k, d, _np(out), bitmap, summary)
-            else:
-                found = self["first_distinct_split"](
-                    src, k, d, _np(out), bitmap, summary, parts
-                )
+            found = self["first_distinct"](
+                _np(draws.contiguous()), k, d, _np(out), bitmap, summary
+            )
         if found < 0:
             raise CommpressError(f"first_distinct: a draw lies outside [0, {d})")
         return out[:k] if found >= k else None
@@ -3265,11 +3171,6 @@ class NumbaKernels:
 #: the draw); larger ones are made per call.
 _SAMPLER_KEEP = 1 << 28
 _sampler: list[np.ndarray] = [np.zeros(0, np.uint64), np.zeros(0, np.uint64)]
-
-
-#: sample size from which the sampler's sorted walk is split over torch's threads (below,
-#: the serial kernel: a parallel launch costs tens of microseconds)
-SAMPLER_SPLIT = 1 << 15
 
 
 def _sampler_bitmaps(d: int) -> tuple[np.ndarray, np.ndarray]:
