@@ -1267,6 +1267,53 @@ def _nb_qsgd_window(
         _nb_stoch_codes(x[s:e], g + s, invs[j], 0, levels, 1, seed, invs, dst[s:e])
 
 
+def _nb_norm_total16(src: Any, clamp: Any, lanes: Any) -> Any:
+    # _nb_norm_total of the bfloat16 bits src (its tail widened here)
+    acc = 0.0
+    for j in range(8):
+        acc += lanes[j]
+    for k in range(src.size // 8 * 8, src.size):
+        v = np.float64(_nb_bf16_value(src[k]))
+        acc += v * v
+    norm = np.sqrt(acc)
+    if norm > np.float64(clamp) and norm < np.inf:
+        norm = np.float64(clamp)
+    return f32(norm)
+
+
+def _nb_qsgd_run16(
+    x: Any, y: Any, khi: Any, chunk: Any, invs: Any, top: Any, dst: Any
+) -> None:
+    # _nb_qsgd_run of the bfloat16 bits x
+    for j in range((x.size + chunk - 1) // chunk):
+        src = x[j * chunk : min((j + 1) * chunk, x.size)]
+        out = dst[j * chunk : min((j + 1) * chunk, x.size)]
+        inv = invs[j]
+        whole = src.size // _STOCH_GROUP * _STOCH_GROUP
+        _vqsgd_codes(src, y, khi, inv, top, out)
+        y = u32(y + u32(u32(whole) * u32(0x9E3779B9)))
+        rest = src[whole:]
+        tail = out[whole:]
+        for k in range(rest.size):
+            u = _nb_draw(y, khi)
+            y = u32(y + u32(0x9E3779B9))
+            tail[k] = _nb_qsgd_code(_nb_bf16_value(rest[k]), u, inv, top)
+
+
+def _nb_qsgd_window16(
+    x: Any, g: Any, chunk: Any, invs: Any, levels: Any, seed: Any, dst: Any
+) -> None:
+    # _nb_qsgd_window of the bfloat16 bits x (across a multiple of 2^32: chunk by chunk
+    # through _nb_draw_codes16, which splits)
+    if (g >> 32) == ((g + x.size - 1) >> 32):
+        y, khi = _nb_noise_start(seed, g)
+        _nb_qsgd_run16(x, y, khi, chunk, invs, f32(levels), dst)
+        return
+    for j in range((x.size + chunk - 1) // chunk):
+        s, e = j * chunk, min((j + 1) * chunk, x.size)
+        _nb_draw_codes16(x[s:e], g + s, seed, invs[j], 0, levels, dst[s:e])
+
+
 def _nb_qsgd_items(
     xf: Any, x16: Any, mode: Any, n: Any, chunk: Any, levels: Any, bits: Any, seed: Any,
     clamp: Any, stat: Any, packed: Any,
@@ -1290,8 +1337,25 @@ def _nb_qsgd_items(
         invs = np.empty(WINDOW // chunk, np.float32)
         for w in range(a, b, span):
             we = min(w + span, b)
-            x = _nb_widen(xf, x16, mode, w, we, wide)
             c = w // chunk
+            if mode == 1:
+                # bfloat16 bits read in place (the sums and the codes widen them in
+                # registers); the next window prefetched as _nb_widen does
+                for k in range(we, min(x16.size, we + (we - w)), 32):
+                    _nb_prefetch(x16, k)
+                xb = x16[w:we]
+                for j in range(invs.size):
+                    s = j * chunk
+                    if s >= xb.size:
+                        break
+                    src16 = xb[s : min(s + chunk, xb.size)]
+                    lanes[:] = 0.0
+                    _vsum_sq(src16, lanes)
+                    stat[c + j] = _nb_norm_total16(src16, clamp, lanes)
+                    invs[j] = _nb_stat_inv(stat[c + j], 0, levels)
+                _nb_qsgd_window16(xb, w, chunk, invs, levels, seed, buf[w - a : we - a])
+                continue
+            x = _nb_widen(xf, x16, mode, w, we, wide)
             for j in range(invs.size):
                 s = j * chunk
                 if s >= x.size:
@@ -2176,6 +2240,9 @@ _HELPERS = (
     "_nb_stat_inv",
     "_nb_qsgd_run",
     "_nb_qsgd_window",
+    "_nb_norm_total16",
+    "_nb_qsgd_run16",
+    "_nb_qsgd_window16",
 )
 # helpers inlined where they are called (numba IR inlining: a call in a loop would keep
 # the loop from vectorizing)
@@ -2358,7 +2425,8 @@ def _c_array(ty: Any, dtype: Any, ndim: int | None = None) -> bool:
 def _vector_lane_sum(square: bool) -> Any:
     """A numba intrinsic ``(src, lanes)``: ``lanes[j] += f64(src[8g + j]) ** 2`` (``square``)
     or ``|f64(src[8g + j])|`` for every whole group of eight of the contiguous float32
-    ``src``, with the eight lanes held in one ``<8 x double>`` vector: each lane adds its
+    ``src`` (or bfloat16 bits as uint16, widened in registers), with the eight lanes held in
+    one ``<8 x double>`` vector: each lane adds its
     terms in index order, exactly as eight scalar sums do (no fused multiply-add, no
     reassociation), so the result does not depend on the machine's vector width; LLVM only
     vectorizes eight scalar chains when its SLP pass is on, which numba leaves off."""
@@ -2368,7 +2436,10 @@ def _vector_lane_sum(square: bool) -> Any:
 
     @intrinsic
     def lane_sum(typingctx: Any, src: Any, lanes: Any) -> Any:
-        if not (_c_array(src, types.float32, 1) and _c_array(lanes, types.float64)):
+        if not (
+            (_c_array(src, types.float32, 1) or _c_array(src, types.uint16, 1))
+            and _c_array(lanes, types.float64)
+        ):
             return None
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -2385,8 +2456,16 @@ def _vector_lane_sum(square: bool) -> Any:
             groups = builder.udiv(s.nitems, ir.Constant(s.nitems.type, 8))
             with cgutils.for_range(builder, groups) as loop:
                 first = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
-                ptr = builder.bitcast(builder.gep(s.data, [first]), f32x8.as_pointer())
-                v = builder.fpext(builder.load(ptr, align=4), f64x8)
+                if signature.args[0].dtype == types.uint16:  # bfloat16 bits, widened here
+                    i16x8 = ir.VectorType(ir.IntType(16), 8)
+                    i32x8 = ir.VectorType(ir.IntType(32), 8)
+                    ptr = builder.bitcast(builder.gep(s.data, [first]), i16x8.as_pointer())
+                    h = builder.zext(builder.load(ptr, align=2), i32x8)
+                    h = builder.shl(h, ir.Constant(i32x8, [16] * 8))
+                    v = builder.fpext(builder.bitcast(h, f32x8), f64x8)
+                else:
+                    ptr = builder.bitcast(builder.gep(s.data, [first]), f32x8.as_pointer())
+                    v = builder.fpext(builder.load(ptr, align=4), f64x8)
                 term = builder.fmul(v, v) if square else builder.call(fabs, [v])
                 builder.store(builder.fadd(builder.load(acc), term), acc)
             builder.store(builder.load(acc), lanes_ptr, align=8)
