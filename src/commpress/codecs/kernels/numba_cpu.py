@@ -2427,8 +2427,9 @@ def _vector_lane_sum(square: bool) -> Any:
     or ``|f64(src[8g + j])|`` for every whole group of eight of the contiguous float32
     ``src`` (or bfloat16 bits as uint16, widened in registers), with the eight lanes held in
     one ``<8 x double>`` vector: each lane adds its terms in index order, exactly as eight
-    scalar sums do (no fused multiply-add, no reassociation), so the result does not depend on the machine's vector width; LLVM only
-    vectorizes eight scalar chains when its SLP pass is on, which numba leaves off."""
+    scalar sums do (no fused multiply-add, no reassociation), so the result does not depend
+    on the machine's vector width; LLVM only vectorizes eight scalar chains when its SLP pass
+    is on, which numba leaves off."""
     from llvmlite import ir
     from numba.core import cgutils, types
     from numba.core.extending import intrinsic
