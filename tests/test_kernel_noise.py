@@ -147,7 +147,8 @@ def test_weak_generators_fail_the_pair_checks() -> None:
 
 def test_codes_across_a_key_block_boundary() -> None:
     """The codes kernel splits a span that crosses a multiple of 2^32 and keys each part
-    by its own block: TernGrad's codes there are those of the reference noise."""
+    by its own block: TernGrad's codes there are those of the reference noise (float32, and
+    bfloat16 bits coded in place)."""
     from commpress.codecs.kernels import numba_cpu
 
     assert kernels._load() is not None  # compiles the helpers
@@ -160,6 +161,79 @@ def test_codes_across_a_key_block_boundary() -> None:
     keep = reference(seed, start, n) < np.abs(x) * inv
     want = np.where(keep, np.where(x < 0, 0, 2), 1)
     assert np.array_equal(codes, want)
+    # bfloat16 bits coded in place (_nb_draw_codes16) split there too
+    x16 = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    wide = (x16.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    numba_cpu._nb_draw_codes16(x16, start, np.uint64(seed), inv, 1, 1, codes)
+    keep = reference(seed, start, n) < np.abs(wide) * inv
+    assert np.array_equal(codes, np.where(keep, np.where(wide < 0, 0, 2), 1))
+
+
+def _codes_statement(x: np.ndarray, y: int, khi: int, inv: np.ndarray, kind: int,
+                     top: float) -> np.ndarray:
+    """The codes of x with the uniform of Weyl term y + k * 0x9E3779B9 (mod 2^32) and key
+    half khi for value k, multiplier inv[k], in numpy's float32: QSGD's (kind 0) or
+    TernGrad's (kind 1), as _nb_qsgd_code and _nb_stoch_code state them."""
+    k = np.arange(x.size, dtype=np.uint64)
+    ys = ((np.uint64(y) + k * np.uint64(0x9E3779B9)) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    u = ((_finalize(ys) ^ np.uint32(khi)) >> np.uint32(8)).astype(np.float32)
+    u *= np.float32(2.0**-24)
+    with np.errstate(invalid="ignore"):
+        mag = np.abs(x) * inv
+        if kind == 1:
+            return np.where(u < mag, np.where(x < 0, 0, 2), 1).astype(np.uint8)
+        t = mag + u
+        t = np.where(t > 0, t, np.float32(0.0))
+        t = np.where(t < np.float32(top), t, np.float32(top))
+        return (np.float32(top) + np.copysign(np.floor(t), x)).astype(np.int32).astype(np.uint8)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 32, 33, 47, 100, 2047])
+def test_vector_codes_equal_their_statement(n: int) -> None:
+    """QSGD's and TernGrad's codes loops take whole groups of 16 values in LLVM vector code
+    (``_vector_stoch_codes``) and the rest in numba's loop: every value's code equals the
+    numpy statement of the code with its own draw, in groups and tails, across a wrap of
+    the Weyl term, with zeros of both signs, NaNs, infinities, subnormals and multipliers
+    of 0, inf and large values; and QSGD's window of chunks (``_nb_qsgd_run``) steps the
+    draws across chunks whose lengths are not multiples of 16."""
+    from commpress.codecs.kernels import numba_cpu
+
+    assert kernels._load() is not None  # compiles the helpers
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 3.0).astype(np.float32)
+    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-40, 3e38],
+                        np.float32)
+    if n:
+        at = rng.choice(n, size=min(n, 2 * specials.size), replace=False)
+        x[at] = np.resize(specials, at.size)
+    khi = 0x5BD1E995
+    # bfloat16 inputs are coded from their bits (_nb_draw_loop16): the codes of their
+    # float32 widening
+    x16 = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    wide = (x16.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    for y in (0, 0xFFFFFFF0, 0x12345678):
+        for inv in (0.0, 0.7, 30.0, np.inf, 1e30):
+            inv32 = np.float32(inv)
+            for kind, top in ((0, 127.0), (0, 1.0), (1, 1.0)):
+                codes = np.full(n, 99, np.uint8)
+                numba_cpu._nb_draw_loop(x, np.uint32(y), np.uint32(khi), inv32, kind,
+                                        np.float32(top), codes)
+                want = _codes_statement(x, y, khi, np.full(n, inv32), kind, top)
+                assert np.array_equal(codes, want), (y, inv, kind, top)
+                numba_cpu._nb_draw_loop16(x16, np.uint32(y), np.uint32(khi), inv32, kind,
+                                          np.float32(top), codes)
+                want = _codes_statement(wide, y, khi, np.full(n, inv32), kind, top)
+                assert np.array_equal(codes, want), ("bfloat16", y, inv, kind, top)
+        chunk = 37
+        invs = np.array([30.0, 0.0, np.inf, 0.7] * 20, np.float32)[: -(-n // chunk)]
+        codes = np.full(n, 99, np.uint8)
+        numba_cpu._nb_qsgd_run(x, np.uint32(y), np.uint32(khi), chunk, invs, np.float32(7.0),
+                               codes)
+        want = _codes_statement(x, y, khi, np.repeat(invs, chunk)[:n], 0, 7.0)
+        assert np.array_equal(codes, want), y
+    if n > 100:
+        assert len(set(want.tolist())) >= 12  # the codes spread over the levels
 
 
 @pytest.mark.parametrize("start", [0, BLOCK - 300, BLOCK - 512, BLOCK])
@@ -168,7 +242,8 @@ def test_qsgd_window_codes_equal_the_per_chunk_codes(start: int) -> None:
     code formula and one noise key per window): its codes equal ``_nb_stoch_codes``' chunk
     by chunk, inside a key block and across a multiple of 2^32 (inside a chunk and on a
     chunk boundary), with zeros of both signs, NaNs, infinities and multipliers of 0 and
-    inf; and, across the boundary, the codes of the reference noise."""
+    inf; and, across the boundary, the codes of the reference noise. bfloat16 bits coded in
+    place (``_nb_qsgd_window16``) give the codes of their float32 widening."""
     from commpress.codecs.kernels import numba_cpu
 
     assert kernels._load() is not None  # compiles the helpers
@@ -187,6 +262,16 @@ def test_qsgd_window_codes_equal_the_per_chunk_codes(start: int) -> None:
                                   noise, want[s:e])
     assert np.array_equal(codes, want)
     assert len(set(codes.tolist())) > 50  # the codes spread over the levels
+    # bfloat16 bits coded in place (_nb_qsgd_window16): the codes of their widening
+    x16 = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    wide = (x16.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    codes16, want16 = np.zeros(n, np.uint8), np.ones(n, np.uint8)
+    numba_cpu._nb_qsgd_window16(x16, start, chunk, invs, levels, np.uint64(seed), codes16)
+    for j, s in enumerate(range(0, n, chunk)):
+        e = min(s + chunk, n)
+        numba_cpu._nb_stoch_codes(wide[s:e], start + s, invs[j], 0, levels, 1, np.uint64(seed),
+                                  noise, want16[s:e])
+    assert np.array_equal(codes16, want16)
     if start == BLOCK - 300:
         inv = np.repeat(invs, chunk)[:n]
         with np.errstate(invalid="ignore"):

@@ -102,6 +102,8 @@ prange = range  # replaced by numba.prange in _build()
 _vsum_sq: Any = None  # replaced by _vector_lane_sum(True) in _build()
 _vsum_abs: Any = None  # replaced by _vector_lane_sum(False) in _build()
 _vsign_bits: Any = None  # replaced by _vector_sign_bits() in _build()
+_vqsgd_codes: Any = None  # replaced by _vector_stoch_codes(0) in _build()
+_vtern_codes: Any = None  # replaced by _vector_stoch_codes(1) in _build()
 # replaced by _vector_half_divide(...) in _build(), or stay None (no F16C)
 _vhalf_divide: Any = None
 _vhalf_scale: Any = None
@@ -969,17 +971,60 @@ def _nb_draw_codes(src: Any, g: Any, seed: Any, inv: Any, kind: Any, top: Any, d
 def _nb_draw_loop(src: Any, y: Any, khi: Any, inv: Any, kind: Any, top: Any, dst: Any) -> None:
     # the codes of src with u = _nb_draw(y, khi), y stepping by 0x9E3779B9. A function of
     # its own: with the 32-bit term computed in the same function from a 64-bit index, LLVM
-    # widened it to 64 bits and the hash ran on 8 lanes of 64 bits instead of 16 of 32
+    # widened it to 64 bits and the hash ran on 8 lanes of 64 bits instead of 16 of 32.
+    # Whole groups of _STOCH_GROUP values in vector code (_vqsgd_codes, whose qsgd codes
+    # equal _nb_stoch_code's (see _nb_qsgd_code), and _vtern_codes), the rest here
+    whole = src.size // _STOCH_GROUP * _STOCH_GROUP
     if kind == 0:
-        for k in range(src.size):
-            u = _nb_draw(y, khi)
-            y = u32(y + u32(0x9E3779B9))
-            dst[k] = _nb_stoch_code(src[k], u, inv, 0, top)
+        _vqsgd_codes(src, y, khi, inv, top, dst)
     else:
-        for k in range(src.size):
+        _vtern_codes(src, y, khi, inv, top, dst)
+    y = u32(y + u32(u32(whole) * u32(0x9E3779B9)))
+    rest = src[whole:]
+    tail = dst[whole:]
+    if kind == 0:
+        for k in range(rest.size):
             u = _nb_draw(y, khi)
             y = u32(y + u32(0x9E3779B9))
-            dst[k] = _nb_stoch_code(src[k], u, inv, 1, top)
+            tail[k] = _nb_stoch_code(rest[k], u, inv, 0, top)
+    else:
+        for k in range(rest.size):
+            u = _nb_draw(y, khi)
+            y = u32(y + u32(0x9E3779B9))
+            tail[k] = _nb_stoch_code(rest[k], u, inv, 1, top)
+
+
+def _nb_draw_loop16(
+    src: Any, y: Any, khi: Any, inv: Any, kind: Any, top: Any, dst: Any
+) -> None:
+    # _nb_draw_loop's codes of the bfloat16 bits src, read in their own width (no widened
+    # copy): whole groups in vector code, the rest here
+    whole = src.size // _STOCH_GROUP * _STOCH_GROUP
+    if kind == 0:
+        _vqsgd_codes(src, y, khi, inv, top, dst)
+    else:
+        _vtern_codes(src, y, khi, inv, top, dst)
+    y = u32(y + u32(u32(whole) * u32(0x9E3779B9)))
+    rest = src[whole:]
+    tail = dst[whole:]
+    for k in range(rest.size):
+        u = _nb_draw(y, khi)
+        y = u32(y + u32(0x9E3779B9))
+        tail[k] = _nb_stoch_code(_nb_bf16_value(rest[k]), u, inv, kind, top)
+
+
+def _nb_draw_codes16(
+    src: Any, g: Any, seed: Any, inv: Any, kind: Any, levels: Any, dst: Any
+) -> None:
+    # _nb_stoch_codes' codes with drawn noise (rmode 1) of the bfloat16 bits src,
+    # coordinates g.., split where src crosses a multiple of 2^32 (the noise key's block)
+    top = f32(levels)
+    m = min(src.size, (g | 0xFFFFFFFF) + 1 - g)
+    y, khi = _nb_noise_start(seed, g)
+    _nb_draw_loop16(src[:m], y, khi, inv, kind, top, dst[:m])
+    if m < src.size:
+        y, khi = _nb_noise_start(seed, g + m)
+        _nb_draw_loop16(src[m:], y, khi, inv, kind, top, dst[m:])
 
 
 def _nb_stoch_code(v: Any, u: Any, inv: Any, kind: Any, top: Any) -> Any:
@@ -1012,14 +1057,27 @@ def _nb_stoch_units(
         buf = packed[a:] if bits == 8 else np.empty(UNIT + 8, np.uint8)
         wide = np.empty(WINDOW if mode else 1, np.float32)
         step = WINDOW if mode else UNIT
+        # qsgd and terngrad codes of bfloat16 inputs with drawn noise read the bits in
+        # place (_nb_draw_codes16: no widened copy); the next window is prefetched as
+        # _nb_widen does
+        direct = mode == 1 and kind != 2 and rmode == 1
+        x = wide
         for w in range(a, b, step):
             we = min(w + step, b)
-            x = _nb_widen(xf, x16, mode, w, we, wide)
+            if direct:
+                for k in range(we, min(x16.size, we + (we - w)), 32):
+                    _nb_prefetch(x16, k)
+            else:
+                x = _nb_widen(xf, x16, mode, w, we, wide)
             i = w
             c = w // chunk
             while i < we:
                 e = min((c + 1) * chunk, we)
-                if kind == 2:
+                if direct:
+                    _nb_draw_codes16(
+                        x16[i:e], i, seed, inv_all[c], kind, levels, buf[i - a : e - a]
+                    )
+                elif kind == 2:
                     _nb_quantize(
                         x[i - w : e - w], i, lo_all[c], pre_all[c], inv_all[c], f32(levels),
                         rmode, seed, noise, buf[i - a : e - a],
@@ -1234,10 +1292,17 @@ def _nb_qsgd_run(x: Any, y: Any, khi: Any, chunk: Any, invs: Any, top: Any, dst:
         src = x[j * chunk : min((j + 1) * chunk, x.size)]
         out = dst[j * chunk : min((j + 1) * chunk, x.size)]
         inv = invs[j]
-        for k in range(src.size):
+        # whole groups of _STOCH_GROUP in vector code (_vqsgd_codes: the same operations),
+        # the rest here
+        whole = src.size // _STOCH_GROUP * _STOCH_GROUP
+        _vqsgd_codes(src, y, khi, inv, top, out)
+        y = u32(y + u32(u32(whole) * u32(0x9E3779B9)))
+        rest = src[whole:]
+        tail = out[whole:]
+        for k in range(rest.size):
             u = _nb_draw(y, khi)
             y = u32(y + u32(0x9E3779B9))
-            out[k] = _nb_qsgd_code(src[k], u, inv, top)
+            tail[k] = _nb_qsgd_code(rest[k], u, inv, top)
 
 
 def _nb_qsgd_window(
@@ -1254,6 +1319,53 @@ def _nb_qsgd_window(
         s, e = j * chunk, min((j + 1) * chunk, x.size)
         # rmode 1 (drawn noise): its noise argument, here invs, is not read
         _nb_stoch_codes(x[s:e], g + s, invs[j], 0, levels, 1, seed, invs, dst[s:e])
+
+
+def _nb_norm_total16(src: Any, clamp: Any, lanes: Any) -> Any:
+    # _nb_norm_total of the bfloat16 bits src (its tail widened here)
+    acc = 0.0
+    for j in range(8):
+        acc += lanes[j]
+    for k in range(src.size // 8 * 8, src.size):
+        v = np.float64(_nb_bf16_value(src[k]))
+        acc += v * v
+    norm = np.sqrt(acc)
+    if norm > np.float64(clamp) and norm < np.inf:
+        norm = np.float64(clamp)
+    return f32(norm)
+
+
+def _nb_qsgd_run16(
+    x: Any, y: Any, khi: Any, chunk: Any, invs: Any, top: Any, dst: Any
+) -> None:
+    # _nb_qsgd_run of the bfloat16 bits x
+    for j in range((x.size + chunk - 1) // chunk):
+        src = x[j * chunk : min((j + 1) * chunk, x.size)]
+        out = dst[j * chunk : min((j + 1) * chunk, x.size)]
+        inv = invs[j]
+        whole = src.size // _STOCH_GROUP * _STOCH_GROUP
+        _vqsgd_codes(src, y, khi, inv, top, out)
+        y = u32(y + u32(u32(whole) * u32(0x9E3779B9)))
+        rest = src[whole:]
+        tail = out[whole:]
+        for k in range(rest.size):
+            u = _nb_draw(y, khi)
+            y = u32(y + u32(0x9E3779B9))
+            tail[k] = _nb_qsgd_code(_nb_bf16_value(rest[k]), u, inv, top)
+
+
+def _nb_qsgd_window16(
+    x: Any, g: Any, chunk: Any, invs: Any, levels: Any, seed: Any, dst: Any
+) -> None:
+    # _nb_qsgd_window of the bfloat16 bits x (across a multiple of 2^32: chunk by chunk
+    # through _nb_draw_codes16, which splits)
+    if (g >> 32) == ((g + x.size - 1) >> 32):
+        y, khi = _nb_noise_start(seed, g)
+        _nb_qsgd_run16(x, y, khi, chunk, invs, f32(levels), dst)
+        return
+    for j in range((x.size + chunk - 1) // chunk):
+        s, e = j * chunk, min((j + 1) * chunk, x.size)
+        _nb_draw_codes16(x[s:e], g + s, seed, invs[j], 0, levels, dst[s:e])
 
 
 def _nb_qsgd_items(
@@ -1279,8 +1391,25 @@ def _nb_qsgd_items(
         invs = np.empty(WINDOW // chunk, np.float32)
         for w in range(a, b, span):
             we = min(w + span, b)
-            x = _nb_widen(xf, x16, mode, w, we, wide)
             c = w // chunk
+            if mode == 1:
+                # bfloat16 bits read in place (the sums and the codes widen them in
+                # registers); the next window prefetched as _nb_widen does
+                for k in range(we, min(x16.size, we + (we - w)), 32):
+                    _nb_prefetch(x16, k)
+                xb = x16[w:we]
+                for j in range(invs.size):
+                    s = j * chunk
+                    if s >= xb.size:
+                        break
+                    src16 = xb[s : min(s + chunk, xb.size)]
+                    lanes[:] = 0.0
+                    _vsum_sq(src16, lanes)
+                    stat[c + j] = _nb_norm_total16(src16, clamp, lanes)
+                    invs[j] = _nb_stat_inv(stat[c + j], 0, levels)
+                _nb_qsgd_window16(xb, w, chunk, invs, levels, seed, buf[w - a : we - a])
+                continue
+            x = _nb_widen(xf, x16, mode, w, we, wide)
             for j in range(invs.size):
                 s = j * chunk
                 if s >= x.size:
@@ -2156,6 +2285,8 @@ _HELPERS = (
     "_nb_stoch_codes",
     "_nb_noise_start",
     "_nb_draw_loop",
+    "_nb_draw_loop16",
+    "_nb_draw_codes16",
     "_nb_norm_total",
     "_nb_max_key",
     "_nb_max_key16",
@@ -2163,6 +2294,9 @@ _HELPERS = (
     "_nb_stat_inv",
     "_nb_qsgd_run",
     "_nb_qsgd_window",
+    "_nb_norm_total16",
+    "_nb_qsgd_run16",
+    "_nb_qsgd_window16",
 )
 # helpers inlined where they are called (numba IR inlining: a call in a loop would keep
 # the loop from vectorizing)
@@ -2346,17 +2480,21 @@ def _c_array(ty: Any, dtype: Any, ndim: int | None = None) -> bool:
 def _vector_lane_sum(square: bool) -> Any:
     """A numba intrinsic ``(src, lanes)``: ``lanes[j] += f64(src[8g + j]) ** 2`` (``square``)
     or ``|f64(src[8g + j])|`` for every whole group of eight of the contiguous float32
-    ``src``, with the eight lanes held in one ``<8 x double>`` vector: each lane adds its
-    terms in index order, exactly as eight scalar sums do (no fused multiply-add, no
-    reassociation), so the result does not depend on the machine's vector width; LLVM only
-    vectorizes eight scalar chains when its SLP pass is on, which numba leaves off."""
+    ``src`` (or bfloat16 bits as uint16, widened in registers), with the eight lanes held in
+    one ``<8 x double>`` vector: each lane adds its terms in index order, exactly as eight
+    scalar sums do (no fused multiply-add, no reassociation), so the result does not depend
+    on the machine's vector width; LLVM only vectorizes eight scalar chains when its SLP pass
+    is on, which numba leaves off."""
     from llvmlite import ir
     from numba.core import cgutils, types
     from numba.core.extending import intrinsic
 
     @intrinsic
     def lane_sum(typingctx: Any, src: Any, lanes: Any) -> Any:
-        if not (_c_array(src, types.float32, 1) and _c_array(lanes, types.float64)):
+        if not (
+            (_c_array(src, types.float32, 1) or _c_array(src, types.uint16, 1))
+            and _c_array(lanes, types.float64)
+        ):
             return None
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -2373,8 +2511,16 @@ def _vector_lane_sum(square: bool) -> Any:
             groups = builder.udiv(s.nitems, ir.Constant(s.nitems.type, 8))
             with cgutils.for_range(builder, groups) as loop:
                 first = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
-                ptr = builder.bitcast(builder.gep(s.data, [first]), f32x8.as_pointer())
-                v = builder.fpext(builder.load(ptr, align=4), f64x8)
+                if signature.args[0].dtype == types.uint16:  # bfloat16 bits, widened here
+                    i16x8 = ir.VectorType(ir.IntType(16), 8)
+                    i32x8 = ir.VectorType(ir.IntType(32), 8)
+                    ptr = builder.bitcast(builder.gep(s.data, [first]), i16x8.as_pointer())
+                    h = builder.zext(builder.load(ptr, align=2), i32x8)
+                    h = builder.shl(h, ir.Constant(i32x8, [16] * 8))
+                    v = builder.fpext(builder.bitcast(h, f32x8), f64x8)
+                else:
+                    ptr = builder.bitcast(builder.gep(s.data, [first]), f32x8.as_pointer())
+                    v = builder.fpext(builder.load(ptr, align=4), f64x8)
                 term = builder.fmul(v, v) if square else builder.call(fabs, [v])
                 builder.store(builder.fadd(builder.load(acc), term), acc)
             builder.store(builder.load(acc), lanes_ptr, align=8)
@@ -2425,6 +2571,115 @@ def _vector_sign_bits() -> Any:
         return types.void(src, dst), codegen
 
     return sign_bits
+
+
+#: Values per vector step of _vector_stoch_codes (one AVX-512 register of float32)
+_STOCH_GROUP = 16
+
+
+def _vector_stoch_codes(kind: int) -> Any:
+    """A numba intrinsic ``(src, y, khi, inv, top, dst)``: for every whole group of
+    :data:`_STOCH_GROUP` values of the contiguous ``src`` (float32, or bfloat16 bits as
+    uint16, widened in registers), ``dst[k]`` = the code of
+    ``src[k]`` with the uniform ``_nb_draw(y + k * 0x9E3779B9, khi)`` and multiplier ``inv``:
+    ``_nb_qsgd_code`` (``kind`` 0, ``top`` its levels) or ``_nb_stoch_code``'s TernGrad code
+    (``kind`` 1). The same float32 and uint32 operations, lane by lane, in LLVM vector code
+    (no fused multiply-add, no fast-math flags), so the codes are those of the scalar loops
+    on every machine. numba's loops ran on 8 lanes (256-bit vectors, LLVM's preference on
+    this Intel Xeon); vectors of 16 run on AVX-512 registers (LLVM splits them elsewhere):
+    24 instructions per 16 values instead of per 8. The caller codes the rest (fewer than
+    16 values) and steps ``y`` past the groups."""
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.core.extending import intrinsic
+
+    lanes = _STOCH_GROUP
+    gamma = 0x9E3779B9
+
+    @intrinsic
+    def stoch_codes(
+        typingctx: Any, src: Any, y: Any, khi: Any, inv: Any, top: Any, dst: Any
+    ) -> Any:
+        if not (
+            (_c_array(src, types.float32, 1) or _c_array(src, types.uint16, 1))
+            and _c_array(dst, types.uint8, 1) and y == types.uint32
+            and khi == types.uint32 and inv == types.float32 and top == types.float32
+        ):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            s = context.make_array(signature.args[0])(context, builder, args[0])
+            d = context.make_array(signature.args[5])(context, builder, args[5])
+            bf16 = signature.args[0].dtype == types.uint16
+            i8, i32, f32t = ir.IntType(8), ir.IntType(32), ir.FloatType()
+            vi, vf, vb = (ir.VectorType(t, lanes) for t in (i32, f32t, i8))
+
+            def splat(v: Any, ty: Any) -> Any:
+                one = builder.insert_element(ir.Constant(ty, ir.Undefined), v, i32(0))
+                return builder.shuffle_vector(
+                    one, ir.Constant(ty, ir.Undefined), ir.Constant(vi, [0] * lanes)
+                )
+
+            def ci(k: int) -> Any:
+                return ir.Constant(vi, [k & 0xFFFFFFFF] * lanes)
+
+            def cf(v: float) -> Any:
+                return ir.Constant(vf, [v] * lanes)
+
+            def unary(name: str, n: int) -> Any:
+                return cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(vf, [vf] * n), f"llvm.{name}.v{lanes}f32"
+                )
+
+            fabs, floor, copysign = unary("fabs", 1), unary("floor", 1), unary("copysign", 2)
+            step = ir.Constant(vi, [(k * gamma) & 0xFFFFFFFF for k in range(lanes)])
+            khi_v, inv_v, top_v = splat(args[2], vi), splat(args[3], vf), splat(args[4], vf)
+            ys = cgutils.alloca_once(builder, vi)
+            builder.store(builder.add(splat(args[1], vi), step), ys)
+            index = s.nitems.type
+            groups = builder.udiv(s.nitems, ir.Constant(index, lanes))
+            with cgutils.for_range(builder, groups) as loop:
+                first = builder.mul(loop.index, ir.Constant(index, lanes))
+                yv = builder.load(ys)
+                # _nb_draw: the finalizer, ^ khi, top 24 bits as a float32 in [0, 1)
+                x = builder.xor(yv, builder.lshr(yv, ci(16)))
+                x = builder.mul(x, ci(0x7FEB352D))
+                x = builder.xor(x, builder.lshr(x, ci(15)))
+                x = builder.mul(x, ci(0x846CA68B))
+                x = builder.xor(builder.xor(x, builder.lshr(x, ci(16))), khi_v)
+                u = builder.fmul(
+                    builder.sitofp(builder.lshr(x, ci(8)), vf), cf(5.9604644775390625e-08)
+                )
+                if bf16:  # bfloat16 bits: the top half of a float32 (exact)
+                    vh = ir.VectorType(ir.IntType(16), lanes)
+                    ptr = builder.bitcast(builder.gep(s.data, [first]), vh.as_pointer())
+                    h = builder.zext(builder.load(ptr, align=2), vi)
+                    v = builder.bitcast(builder.shl(h, ci(16)), vf)
+                else:
+                    ptr = builder.bitcast(builder.gep(s.data, [first]), vf.as_pointer())
+                    v = builder.load(ptr, align=4)
+                mag = builder.fmul(builder.call(fabs, [v]), inv_v)
+                if kind == 0:
+                    # _nb_qsgd_code: clamp |v| inv + u to [0, top] (NaN -> 0), floor,
+                    # top + copysign
+                    t = builder.fadd(mag, u)
+                    t = builder.select(builder.fcmp_ordered(">", t, cf(0.0)), t, cf(0.0))
+                    t = builder.select(builder.fcmp_ordered("<", t, top_v), t, top_v)
+                    t = builder.call(copysign, [builder.call(floor, [t]), v])
+                    code = builder.fptosi(builder.fadd(top_v, t), vi)
+                else:
+                    # _nb_stoch_code, kind 1: 1 + sign(v) where u < |v| inv, else 1
+                    keep = builder.fcmp_ordered("<", u, mag)
+                    sign = builder.select(builder.fcmp_ordered("<", v, cf(0.0)), ci(0), ci(2))
+                    code = builder.select(keep, sign, ci(1))
+                out = builder.bitcast(builder.gep(d.data, [first]), vb.as_pointer())
+                builder.store(builder.trunc(code, vb), out, align=1)
+                builder.store(builder.add(yv, ci(lanes * gamma)), ys)
+            return context.get_dummy_value()
+
+        return types.void(src, y, khi, inv, top, dst), codegen
+
+    return stoch_codes
 
 
 #: float32 values per vector of :func:`_vector_half_divide`.
@@ -2749,6 +3004,8 @@ def _build() -> dict[str, Callable[..., Any]]:
     module["_vsum_sq"] = _vector_lane_sum(True)
     module["_vsum_abs"] = _vector_lane_sum(False)
     module["_vsign_bits"] = _vector_sign_bits()
+    module["_vqsgd_codes"] = _vector_stoch_codes(0)
+    module["_vtern_codes"] = _vector_stoch_codes(1)
     module["_vhalf_divide"] = _vector_half_divide(False)
     module["_vhalf_scale"] = _vector_half_divide(True)
     module.update(_lowrank_vector_kernels(_PREFETCHES[0]))
