@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -134,3 +135,62 @@ def test_take_is_index_select(dtype: torch.dtype) -> None:
         assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
                            want.view(torch.int16 if dtype != torch.float32 else torch.int32))
         assert kernels.take(x, idx[:0]).numel() == 0
+
+
+def _pick_reference(
+    keys: np.ndarray, a: int, thr: int, left: int, cap: int
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """``_nb_pick``'s contract in numpy: positions ``a + i`` (and keys) of the keys above
+    ``thr``, or equal to it for the first ``left`` of those, ascending; -1 past ``cap``."""
+    above = keys > thr
+    tied = np.flatnonzero(keys == thr)[:left]
+    chosen = above.copy()
+    chosen[tied] = True
+    pos = np.flatnonzero(chosen)
+    if pos.size > cap:
+        return -1, pos, keys[pos]
+    return int(pos.size), pos + a, keys[pos]
+
+
+@pytest.mark.parametrize("width", [16, 32])
+@pytest.mark.parametrize("n", [0, 5, 8, 1023, 1024, 1031, 3000, 4096 + 13])
+def test_pick_writes_the_chosen_positions_on_every_branch(width: int, n: int) -> None:
+    """The collecting helper shared by Top-K's and DGC's selections, called directly: the
+    branch-free eight-element writes (with and without keys; unsigned indices), the
+    per-element path (ties left to take, a threshold at +Inf's key, a word past the end of
+    a short chunk, a room with fewer than eight slots left) and the overflow answer, against
+    numpy, on float32 bits and 16-bit bits with NaN, +-Inf, -0 and ties."""
+    from commpress.codecs.kernels import numba_cpu
+
+    kernels.load_numba("numba_cpu")
+    pick = numba_cpu._nb_pick
+    g = torch.Generator().manual_seed(n + width)
+    x = torch.randint(-6, 7, (n,), generator=g).float() * 0.5
+    x[::37] = math.nan
+    x[::41] = math.inf
+    x[::43] = -math.inf
+    x[::29] = -0.0
+    if width == 32:
+        src = x.numpy().view(np.int32)
+        mask, inf_key = np.int32(0x7FFFFFFF), np.int32(0x7F800000)
+    else:
+        src = x.bfloat16().view(torch.int16).numpy().view(np.uint16)
+        mask, inf_key = np.uint16(0x7FFF), np.int32(0x7F80)
+    keys = np.minimum(src.astype(np.int64) & int(mask), int(inf_key)).astype(np.int32)
+    thresholds = [int(np.sort(keys)[n // 2]) if n else 0, int(inf_key), 0]
+    for thr in thresholds:
+        for left in (0, 1, 7, n):
+            _, full, _ = _pick_reference(keys, 0, thr, left, n + 1)
+            for cap in {n + 16, full.size, full.size + 3, max(0, full.size - 1)}:
+                for want in (True, False):
+                    idx = np.full(cap, -7, np.int64)
+                    got_keys = np.full(cap, -7, np.int32)
+                    a = 1000
+                    count = pick(src, a, mask, inf_key, np.int32(thr), left, idx, got_keys,
+                                 want)
+                    ref_count, ref_idx, ref_keys = _pick_reference(keys, a, thr, left, cap)
+                    assert count == ref_count, (thr, left, cap, want)
+                    if count >= 0:
+                        assert np.array_equal(idx[:count], ref_idx), (thr, left, cap, want)
+                        if want:
+                            assert np.array_equal(got_keys[:count], ref_keys)

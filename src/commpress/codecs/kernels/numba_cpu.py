@@ -1563,7 +1563,12 @@ def _nb_pick(
     cap = idx.size
     j = 0
     n = src.size
+    line = 64 // src.itemsize
     for g in range(0, n, chunk):
+        # the next chunk's lines are asked for now (the hardware prefetcher stops at each
+        # 4 KB page, and the flags loop waited on their loads)
+        for k in range(g + chunk, min(n, g + 2 * chunk), line):
+            _nb_prefetch(src, k)
         blk = src[g : g + chunk]
         m = blk.size
         exact = left == 0 and thr < inf_key
@@ -1579,16 +1584,23 @@ def _nb_pick(
         for r in range(nw):
             base = 8 * hits[r]
             if exact and j + 8 <= cap and base + 8 <= m:
+                # unsigned indices (j, base >= 0): numba adds a negative-index wraparound
+                # to every access through a signed one, which here doubled the loop
+                ub = u64(base)
+                at = a + g + base
                 if want:  # (two loops: a test inside one costs a third of the pass)
                     for t in range(8):
-                        idx[j] = a + g + base + t
-                        key = i32(blk[base + t] & mask)
-                        keys[j] = key if key <= inf_key else inf_key
-                        j += flags[base + t]
+                        uj = u64(j)
+                        ut = u64(ub + u64(t))
+                        idx[uj] = at + t
+                        key = i32(blk[ut] & mask)
+                        keys[uj] = key if key <= inf_key else inf_key
+                        j += flags[ut]
                 else:
                     for t in range(8):
-                        idx[j] = a + g + base + t
-                        j += flags[base + t]
+                        ut = u64(ub + u64(t))
+                        idx[u64(j)] = at + t
+                        j += flags[ut]
             else:
                 for t in range(min(8, m - base)):
                     if flags[base + t] == 0:
@@ -1838,6 +1850,9 @@ def _nb_sample_keys(xs: Any, mask: Any, inf_key: Any, positions: Any, keys: Any)
 def _nb_take(xs: Any, idx: Any, out: Any) -> None:
     # out[j] = xs[idx[j]] (bits of any width; idx ascending, as DGC's selections are)
     for j in prange(idx.size):
+        # the value _LOOKAHEAD positions ahead is asked for now (each load a cache miss)
+        if j + _LOOKAHEAD < idx.size:
+            _nb_prefetch(xs, idx[j + _LOOKAHEAD])
         out[j] = xs[idx[j]]
 
 
