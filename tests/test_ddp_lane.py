@@ -30,6 +30,7 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
            fail_at: int | None = None, where: str = "encode") -> dict[str, Any]:
     from commpress import ddp as hook
     from commpress.codecs import cast
+    from commpress.codecs.kernels import numba_cpu
 
     replays = {"n": 0}
     real_replay = hook._replay
@@ -49,14 +50,17 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
 
     hook.fire = fire  # type: ignore[assignment]
     real_cast, real_decode = cast._cast_into, cast._FloatCast._decode
-    real_divide = cast.kernels.convert_divide
+    # the bound fp16 mean's one pass (kernels.prepare_convert_divide) launches through
+    # numba_cpu._launch: in these models no other numba kernel runs (the other casts and the
+    # decodes are torch's copies), so its launches count the fused passes
+    real_launch = numba_cpu._launch
     fused = {"n": 0}
 
-    def counted_divide(*args: Any) -> Any:  # the bound fp16 mean's one pass
+    def counted_launch() -> Any:
         fused["n"] += 1
-        return real_divide(*args)
+        return real_launch()
 
-    cast.kernels.convert_divide = counted_divide  # type: ignore[assignment]
+    numba_cpu._launch = counted_launch  # type: ignore[assignment]
     model = DDP(_model(), bucket_cap_mb=0.01)  # several buckets
     state = commpress.ddp.register(model, codec, **options)
     grads, errors = [], []
@@ -67,7 +71,7 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
                 raise RuntimeError("injected encode failure")
             if where == "encode":  # the cast, and the fused cast and mean of a bound fp16
                 cast._cast_into = broken  # type: ignore[assignment]
-                cast.kernels.convert_divide = broken  # type: ignore[assignment]
+                numba_cpu._launch = broken  # type: ignore[assignment]
         if where == "decode" and step == 0:
             # by the step in the codec context: a bucket decoded late, when the loop has
             # gone on, still fails
@@ -96,13 +100,13 @@ def _train(rank: int, lanes: bool, codec: str, options: dict[str, Any],
             errors.append((step, "injected encode failure" in str(exc)))
         finally:
             cast._cast_into = real_cast  # type: ignore[assignment]
-            cast.kernels.convert_divide = counted_divide  # type: ignore[assignment]
+            numba_cpu._launch = counted_launch  # type: ignore[assignment]
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()
                                 if p.grad is not None]))
     hook._replay = real_replay  # type: ignore[assignment]
     hook.fire = real_fire  # type: ignore[assignment]
     cast._FloatCast._decode = real_decode  # type: ignore[method-assign]
-    cast.kernels.convert_divide = real_divide  # type: ignore[assignment]
+    numba_cpu._launch = real_launch  # type: ignore[assignment]
     stats = [(s.step, s.tensors, s.codecs, s.reasons, s.wire_bytes, s.failed)
              for s in state.stats]
     plans = {k: (p.codec.codec_id, p.reason, p.step) for k, p in state.plans.items()}

@@ -117,6 +117,20 @@ def test_convert_divides_the_vector_groups_and_the_tail_alike() -> None:
         assert _same(whole, parts)
 
 
+def test_a_prepared_convert_divide_converts_what_the_memory_holds_at_each_call() -> None:
+    x = _float_bits(0, seed=5)[:70001]
+    out = torch.empty(x.numel(), dtype=torch.float16)
+    run = kernels.prepare_convert_divide(x, out, 3)
+    for step in range(3):
+        x.mul_(-2.0 if step else 1.0)  # new values in the same memory
+        run()
+        assert _same(out, kernels.convert_divide(x, torch.empty_like(out), 3)), step
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.prepare_convert_divide(x[::2], out[: x[::2].numel()], 2)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        kernels.prepare_convert_divide(x, torch.empty(x.numel()), 2)
+
+
 def test_convert_divide_pays_only_where_it_runs_as_vector_code() -> None:
     x = torch.ones(40)
     half = torch.empty(40, dtype=torch.float16)

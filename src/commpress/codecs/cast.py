@@ -223,7 +223,9 @@ class _FloatCast(Codec):
         divide = ctx.world_size if ctx.average and ctx.world_size > 1 else 0
         # the cast and the division in one pass where a kernel does it faster (the same
         # bits: kernels.convert_divide); a DDP bucket's mean is a float32 buffer into float16
-        fused = bool(divide) and x.is_contiguous() and kernels.convert_divide_pays(x, wire)
+        fused = (kernels.prepare_convert_divide(x, wire, divide)
+                 if divide and x.is_contiguous() and kernels.convert_divide_pays(x, wire)
+                 else None)
         # the payload of the summed reply, which the in-place sum leaves in ``wire``
         summed = self.make_payload(x, {"values": wire}).replace(summed=ctx.world_size)
         # the cast fails as :meth:`encode` reports it (named after the codec's encode)
@@ -231,8 +233,8 @@ class _FloatCast(Codec):
 
         def encode(_: CodecContext) -> None:
             with encoding:
-                if fused:
-                    kernels.convert_divide(x, wire, divide)
+                if fused is not None:
+                    fused()
                     return
                 _cast_into(x, wire, saturate=False)
             if divide:

@@ -3373,6 +3373,24 @@ class NumbaKernels:
             self["convert_divide"](xf, x16, mode, n, out16, omode, divisor)
         return result
 
+    def prepare_convert_divide(
+        self, x: torch.Tensor, out: torch.Tensor, divisor: int
+    ) -> Callable[[], None]:
+        """See :func:`commpress.codecs.kernels.prepare_convert_divide`."""
+        if not x.is_contiguous():
+            raise CommpressError("prepare_convert_divide takes a contiguous input")
+        xf, x16, mode, n = source(x)
+        _, _, out16, omode = target(out, n)
+        if omode == 0:
+            raise CommpressError(f"convert_divide writes bfloat16 or float16, not {out.dtype}")
+        kernel = self["convert_divide"]
+
+        def run() -> None:
+            with _launch():
+                kernel(xf, x16, mode, n, out16, omode, divisor)
+
+        return run
+
     def offset_decode(
         self,
         packed: torch.Tensor,
