@@ -231,7 +231,9 @@ class _FloatCast(Codec):
 
         def encode(_: CodecContext) -> None:
             with encoding:
-                if fused:
+                # the backend read per call, as _cast_into reads it (use_backend("torch")
+                # around a later step has no convert_divide)
+                if fused and kernels.backend_for(x) == "numba":
                     kernels.convert_divide(x, wire, divide)
                     return
                 _cast_into(x, wire, saturate=False)
