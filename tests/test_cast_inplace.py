@@ -239,3 +239,40 @@ def test_a_bound_cast_sends_what_its_protocol_requests(which: str, dtype: torch.
     want = request.tensors["values"]
     assert bound.wire.dtype == want.dtype and bound.wire_bytes == request.wire_bytes
     assert bound.wire.view(torch.int16).equal(want.reshape(-1).view(torch.int16))
+
+
+@pytest.mark.parametrize("shape", [(4099,), (97, 43)])
+def test_a_bound_fp16_mean_follows_the_backend_at_each_encode(shape: tuple[int, ...]) -> None:
+    """A lane bound while the numba kernels run (its cast and division possibly fused,
+    kernels.convert_divide) still encodes, with the same bits, when a later step runs under
+    another backend (``use_backend("torch")``): the backend is read per call, as
+    ``_cast_into`` reads it, not fixed when the lane was bound."""
+    from commpress.codecs import kernels
+
+    x = torch.randn(shape) * 1000
+    ctx = CodecContext(rank=1, world_size=3, key="k", need_local=False, average=True)
+    bound = get_codec("fp16").bind(x, ctx, out=x, scratch={})
+    assert bound is not None
+    want = torch.empty(x.numel(), dtype=torch.float16)
+    want.copy_(x.reshape(-1))
+    want.div_(3)
+    bound.encode(ctx)
+    assert bound.wire.view(torch.int16).equal(want.view(torch.int16))
+    bound.wire.zero_()
+    from commpress.codecs.kernels import numba_cpu
+
+    launches = []
+    real_launch = numba_cpu._launch
+
+    def counted() -> Any:
+        launches.append(1)
+        return real_launch()
+
+    numba_cpu._launch = counted  # type: ignore[assignment]
+    try:
+        with kernels.use_backend("torch"):
+            bound.encode(ctx)
+    finally:
+        numba_cpu._launch = real_launch  # type: ignore[assignment]
+    assert bound.wire.view(torch.int16).equal(want.view(torch.int16))
+    assert not launches  # the torch backend's cast, not a numba kernel prepared at bind

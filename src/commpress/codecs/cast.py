@@ -233,7 +233,9 @@ class _FloatCast(Codec):
 
         def encode(_: CodecContext) -> None:
             with encoding:
-                if fused is not None:
+                # the backend read per call, as _cast_into reads it (under use_backend("torch")
+                # around a later step the cast is torch's)
+                if fused is not None and kernels.backend_for(x) == "numba":
                     fused()
                     return
                 _cast_into(x, wire, saturate=False)
