@@ -232,6 +232,12 @@ def test_vector_codes_equal_their_statement(n: int) -> None:
                                codes)
         want = _codes_statement(x, y, khi, np.repeat(invs, chunk)[:n], 0, 7.0)
         assert np.array_equal(codes, want), y
+        # bfloat16 bits (QSGD's in-place windows): the codes of their widening, the tails
+        # of 37-value chunks widened in the scalar loop
+        numba_cpu._nb_qsgd_run(x16, np.uint32(y), np.uint32(khi), chunk, invs,
+                               np.float32(7.0), codes)
+        want16 = _codes_statement(wide, y, khi, np.repeat(invs, chunk)[:n], 0, 7.0)
+        assert np.array_equal(codes, want16), ("bfloat16", y)
     if n > 100:
         assert len(set(want.tolist())) >= 12  # the codes spread over the levels
 

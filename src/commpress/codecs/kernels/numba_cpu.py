@@ -1283,11 +1283,13 @@ def _nb_qsgd_code(v: Any, u: Any, inv: Any, top: Any) -> Any:
 
 
 def _nb_qsgd_run(x: Any, y: Any, khi: Any, chunk: Any, invs: Any, top: Any, dst: Any) -> None:
-    # the qsgd codes of x, whole chunks of ``chunk`` values (the last one may be short),
+    # the qsgd codes of x (float32 values or bfloat16 bits), whole chunks of ``chunk``
+    # values (the last one may be short),
     # chunk j with multiplier invs[j], u = _nb_draw(y, khi) with y stepping by 0x9E3779B9
     # across the chunks: one call for many short chunks. Each chunk is looped over as
     # slices from 0 (a loop from a variable start kept numba's negative-index check and
     # ran 4x slower)
+    wide16 = x.itemsize == 2
     for j in range((x.size + chunk - 1) // chunk):
         src = x[j * chunk : min((j + 1) * chunk, x.size)]
         out = dst[j * chunk : min((j + 1) * chunk, x.size)]
@@ -1302,7 +1304,9 @@ def _nb_qsgd_run(x: Any, y: Any, khi: Any, chunk: Any, invs: Any, top: Any, dst:
         for k in range(rest.size):
             u = _nb_draw(y, khi)
             y = u32(y + u32(0x9E3779B9))
-            tail[k] = _nb_qsgd_code(rest[k], u, inv, top)
+            # bfloat16 bits (x of uint16) widened here; both branches type for either dtype
+            v = _nb_bf16_value(rest[k]) if wide16 else f32(rest[k])
+            tail[k] = _nb_qsgd_code(v, u, inv, top)
 
 
 def _nb_qsgd_window(
@@ -1335,25 +1339,6 @@ def _nb_norm_total16(src: Any, clamp: Any, lanes: Any) -> Any:
     return f32(norm)
 
 
-def _nb_qsgd_run16(
-    x: Any, y: Any, khi: Any, chunk: Any, invs: Any, top: Any, dst: Any
-) -> None:
-    # _nb_qsgd_run of the bfloat16 bits x
-    for j in range((x.size + chunk - 1) // chunk):
-        src = x[j * chunk : min((j + 1) * chunk, x.size)]
-        out = dst[j * chunk : min((j + 1) * chunk, x.size)]
-        inv = invs[j]
-        whole = src.size // _STOCH_GROUP * _STOCH_GROUP
-        _vqsgd_codes(src, y, khi, inv, top, out)
-        y = u32(y + u32(u32(whole) * u32(0x9E3779B9)))
-        rest = src[whole:]
-        tail = out[whole:]
-        for k in range(rest.size):
-            u = _nb_draw(y, khi)
-            y = u32(y + u32(0x9E3779B9))
-            tail[k] = _nb_qsgd_code(_nb_bf16_value(rest[k]), u, inv, top)
-
-
 def _nb_qsgd_window16(
     x: Any, g: Any, chunk: Any, invs: Any, levels: Any, seed: Any, dst: Any
 ) -> None:
@@ -1361,7 +1346,7 @@ def _nb_qsgd_window16(
     # through _nb_draw_codes16, which splits)
     if (g >> 32) == ((g + x.size - 1) >> 32):
         y, khi = _nb_noise_start(seed, g)
-        _nb_qsgd_run16(x, y, khi, chunk, invs, f32(levels), dst)
+        _nb_qsgd_run(x, y, khi, chunk, invs, f32(levels), dst)
         return
     for j in range((x.size + chunk - 1) // chunk):
         s, e = j * chunk, min((j + 1) * chunk, x.size)
@@ -2310,7 +2295,6 @@ _HELPERS = (
     "_nb_qsgd_run",
     "_nb_qsgd_window",
     "_nb_norm_total16",
-    "_nb_qsgd_run16",
     "_nb_qsgd_window16",
 )
 # helpers inlined where they are called (numba IR inlining: a call in a loop would keep
