@@ -910,7 +910,7 @@ def _allreduce_options(op: str) -> Any:
     opts = _ALLREDUCE_OPTIONS.get(op)
     if opts is None:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = _REDUCE_OPS[op]
+        opts.reduceOp = dist.ReduceOp(_REDUCE_OPS[op])
         opts.asyncOp = True
         _ALLREDUCE_OPTIONS[op] = opts
     return opts
