@@ -156,3 +156,41 @@ def test_finite_max_abs_kernel_path_takes_any_layout(dtype: torch.dtype) -> None
         assert dispatched == (0 if dtype == torch.float64 else 1), (dtype, x.shape)
         assert got.dtype == expected.dtype and got.shape == expected.shape == ()
         assert got.view(ints).item() == expected.view(ints).item(), (x.shape, got, expected)
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 2049])
+def test_max_keys_equal_numpy(n: int) -> None:
+    """TernGrad's maxima (``_nb_max_key16`` of 16-bit float bits, ``_nb_max_key`` of float32
+    bits) take whole 64-byte groups in vector code (``_vector_max_key``, which also asks for
+    lines ahead) and the rest in numba's loop: the largest magnitude key equals numpy's
+    ``max(bits & 0x7FFF...)`` with the largest key at every position (in a group or in the
+    tail), among NaNs, infinities, zeros of both signs, subnormals and negative values."""
+    from commpress.codecs.kernels import numba_cpu
+
+    kernels.load_numba("numba_cpu")
+    rng = np.random.default_rng(n)
+    specials16 = np.array([0x7FC1, 0xFF80, 0x8000, 0x0001, 0x8001, 0x7F80], np.uint16)
+    specials32 = np.array(
+        [np.nan, -np.inf, -0.0, 1e-45, -1e-40, np.inf], np.float32
+    ).view(np.int32)
+    for trial in range(max(1, n)):
+        # small keys everywhere (both signs), one larger key at position ``trial``
+        b16 = rng.integers(0, 0x3F80, n).astype(np.uint16) | (
+            rng.integers(0, 2, n).astype(np.uint16) << np.uint16(15)
+        )
+        b32 = (rng.standard_normal(n).astype(np.float32) * 1e-3).view(np.int32)
+        if n:
+            b16[trial] = np.uint16(0xBF90 if trial % 2 else 0x3F90)  # +-1.125
+            b32[trial] = np.float32(-2.5 if trial % 2 else 2.5).view(np.int32)
+        want16 = int((b16 & np.uint16(0x7FFF)).max()) if n else 0
+        want32 = int((b32 & np.int32(0x7FFFFFFF)).max()) if n else 0
+        assert int(numba_cpu._nb_max_key16(b16)) == want16, trial
+        assert int(numba_cpu._nb_max_key(b32)) == want32, trial
+    if n:  # NaNs and infinities rank above every finite key, as the bits do
+        at = rng.choice(n, size=min(n, specials16.size), replace=False)
+        b16 = rng.integers(0, 1 << 16, n).astype(np.uint16)
+        b16[at] = specials16[: at.size]
+        assert int(numba_cpu._nb_max_key16(b16)) == int((b16 & np.uint16(0x7FFF)).max())
+        b32 = rng.integers(-(1 << 31), 1 << 31, n).astype(np.int32)
+        b32[at] = specials32[: at.size]
+        assert int(numba_cpu._nb_max_key(b32)) == int((b32 & np.int32(0x7FFFFFFF)).max())

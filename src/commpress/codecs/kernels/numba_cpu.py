@@ -104,6 +104,7 @@ _vsum_abs: Any = None  # replaced by _vector_lane_sum(False) in _build()
 _vsign_bits: Any = None  # replaced by _vector_sign_bits() in _build()
 _vqsgd_codes: Any = None  # replaced by _vector_stoch_codes(0) in _build()
 _vtern_codes: Any = None  # replaced by _vector_stoch_codes(1) in _build()
+_vmax_key: Any = None  # replaced by _vector_max_key() in _build()
 # replaced by _vector_half_divide(...) in _build(), or stay None (no F16C)
 _vhalf_divide: Any = None
 _vhalf_scale: Any = None
@@ -1058,16 +1059,14 @@ def _nb_stoch_units(
         wide = np.empty(WINDOW if mode else 1, np.float32)
         step = WINDOW if mode else UNIT
         # qsgd and terngrad codes of bfloat16 inputs with drawn noise read the bits in
-        # place (_nb_draw_codes16: no widened copy); the next window is prefetched as
-        # _nb_widen does
+        # place (_nb_draw_codes16: no widened copy); the vector codes loop asks for the
+        # line _AHEAD_BYTES ahead as it goes (a burst of a window's prefetches here stalled
+        # on the fill buffers, 18 % of TernGrad's samples)
         direct = mode == 1 and kind != 2 and rmode == 1
         x = wide
         for w in range(a, b, step):
             we = min(w + step, b)
-            if direct:
-                for k in range(we, min(x16.size, we + (we - w)), 32):
-                    _nb_prefetch(x16, k)
-            else:
+            if not direct:
                 x = _nb_widen(xf, x16, mode, w, we, wide)
             i = w
             c = w // chunk
@@ -1125,9 +1124,11 @@ def _nb_norm_total(src: Any, clamp: Any, lanes: Any) -> Any:
 
 def _nb_max_key(src: Any) -> Any:
     # the largest magnitude key (float32 bits without the sign) of float32 bits src
-    best = i32(0)
-    for k in range(src.size):
-        key = src[k] & i32(0x7FFFFFFF)
+    # whole 64-byte groups in vector code (_vmax_key), the rest here
+    best = _vmax_key(src)
+    rest = src[src.size // _MAX_GROUP32 * _MAX_GROUP32 :]
+    for k in range(rest.size):
+        key = rest[k] & i32(0x7FFFFFFF)
         best = key if key > best else best
     return best
 
@@ -1136,9 +1137,12 @@ def _nb_max_key16(src: Any) -> Any:
     # the largest magnitude key (bits without the sign) of the 16-bit float bits src, on
     # 16-bit lanes (each intermediate cast back: uncast, numba's int64 arithmetic put the
     # loop on 64-bit lanes, 4x slower)
-    best = u16(0)
-    for k in range(src.size):
-        key = u16(src[k] & u16(0x7FFF))
+    # whole 64-byte groups in vector code (_vmax_key: the line _AHEAD_BYTES ahead asked
+    # for at each), the rest here
+    best = _vmax_key(src)
+    rest = src[src.size // _MAX_GROUP16 * _MAX_GROUP16 :]
+    for k in range(rest.size):
+        key = u16(rest[k] & u16(0x7FFF))
         best = key if key > best else best
     return best
 
@@ -1379,9 +1383,8 @@ def _nb_qsgd_items(
             c = w // chunk
             if mode == 1:
                 # bfloat16 bits read in place (the sums and the codes widen them in
-                # registers); the next window prefetched as _nb_widen does
-                for k in range(we, min(x16.size, we + (we - w)), 32):
-                    _nb_prefetch(x16, k)
+                # registers); the codes loop asks for the line _AHEAD_BYTES ahead (the next
+                # window's) as it goes
                 xb = x16[w:we]
                 for j in range(invs.size):
                     s = j * chunk
@@ -2587,7 +2590,9 @@ def _vector_stoch_codes(kind: int) -> Any:
     on every machine. numba's loops ran on 8 lanes (256-bit vectors, LLVM's preference on
     this Intel Xeon); vectors of 16 run on AVX-512 registers (LLVM splits them elsewhere):
     24 instructions per 16 values instead of per 8. The caller codes the rest (fewer than
-    16 values) and steps ``y`` past the groups."""
+    16 values) and steps ``y`` past the groups. Each group asks for the line
+    :data:`_AHEAD_BYTES` ahead (where numba emits prefetches), so that the next window's
+    lines arrive while this one is coded."""
     from llvmlite import ir
     from numba.core import cgutils, types
     from numba.core.extending import intrinsic
@@ -2633,12 +2638,16 @@ def _vector_stoch_codes(kind: int) -> Any:
             fabs, floor, copysign = unary("fabs", 1), unary("floor", 1), unary("copysign", 2)
             step = ir.Constant(vi, [(k * gamma) & 0xFFFFFFFF for k in range(lanes)])
             khi_v, inv_v, top_v = splat(args[2], vi), splat(args[3], vf), splat(args[4], vf)
+            top_magic = builder.fadd(top_v, cf(8388608.0))  # top + 2^23, exact
             ys = cgutils.alloca_once(builder, vi)
             builder.store(builder.add(splat(args[1], vi), step), ys)
             index = s.nitems.type
             groups = builder.udiv(s.nitems, ir.Constant(index, lanes))
+            ahead = ir.Constant(index, _AHEAD_BYTES // (2 if bf16 else 4))
             with cgutils.for_range(builder, groups) as loop:
                 first = builder.mul(loop.index, ir.Constant(index, lanes))
+                if _PREFETCHES[0]:  # a hint, never a fault (may point past src)
+                    _emit_prefetch(builder, builder.gep(s.data, [builder.add(first, ahead)]))
                 yv = builder.load(ys)
                 # _nb_draw: the finalizer, ^ khi, top 24 bits as a float32 in [0, 1)
                 x = builder.xor(yv, builder.lshr(yv, ci(16)))
@@ -2665,7 +2674,10 @@ def _vector_stoch_codes(kind: int) -> Any:
                     t = builder.select(builder.fcmp_ordered(">", t, cf(0.0)), t, cf(0.0))
                     t = builder.select(builder.fcmp_ordered("<", t, top_v), t, top_v)
                     t = builder.call(copysign, [builder.call(floor, [t]), v])
-                    code = builder.fptosi(builder.fadd(top_v, t), vi)
+                    # top + t is an integer in [0, 2 top]; added to 2^23 as well (exact:
+                    # 2 top < 2^23) it is the float's low mantissa bits, so the float's bits
+                    # give its low byte without a conversion (one instruction fewer)
+                    code = builder.bitcast(builder.fadd(top_magic, t), vi)
                 else:
                     # _nb_stoch_code, kind 1: 1 + sign(v) where u < |v| inv, else 1
                     keep = builder.fcmp_ordered("<", u, mag)
@@ -2679,6 +2691,64 @@ def _vector_stoch_codes(kind: int) -> Any:
         return types.void(src, y, khi, inv, top, dst), codegen
 
     return stoch_codes
+
+
+#: Bytes ahead of the current position whose cache line the vector loops of
+#: _vector_stoch_codes and _vector_max_key ask for at each group (a window of bfloat16 bits)
+_AHEAD_BYTES = 4096
+#: Values per vector step of _vector_max_key: one 64-byte line of 16- or 32-bit bits
+_MAX_GROUP16 = 32
+_MAX_GROUP32 = 16
+
+
+def _vector_max_key() -> Any:
+    """A numba intrinsic ``(src) -> key``: the largest magnitude key (the bits without the
+    sign: ``src[k] & 0x7FFF`` of 16-bit float bits as uint16, ``src[k] & 0x7FFFFFFF`` of
+    float32 bits as int32; keys compare as unsigned integers) over the whole 64-byte groups
+    of the contiguous ``src`` (:data:`_MAX_GROUP16` or :data:`_MAX_GROUP32` values; 0 when
+    there is none), as ``src.dtype``. Each group asks for the line :data:`_AHEAD_BYTES`
+    ahead: TernGrad's whole-tensor maximum is a pass over memory, and the hardware
+    prefetcher stops at each 4 KB page. The caller takes the rest (fewer values than a
+    group)."""
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def max_key(typingctx: Any, src: Any) -> Any:
+        if not (_c_array(src, types.uint16, 1) or _c_array(src, types.int32, 1)):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            s = context.make_array(signature.args[0])(context, builder, args[0])
+            width = 16 if signature.args[0].dtype == types.uint16 else 32
+            lanes = 512 // width
+            it = ir.IntType(width)
+            vt = ir.VectorType(it, lanes)
+            mask = ir.Constant(vt, [(1 << (width - 1)) - 1] * lanes)
+            acc = cgutils.alloca_once_value(builder, ir.Constant(vt, [0] * lanes))
+            index = s.nitems.type
+            ahead = ir.Constant(index, _AHEAD_BYTES * 8 // width)
+            groups = builder.udiv(s.nitems, ir.Constant(index, lanes))
+            with cgutils.for_range(builder, groups) as loop:
+                first = builder.mul(loop.index, ir.Constant(index, lanes))
+                if _PREFETCHES[0]:  # a hint, never a fault (may point past src)
+                    _emit_prefetch(builder, builder.gep(s.data, [builder.add(first, ahead)]))
+                ptr = builder.bitcast(builder.gep(s.data, [first]), vt.as_pointer())
+                key = builder.and_(builder.load(ptr, align=width // 8), mask)
+                best = builder.load(acc)
+                builder.store(
+                    builder.select(builder.icmp_unsigned(">", key, best), key, best), acc
+                )
+            umax = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(it, [vt]),
+                f"llvm.vector.reduce.umax.v{lanes}i{width}",
+            )
+            return builder.call(umax, [builder.load(acc)])
+
+        return src.dtype(src), codegen
+
+    return max_key
 
 
 #: float32 values per vector of :func:`_vector_half_divide`.
@@ -3005,6 +3075,7 @@ def _build() -> dict[str, Callable[..., Any]]:
     module["_vsign_bits"] = _vector_sign_bits()
     module["_vqsgd_codes"] = _vector_stoch_codes(0)
     module["_vtern_codes"] = _vector_stoch_codes(1)
+    module["_vmax_key"] = _vector_max_key()
     module["_vhalf_divide"] = _vector_half_divide(False)
     module["_vhalf_scale"] = _vector_half_divide(True)
     module.update(_lowrank_vector_kernels(_PREFETCHES[0]))
