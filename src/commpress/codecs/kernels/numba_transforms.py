@@ -891,7 +891,9 @@ def _nb_square_out(acc: Any, top: Any, out: Any, c: Any, big: Any) -> Any:
 #: Python functions: numba_cpu's module may not be built yet) for THC's stochastic rounding.
 _nb_noise_start = numba_cpu._nb_noise_start
 _nb_draw = numba_cpu._nb_draw
-#: THC's bounded rounding on 16 lanes (numba_cpu._vector_stoch_codes(2), made by build())
+#: THC's bounded rounding on 16 lanes (numba_cpu._vector_stoch_codes(2), made by build()).
+#: numba's disk cache checks this file's time stamp only: after editing numba_cpu's intrinsic
+#: or _nb_draw alone, clear the cache (or touch this file)
 _vthc_codes: Any = None
 _STOCH_GROUP = numba_cpu._STOCH_GROUP
 _SHARED = ("_nb_noise_start", "_nb_draw")
