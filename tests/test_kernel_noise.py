@@ -169,15 +169,20 @@ def test_codes_across_a_key_block_boundary() -> None:
     assert np.array_equal(codes, np.where(keep, np.where(wide < 0, 0, 2), 1))
 
 
+def _weyl_draws(n: int, y: int, khi: int) -> np.ndarray:
+    """The n uniforms (float32) of Weyl terms y + k * 0x9E3779B9 (mod 2^32) and key half khi."""
+    k = np.arange(n, dtype=np.uint64)
+    ys = ((np.uint64(y) + k * np.uint64(0x9E3779B9)) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    u = ((_finalize(ys) ^ np.uint32(khi)) >> np.uint32(8)).astype(np.float32)
+    return u * np.float32(2.0**-24)
+
+
 def _codes_statement(x: np.ndarray, y: int, khi: int, inv: np.ndarray, kind: int,
                      top: float) -> np.ndarray:
     """The codes of x with the uniform of Weyl term y + k * 0x9E3779B9 (mod 2^32) and key
     half khi for value k, multiplier inv[k], in numpy's float32: QSGD's (kind 0) or
     TernGrad's (kind 1), as _nb_qsgd_code and _nb_stoch_code state them."""
-    k = np.arange(x.size, dtype=np.uint64)
-    ys = ((np.uint64(y) + k * np.uint64(0x9E3779B9)) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    u = ((_finalize(ys) ^ np.uint32(khi)) >> np.uint32(8)).astype(np.float32)
-    u *= np.float32(2.0**-24)
+    u = _weyl_draws(x.size, y, khi)
     with np.errstate(invalid="ignore"):
         mag = np.abs(x) * inv
         if kind == 1:
@@ -240,6 +245,79 @@ def test_vector_codes_equal_their_statement(n: int) -> None:
         assert np.array_equal(codes, want16), ("bfloat16", y)
     if n > 100:
         assert len(set(want.tolist())) >= 12  # the codes spread over the levels
+
+
+def _near(c: np.float32, ulps: int) -> list[np.float32]:
+    """c and the float32 values up to ulps steps either side of it."""
+    out, lo, hi = [c], c, c
+    for _ in range(ulps):
+        lo, hi = np.nextafter(lo, np.float32(-np.inf)), np.nextafter(hi, np.float32(np.inf))
+        out += [lo, hi]
+    return out
+
+
+def _thc_statement(x: np.ndarray, y: int, khi: int, step: np.float32, top: float,
+                   dtype: type) -> np.ndarray:
+    """THC's bounded rounding in numpy's float32: min(floor(x / step + u), top), u of Weyl
+    term y + k * 0x9E3779B9 and key half khi for value k."""
+    t = np.floor(x / step + _weyl_draws(x.size, y, khi))
+    return np.where(t < np.float32(top), t, np.float32(top)).astype(dtype)
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 33, 100, 2047])
+def test_thc_vector_rounding_equals_its_statement(n: int) -> None:
+    """THC's rounding loop for finite blocks (``_nb_quant_bounded``) takes whole groups of 16
+    in LLVM vector code (``_vector_stoch_codes(2)``) and the rest in numba's loop: every code
+    equals the numpy statement, for int8, int16 and int32 codes, steps from subnormal to
+    huge, values of both signs at exactly the range (``|x| = top * step``, where only the
+    upper clamp keeps ``L + 1`` out: with ``top = 32767`` an ulp of the sum is 2^-9, so about
+    one draw in 1024 rounds it up), zeros of both signs and subnormals; across a wrap of
+    the Weyl term. Values are also placed where ``x / step + u`` and ``x * (1 / step) + u``
+    fall on both sides of an integer: a product by the reciprocal instead of the division
+    gives other codes there."""
+    from commpress.codecs.kernels import numba_transforms as nt
+
+    assert kernels.load_numba("numba_transforms") is not None  # compiles the helpers
+    rng = np.random.default_rng(n)
+    khi = 0x5BD1E995
+    for y in (0, 0xFFFFFFF0, 0x12345678):
+        u = _weyl_draws(n, y, khi)
+        for top, dtype in ((1.0, np.int8), (7.0, np.int8), (127.0, np.int8),
+                           (2047.0, np.int16), (32767.0, np.int16), (32767.0, np.int32)):
+            top32 = np.float32(top)
+            for scale in (1e-40, 1e-30, 0.5, 3.0, 1e30):
+                x = (rng.uniform(-1.0, 1.0, n) * scale).astype(np.float32)
+                # the range over top rounded up to float32 (as _nb_step), and the largest
+                # float32 at most top * step
+                exact = np.abs(x).max().astype(np.float64) / top if n else 1.0
+                step = np.float32(exact)
+                step = np.nextafter(step, np.float32(np.inf)) if step < exact else step
+                if not 0 < step < np.inf:
+                    continue
+                bound = np.float64(step) * top
+                edge = np.float32(bound)
+                edge = np.nextafter(edge, np.float32(0.0)) if edge > bound else edge
+                edges = rng.choice(n, size=n // 4, replace=False) if n else []
+                x[edges] = np.resize(np.array([edge, -edge], np.float32), len(edges))
+                x[edges[: len(edges) // 8]] = rng.choice(
+                    np.array([0.0, -0.0, 1e-45, -1e-45], np.float32), len(edges) // 8)
+                # where the division and the reciprocal's product round to either side of
+                # an integer m - u[k]: candidates near (m - u[k]) * step
+                with np.errstate(over="ignore", invalid="ignore"):
+                    recip = np.float32(1.0) / step
+                for k in rng.choice(n, size=n // 3, replace=False) if n else []:
+                    m = np.float32(rng.integers(-int(top) + 1, int(top)))
+                    for c in _near(np.float32((m - u[k]) * step), 3):
+                        with np.errstate(over="ignore", invalid="ignore"):
+                            differ = np.floor(c / step + u[k]) != np.floor(c * recip + u[k])
+                        if abs(c) <= bound and differ:
+                            x[k] = c
+                            break
+                assert np.all(np.abs(x) <= bound)  # _nb_quant_bounded's condition
+                codes = np.full(n, 99, dtype)
+                nt._nb_quant_bounded(x, np.uint32(y), np.uint32(khi), step, top32, codes)
+                want = _thc_statement(x, y, khi, step, top, dtype)
+                assert np.array_equal(codes, want), (y, top, dtype, scale)
 
 
 @pytest.mark.parametrize("start", [0, BLOCK - 300, BLOCK - 512, BLOCK])

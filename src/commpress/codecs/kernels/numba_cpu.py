@@ -2585,7 +2585,10 @@ def _vector_stoch_codes(kind: int) -> Any:
     uint16, widened in registers), ``dst[k]`` = the code of
     ``src[k]`` with the uniform ``_nb_draw(y + k * 0x9E3779B9, khi)`` and multiplier ``inv``:
     ``_nb_qsgd_code`` (``kind`` 0, ``top`` its levels) or ``_nb_stoch_code``'s TernGrad code
-    (``kind`` 1). The same float32 and uint32 operations, lane by lane, in LLVM vector code
+    (``kind`` 1), ``dst`` uint8; or (``kind`` 2, ``inv`` the step, ``dst`` int8, int16 or
+    int32) THC's bounded rounding, ``min(floor(src[k] / step + u), top)`` as
+    ``numba_transforms._nb_quant_bounded`` states it (a float32 division, not a product).
+    The same float32 and uint32 operations, lane by lane, in LLVM vector code
     (no fused multiply-add, no fast-math flags), so the codes are those of the scalar loops
     on every machine. numba's loops ran on 8 lanes (256-bit vectors, LLVM's preference on
     this Intel Xeon); vectors of 16 run on AVX-512 registers (LLVM splits them elsewhere):
@@ -2606,8 +2609,11 @@ def _vector_stoch_codes(kind: int) -> Any:
     ) -> Any:
         if not (
             (_c_array(src, types.float32, 1) or _c_array(src, types.uint16, 1))
-            and _c_array(dst, types.uint8, 1) and y == types.uint32
-            and khi == types.uint32 and inv == types.float32 and top == types.float32
+            and y == types.uint32 and khi == types.uint32 and inv == types.float32
+            and top == types.float32
+            and any(_c_array(dst, t, 1) for t in (
+                (types.int8, types.int16, types.int32) if kind == 2 else (types.uint8,)
+            ))
         ):
             return None
 
@@ -2615,8 +2621,9 @@ def _vector_stoch_codes(kind: int) -> Any:
             s = context.make_array(signature.args[0])(context, builder, args[0])
             d = context.make_array(signature.args[5])(context, builder, args[5])
             bf16 = signature.args[0].dtype == types.uint16
-            i8, i32, f32t = ir.IntType(8), ir.IntType(32), ir.FloatType()
-            vi, vf, vb = (ir.VectorType(t, lanes) for t in (i32, f32t, i8))
+            i32, f32t = ir.IntType(32), ir.FloatType()
+            vi, vf = ir.VectorType(i32, lanes), ir.VectorType(f32t, lanes)
+            vb = ir.VectorType(context.get_data_type(signature.args[5].dtype), lanes)
 
             def splat(v: Any, ty: Any) -> Any:
                 one = builder.insert_element(ir.Constant(ty, ir.Undefined), v, i32(0))
@@ -2666,11 +2673,10 @@ def _vector_stoch_codes(kind: int) -> Any:
                 else:
                     ptr = builder.bitcast(builder.gep(s.data, [first]), vf.as_pointer())
                     v = builder.load(ptr, align=4)
-                mag = builder.fmul(builder.call(fabs, [v]), inv_v)
                 if kind == 0:
                     # _nb_qsgd_code: clamp |v| inv + u to [0, top] (NaN -> 0), floor,
                     # top + copysign
-                    t = builder.fadd(mag, u)
+                    t = builder.fadd(builder.fmul(builder.call(fabs, [v]), inv_v), u)
                     t = builder.select(builder.fcmp_ordered(">", t, cf(0.0)), t, cf(0.0))
                     t = builder.select(builder.fcmp_ordered("<", t, top_v), t, top_v)
                     t = builder.call(copysign, [builder.call(floor, [t]), v])
@@ -2678,13 +2684,22 @@ def _vector_stoch_codes(kind: int) -> Any:
                     # 2 top < 2^23) it is the float's low mantissa bits, so the float's bits
                     # give its low byte without a conversion (one instruction fewer)
                     code = builder.bitcast(builder.fadd(top_magic, t), vi)
-                else:
+                elif kind == 1:
                     # _nb_stoch_code, kind 1: 1 + sign(v) where u < |v| inv, else 1
+                    mag = builder.fmul(builder.call(fabs, [v]), inv_v)
                     keep = builder.fcmp_ordered("<", u, mag)
                     sign = builder.select(builder.fcmp_ordered("<", v, cf(0.0)), ci(0), ci(2))
                     code = builder.select(keep, sign, ci(1))
+                else:
+                    # _nb_quant_bounded (inv is THC's step): floor(v / step + u), then
+                    # t < top ? t : top
+                    t = builder.call(floor, [builder.fadd(builder.fdiv(v, inv_v), u)])
+                    t = builder.select(builder.fcmp_ordered("<", t, top_v), t, top_v)
+                    code = builder.fptosi(t, vi)
                 out = builder.bitcast(builder.gep(d.data, [first]), vb.as_pointer())
-                builder.store(builder.trunc(code, vb), out, align=1)
+                if vb != vi:
+                    code = builder.trunc(code, vb)
+                builder.store(code, out, align=1)
                 builder.store(builder.add(yv, ci(lanes * gamma)), ys)
             return context.get_dummy_value()
 

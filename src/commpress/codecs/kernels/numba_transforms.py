@@ -699,13 +699,19 @@ def _nb_quant_bounded(buf: Any, y: Any, khi: Any, step: Any, top: Any, dst: Any)
     # inf (step is the block's own range over L, rounded up): v / step is then finite and in
     # [-L, L] (a division rounds monotonically and L is exact), so t = floor(v / step + u) is
     # finite and >= -L; only t = L + 1 (v / step = L and u rounding the sum up) needs the
-    # clamp. The same codes as _nb_quant_draws without its finiteness select and lower clamp
-    # (3 of 23 vector instructions per 16 coordinates)
-    for k in range(buf.size):
+    # clamp. The same codes as _nb_quant_draws without its finiteness select and lower clamp.
+    # Whole groups of 16 in vector code (_vthc_codes: these operations on 16 lanes; numba's
+    # loop ran on 8), the rest here, y stepped past the groups
+    whole = buf.size // _STOCH_GROUP * _STOCH_GROUP
+    _vthc_codes(buf, y, khi, step, top, dst)
+    y = u32(y + u32(u32(whole) * u32(0x9E3779B9)))
+    rest = buf[whole:]
+    tail = dst[whole:]
+    for k in range(rest.size):
         u = _nb_draw(y, khi)
         y = u32(y + u32(0x9E3779B9))
-        t = np.floor(buf[k] / step + u)
-        dst[k] = t if t < top else top
+        t = np.floor(rest[k] / step + u)
+        tail[k] = t if t < top else top
 
 
 def _nb_thc_encode(
@@ -885,6 +891,11 @@ def _nb_square_out(acc: Any, top: Any, out: Any, c: Any, big: Any) -> Any:
 #: Python functions: numba_cpu's module may not be built yet) for THC's stochastic rounding.
 _nb_noise_start = numba_cpu._nb_noise_start
 _nb_draw = numba_cpu._nb_draw
+#: THC's bounded rounding on 16 lanes (numba_cpu._vector_stoch_codes(2), made by build()).
+#: numba's disk cache checks this file's time stamp only: after editing numba_cpu's intrinsic
+#: or _nb_draw alone, clear the cache (or touch this file)
+_vthc_codes: Any = None
+_STOCH_GROUP = numba_cpu._STOCH_GROUP
 _SHARED = ("_nb_noise_start", "_nb_draw")
 _HELPERS = (
     "_nb_mix", "_nb_word", "_nb_keys_max", "_nb_fwht_cols", "_nb_fwht", "_nb_flip",
@@ -906,6 +917,7 @@ def build() -> dict[str, Callable[..., Any]]:
     module["prange"] = numba.prange
     module.update(_vector_kernels(numba))
     module["_sq8"] = _square_sums8()
+    module["_vthc_codes"] = numba_cpu._vector_stoch_codes(2)
     opts: dict[str, Any] = {"cache": True, "fastmath": False, "error_model": "numpy"}
     for name in _SHARED:
         func = getattr(numba_cpu, name)
