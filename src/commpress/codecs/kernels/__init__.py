@@ -52,7 +52,7 @@ from typing import Any, Literal, TypeAlias, cast
 import numpy as np
 import torch
 
-from commpress.codecs.kernels import numba_cpu
+from commpress.codecs.kernels import numba_cache, numba_cpu
 from commpress.codecs.kernels.common import TRITON_MAX_ELEMENTS, scratch32, widen
 from commpress.errors import CommpressError
 
@@ -263,6 +263,9 @@ def load_numba(module: str = "numba_cpu") -> Any:
         with _load_lock:
             if module not in _numba and module not in _numba_errors:
                 try:
+                    # every kernel module's cache keyed by all of them (an edit of one
+                    # recompiles the kernels that inline its functions: numba_cache)
+                    numba_cache.share_stamp(os.path.dirname(__file__))
                     source = importlib.import_module(f"{__name__}.{module}")
                     _numba[module] = source.build()
                 except Exception as exc:  # pragma: no cover - depends on the installation

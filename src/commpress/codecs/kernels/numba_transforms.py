@@ -892,8 +892,8 @@ def _nb_square_out(acc: Any, top: Any, out: Any, c: Any, big: Any) -> Any:
 _nb_noise_start = numba_cpu._nb_noise_start
 _nb_draw = numba_cpu._nb_draw
 #: THC's bounded rounding on 16 lanes (numba_cpu._vector_stoch_codes(2), made by build()).
-#: numba's disk cache checks this file's time stamp only: after editing numba_cpu's intrinsic
-#: or _nb_draw alone, clear the cache (or touch this file)
+#: The kernels inlining it are cached under a stamp of every kernel module (numba_cache), so
+#: an edit of numba_cpu alone recompiles them
 _vthc_codes: Any = None
 _STOCH_GROUP = numba_cpu._STOCH_GROUP
 _SHARED = ("_nb_noise_start", "_nb_draw")
