@@ -402,6 +402,42 @@ def test_kernel_gather_and_spread_match_torch(
     assert int((results[0][1] != 0).sum()) >= idx.numel() - 2  # not all zeros either
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_streamed_spread_equals_its_statement(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The numba decode's streamed spread (``_nb_spread_stream``: 4 KB blocks assembled in a
+    buffer and stored past the caches, plain stores before the first aligned line and after
+    the last whole one) writes ``out = 0; out[idx] = values`` (numpy), bit for bit, over
+    stale contents: misaligned starts, sizes around lines and blocks, no values, dense and
+    sparse values, whole blocks and runs of blocks without values, -0.0 and NaN bits."""
+    import numpy as np
+
+    from commpress.codecs import kernels
+    from commpress.codecs.kernels import numba_cpu
+
+    pytest.importorskip("numba")
+    monkeypatch.setattr(numba_cpu, "_STREAM_BYTES", 0)  # every size takes the streamed path
+    rng = np.random.default_rng(11)
+    bits = {torch.float32: np.int32, torch.bfloat16: np.int16, torch.float16: np.int16}[dtype]
+    for n in (1, 5, 31, 33, 64, 2047, 2048, 2049, 4097, 70_001):
+        for offset in (0, 1, 7):
+            for count in sorted({min(c, n) for c in (0, 1, 3, n // 50 + 1, n // 2, n)}):
+                idx = np.sort(rng.choice(n, count, replace=False))
+                if n > 20_000 and count > 2:  # a stretch of blocks without values
+                    idx = idx[(idx < 5000) | (idx > 20_000)]
+                raw = rng.integers(-(2 ** 15), 2 ** 15, idx.size).astype(bits)
+                raw[: min(2, raw.size)] = {np.int32: -(2 ** 31), np.int16: -(2 ** 15)}[bits]
+                values = torch.from_numpy(raw).view(dtype)  # -0.0, NaNs, subnormals too
+                base = torch.full((n + offset,), 3.0, dtype=dtype)
+                out = base[offset:]
+                kernels.spread(torch.from_numpy(idx), values, out)
+                want = np.zeros(n, bits)
+                want[idx] = raw
+                assert np.array_equal(_bits(out).numpy(), want), (n, offset, count)
+                assert bool((base[:offset] == 3.0).all())
+
+
 def test_sampler_kernel_leaves_its_bitmaps_clean() -> None:
     """The sampler's kept bitmaps are zeroed again after every call, also when the draws
     run out: a later call over another range still equals the torch path."""

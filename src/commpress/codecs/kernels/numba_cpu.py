@@ -2249,6 +2249,74 @@ def _nb_spread(idx: Any, vals: Any, out: Any) -> None:
         out[idx[j]] = vals[j]
 
 
+def _nb_stream_copy(out: Any, at: Any, buf: Any, count: Any) -> None:
+    # replaced in _build() by stores of buf[:count] to out[at:] (count elements, whole
+    # 64-byte lines, out[at] 64-byte aligned) that bypass the caches (non-temporal
+    # stores), or by plain stores
+    for q in range(count):
+        out[at + q] = buf[q]
+
+
+def _nb_stream_zero(out: Any, at: Any, count: Any) -> None:
+    # replaced in _build() by non-temporal stores of zero to the 64-byte lines out[at:],
+    # count elements (a whole number of lines, at 64-byte aligned), or by plain stores
+    for q in range(count):
+        out[at + q] = 0
+
+
+def _nb_store_fence() -> None:
+    # replaced in _build() by a fence ordering the non-temporal stores before what follows
+    pass
+
+
+def _nb_spread_stream(idx: Any, vals: Any, out: Any, head: Any, parts: Any) -> None:
+    # out = zeros except out[idx[j]] = vals[j] (idx ascending; a repeated index keeps its
+    # last value, as _nb_spread does), each element written once: 4 KB of out at a time is
+    # assembled in a zeroed buffer that stays in L1 (its values stored, the buffer copied
+    # out, the same slots zeroed again) and stored past the caches (non-temporal stores:
+    # the lines are not read first), a block without values as streamed zeros. torch's
+    # zero_ then the scattered stores wrote every line twice and read each back first (the
+    # zeros had left the caches when the stores came). Not kept: a line at a time (two
+    # mispredicted branches per line), zeroing the whole buffer per block (as slow as
+    # zero_). head: out's elements before its first 64-byte aligned address; they and the
+    # tail after the last whole line take plain stores.
+    n = out.size
+    per = 64 // out.itemsize  # elements per line
+    block = 64 * per  # elements per 4 KB block
+    h = min(head, n)
+    lines = (n - h) // per
+    t = h + lines * per
+    for i in range(h):
+        out[i] = 0
+    for i in range(t, n):
+        out[i] = 0
+    j = 0
+    while j < idx.size and idx[j] < h:
+        out[idx[j]] = vals[j]
+        j += 1
+    for j in range(np.searchsorted(idx, t), idx.size):
+        out[idx[j]] = vals[j]
+    for p in prange(parts):
+        e = h + (p * lines // parts) * per
+        stop = h + ((p + 1) * lines // parts) * per
+        j = np.searchsorted(idx, e)
+        buf = np.zeros(block, out.dtype)  # zeros again after each block's copy
+        while e < stop:
+            f = min(e + block, stop)
+            if j < idx.size and idx[j] < f:
+                first = j
+                while j < idx.size and idx[j] < f:
+                    buf[idx[j] - e] = vals[j]
+                    j += 1
+                _nb_stream_copy(out, e, buf, f - e)
+                for i in range(first, j):
+                    buf[idx[i] - e] = 0
+            else:
+                _nb_stream_zero(out, e, f - e)
+            e = f
+        _nb_store_fence()
+
+
 _HELPERS = (
     "_nb_widen",
     "_nb_vtree",
@@ -2332,6 +2400,7 @@ _KERNELS = (
     "_nb_lowrank_left",
     "_nb_top16",
     "_nb_gather_finite",
+    "_nb_spread_stream",
 )
 # kernels without a parallel loop of their own
 # (the first two are a parallel helper's wrappers)
@@ -2466,6 +2535,104 @@ def _prefetcher() -> Any:
         return numba.njit(nothing)
     _PREFETCHES[0] = True
     return prefetch
+
+
+#: Whether this numba and llvmlite compile non-temporal stores (set by _streamers()).
+_STREAMS = [False]
+
+
+def _streamers() -> tuple[Any, Any, Any]:
+    """numba intrinsics for Random-K's decode: ``stream_copy(out, at, buf, count)``
+    (``buf[:count]`` stored at ``out[at:]``, whole 64-byte lines, ``out[at]`` 64-byte
+    aligned, non-temporal: the lines are written without being read into the caches
+    first), ``stream_zero(out, at, count)`` (zeros the same way) and ``fence()``
+    (LLVM's ``fence seq_cst``: the streamed stores are ordered before what follows). Where
+    this numba and llvmlite cannot compile them (probed once here), plain jitted stores
+    instead (the same values)."""
+    import numba
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    def vector(context: Any, dtype: Any) -> Any:  # one 64-byte line of dtype
+        elem = context.get_data_type(dtype)
+        bits = elem.width if isinstance(elem, ir.IntType) else (
+            32 if isinstance(elem, ir.FloatType) else 64)
+        return ir.VectorType(elem, 512 // bits)
+
+    def pointer(context: Any, builder: Any, aryty: Any, arg: Any, at: Any) -> Any:
+        ary = context.make_array(aryty)(context, builder, arg)
+        return cgutils.get_item_pointer(
+            context, builder, aryty, ary, [at], wraparound=False, boundscheck=False
+        )
+
+    def nontemporal(builder: Any, value: Any, ptr: Any) -> None:
+        store = builder.store(value, builder.bitcast(ptr, value.type.as_pointer()), align=64)
+        store.set_metadata(
+            "nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        )
+
+    @intrinsic
+    def stream_copy(typingctx: Any, out: Any, at: Any, buf: Any, count: Any) -> Any:
+        if not (_c_array(out, out.dtype, 1) and _c_array(buf, out.dtype, 1)):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            vt = vector(context, signature.args[0].dtype)
+            per = ir.Constant(args[1].type, vt.count)
+            with cgutils.for_range_slice(
+                builder, ir.Constant(args[1].type, 0), args[3], per, args[1].type
+            ) as (q, _):
+                src = pointer(context, builder, signature.args[2], args[2], q)
+                value = builder.load(builder.bitcast(src, vt.as_pointer()), align=1)
+                nontemporal(builder, value, pointer(
+                    context, builder, signature.args[0], args[0], builder.add(args[1], q)))
+            return context.get_dummy_value()
+
+        return types.void(out, at, buf, count), codegen
+
+    @intrinsic
+    def stream_zero(typingctx: Any, out: Any, at: Any, count: Any) -> Any:
+        if not _c_array(out, out.dtype, 1):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            vt = vector(context, signature.args[0].dtype)
+            per = ir.Constant(args[1].type, vt.count)
+            start = args[1]
+            stop = builder.add(start, args[2])
+            with cgutils.for_range_slice(builder, start, stop, per, args[1].type) as (i, _):
+                nontemporal(builder, ir.Constant(vt, None), pointer(
+                    context, builder, signature.args[0], args[0], i))
+            return context.get_dummy_value()
+
+        return types.void(out, at, count), codegen
+
+    @intrinsic
+    def fence(typingctx: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            builder.fence("seq_cst")
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    def probe(out: Any, line: Any) -> None:
+        stream_copy(out, 0, line, line.size)  # type: ignore[call-arg]
+        stream_zero(out, 0, line.size)
+        fence()
+
+    try:
+        for dtype in (np.float32, np.uint16):
+            buf = np.zeros(128, np.uint8)  # one aligned 64-byte line inside
+            at = (-buf.ctypes.data) % 64
+            line = np.zeros(64 // np.dtype(dtype).itemsize, dtype)
+            numba.njit(probe)(buf[at:at + 64].view(dtype), line)
+    except Exception:  # plain stores: the same values through the caches
+        return (
+            numba.njit(_nb_stream_copy), numba.njit(_nb_stream_zero), numba.njit(_nb_store_fence)
+        )
+    _STREAMS[0] = True
+    return stream_copy, stream_zero, fence
 
 
 def _c_array(ty: Any, dtype: Any, ndim: int | None = None) -> bool:
@@ -3085,6 +3252,9 @@ def _build() -> dict[str, Callable[..., Any]]:
     module["prange"] = numba.prange
     module["_nb_prefetch"] = _prefetcher()
     module["_nb_tz"], module["_nb_popcount"] = _bit_counts()
+    module["_nb_stream_copy"], module["_nb_stream_zero"], module["_nb_store_fence"] = (
+        _streamers()
+    )
     module["_vsum_sq"] = _vector_lane_sum(True)
     module["_vsum_abs"] = _vector_lane_sum(False)
     module["_vsign_bits"] = _vector_sign_bits()
@@ -3659,9 +3829,24 @@ class NumbaKernels:
             dst, src = _bits16(flat), _bits16(values.contiguous())
         else:
             dst, src = _np(flat), _np(values.contiguous())
-        flat.zero_()
+        at = flat.data_ptr()
+        if flat.numel() * flat.element_size() < _STREAM_BYTES or at % flat.element_size():
+            flat.zero_()
+            with _launch():
+                self["spread"](_np(idx.contiguous()), src, dst)
+            return
+        # beyond the caches: zeros and values in one pass of line-sized non-temporal stores
+        head = (-at % 64) // flat.element_size()
+        parts = max(1, flat.numel() * flat.element_size() // _STREAM_PART)
         with _launch():
-            self["spread"](_np(idx.contiguous()), src, dst)
+            self["spread_stream"](_np(idx.contiguous()), src, dst, head, parts)
+
+
+#: Random-K's decode into out= writes outputs of at least this many bytes with
+#: _nb_spread_stream (past the caches: smaller ones stay in cache for their next reader),
+#: in parts of _STREAM_PART bytes
+_STREAM_BYTES = 4 << 20
+_STREAM_PART = 256 << 10
 
 
 #: Random-K's sampler bitmaps, kept zeroed between calls for up to 2^28 coordinates (a
