@@ -2675,9 +2675,11 @@ def _vector_stoch_codes(kind: int) -> Any:
     ``src[k]`` with the uniform ``_nb_draw(y + k * 0x9E3779B9, khi)`` and multiplier ``inv``:
     ``_nb_qsgd_code`` (``kind`` 0, ``top`` its levels) or ``_nb_stoch_code``'s TernGrad code
     (``kind`` 1). The same float32 and uint32 operations, lane by lane, in LLVM vector code
-    (no fused multiply-add, no fast-math flags), so the codes are those of the scalar loops
-    on every machine. numba's loops ran on 8 lanes (256-bit vectors, LLVM's preference on
-    this Intel Xeon); vectors of 16 run on AVX-512 registers (LLVM splits them elsewhere):
+    (no fast-math flags; the one fused multiply-add adds the draw, whose product is exact),
+    so the codes are those of the scalar loops on every machine. QSGD on bfloat16 bits
+    reads 32 values as 16 words (even and odd halves) and stores both codes at once.
+    numba's loops ran on 8 lanes (256-bit vectors, LLVM's preference on this Intel Xeon);
+    vectors of 16 run on AVX-512 registers (LLVM splits them elsewhere):
     24 instructions per 16 values instead of per 8. The caller codes the rest (fewer than
     16 values) and steps ``y`` past the groups. Each group asks for the line
     :data:`_AHEAD_BYTES` ahead (where numba emits prefetches), so that the next window's
