@@ -320,6 +320,45 @@ def test_thc_vector_rounding_equals_its_statement(n: int) -> None:
                 assert np.array_equal(codes, want), (y, top, dtype, scale)
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 8, 37, 64, 512])
+def test_chunk_sums_side_by_side_equal_their_statement(chunk: int) -> None:
+    """QSGD's windows take their chunks' float64 lane sums four chunks side by side
+    (``_vector_chunk_sums``): chunk ``j``'s lane ``l`` is the sum, in index order from 0.0,
+    of the squares of its values ``8g + l`` over its whole groups of eight (its tail is the
+    caller's), bit for bit, for float32 values and bfloat16 bits, with NaN, infinities,
+    zeros of both signs, subnormals and squares beyond float32's range."""
+    import numba
+
+    from commpress.codecs.kernels import numba_cpu
+
+    assert kernels._load() is not None  # compiles the helpers
+    sums_of = numba.njit(lambda src, c, b, out: numba_cpu._vsum_chunks(src, c, b, out))
+    rng = np.random.default_rng(chunk)
+    blocks = 3
+    n = blocks * numba_cpu._SUM_BLOCK * chunk + chunk // 2  # and a part chunk, not summed
+    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-40, 3e38], np.float32)
+    at = rng.choice(n, size=min(n, specials.size), replace=False)
+    x[at] = specials[: at.size]
+    x16 = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    wide = (x16.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    groups = chunk // 8
+    for src, values in ((x, x), (x16, wide)):
+        out = np.full(blocks * numba_cpu._SUM_BLOCK * 8 + 8, 7.0)
+        sums_of(src, chunk, blocks, out)
+        for j in range(blocks * numba_cpu._SUM_BLOCK):
+            acc = np.zeros(8)
+            for g in range(groups):
+                v = values[j * chunk + 8 * g : j * chunk + 8 * g + 8].astype(np.float64)
+                acc = acc + v * v
+            got = out[8 * j : 8 * j + 8]
+            assert np.array_equal(got.view(np.uint64), acc.view(np.uint64)) or (
+                np.array_equal(np.isnan(got), np.isnan(acc))
+                and np.array_equal(got[~np.isnan(got)], acc[~np.isnan(acc)])
+            ), (src.dtype, j)
+        assert np.all(out[-8:] == 7.0)  # nothing past the summed chunks
+
+
 @pytest.mark.parametrize("start", [0, BLOCK - 300, BLOCK - 512, BLOCK])
 def test_qsgd_window_codes_equal_the_per_chunk_codes(start: int) -> None:
     """QSGD's encode codes a window of short chunks in one call (``_nb_qsgd_window``, its own

@@ -101,6 +101,7 @@ _F16_TINY = f32(2.0**-24)  # float16's smallest subnormal
 prange = range  # replaced by numba.prange in _build()
 _vsum_sq: Any = None  # replaced by _vector_lane_sum(True) in _build()
 _vsum_abs: Any = None  # replaced by _vector_lane_sum(False) in _build()
+_vsum_chunks: Any = None  # replaced by _vector_chunk_sums() in _build()
 _vsign_bits: Any = None  # replaced by _vector_sign_bits() in _build()
 _vqsgd_codes: Any = None  # replaced by _vector_stoch_codes(0) in _build()
 _vtern_codes: Any = None  # replaced by _vector_stoch_codes(1) in _build()
@@ -1378,6 +1379,7 @@ def _nb_qsgd_items(
         wide = np.empty(WINDOW if mode else 1, np.float32)
         lanes = np.empty(8, np.float64)
         invs = np.empty(WINDOW // chunk, np.float32)
+        sums = np.empty(WINDOW // chunk * 8, np.float64)
         for w in range(a, b, span):
             we = min(w + span, b)
             c = w // chunk
@@ -1386,26 +1388,39 @@ def _nb_qsgd_items(
                 # registers); the codes loop asks for the line _AHEAD_BYTES ahead (the next
                 # window's) as it goes
                 xb = x16[w:we]
+                # the lane sums of the window's whole chunks, _SUM_BLOCK side by side
+                summed = xb.size // chunk // _SUM_BLOCK * _SUM_BLOCK
+                _vsum_chunks(xb, chunk, summed // _SUM_BLOCK, sums)
                 for j in range(invs.size):
                     s = j * chunk
                     if s >= xb.size:
                         break
                     src16 = xb[s : min(s + chunk, xb.size)]
-                    lanes[:] = 0.0
-                    _vsum_sq(src16, lanes)
-                    stat[c + j] = _nb_norm_total16(src16, clamp, lanes)
+                    if j < summed:
+                        part = sums[j * 8 : j * 8 + 8]
+                    else:
+                        part = lanes
+                        part[:] = 0.0
+                        _vsum_sq(src16, part)
+                    stat[c + j] = _nb_norm_total16(src16, clamp, part)
                     invs[j] = _nb_stat_inv(stat[c + j], 0, levels)
                 _nb_qsgd_window16(xb, w, chunk, invs, levels, seed, buf[w - a : we - a])
                 continue
             x = _nb_widen(xf, x16, mode, w, we, wide)
+            summed = x.size // chunk // _SUM_BLOCK * _SUM_BLOCK
+            _vsum_chunks(x, chunk, summed // _SUM_BLOCK, sums)
             for j in range(invs.size):
                 s = j * chunk
                 if s >= x.size:
                     break
                 src = x[s : min(s + chunk, x.size)]
-                lanes[:] = 0.0
-                _vsum_sq(src, lanes)  # _nb_lane_sum's sums, without its call
-                stat[c + j] = _nb_norm_total(src, clamp, lanes)
+                if j < summed:
+                    part = sums[j * 8 : j * 8 + 8]
+                else:
+                    part = lanes
+                    part[:] = 0.0
+                    _vsum_sq(src, part)  # _nb_lane_sum's sums, without its call
+                stat[c + j] = _nb_norm_total(src, clamp, part)
                 invs[j] = _nb_stat_inv(stat[c + j], 0, levels)
             _nb_qsgd_window(x, w, chunk, invs, levels, seed, buf[w - a : we - a])
         if bits != 8:
@@ -2700,6 +2715,80 @@ def _vector_lane_sum(square: bool) -> Any:
     return lane_sum
 
 
+#: Chunks summed side by side by _vector_chunk_sums
+_SUM_BLOCK = 4
+
+
+def _vector_chunk_sums() -> Any:
+    """A numba intrinsic ``(src, chunk, blocks, sums)``: for each of the first ``blocks *``
+    :data:`_SUM_BLOCK` chunks ``j`` of ``chunk`` values of the contiguous float32 ``src`` (or
+    bfloat16 bits as uint16), ``sums[8j + l]`` = the float64 sum of ``f64(src[j chunk + 8g +
+    l]) ** 2`` over the chunk's whole groups of eight, each lane's terms added in index
+    order from 0.0: :func:`_vector_lane_sum`'s lanes of each chunk (bit for bit), with the
+    chunks of a block summed side by side, so that their add chains (one ``<8 x double>``
+    accumulator per chunk, latency-bound alone) overlap."""
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def chunk_sums(typingctx: Any, src: Any, chunk: Any, blocks: Any, sums: Any) -> Any:
+        if not (
+            (_c_array(src, types.float32, 1) or _c_array(src, types.uint16, 1))
+            and _c_array(sums, types.float64, 1)
+            and isinstance(chunk, types.Integer) and isinstance(blocks, types.Integer)
+        ):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            s = context.make_array(signature.args[0])(context, builder, args[0])
+            out = context.make_array(signature.args[3])(context, builder, args[3])
+            index = s.nitems.type
+            chunk_n = context.cast(builder, args[1], signature.args[1], types.intp)
+            blocks_n = context.cast(builder, args[2], signature.args[2], types.intp)
+            f32x8 = ir.VectorType(ir.FloatType(), 8)
+            f64x8 = ir.VectorType(ir.DoubleType(), 8)
+            i16x8 = ir.VectorType(ir.IntType(16), 8)
+            i32x8 = ir.VectorType(ir.IntType(32), 8)
+            bf16 = signature.args[0].dtype == types.uint16
+            accs = [cgutils.alloca_once(builder, f64x8) for _ in range(_SUM_BLOCK)]
+            groups = builder.udiv(chunk_n, ir.Constant(index, 8))
+            zero = ir.Constant(f64x8, [0.0] * 8)
+            with cgutils.for_range(builder, blocks_n) as block:
+                span = builder.mul(chunk_n, ir.Constant(index, _SUM_BLOCK))
+                base = builder.mul(block.index, span)
+                for acc in accs:
+                    builder.store(zero, acc)
+                with cgutils.for_range(builder, groups) as loop:
+                    at = builder.add(base, builder.mul(loop.index, ir.Constant(index, 8)))
+                    for j, acc in enumerate(accs):
+                        first = builder.add(at, builder.mul(chunk_n, ir.Constant(index, j)))
+                        if bf16:  # bfloat16 bits, widened here
+                            ptr = builder.gep(s.data, [first])
+                            ptr = builder.bitcast(ptr, i16x8.as_pointer())
+                            h = builder.zext(builder.load(ptr, align=2), i32x8)
+                            h = builder.shl(h, ir.Constant(i32x8, [16] * 8))
+                            v = builder.fpext(builder.bitcast(h, f32x8), f64x8)
+                        else:
+                            ptr = builder.gep(s.data, [first])
+                            ptr = builder.bitcast(ptr, f32x8.as_pointer())
+                            v = builder.fpext(builder.load(ptr, align=4), f64x8)
+                        builder.store(builder.fadd(builder.load(acc), builder.fmul(v, v)), acc)
+                for j, acc in enumerate(accs):
+                    at = builder.mul(
+                        builder.add(builder.mul(block.index, ir.Constant(index, _SUM_BLOCK)),
+                                    ir.Constant(index, j)),
+                        ir.Constant(index, 8),
+                    )
+                    ptr = builder.bitcast(builder.gep(out.data, [at]), f64x8.as_pointer())
+                    builder.store(builder.load(acc), ptr, align=8)
+            return context.get_dummy_value()
+
+        return types.void(src, chunk, blocks, sums), codegen
+
+    return chunk_sums
+
+
 #: Values per vector compare of _vector_sign_bits (a 32-bit word of sign bits)
 _SIGN_GROUP = 32
 
@@ -2756,9 +2845,11 @@ def _vector_stoch_codes(kind: int) -> Any:
     int32) THC's bounded rounding, ``min(floor(src[k] / step + u), top)`` as
     ``numba_transforms._nb_quant_bounded`` states it (a float32 division, not a product).
     The same float32 and uint32 operations, lane by lane, in LLVM vector code
-    (no fused multiply-add, no fast-math flags), so the codes are those of the scalar loops
-    on every machine. numba's loops ran on 8 lanes (256-bit vectors, LLVM's preference on
-    this Intel Xeon); vectors of 16 run on AVX-512 registers (LLVM splits them elsewhere):
+    (no fast-math flags; the one fused multiply-add, QSGD's, adds the draw, whose product is
+    exact), so the codes are those of the scalar loops on every machine. QSGD on bfloat16
+    bits reads 32 values as 16 words (even and odd halves) and stores both codes at once.
+    numba's loops ran on 8 lanes (256-bit vectors, LLVM's preference on this Intel Xeon);
+    vectors of 16 run on AVX-512 registers (LLVM splits them elsewhere):
     24 instructions per 16 values instead of per 8. The caller codes the rest (fewer than
     16 values) and steps ``y`` past the groups. Each group asks for the line
     :data:`_AHEAD_BYTES` ahead (where numba emits prefetches), so that the next window's
@@ -2810,6 +2901,7 @@ def _vector_stoch_codes(kind: int) -> Any:
                 )
 
             fabs, floor, copysign = unary("fabs", 1), unary("floor", 1), unary("copysign", 2)
+            fma = unary("fma", 3)
             step = ir.Constant(vi, [(k * gamma) & 0xFFFFFFFF for k in range(lanes)])
             khi_v, inv_v, top_v = splat(args[2], vi), splat(args[3], vf), splat(args[4], vf)
             top_magic = builder.fadd(top_v, cf(8388608.0))  # top + 2^23, exact
@@ -2818,20 +2910,31 @@ def _vector_stoch_codes(kind: int) -> Any:
             index = s.nitems.type
             groups = builder.udiv(s.nitems, ir.Constant(index, lanes))
             ahead = ir.Constant(index, _AHEAD_BYTES // (2 if bf16 else 4))
-            with cgutils.for_range(builder, groups) as loop:
-                first = builder.mul(loop.index, ir.Constant(index, lanes))
-                if _PREFETCHES[0]:  # a hint, never a fault (may point past src)
-                    _emit_prefetch(builder, builder.gep(s.data, [builder.add(first, ahead)]))
-                yv = builder.load(ys)
+
+            def uniform(yv: Any) -> Any:
                 # _nb_draw: the finalizer, ^ khi, top 24 bits as a float32 in [0, 1)
                 x = builder.xor(yv, builder.lshr(yv, ci(16)))
                 x = builder.mul(x, ci(0x7FEB352D))
                 x = builder.xor(x, builder.lshr(x, ci(15)))
                 x = builder.mul(x, ci(0x846CA68B))
                 x = builder.xor(builder.xor(x, builder.lshr(x, ci(16))), khi_v)
-                u = builder.fmul(
-                    builder.sitofp(builder.lshr(x, ci(8)), vf), cf(5.9604644775390625e-08)
-                )
+                return builder.sitofp(builder.lshr(x, ci(8)), vf)  # u * 2^24, exact
+
+            def scaled(draw: Any) -> Any:
+                return builder.fmul(draw, cf(5.9604644775390625e-08))  # u, exact
+
+            def qsgd_floor(mag: Any, draw: Any, sign: Any) -> Any:
+                # _nb_qsgd_code: clamp |v| inv + u to [0, top] (NaN -> 0), floor, with the
+                # sign of ``sign``. |v| inv + u as fma(u 2^24, 2^-24, |v| inv): the product
+                # is exact (an integer below 2^24 times a power of two), so the one rounding
+                # of the fused sum is the addition's (one instruction fewer)
+                t = builder.call(fma, [draw, cf(5.9604644775390625e-08), mag])
+                t = builder.select(builder.fcmp_ordered(">", t, cf(0.0)), t, cf(0.0))
+                t = builder.select(builder.fcmp_ordered("<", t, top_v), t, top_v)
+                return builder.call(copysign, [builder.call(floor, [t]), sign])
+
+            def group(first: Any, yv: Any) -> None:
+                u = uniform(yv)
                 if bf16:  # bfloat16 bits: the top half of a float32 (exact)
                     vh = ir.VectorType(ir.IntType(16), lanes)
                     ptr = builder.bitcast(builder.gep(s.data, [first]), vh.as_pointer())
@@ -2840,33 +2943,90 @@ def _vector_stoch_codes(kind: int) -> Any:
                 else:
                     ptr = builder.bitcast(builder.gep(s.data, [first]), vf.as_pointer())
                     v = builder.load(ptr, align=4)
-                if kind == 0:
-                    # _nb_qsgd_code: clamp |v| inv + u to [0, top] (NaN -> 0), floor,
-                    # top + copysign
-                    t = builder.fadd(builder.fmul(builder.call(fabs, [v]), inv_v), u)
-                    t = builder.select(builder.fcmp_ordered(">", t, cf(0.0)), t, cf(0.0))
-                    t = builder.select(builder.fcmp_ordered("<", t, top_v), t, top_v)
-                    t = builder.call(copysign, [builder.call(floor, [t]), v])
-                    # top + t is an integer in [0, 2 top]; added to 2^23 as well (exact:
-                    # 2 top < 2^23) it is the float's low mantissa bits, so the float's bits
-                    # give its low byte without a conversion (one instruction fewer)
-                    code = builder.bitcast(builder.fadd(top_magic, t), vi)
-                elif kind == 1:
-                    # _nb_stoch_code, kind 1: 1 + sign(v) where u < |v| inv, else 1
-                    mag = builder.fmul(builder.call(fabs, [v]), inv_v)
-                    keep = builder.fcmp_ordered("<", u, mag)
-                    sign = builder.select(builder.fcmp_ordered("<", v, cf(0.0)), ci(0), ci(2))
-                    code = builder.select(keep, sign, ci(1))
-                else:
+                if kind == 2:
                     # _nb_quant_bounded (inv is THC's step): floor(v / step + u), then
                     # t < top ? t : top
-                    t = builder.call(floor, [builder.fadd(builder.fdiv(v, inv_v), u)])
+                    t = builder.call(floor, [builder.fadd(builder.fdiv(v, inv_v), scaled(u))])
                     t = builder.select(builder.fcmp_ordered("<", t, top_v), t, top_v)
                     code = builder.fptosi(t, vi)
+                else:
+                    mag = builder.fmul(builder.call(fabs, [v]), inv_v)
+                    if kind == 0:
+                        # top + t is an integer in [0, 2 top]; added to 2^23 as well (exact:
+                        # 2 top < 2^23) it is the float's low mantissa bits, so the float's
+                        # bits give its low byte without a conversion (one instruction fewer)
+                        t = qsgd_floor(mag, u, v)
+                        code = builder.bitcast(builder.fadd(top_magic, t), vi)
+                    else:
+                        # _nb_stoch_code, kind 1: 1 + sign(v) where u < |v| inv, else 1
+                        keep = builder.fcmp_ordered("<", scaled(u), mag)
+                        sign = builder.select(
+                            builder.fcmp_ordered("<", v, cf(0.0)), ci(0), ci(2)
+                        )
+                        code = builder.select(keep, sign, ci(1))
                 out = builder.bitcast(builder.gep(d.data, [first]), vb.as_pointer())
                 if vb != vi:
                     code = builder.trunc(code, vb)
                 builder.store(code, out, align=1)
+
+            def prefetch(first: Any) -> None:
+                if _PREFETCHES[0]:  # a hint, never a fault (may point past src)
+                    _emit_prefetch(builder, builder.gep(s.data, [builder.add(first, ahead)]))
+
+            start = ir.Constant(index, 0)
+            if bf16 and kind == 0:
+                # qsgd on bfloat16 bits, while 2 top < 2^15: pairs of groups (32 values, one
+                # cache line) read as 16 words, value 2i the low half of word i and 2i + 1
+                # its high half: v_even = w << 16, |v_odd| = w & 0x7FFF0000 (its sign is
+                # w's), the draws of lanes y + 2i step and y + (2i + 1) step. The odd codes
+                # go through 2^15 + top (exact; its mantissa's unit is 2^-8, so the code is
+                # the float's second byte), the even ones through 2^23 + top (the first
+                # byte), and one bit select and one narrowing to 16 bits store both: 3
+                # vector instructions fewer per 16 values than two groups
+                pairs = builder.udiv(groups, ir.Constant(index, 2))
+                small = builder.fcmp_ordered("<", args[4], ir.Constant(f32t, 16384.0))
+                pairs = builder.select(small, pairs, ir.Constant(index, 0))
+                vw = ir.VectorType(i32, lanes)
+                vs = ir.VectorType(ir.IntType(16), lanes)
+                top_magic15 = builder.fadd(top_v, cf(32768.0))  # top + 2^15, exact
+                y_odd = ci(gamma)
+                step2 = ir.Constant(vi, [(2 * k * gamma) & 0xFFFFFFFF for k in range(lanes)])
+                builder.store(builder.add(splat(args[1], vi), step2), ys)
+                with cgutils.for_range(builder, pairs) as loop:
+                    first = builder.mul(loop.index, ir.Constant(index, 2 * lanes))
+                    prefetch(first)
+                    ye = builder.load(ys)
+                    ue = uniform(ye)
+                    uo = uniform(builder.add(ye, y_odd))
+                    ptr = builder.bitcast(builder.gep(s.data, [first]), vw.as_pointer())
+                    w = builder.load(ptr, align=2)
+                    ve = builder.bitcast(builder.shl(w, ci(16)), vf)
+                    mag_e = builder.fmul(builder.call(fabs, [ve]), inv_v)
+                    mag_o = builder.fmul(
+                        builder.bitcast(builder.and_(w, ci(0x7FFF0000)), vf), inv_v
+                    )
+                    te = qsgd_floor(mag_e, ue, ve)
+                    to = qsgd_floor(mag_o, uo, builder.bitcast(w, vf))
+                    ce = builder.bitcast(builder.fadd(top_magic, te), vi)
+                    co = builder.bitcast(builder.fadd(top_magic15, to), vi)
+                    both = builder.or_(
+                        builder.and_(ce, ci(0xFF)), builder.and_(co, ci(0xFF00))
+                    )
+                    out = builder.bitcast(builder.gep(d.data, [first]), vs.as_pointer())
+                    builder.store(builder.trunc(both, vs), out, align=1)
+                    builder.store(builder.add(ye, ci(2 * lanes * gamma)), ys)
+                start = builder.mul(pairs, ir.Constant(index, 2))
+                # the rest (one group, or all where 2 top >= 2^15) from y + first step
+                first = builder.mul(start, ir.Constant(index, lanes))
+                yrest = builder.mul(builder.trunc(first, i32), i32(gamma))
+                builder.store(
+                    builder.add(builder.add(splat(args[1], vi), step), splat(yrest, vi)), ys
+                )
+            with cgutils.for_range(builder, builder.sub(groups, start)) as loop:
+                first = builder.mul(builder.add(loop.index, start), ir.Constant(index, lanes))
+                prefetch(first)
+                yv = builder.load(ys)
+                group(first, yv)
                 builder.store(builder.add(yv, ci(lanes * gamma)), ys)
             return context.get_dummy_value()
 
@@ -3257,6 +3417,7 @@ def _build() -> dict[str, Callable[..., Any]]:
     )
     module["_vsum_sq"] = _vector_lane_sum(True)
     module["_vsum_abs"] = _vector_lane_sum(False)
+    module["_vsum_chunks"] = _vector_chunk_sums()
     module["_vsign_bits"] = _vector_sign_bits()
     module["_vqsgd_codes"] = _vector_stoch_codes(0)
     module["_vtern_codes"] = _vector_stoch_codes(1)
