@@ -369,3 +369,21 @@ def test_a_bound_reductions_failure_is_the_shots(message: str) -> None:
     assert text(bound_error.value) == text(shot_error.value)
     assert "round 0 (all-reduce) failed on rank 0 of 2 after" in str(bound_error.value)
     assert torch.equal(x, torch.full((8,), 3.0))
+
+
+def test_fire_options_without_async_op_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch before 2.8 has no ``AllreduceOptions.asyncOp`` (its collectives were always
+    asynchronous): fire's options must still be made there, as ``dist.all_reduce`` made them
+    (setting a missing field of a pybind struct raises AttributeError)."""
+    import torch.distributed as dist
+
+    from commpress.collectives import driver
+
+    class OldOptions:  # the torch 2.3-2.7 struct: reduceOp and timeout only
+        __slots__ = ("reduceOp", "timeout")
+
+    monkeypatch.setattr(dist, "AllreduceOptions", OldOptions)
+    monkeypatch.setattr(driver, "_ALLREDUCE_OPTIONS", {})
+    opts = driver._allreduce_options("max")
+    assert isinstance(opts, OldOptions)
+    assert opts.reduceOp == dist.ReduceOp(dist.ReduceOp.MAX)

@@ -40,8 +40,10 @@ _RUN = textwrap.dedent(
 )
 
 
-def _run(directory: Path, share: bool) -> tuple[int, int]:
+def _run(directory: Path, share: bool, cache_dir: Path | None = None) -> tuple[int, int]:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    if cache_dir is not None:
+        env["NUMBA_CACHE_DIR"] = str(cache_dir)
     env["NUMBA_DISABLE_JIT"] = "0"
     out = subprocess.run(
         [sys.executable, "-c", _RUN.format(d=str(directory), share=share)],
@@ -81,3 +83,19 @@ def test_numba_alone_would_load_the_stale_kernel(tmp_path: Path) -> None:
     if value == 6:
         pytest.skip("this numba recompiles a kernel whose callee's file changed")
     assert (value, hits) == (4, 1)
+
+
+def test_numba_cache_dir_is_still_honoured(tmp_path: Path) -> None:
+    """With ``NUMBA_CACHE_DIR`` set, numba writes every cache there (its first locator); the
+    shared stamp must keep that choice (not write next to the sources instead)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    cache = tmp_path / "cache"
+    (src / "kern.py").write_text(_KERNEL)
+    _write_helper(src, 1, 1_000_000_000)
+    assert _run(src, True, cache_dir=cache) == (4, 0)
+    assert list(cache.rglob("kern.g-*.nbi")), "nothing cached in NUMBA_CACHE_DIR"
+    assert not list(src.rglob("*.nbi")), "cached next to the sources despite NUMBA_CACHE_DIR"
+    assert _run(src, True, cache_dir=cache) == (4, 1)
+    _write_helper(src, 2, 1_000_000_100)  # the shared stamp still applies there
+    assert _run(src, True, cache_dir=cache) == (6, 0)

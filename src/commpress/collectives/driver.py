@@ -911,7 +911,8 @@ def _allreduce_options(op: str) -> Any:
     if opts is None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp(_REDUCE_OPS[op])
-        opts.asyncOp = True
+        if hasattr(opts, "asyncOp"):  # torch >= 2.8; earlier, always asynchronous
+            opts.asyncOp = True
         _ALLREDUCE_OPTIONS[op] = opts
     return opts
 

@@ -10,8 +10,9 @@ updates an editable install (``git pull``) with a warm cache. :func:`share_stamp
 stamp of every function defined in a directory's ``.py`` files the hash of all of them, so an
 edit of any kernel module recompiles every kernel.
 
-It adds two cache locators (numba's in-tree and user-wide ones with that stamp, for that
-directory only) in front of numba's own. numba has no public hook for this; where its private
+It adds three cache locators (numba's ``NUMBA_CACHE_DIR``, in-tree and user-wide ones, in
+numba's order, with that stamp, for that directory only) in front of numba's own, so
+``NUMBA_CACHE_DIR`` still wins where set. numba has no public hook for this; where its private
 classes are missing (another numba version) nothing changes and the reason is kept in
 :data:`unavailable`.
 """
@@ -63,9 +64,11 @@ def share_stamp(directory: str) -> bool:
             from numba.core import caching
 
             # public names in numba 0.68, underscored in earlier releases
+            # numba's own order: NUMBA_CACHE_DIR when set, else next to the source, else
+            # the user-wide directory
             impl, *bases = (getattr(caching, name, None) or getattr(caching, "_" + name)
-                            for name in ("CacheImpl", "InTreeCacheLocator",
-                                         "UserWideCacheLocator"))
+                            for name in ("CacheImpl", "UserProvidedCacheLocator",
+                                         "InTreeCacheLocator", "UserWideCacheLocator"))
             ours = [_locator(base, directory) for base in bases]
             impl._locator_classes = [*ours, *impl._locator_classes]
         except (ImportError, AttributeError) as exc:
