@@ -2552,7 +2552,7 @@ def _prefetcher() -> Any:
     return prefetch
 
 
-#: Whether this numba and llvmlite compile non-temporal stores (set by _streamers()).
+#: Whether Random-K's decode streams with non-temporal stores (set by _streamers()).
 _STREAMS = [False]
 
 
@@ -2562,8 +2562,9 @@ def _streamers() -> tuple[Any, Any, Any]:
     aligned, non-temporal: the lines are written without being read into the caches
     first), ``stream_zero(out, at, count)`` (zeros the same way) and ``fence()``
     (LLVM's ``fence seq_cst``: the streamed stores are ordered before what follows). Where
-    this numba and llvmlite cannot compile them (probed once here), plain jitted stores
-    instead (the same values)."""
+    this llvmlite lacks what they emit (instruction metadata, fences), plain jitted stores
+    instead (the same values). No compile probe: jitting one at every process start cost
+    1.4 s (the kernels that use these are cached on disk)."""
     import numba
     from llvmlite import ir
     from numba.core import cgutils, types
@@ -2631,18 +2632,8 @@ def _streamers() -> tuple[Any, Any, Any]:
 
         return types.void(), codegen
 
-    def probe(out: Any, line: Any) -> None:
-        stream_copy(out, 0, line, line.size)  # type: ignore[call-arg]
-        stream_zero(out, 0, line.size)
-        fence()
-
-    try:
-        for dtype in (np.float32, np.uint16):
-            buf = np.zeros(128, np.uint8)  # one aligned 64-byte line inside
-            at = (-buf.ctypes.data) % 64
-            line = np.zeros(64 // np.dtype(dtype).itemsize, dtype)
-            numba.njit(probe)(buf[at:at + 64].view(dtype), line)
-    except Exception:  # plain stores: the same values through the caches
+    if not (hasattr(ir.Instruction, "set_metadata") and hasattr(ir.IRBuilder, "fence")):
+        # plain stores: the same values through the caches
         return (
             numba.njit(_nb_stream_copy), numba.njit(_nb_stream_zero), numba.njit(_nb_store_fence)
         )
