@@ -150,15 +150,21 @@ def _late_decode_failure_worker(rank: int, world: int) -> dict[str, Any]:
 
     issued = []
     real = dist.all_reduce
+    real_fire = commpress.ddp.fire  # a lane's collective (the group's allreduce, not dist's)
 
     def counting(t: torch.Tensor, *a: Any, **k: Any) -> Any:
         issued.append(t.numel())
         return real(t, *a, **k)
 
+    def counting_fire(ex: Any, bound: Any, ctx: Any) -> Any:
+        issued.append(bound.wire.numel())
+        return real_fire(ex, bound, ctx)
+
     DDPCompressionState.note_wire_bytes = failing  # type: ignore[method-assign]
     DDPCompressionState.count_tally = failing_tally  # type: ignore[method-assign]
     hook = net[0].weight.register_hook(lambda g: (time.sleep(0.3), g)[1])
     dist.all_reduce = counting  # type: ignore[assignment]
+    commpress.ddp.fire = counting_fire  # type: ignore[assignment]
     error = ""
     try:
         step(2)
@@ -166,6 +172,7 @@ def _late_decode_failure_worker(rank: int, world: int) -> dict[str, Any]:
         error = str(exc)
     finally:
         dist.all_reduce = real  # type: ignore[assignment]
+        commpress.ddp.fire = real_fire  # type: ignore[assignment]
         DDPCompressionState.note_wire_bytes = original  # type: ignore[method-assign]
         DDPCompressionState.count_tally = original_tally  # type: ignore[method-assign]
         hook.remove()
