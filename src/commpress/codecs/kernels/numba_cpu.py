@@ -2552,10 +2552,6 @@ def _prefetcher() -> Any:
     return prefetch
 
 
-#: Whether Random-K's decode streams with non-temporal stores (set by _streamers()).
-_STREAMS = [False]
-
-
 def _streamers() -> tuple[Any, Any, Any]:
     """numba intrinsics for Random-K's decode: ``stream_copy(out, at, buf, count)``
     (``buf[:count]`` stored at ``out[at:]``, whole 64-byte lines, ``out[at]`` 64-byte
@@ -2637,7 +2633,6 @@ def _streamers() -> tuple[Any, Any, Any]:
         return (
             numba.njit(_nb_stream_copy), numba.njit(_nb_stream_zero), numba.njit(_nb_store_fence)
         )
-    _STREAMS[0] = True
     return stream_copy, stream_zero, fence
 
 
