@@ -39,8 +39,9 @@ def test_bench_ddp_tiny_run_reports_every_config_and_bit_identity(
         assert row["replicas_identical"] is True, name
         if name in REFERENCES:
             assert row["reference"] == REFERENCES[name]
-            # the identity hook equals DDP without a hook (2 ranks: dividing by 2 is exact),
-            # the fp16 hook equals PyTorch's fp16 hook: same arithmetic, bit for bit
+            # the identity hook and PyTorch's allreduce hook equal DDP without a hook (2
+            # ranks: dividing by 2 is exact), the fp16 hook equals PyTorch's fp16 hook: same
+            # arithmetic, bit for bit
             assert row["bit_identical"] is True, name
             assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
             assert row["cpu_ratio_min"] <= row["cpu_ratio_median"] <= row["cpu_ratio_max"]

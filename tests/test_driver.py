@@ -387,3 +387,51 @@ def test_fire_options_without_async_op_field(monkeypatch: pytest.MonkeyPatch) ->
     opts = driver._allreduce_options("max")
     assert isinstance(opts, OldOptions)
     assert opts.reduceOp == dist.ReduceOp(dist.ReduceOp.MAX)
+
+
+def _every_pattern(dtype: torch.dtype) -> torch.Tensor:
+    """Every bit pattern of a 16-bit dtype; for float32 and float64 the special values,
+    subnormals near the smallest, the largest finite values and a fixed random sample."""
+    if dtype.itemsize == 2:
+        return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    info = torch.finfo(dtype)
+    special = torch.tensor(
+        [0.0, -0.0, float("inf"), float("-inf"), float("nan"), info.tiny, -info.tiny,
+         info.max, -info.max, info.smallest_normal * 1.5, 1.0, -3.0], dtype=dtype,
+    )
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    g = torch.Generator().manual_seed(7)
+    sample = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=g, dtype=torch.int64)
+    if bits == torch.int64:
+        sample = sample * (2**32) + sample.flip(0)
+    subnormal = torch.arange(1, 4097, dtype=bits).view(dtype)
+    return torch.cat([special, subnormal, -subnormal, sample.to(bits).view(dtype)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_divide_by_world_is_the_division_bit_for_bit(dtype: torch.dtype) -> None:
+    """A mean's division by a power-of-two world size runs as a multiply by its exact
+    reciprocal: the same bits as ``div_`` (subnormals, infinities, NaNs); other world sizes
+    divide."""
+    from commpress.collectives.driver import divide_by_world
+
+    x = _every_pattern(dtype)
+    for world in (1, 2, 3, 4, 5, 8, 64, 1024):
+        mine = x.clone()
+        divide_by_world(mine, world)
+        want = x / world
+        assert torch.equal(mine.view(torch.uint8), want.view(torch.uint8)), (dtype, world)
+
+
+def test_divide_by_world_multiplies_only_for_powers_of_two(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from commpress.collectives.driver import divide_by_world
+
+    calls: list[str] = []
+    real_mul, real_div = torch.Tensor.mul_, torch.Tensor.div_
+    monkeypatch.setattr(torch.Tensor, "mul_", lambda t, v: calls.append("mul") or real_mul(t, v))
+    monkeypatch.setattr(torch.Tensor, "div_", lambda t, v: calls.append("div") or real_div(t, v))
+    for world in (2, 3, 4, 6, 8, 1):
+        divide_by_world(torch.ones(5), world)
+    assert calls == ["mul", "div", "mul", "div", "mul", "div"]

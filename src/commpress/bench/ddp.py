@@ -4,30 +4,35 @@ On ``--world`` local gloo ranks (loopback), it trains one MLP per configuration,
 same weights on the same batches, with plain SGD:
 
 * ``no hook``: DDP's built-in all-reduce;
+* ``torch allreduce``: PyTorch's ``allreduce_hook``, the floor of any Python comm hook (DDP
+  divides by the world size while it fills a bucket only when no hook is registered, and a
+  Python hook finishes in a Python callback);
 * ``torch fp16``: PyTorch's ``fp16_compress_hook``;
 * ``commpress identity``: ``commpress.ddp.register(model, "identity")``;
 * ``commpress fp16``: ``commpress.ddp.register(model, "fp16")``.
 
 After ``--warmup`` untimed steps each (DDP rebuilds its buckets after the first step, the hook
 checks its plans across ranks), every repeat runs ``--steps`` timed steps of each
-configuration in turn, the order rotated by one per repeat (ABCD, BCDA, CDAB, ...) so that
+configuration in turn, the order rotated by one per repeat (ABCDE, BCDEA, CDEAB, ...) so that
 drift in the machine's load hits every configuration alike. A step (``zero_grad``, forward,
 backward with the hook's reductions, ``optimizer.step``) is timed on every rank; the slowest
 rank's time counts. Per repeat, each configuration's median step time; per configuration the
 median over repeats and its min-max. Each commpress configuration is compared with its
 reference (identity with no hook, fp16 with PyTorch's fp16 hook) by the paired ratio of the
-medians of one repeat (same load), reported as the median over repeats with its min-max.
+medians of one repeat (same load), reported as the median over repeats with its min-max;
+PyTorch's allreduce hook is compared with no hook the same way, so the table shows what any
+Python hook costs over DDP's own path beside what commpress's identity hook costs.
 Beside wall-clock time, each step's CPU time of the whole process (``time.process_time``: every
 thread, gloo's and the hook's queue included; the busier rank counts) and the same paired
 ratios: on a shared machine, CPU time is far less disturbed by other jobs than wall-clock
 time, and the hook's overhead is CPU work.
 
 Bit-identity: after the last repeat every configuration has taken the same steps on the same
-data, so the identity hook's parameters must equal those of DDP without a hook and the fp16
-hook's those of PyTorch's (the same arithmetic: cast, divide by the world size, sum, cast
-back); and every configuration's replicas must be identical across ranks. Both are reported.
-(The identity hook sums before dividing, DDP divides first: the same bits when the world size
-is a power of two.)
+data, so the parameters of the identity hook and of PyTorch's allreduce hook must equal those
+of DDP without a hook, and the fp16 hook's those of PyTorch's (the same arithmetic: cast,
+divide by the world size, sum, cast back); and every configuration's replicas must be
+identical across ranks. Both are reported. (The identity hook sums before dividing, DDP
+divides first: the same bits when the world size is a power of two.)
 
 Loopback gloo measures the software's cost far more than a network's: this is the benchmark
 for the hook's overhead, not for compression's gains.
@@ -48,12 +53,14 @@ from commpress.bench.ranks import run_ranks
 from commpress.errors import CommpressError
 from commpress.report import render_table
 
-NO_HOOK, TORCH_FP16 = "no hook", "torch fp16"
+NO_HOOK, TORCH_ALLREDUCE, TORCH_FP16 = "no hook", "torch allreduce", "torch fp16"
 CP_IDENTITY, CP_FP16 = "commpress identity", "commpress fp16"
 #: The configurations, in the order of the first repeat.
-CONFIGS: tuple[str, ...] = (NO_HOOK, TORCH_FP16, CP_IDENTITY, CP_FP16)
-#: Each commpress configuration and its reference (same results, bit for bit).
-REFERENCES: dict[str, str] = {CP_IDENTITY: NO_HOOK, CP_FP16: TORCH_FP16}
+CONFIGS: tuple[str, ...] = (NO_HOOK, TORCH_ALLREDUCE, TORCH_FP16, CP_IDENTITY, CP_FP16)
+#: Each compared configuration and its reference (same results, bit for bit).
+REFERENCES: dict[str, str] = {
+    TORCH_ALLREDUCE: NO_HOOK, CP_IDENTITY: NO_HOOK, CP_FP16: TORCH_FP16,
+}
 #: The models: layer widths of an MLP (Linear + ReLU between layers).
 MODELS: dict[str, tuple[int, ...]] = {
     "small": (256, 1024, 1024, 10),  # 1.3 M parameters, one or two DDP buckets
@@ -81,10 +88,11 @@ def _build(widths: tuple[int, ...]) -> Any:
 
 
 def _install(name: str, model: Any) -> None:
-    if name == TORCH_FP16:
+    if name in (TORCH_ALLREDUCE, TORCH_FP16):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        model.register_comm_hook(None, default_hooks.allreduce_hook if name == TORCH_ALLREDUCE
+                                 else default_hooks.fp16_compress_hook)
     elif name in (CP_IDENTITY, CP_FP16):
         import commpress
 
@@ -282,7 +290,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "ddp",
         help="time the commpress DDP hook (identity, fp16) against DDP without a hook and "
-        "PyTorch's fp16 hook, side by side on gloo",
+        "PyTorch's allreduce and fp16 hooks, side by side on gloo",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     p.add_argument("--model", choices=[*MODELS, "both"], default="both",
