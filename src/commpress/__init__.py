@@ -30,6 +30,7 @@ from commpress.errors import (
     PayloadError,
     PeerLostError,
 )
+from commpress.procs import tune_cpu_allocator
 
 __version__ = "0.1.0"
 
@@ -63,4 +64,5 @@ __all__ = [
     "recv",
     "send",
     "simulate",
+    "tune_cpu_allocator",
 ]

@@ -52,6 +52,7 @@ from tqdm import tqdm
 from commpress.codecs import Codec, CodecContext, codec_ids, get_codec, kernels
 from commpress.errors import CommpressError
 from commpress.metrics import gaussian, heavy_tailed, nmse
+from commpress.procs import tune_cpu_allocator
 from commpress.report import format_cell, render_table
 
 if TYPE_CHECKING:
@@ -521,6 +522,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(spreads its timings through the run, so that a burst of other load hits "
                    "fewer of them; not with --profile)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--malloc", choices=("default", "reuse"), default="default",
+                   help="reuse: call commpress.tune_cpu_allocator() first, so that fresh "
+                   "large CPU buffers (payloads, decodes) reuse freed memory instead of being "
+                   "page-faulted anew (glibc; the setting a training process can choose)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--profile", metavar="FILE",
                    help="instead of the table, write a device profile (per codec: fixed cost "
@@ -537,6 +542,10 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat < 1 or args.size_mb <= 0 or args.rounds < 1:
         raise CommpressError("--repeat and --rounds must be >= 1 and --size-mb > 0")
     specs = codec_ids() if args.codecs == ["all"] else list(args.codecs)
+    malloc = getattr(args, "malloc", "default")
+    if malloc == "reuse" and not tune_cpu_allocator():
+        raise CommpressError("--malloc reuse needs glibc's mallopt (this C library is not "
+                             "glibc, or refused the settings)")
     if args.profile:
         if args.rounds != 1:
             raise CommpressError("--rounds applies to the table, not to --profile")
@@ -548,7 +557,7 @@ def run(args: argparse.Namespace) -> int:
     rounds = f" over {args.rounds} rounds" if args.rounds > 1 else ""
     print(f"{args.size_mb:g} MB {args.dtype} tensors on {args.device}, "
           f"{torch.get_num_threads()} threads, best of {args.repeat}{rounds}; "
-          f"{kernels.ENV_VAR}={kernels.requested_backend()}")
+          f"{kernels.ENV_VAR}={kernels.requested_backend()}; malloc {malloc}")
     print(render(rows))
     if args.json:
         with open(args.json, "w") as f:
