@@ -3,7 +3,9 @@ reuses freed large blocks instead of page-faulting fresh ones."""
 
 from __future__ import annotations
 
+import ctypes.util
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -111,3 +113,39 @@ def test_bench_codecs_says_which_allocator_setting_it_ran_with() -> None:
         done = subprocess.run([*cmd, "--malloc", mode], capture_output=True, text=True,
                               timeout=300, check=True)
         assert f"malloc {mode}" in done.stdout.splitlines()[0], done.stdout
+
+
+class _RefusingLibc:
+    """A glibc whose mallopt refuses M_MMAP_THRESHOLD above 32 MiB, as glibc did before the
+    limit was lifted (man mallopt: DEFAULT_MMAP_THRESHOLD_MAX, 4*1024*1024*sizeof(long))."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def mallopt(self, param: int, value: object) -> int:
+        v = int(getattr(value, "value", value))  # type: ignore[call-overload]
+        self.calls.append((param, v))
+        return 0 if param == -3 and v > 32 << 20 else 1
+
+
+def test_a_refused_mmap_threshold_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Setting M_TRIM_THRESHOLD alone also turns glibc's dynamic mmap threshold off (it stays
+    at 128 KiB: every block above it mapped and faulted afresh), so when the mmap threshold
+    is refused the call must leave the trim threshold alone and say False."""
+    import commpress.procs as procs
+
+    fake = _RefusingLibc()
+    monkeypatch.setattr(procs, "_glibc", lambda: fake)
+    assert procs.tune_cpu_allocator() is False
+    assert fake.calls == [(-3, 1 << 30)], fake.calls
+    fake.calls.clear()
+    assert procs.tune_cpu_allocator(mmap_threshold=16 << 20) is True
+    assert fake.calls == [(-3, 16 << 20), (-1, 2**31 - 1)], fake.calls
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc process only")
+def test_glibc_is_found_without_find_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """find_library("c") needs /sbin/ldconfig, gcc or ld (absent in slim and distroless
+    images); the process's own C library is already loaded, so it must be found anyway."""
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    assert _glibc() is not None

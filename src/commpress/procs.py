@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import threading
 import time
@@ -22,7 +21,8 @@ def tune_cpu_allocator(
 ) -> bool:
     """Let this process reuse freed large blocks of CPU memory instead of mapping fresh pages
     for each one (glibc only); ``True`` when the settings took effect, ``False`` where the C
-    library is not glibc (nothing changed).
+    library is not glibc or refuses the mmap threshold (glibc before the limit was lifted caps
+    it at 32 MiB on 64-bit systems, ``man mallopt``); nothing changed then.
 
     By default glibc serves a block of 32 MiB or more (less after some frees) with a fresh
     ``mmap`` and unmaps it when freed, so the next block of that size is page-faulted again,
@@ -49,23 +49,25 @@ def tune_cpu_allocator(
     libc = _glibc()
     if libc is None:
         return False
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(min(mmap_threshold, 2**31 - 1)))
-    ok &= libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(min(trim_threshold, 2**31 - 1)))
-    return bool(ok)
+    # the mmap threshold first, the trim threshold only where it took: older glibc refuses
+    # mmap thresholds above 32 MiB, and a trim threshold set alone would also freeze the mmap
+    # threshold at its 128 KiB start (every block above it mapped afresh)
+    if not libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(min(mmap_threshold, 2**31 - 1))):
+        return False
+    return bool(libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(min(trim_threshold, 2**31 - 1))))
 
 
 def _glibc() -> ctypes.CDLL | None:
     """The process's C library when it is glibc (it has ``mallopt`` and
     ``gnu_get_libc_version``), else ``None``."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
     try:
-        libc = ctypes.CDLL(name)
+        # the C library this process already runs on (find_library would need ldconfig, gcc
+        # or ld, and could name another file)
+        libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 (glibc only)
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         libc.mallopt.restype = ctypes.c_int
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
         return None
     return libc
 
