@@ -79,9 +79,17 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 8)
 """
 
 
-def _faults_per_block(mode: str) -> float:
-    done = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True,
-                          timeout=120, check=True)
+def _faults_per_block(mode: str, *, thread: bool = False, tunables: str = "") -> float:
+    script = FAULTS
+    if thread:  # the same blocks, made on a second thread (another glibc arena)
+        script = script.replace("for _ in range(3):", "def run():\n for _ in range(3):")
+        script = script.replace("\nbefore =", "\n before =").replace("\nfor _ in range(8):",
+                                                                      "\n for _ in range(8):")
+        script = script.replace("\nprint(", "\n print(") + (
+            "import threading\nt = threading.Thread(target=run); t.start(); t.join()\n")
+    env = {**os.environ, "GLIBC_TUNABLES": tunables} if tunables else None
+    done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
+                          timeout=120, check=True, env=env)
     return float(done.stdout.split()[-1])
 
 
@@ -95,6 +103,17 @@ def test_the_tuned_allocator_reuses_a_freed_large_block() -> None:
     reuse = _faults_per_block("reuse")
     assert default > 0.5 * pages, (default, pages)
     assert reuse < 0.2 * pages, (reuse, pages)
+
+
+@pytest.mark.skipif(_glibc() is None, reason="glibc's mallopt only")
+def test_a_threads_blocks_are_reused_only_with_one_arena() -> None:
+    """What the docs say of threads: a thread's own arena maps the block afresh even after
+    tune_cpu_allocator(); with glibc.malloc.arena_max=1 the thread uses the main arena and
+    the setting covers it."""
+    pages = (48 << 20) / os.sysconf("SC_PAGE_SIZE")
+    assert _faults_per_block("reuse", thread=True) > 0.5 * pages
+    assert _faults_per_block("reuse", thread=True, tunables="glibc.malloc.arena_max=1") < (
+        0.2 * pages)
 
 
 def test_tune_cpu_allocator_refuses_bad_thresholds() -> None:

@@ -32,7 +32,13 @@ def tune_cpu_allocator(
     with this setting; the fp16 cast's encode 2.1-3.1 against 7.6-9.0; a fresh 64 MiB block and
     its fill 47.7 against 16.4 ms). With this call, blocks up to ``mmap_threshold``
     bytes come from the heap and up to ``trim_threshold`` bytes of freed memory are kept
-    there, so repeated blocks of the same sizes are reused, already mapped. The price: the
+    there, so repeated blocks of the same sizes are reused, already mapped. That holds for
+    blocks made on the main thread (glibc's main arena): another thread's blocks (the DDP
+    hook's queue thread, gloo's threads) come from that thread's own arena, and blocks of
+    16-80 MiB made and freed on a Python thread were page-faulted afresh each time with or
+    without this call (measured, glibc 2.36); a process started with
+    ``GLIBC_TUNABLES=glibc.malloc.arena_max=1`` as well serves every thread from the main
+    arena (no faults then). The price: the
     process keeps the memory it freed (its resident size stays near its peak), and the
     setting is global to the process (every library's allocations). The same as starting the
     process with ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...``
