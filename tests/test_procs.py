@@ -98,22 +98,24 @@ def test_the_tuned_allocator_reuses_a_freed_large_block() -> None:
     """A 48 MiB block made and freed again and again: by default every one is mapped afresh
     and page-faulted page by page; after tune_cpu_allocator() the freed block is reused, so
     (almost) no page is faulted again. Each in a fresh process: the setting is global."""
-    pages = (48 << 20) / os.sysconf("SC_PAGE_SIZE")
     default = _faults_per_block("default")
     reuse = _faults_per_block("reuse")
-    assert default > 0.5 * pages, (default, pages)
-    assert reuse < 0.2 * pages, (reuse, pages)
+    # relative to the default run, not to the page count: where transparent huge pages are
+    # "always", a fresh block faults in 2 MiB pages (a few dozen faults, not 12,289)
+    assert default > 0, default
+    assert reuse < 0.2 * default, (reuse, default)
 
 
 @pytest.mark.skipif(_glibc() is None, reason="glibc's mallopt only")
 def test_a_threads_blocks_are_reused_only_with_one_arena() -> None:
-    """What the docs say of threads: a thread's own arena maps the block afresh even after
-    tune_cpu_allocator(); with glibc.malloc.arena_max=1 the thread uses the main arena and
-    the setting covers it."""
-    pages = (48 << 20) / os.sysconf("SC_PAGE_SIZE")
-    assert _faults_per_block("reuse", thread=True) > 0.5 * pages
-    assert _faults_per_block("reuse", thread=True, tunables="glibc.malloc.arena_max=1") < (
-        0.2 * pages)
+    """The remedy the docs give for threads: with glibc.malloc.arena_max=1 a thread's blocks
+    come from the main arena, which tune_cpu_allocator() covers, so they are reused (a
+    thread's own arena maps them afresh: measured with glibc 2.36, not asserted, as other
+    glibc versions may differ)."""
+    default = _faults_per_block("default", thread=True)
+    one_arena = _faults_per_block("reuse", thread=True, tunables="glibc.malloc.arena_max=1")
+    assert default > 0, default
+    assert one_arena < 0.2 * default, (one_arena, default)
 
 
 def test_tune_cpu_allocator_refuses_bad_thresholds() -> None:

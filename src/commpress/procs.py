@@ -45,6 +45,7 @@ def tune_cpu_allocator(
     or with jemalloc/tcmalloc preloaded; GPU memory is not concerned.
 
     Call it once, early (before the large allocations): ``commpress.tune_cpu_allocator()``.
+    Thresholds above ``2**31 - 1`` bytes are set to that (``mallopt`` takes a C ``int``).
     """
     for name, value in (("mmap_threshold", mmap_threshold), ("trim_threshold", trim_threshold)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 62:

@@ -32,7 +32,9 @@ data, so the parameters of the identity hook and of PyTorch's allreduce hook mus
 of DDP without a hook, and the fp16 hook's those of PyTorch's (the same arithmetic: cast,
 divide by the world size, sum, cast back); and every configuration's replicas must be
 identical across ranks. Both are reported. (The identity hook sums before dividing, DDP
-divides first: the same bits when the world size is a power of two.)
+scales each gradient by the world size's reciprocal first and PyTorch's allreduce hook divides
+first: the same bits when the world size is a power of two and no sum is subnormal or
+overflows.)
 
 Loopback gloo measures the software's cost far more than a network's: this is the benchmark
 for the hook's overhead, not for compression's gains.
