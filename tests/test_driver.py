@@ -24,6 +24,7 @@ from commpress.codecs.simulate import reduce_tensors
 from commpress.collectives import all_reduce, execute, reduce
 from commpress.errors import CommpressError
 from dist_utils import run_workers
+from float_cases import all_16bit
 
 
 # ---------------------------------------------------------------------------- driver checks
@@ -393,7 +394,7 @@ def _every_pattern(dtype: torch.dtype) -> torch.Tensor:
     """Every bit pattern of a 16-bit dtype; for float32 and float64 the special values,
     subnormals near the smallest, the largest finite values and a fixed random sample."""
     if dtype.itemsize == 2:
-        return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+        return all_16bit(dtype)
     info = torch.finfo(dtype)
     special = torch.tensor(
         [0.0, -0.0, float("inf"), float("-inf"), float("nan"), info.tiny, -info.tiny,

@@ -14,6 +14,7 @@ import torch
 
 from commpress.codecs import get_codec, kernels
 from commpress.codecs.base import CodecContext, saturating_cast
+from float_cases import all_16bit
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
 
@@ -47,11 +48,6 @@ def _input(n: int, dtype: torch.dtype, seed: int, *, nonfinite: bool = False) ->
     return x.to(dtype)
 
 
-def _all_16bit(dtype: torch.dtype) -> torch.Tensor:
-    """Every 16-bit pattern of ``dtype`` (NaNs, infinities, subnormals, both zeros)."""
-    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
-
-
 def _float_bits(count: int, seed: int) -> torch.Tensor:
     """Random float32 bit patterns plus the rounding boundaries of both 16-bit formats."""
     g = torch.Generator().manual_seed(seed)
@@ -70,7 +66,7 @@ def _float_bits(count: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dst", [torch.float32, *HALF])
 @pytest.mark.parametrize("saturate", [False, True])
 def test_convert_rounds_like_torch(src: torch.dtype, dst: torch.dtype, saturate: bool) -> None:
-    x = _float_bits(200_001, seed=1) if src == torch.float32 else _all_16bit(src)
+    x = _float_bits(200_001, seed=1) if src == torch.float32 else all_16bit(src)
     want = saturating_cast(x, dst) if saturate else x.to(dst)
     got = kernels.convert(x, torch.empty(x.numel(), dtype=dst), saturate=saturate)
     assert _same(got, want)
@@ -94,7 +90,7 @@ def test_convert_divide_is_torchs_cast_then_division(src: torch.dtype, dst: torc
     before the sum): every 16-bit input, float32 bit patterns and rounding edges, divisors
     that are powers of two (float32 -> float16 multiplies by the exact reciprocal) and not,
     and ones that push results into the subnormals."""
-    x = _float_bits(200_001, seed=3) if src == torch.float32 else _all_16bit(src)
+    x = _float_bits(200_001, seed=3) if src == torch.float32 else all_16bit(src)
     for d in DIVISORS:
         want = torch.empty(x.numel(), dtype=dst)
         want.copy_(x)
@@ -270,7 +266,7 @@ def test_chunk_range_matches_aminmax() -> None:
 def test_bfloat16_chunk_range_in_place_equals_its_widening_bit_for_bit() -> None:
     # the bfloat16 segments are scanned on their 16-bit order keys: every pattern (both
     # zeros, NaNs of either sign, infinities, subnormals) gives the float32 path's bits
-    patterns = _all_16bit(torch.bfloat16)
+    patterns = all_16bit(torch.bfloat16)
     g = torch.Generator().manual_seed(4)
     shuffled = patterns[torch.randperm(patterns.numel(), generator=g)]
     for x in (patterns, shuffled, _input(70001, torch.bfloat16, seed=2)):

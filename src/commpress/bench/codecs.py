@@ -542,7 +542,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat < 1 or args.size_mb <= 0 or args.rounds < 1:
         raise CommpressError("--repeat and --rounds must be >= 1 and --size-mb > 0")
     specs = codec_ids() if args.codecs == ["all"] else list(args.codecs)
-    malloc = getattr(args, "malloc", "default")
+    malloc = args.malloc
     if malloc == "reuse" and not tune_cpu_allocator():
         raise CommpressError("--malloc reuse needs glibc's mallopt (this C library is not "
                              "glibc, or refused the settings)")
