@@ -386,10 +386,10 @@ def cases(module: ModuleType) -> list[Case]:
     # RECIP: a CUDA tensor's (the kernels' only device)
     for bf16 in (True, False):
         c.add("_topkc_bound_kernel", "*fp64", i32, "*i16" if bf16 else "*i32", "*i64",
-              "*fp32", i32, f32, f32, RECIP=True, BF16=bf16, BLOCK=tg.TOPKC_BLOCK)
+              "*fp32", i32, i64, i64, RECIP=True, BF16=bf16, BLOCK=tg.TOPKC_BLOCK)
     for fp16, bound, up in itertools.product((False, True), (1, 2), (True, False)):
         c.add("_topkc_keys_kernel", "*i16", "*i64", i32, "*i16" if bound == 1 else "*i32",
-              "*i64", "*fp32", i32, f32, f32, RECIP=True, FP16=fp16, BOUND=bound, UP=up,
+              "*i64", "*fp32", i32, i64, i64, RECIP=True, FP16=fp16, BOUND=bound, UP=up,
               BLOCK=tg.TOPKC_BLOCK)
     for xd, x in bits_of.items():
         c.add("_topkc_gather_kernel", x, "*i64", "*fp32", "*fp32", i32, i32, i32,

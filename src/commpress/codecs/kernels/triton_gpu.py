@@ -967,11 +967,17 @@ def _topkc_norms_kernel(x_ptr, sq_ptr, norms_ptr, keys_ptr, part_ptr, n, chunk, 
 
 
 @triton.jit
-def _topkc_exponent(w, shift, top, inv_top, RECIP: tl.constexpr):
+def _topkc_exponent(w, shift, top_bits, inv_top_bits, RECIP: tl.constexpr):
     # TopKC.exponent of a float64 bound ``w``: the smallest e >= 0 with
     # w * 2^shift * 2^-e <= top (frexp of the rounded ratio, as the torch path; RECIP: the
-    # ratio as w * (1 / top), which is how torch divides a CUDA tensor by a scalar)
-    ratio = w * inv_top if RECIP else w / top
+    # ratio as w * (1 / top), which is how torch divides a CUDA tensor by a scalar). top and
+    # 1 / top come as float64 bits: a Python float argument reaches a compiled kernel as
+    # float32 (the interpreter keeps it float64), and 1 / top rounded to float32 moved e by
+    # one where the ratio is a power of two (a bfloat16 bound of 255 * 2^-10, on an H200)
+    if RECIP:
+        ratio = w * inv_top_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    else:
+        ratio = w / top_bits.to(tl.int64).to(tl.float64, bitcast=True)
     bits = ratio.to(tl.int64, bitcast=True)
     expo = ((bits >> 52) & 0x7FF).to(tl.int32) - 1022
     ceil_log2 = expo - ((bits & 0xFFFFFFFFFFFFF) == 0).to(tl.int32)
@@ -991,9 +997,10 @@ def _topkc_pow2(e, UP: tl.constexpr):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["shift"])  # shift.to(): a runtime int even when it is 1
-def _topkc_bound_kernel(part_ptr, nparts, bound_ptr, e_ptr, factor_ptr, shift, top, inv_top,
-                        RECIP: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
+# shift.to() and the bits' .to(): runtime ints even when one is 1
+@triton.jit(do_not_specialize=["shift", "top_bits", "inv_top_bits"])
+def _topkc_bound_kernel(part_ptr, nparts, bound_ptr, e_ptr, factor_ptr, shift, top_bits,
+                        inv_top_bits, RECIP: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
     # one program: the largest finite squared chunk norm, the bound sqrt(.) * 2^-shift
     # rounded up to its wire type (bfloat16 or float32, stored as int16 / int32 bits), the
     # exponent of that bound and 2^-e
@@ -1016,14 +1023,14 @@ def _topkc_bound_kernel(part_ptr, nparts, bound_ptr, e_ptr, factor_ptr, shift, t
         b = tl.where(f.to(tl.float64) < exact, b + 1, b)
         tl.store(bound_ptr, b)
         w = b.to(tl.float32, bitcast=True).to(tl.float64)
-    e = _topkc_exponent(w, shift, top, inv_top, RECIP)
+    e = _topkc_exponent(w, shift, top_bits, inv_top_bits, RECIP)
     tl.store(e_ptr, e.to(tl.int64))
     tl.store(factor_ptr, _topkc_pow2(e, False))
 
 
-@triton.jit
-def _topkc_keys_kernel(norms_ptr, keys_ptr, nchunks, bound_ptr, e_ptr, factor_ptr, shift, top,
-                       inv_top, RECIP: tl.constexpr, FP16: tl.constexpr,
+@triton.jit(do_not_specialize=["top_bits", "inv_top_bits"])
+def _topkc_keys_kernel(norms_ptr, keys_ptr, nchunks, bound_ptr, e_ptr, factor_ptr, shift,
+                       top_bits, inv_top_bits, RECIP: tl.constexpr, FP16: tl.constexpr,
                        BOUND: tl.constexpr, UP: tl.constexpr, BLOCK: tl.constexpr):
     # the selection keys of the 16-bit norms; program 0 also derives the exponent from the
     # bound (BOUND 1: bfloat16 bits, 2: float32) and 2^e (UP, a decode's) or 2^-e
@@ -1037,7 +1044,7 @@ def _topkc_keys_kernel(norms_ptr, keys_ptr, nchunks, bound_ptr, e_ptr, factor_pt
             w = (raw << 16).to(tl.float32, bitcast=True).to(tl.float64)
         else:
             w = tl.load(bound_ptr).to(tl.float32, bitcast=True).to(tl.float64)
-        e = _topkc_exponent(w, shift, top, inv_top, RECIP)
+        e = _topkc_exponent(w, shift, top_bits, inv_top_bits, RECIP)
         tl.store(e_ptr, e.to(tl.int64))
         tl.store(factor_ptr, _topkc_pow2(e, UP))
 
@@ -1747,8 +1754,20 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def _topkc_bound_args(shift: int, value_top: float, device: torch.device) -> dict[str, object]:
-    return {"shift": shift, "top": value_top, "inv_top": 1.0 / value_top,
-            "RECIP": device.type == "cuda"}
+    return {"shift": shift, **_topkc_top_bits(value_top), "RECIP": device.type == "cuda"}
+
+
+@functools.lru_cache(maxsize=8)
+def _topkc_top_bits(value_top: float) -> dict[str, int]:
+    """``top`` and ``1 / top`` as the int64 bits of their float64 values (see
+    _topkc_exponent)."""
+    return {"top_bits": float64_bits(value_top), "inv_top_bits": float64_bits(1.0 / value_top)}
+
+
+def float64_bits(value: float) -> int:
+    """The bits of a float64 as a signed int64 (a kernel argument that stays float64: a Python
+    float reaches a compiled Triton kernel as float32)."""
+    return int(struct.unpack("<q", struct.pack("<d", value))[0])
 
 
 def topkc_bound(
