@@ -120,8 +120,8 @@ def test_exponent_and_factor(recip: bool, value_dtype: torch.dtype,
             tg._topkc_keys_kernel[(1,)](
                 norms.view(torch.int16), keys, 3,
                 b.reshape(1).to(DEVICE).view(torch.int16 if bf16 else torch.int32), e, factor,
-                128, **tg._topkc_top_bits(top), RECIP=recip, FP16=False, BOUND=1 if bf16 else 2, UP=up,
-                BLOCK=1024,
+                128, **tg._topkc_top_bits(top), RECIP=recip, FP16=False,
+                BOUND=1 if bf16 else 2, UP=up, BLOCK=1024,
             )
             want = exponent_reference(float(b), 128, top, recip)
             assert int(e) == want, (float(b), recip)
