@@ -195,6 +195,28 @@ def test_codecs_use_the_fused_encode(spec: str) -> None:
         assert dec.shape == x.shape and dec.dtype == x.dtype
 
 
+@pytest.mark.parametrize("spec", ["minmax", "minmax:bits=3,rounding=stochastic", "qsgd",
+                                  "terngrad:chunk_size=64", "sign"])
+def test_encodes_into_kept_codes_on_the_triton_path(spec: str) -> None:
+    """With ``scratch=`` the Triton encodes write their packed codes into the buffer kept
+    there (the same one call after call) and send the bytes of a fresh encode."""
+    codec = get_codec(spec)
+    part = "signs" if spec == "sign" else "codes"
+    pool: dict[str, torch.Tensor] = {}
+    ptrs = set()
+    for step, dtype in enumerate(DTYPES):
+        x = sample(1001, seed=step, dtype=dtype)
+        ctx = CodecContext(rank=0, world_size=2, step=step, key="k")
+        with kernels.use_backend("triton"):
+            plain = codec.encode(x, ctx)
+            into = codec.encode(x, ctx, scratch=pool)
+        for name in plain.parts:
+            same(into.parts[name], plain.parts[name])
+        assert into.parts[part].data_ptr() == pool["codes"].data_ptr()
+        ptrs.add(pool["codes"].data_ptr())
+    assert len(ptrs) == 1
+
+
 # ---------------------------------------------------------------------- THC's rotation
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, inside the interpreter
 @pytest.mark.parametrize("spec", ["thc", "thc:block_log2=0", "thc:block_log2=3",

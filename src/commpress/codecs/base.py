@@ -340,7 +340,8 @@ class Codec(ABC):
     #: ``_decode`` accepts ``out=`` and writes the decoding into it (see :meth:`decode`).
     decodes_into: ClassVar[bool] = False
     #: ``_encode`` accepts ``scratch=`` and writes its large payload parts into buffers kept
-    #: there (see :meth:`encode`): the 16-bit casts.
+    #: there (see :meth:`encode`): the 16-bit casts, and the packed codes of minmax, QSGD,
+    #: TernGrad and sign on their kernel paths (numba, Triton).
     encodes_into: ClassVar[bool] = False
     #: ``reduce`` accepts ``out=`` (write the total into the caller's buffer) and ``scratch=``
     #: (a dict the caller keeps, to reuse payload buffers across steps): the 16-bit casts.

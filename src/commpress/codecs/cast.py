@@ -33,6 +33,7 @@ from commpress.codecs.base import (
     saturating_cast,
     shape_numel,
 )
+from commpress.codecs.common import kept_buffer
 from commpress.codecs.protocol import AllReduce, Bound, Protocol, Reduced
 from commpress.codecs.registry import register_codec
 from commpress.errors import error_context
@@ -250,12 +251,7 @@ class _FloatCast(Codec):
     def _scratch_buffer(self, scratch: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """The flat wire-dtype buffer for ``x`` kept in ``scratch`` (replaced when its size,
         dtype or device no longer fit)."""
-        buf = scratch.get("values")
-        if (buf is None or buf.numel() != x.numel() or buf.dtype != self.wire_dtype
-                or buf.device != x.device):
-            buf = torch.empty(x.numel(), dtype=self.wire_dtype, device=x.device)
-            scratch["values"] = buf
-        return buf
+        return kept_buffer(scratch, "values", x.numel(), self.wire_dtype, x.device)
 
     def _scratch(self, scratch: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """``x`` cast to the wire dtype, flat, in the buffer kept in ``scratch``."""

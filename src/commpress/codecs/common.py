@@ -46,6 +46,30 @@ _HALF = (torch.float16, torch.bfloat16)
 _KEYED = (torch.float32, *_HALF)  # dtypes whose magnitude keys the kernels read
 
 
+def kept_buffer(
+    scratch: dict[str, torch.Tensor], key: str, numel: int, dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """The flat buffer ``scratch[key]`` of ``numel`` elements of ``dtype`` on ``device``,
+    made (or replaced, when its size, dtype or device no longer fit) and kept there: the
+    payload memory of an encode with ``scratch=`` (:attr:`Codec.encodes_into`)."""
+    buf = scratch.get(key)
+    if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        scratch[key] = buf
+    return buf
+
+
+def kept_codes(
+    scratch: dict[str, torch.Tensor] | None, n: int, bits: int, device: torch.device
+) -> torch.Tensor | None:
+    """The kept uint8 buffer for the packed ``bits``-bit codes of ``n`` values (``None``
+    without ``scratch``), which the quantizers' kernels write into (``codes=``)."""
+    if scratch is None:
+        return None
+    return kept_buffer(scratch, "codes", -(-n * bits // 8), torch.uint8, device)
+
+
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype to compute in for values of ``dtype``: float64 stays, the rest float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -37,7 +37,7 @@ from commpress.codecs.base import (
     shape_numel,
 )
 from commpress.codecs.bitpack import pack_bits, unpack_bits
-from commpress.codecs.common import kernel_seed, require_seed
+from commpress.codecs.common import kept_codes, kernel_seed, require_seed
 from commpress.codecs.registry import register_codec
 
 #: float32 constants of ``minmax``'s exact power-of-two pre-scaling (see :func:`minmax_params`).
@@ -406,7 +406,10 @@ class MinMax(Codec):
 
     wire_bytes = _wire_bytes_from_bits
 
-    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+    def _encode(
+        self, x: torch.Tensor, ctx: CodecContext, *,
+        scratch: dict[str, torch.Tensor] | None = None,
+    ) -> Payload:
         flat = _flat_in(x)
         n = flat.numel()
         if n == 0:
@@ -419,7 +422,8 @@ class MinMax(Codec):
         if kernels.use_kernels(flat, "minmax_encode"):
             seed = kernel_seed(ctx, self.seed) if stochastic else 0
             packed, lo, scale = kernels.minmax_encode(
-                flat, chunk=chunk, bits=self.bits, stochastic=stochastic, seed=seed
+                flat, chunk=chunk, bits=self.bits, stochastic=stochastic, seed=seed,
+                codes=kept_codes(scratch, n, self.bits, flat.device),
             )
         else:
             noise = _uniform(ctx, self.seed, n, flat.device) if stochastic else None
@@ -427,6 +431,7 @@ class MinMax(Codec):
         return self.make_payload(x, {"codes": packed, "min": lo, "scale": scale})
 
     decodes_into: ClassVar[bool] = True
+    encodes_into: ClassVar[bool] = True
 
     def _decode(
         self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
@@ -534,7 +539,10 @@ class QSGD(Codec):
 
     wire_bytes = _wire_bytes_from_bits
 
-    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+    def _encode(
+        self, x: torch.Tensor, ctx: CodecContext, *,
+        scratch: dict[str, torch.Tensor] | None = None,
+    ) -> Payload:
         flat = _flat_in(x) if self.code_bits <= 8 else _flat32(x)
         n = flat.numel()
         s = float(self.levels)
@@ -549,6 +557,7 @@ class QSGD(Codec):
             packed, norm = kernels.qsgd_encode(
                 flat, chunk=chunk, levels=self.levels, bits=self.code_bits, clamp=_NORM_CLAMP,
                 seed=kernel_seed(ctx, self.seed),
+                codes=kept_codes(scratch, n, self.code_bits, flat.device),
             )
             return self.make_payload(x, {"codes": packed, "norm": norm})
         flat = _flat32(flat)
@@ -571,6 +580,7 @@ class QSGD(Codec):
         return self.make_payload(x, {"codes": packed, "norm": torch.cat(norms)})
 
     decodes_into: ClassVar[bool] = True
+    encodes_into: ClassVar[bool] = True
 
     def _decode(
         self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
@@ -656,7 +666,10 @@ class TernGrad(Codec):
 
     wire_bytes = _wire_bytes_from_bits
 
-    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+    def _encode(
+        self, x: torch.Tensor, ctx: CodecContext, *,
+        scratch: dict[str, torch.Tensor] | None = None,
+    ) -> Payload:
         flat = _flat_in(x)
         n = flat.numel()
         if n == 0:
@@ -665,7 +678,10 @@ class TernGrad(Codec):
         chunk = chunk_length(n, self.chunk_size)
         if kernels.use_kernels(flat, "terngrad_encode"):
             # one launch; the scale is max |x| per chunk, _max_abs's value bit for bit
-            packed, m = kernels.terngrad_encode(flat, chunk=chunk, seed=kernel_seed(ctx, self.seed))
+            packed, m = kernels.terngrad_encode(
+                flat, chunk=chunk, seed=kernel_seed(ctx, self.seed),
+                codes=kept_codes(scratch, n, 2, flat.device),
+            )
             return self.make_payload(x, {"codes": packed, "scale": m})
         flat = _flat32(flat)
         noise = _uniform(ctx, self.seed, n, flat.device)
@@ -686,6 +702,7 @@ class TernGrad(Codec):
         return self.make_payload(x, {"codes": pack_bits(codes, 2), "scale": torch.cat(scales)})
 
     decodes_into: ClassVar[bool] = True
+    encodes_into: ClassVar[bool] = True
 
     def _decode(
         self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None
@@ -757,19 +774,25 @@ class Sign(Codec):
 
     wire_bytes = _wire_bytes_from_bits
 
-    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+    def _encode(
+        self, x: torch.Tensor, ctx: CodecContext, *,
+        scratch: dict[str, torch.Tensor] | None = None,
+    ) -> Payload:
         flat = _flat_in(x)
         n = flat.numel()
         if n == 0:
             packed = torch.empty(0, dtype=torch.uint8, device=x.device)
             scale = torch.zeros(1, dtype=torch.float32, device=x.device)
         elif kernels.use_kernels(flat, "sign_encode_scaled"):
-            packed, scale = kernels.sign_encode_scaled(flat)
+            packed, scale = kernels.sign_encode_scaled(
+                flat, codes=kept_codes(scratch, n, 1, flat.device)
+            )
         else:
             packed, scale = sign_encode_torch(flat)
         return self.make_payload(x, {"signs": packed, "scale": scale})
 
     decodes_into: ClassVar[bool] = True
+    encodes_into: ClassVar[bool] = True
 
     def _decode(
         self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None = None

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from commpress.codecs.kernels import numba_cache, numba_cpu
-from commpress.codecs.kernels.common import TRITON_MAX_ELEMENTS, scratch32, widen
+from commpress.codecs.kernels.common import TRITON_MAX_ELEMENTS, check_codes, scratch32, widen
 from commpress.errors import CommpressError
 
 Backend: TypeAlias = Literal["auto", "numba", "triton", "torch"]
@@ -360,16 +360,21 @@ def minmax_encode(
     stochastic: bool,
     seed: int = 0,
     noise: torch.Tensor | None = None,
+    codes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize a 1-D contiguous float32, bfloat16 or float16 tensor per chunk to ``bits``-bit
     codes (16-bit inputs are widened exactly in the kernel, never copied).
 
     Returns ``(packed codes, per-chunk min, per-chunk scale)``. With ``stochastic`` the noise
     comes from ``noise`` (``n`` uniforms in [0, 1)) when given, else from the kernels'
-    generator keyed by ``seed`` (an integer in ``[0, 2**63)``).
+    generator keyed by ``seed`` (an integer in ``[0, 2**63)``). ``codes``, when given, is the
+    buffer the packed codes are written into (a contiguous uint8 tensor of exactly ``ceil(n
+    bits / 8)`` bytes on ``x``'s device; the same bytes as a new one), e.g. one kept across
+    calls so that a large payload is not page-faulted anew each time.
     """
+    check_codes(codes, x.numel(), bits, x)
     return _impl(x, "minmax_encode").minmax_encode(
-        x, chunk=chunk, bits=bits, stochastic=stochastic, seed=seed, noise=noise
+        x, chunk=chunk, bits=bits, stochastic=stochastic, seed=seed, noise=noise, codes=codes
     )
 
 
@@ -401,12 +406,15 @@ def sign_encode(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     return _impl(x, "sign_encode").sign_encode(x)
 
 
-def sign_encode_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sign_encode_scaled(
+    x: torch.Tensor, *, codes: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sign bits (1 for ``x >= 0``) of a 1-D contiguous float32, bfloat16 or float16
     tensor, and ``sign``'s scale:
     ``sum |x|`` accumulated in fp64, divided by ``n`` and rounded to fp32 (a 1-element
-    tensor on ``x``'s device)."""
-    return _impl(x, "sign_encode_scaled").sign_encode_scaled(x)
+    tensor on ``x``'s device). ``codes``: the bits' buffer, as :func:`minmax_encode`'s."""
+    check_codes(codes, x.numel(), 1, x)
+    return _impl(x, "sign_encode_scaled").sign_encode_scaled(x, codes=codes)
 
 
 def sign_decode(
@@ -446,23 +454,30 @@ def stochastic_encode(
 
 def qsgd_encode(
     x: torch.Tensor, *, chunk: int, levels: int, bits: int, clamp: float, seed: int = 0,
-    noise: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None, codes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """QSGD's whole encode in one launch: ``(packed codes, per-chunk norms)``, the norms as
     :func:`chunk_norms` gives them and the codes as :func:`stochastic_encode` with ``inv =
     levels / norm``, in at most two passes over ``x`` (fp32, fp16 or bf16; numba: one pass
-    for chunks of at most :data:`UNIT` values)."""
+    for chunks of at most :data:`UNIT` values). ``codes``: as :func:`minmax_encode`'s."""
+    check_codes(codes, x.numel(), bits, x)
     return _impl(x, "qsgd_encode").qsgd_encode(
-        x, chunk=chunk, levels=levels, bits=bits, clamp=clamp, seed=seed, noise=noise
+        x, chunk=chunk, levels=levels, bits=bits, clamp=clamp, seed=seed, noise=noise,
+        codes=codes,
     )
 
 
 def terngrad_encode(
-    x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None
+    x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None,
+    codes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TernGrad's whole encode in one launch: ``(packed 2-bit codes, per-chunk max |x|)``
-    in at most two passes over ``x`` (fp32, fp16 or bf16)."""
-    return _impl(x, "terngrad_encode").terngrad_encode(x, chunk=chunk, seed=seed, noise=noise)
+    in at most two passes over ``x`` (fp32, fp16 or bf16). ``codes``: as
+    :func:`minmax_encode`'s."""
+    check_codes(codes, x.numel(), 2, x)
+    return _impl(x, "terngrad_encode").terngrad_encode(
+        x, chunk=chunk, seed=seed, noise=noise, codes=codes
+    )
 
 
 def chunk_square_sums(x: torch.Tensor, chunk: int) -> torch.Tensor:

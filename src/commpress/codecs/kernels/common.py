@@ -6,6 +6,8 @@ import threading
 
 import torch
 
+from commpress.errors import CommpressError
+
 _scratch = threading.local()
 
 
@@ -27,6 +29,35 @@ def scratch32(n: int, device: torch.device | str | None = None) -> torch.Tensor:
         buf = torch.empty(max(n, 1), dtype=torch.float32)
         _scratch.buf = buf
     return buf[:n]
+
+
+def codes_buffer(codes: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    """The packed codes' output of an encode kernel: ``codes`` (the caller's buffer, checked
+    by :func:`check_codes`) when given, else a new uint8 tensor of ``nbytes`` on ``device``."""
+    if codes is not None:
+        return codes
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def check_codes(codes: torch.Tensor | None, n: int, bits: int, x: torch.Tensor) -> None:
+    """Refuse a ``codes=`` buffer that cannot take the packed ``bits``-bit codes of ``n``
+    values of ``x``: it must be a contiguous 1-D uint8 tensor of exactly ``ceil(n bits / 8)``
+    bytes on ``x``'s device, not overlapping ``x``."""
+    if codes is None:
+        return
+    nbytes = -(-n * bits // 8)
+    if not isinstance(codes, torch.Tensor):
+        raise CommpressError(f"codes must be a tensor, got {type(codes).__name__}")
+    if (codes.dtype != torch.uint8 or codes.dim() != 1 or codes.numel() != nbytes
+            or not codes.is_contiguous() or codes.device != x.device):
+        raise CommpressError(
+            f"codes must be a contiguous 1-D uint8 tensor of {nbytes} bytes on {x.device}; got "
+            f"{tuple(codes.shape)} {codes.dtype} on {codes.device}"
+            f"{'' if codes.is_contiguous() else ', not contiguous'}"
+        )
+    lo, hi = x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
+    if nbytes and lo < codes.data_ptr() + nbytes and codes.data_ptr() < hi:
+        raise CommpressError("codes must not overlap the input")
 
 
 #: The Triton kernels' size limit (int32 indexing): larger tensors take the torch path.

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from commpress.codecs.kernels.common import codes_buffer
 from commpress.errors import CommpressError
 
 #: Codes handled by one parallel work item (a multiple of 8, so items own whole bytes).
@@ -3603,11 +3604,12 @@ class NumbaKernels:
         stochastic: bool,
         seed: int = 0,
         noise: torch.Tensor | None = None,
+        codes: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """See :func:`commpress.codecs.kernels.minmax_encode`."""
         xf, x16, xmode, n = source(x)
         nchunks = -(-n // chunk)
-        packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+        packed = codes_buffer(codes, -(-n * bits // 8), x.device)
         lo = torch.empty(nchunks, dtype=torch.float32)
         scale = torch.empty(nchunks, dtype=torch.float32)
         if noise is not None:
@@ -3642,18 +3644,22 @@ class NumbaKernels:
             )
         return result
 
-    def sign_encode(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def sign_encode(
+        self, x: torch.Tensor, codes: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, float]:
         """See :func:`commpress.codecs.kernels.sign_encode`."""
         xf, x16, mode, n = source(x)
-        packed = torch.empty(-(-n // 8), dtype=torch.uint8)
+        packed = codes_buffer(codes, -(-n // 8), x.device)
         partial = np.zeros(-(-n // UNIT), np.float64)
         with _launch():
             self["sign_encode"](xf, x16, mode, n, _np(packed), partial)
         return packed, float(partial.sum())
 
-    def sign_encode_scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sign_encode_scaled(
+        self, x: torch.Tensor, *, codes: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """See :func:`commpress.codecs.kernels.sign_encode_scaled`."""
-        packed, total = self.sign_encode(x)
+        packed, total = self.sign_encode(x, codes)
         return packed, torch.tensor([total / x.numel()], dtype=torch.float64).to(torch.float32)
 
     def sign_decode(
@@ -3698,10 +3704,10 @@ class NumbaKernels:
 
     def _stochastic_fused(
         self, x: torch.Tensor, kind: int, chunk: int, levels: int, bits: int, clamp: float,
-        seed: int, noise: torch.Tensor | None,
+        seed: int, noise: torch.Tensor | None, codes: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         xf, x16, xmode, n = source(x)
-        packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+        packed = codes_buffer(codes, -(-n * bits // 8), x.device)
         stat = torch.empty(-(-n // chunk), dtype=torch.float32)
         mode, noise_np = _noise_arg(noise)
         with _launch():
@@ -3713,17 +3719,18 @@ class NumbaKernels:
 
     def qsgd_encode(
         self, x: torch.Tensor, *, chunk: int, levels: int, bits: int, clamp: float,
-        seed: int = 0, noise: torch.Tensor | None = None,
+        seed: int = 0, noise: torch.Tensor | None = None, codes: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """See :func:`commpress.codecs.kernels.qsgd_encode`: one kernel launch, one pass
         over ``x`` for chunks of at most :data:`UNIT` values."""
-        return self._stochastic_fused(x, 0, chunk, levels, bits, clamp, seed, noise)
+        return self._stochastic_fused(x, 0, chunk, levels, bits, clamp, seed, noise, codes)
 
     def terngrad_encode(
-        self, x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None
+        self, x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None,
+        codes: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """See :func:`commpress.codecs.kernels.terngrad_encode` (one kernel launch)."""
-        return self._stochastic_fused(x, 1, chunk, 1, 2, 0.0, seed, noise)
+        return self._stochastic_fused(x, 1, chunk, 1, 2, 0.0, seed, noise, codes)
 
     def chunk_norms(self, x: torch.Tensor, chunk: int, clamp: float) -> torch.Tensor:
         """See :func:`commpress.codecs.kernels.chunk_norms`."""

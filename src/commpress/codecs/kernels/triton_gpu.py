@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from commpress.codecs.kernels.common import TRITON_MAX_ELEMENTS
+from commpress.codecs.kernels.common import TRITON_MAX_ELEMENTS, codes_buffer
 from commpress.errors import CommpressError
 
 #: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` at import).
@@ -1127,13 +1127,14 @@ def minmax_encode(
     stochastic: bool,
     seed: int = 0,
     noise: torch.Tensor | None = None,
+    codes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`commpress.codecs.kernels.minmax_encode`."""
     x = _flat(x)
     n, dev = x.numel(), x.device
     nchunks = _cdiv(n, chunk)
     nbytes = _cdiv(n * bits, 8)
-    packed = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    packed = codes_buffer(codes, nbytes, dev)
     lo = torch.empty(nchunks, dtype=torch.float32, device=dev)
     scale = torch.empty(nchunks, dtype=torch.float32, device=dev)
     if n == 0:
@@ -1219,12 +1220,14 @@ def minmax_decode(
     return out
 
 
-def sign_encode_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sign_encode_scaled(
+    x: torch.Tensor, *, codes: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`commpress.codecs.kernels.sign_encode_scaled`."""
     x = _flat(x)
     n = x.numel()
     nbytes = _cdiv(n, 8)
-    packed = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    packed = codes_buffer(codes, nbytes, x.device)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     if not n:
         return packed, scale.zero_()
@@ -1342,6 +1345,7 @@ def _stochastic_fused(
     clamp: float,
     seed: int,
     noise: torch.Tensor | None,
+    codes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed codes and the per-chunk statistic (qsgd's norm, terngrad's max) in at most
     two passes over ``x``: chunks of a power-of-two length from 8 to :data:`ROW_MAX` in one
@@ -1352,7 +1356,7 @@ def _stochastic_fused(
     n, dev = x.numel(), x.device
     nchunks = _cdiv(n, chunk) if n else 0
     nbytes = _cdiv(n * bits, 8)
-    packed = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    packed = codes_buffer(codes, nbytes, dev)
     stat = torch.empty(nchunks, dtype=torch.float32, device=dev)
     if n == 0:
         return packed, stat
@@ -1390,18 +1394,20 @@ def qsgd_encode(
     clamp: float,
     seed: int = 0,
     noise: torch.Tensor | None = None,
+    codes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`commpress.codecs.kernels.qsgd_encode`."""
     return _stochastic_fused(x, kind="qsgd", chunk=chunk, levels=levels, bits=bits,
-                             clamp=clamp, seed=seed, noise=noise)
+                             clamp=clamp, seed=seed, noise=noise, codes=codes)
 
 
 def terngrad_encode(
-    x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None
+    x: torch.Tensor, *, chunk: int, seed: int = 0, noise: torch.Tensor | None = None,
+    codes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`commpress.codecs.kernels.terngrad_encode`."""
     return _stochastic_fused(x, kind="terngrad", chunk=chunk, levels=1, bits=2, clamp=0.0,
-                             seed=seed, noise=noise)
+                             seed=seed, noise=noise, codes=codes)
 
 
 def offset_decode(
