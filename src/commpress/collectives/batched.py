@@ -31,8 +31,16 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
+import torch
+
 from commpress.codecs.protocol import AllGather, AllReduce, Request
-from commpress.collectives.driver import Exchange, Pending, all_gather_task, all_reduce_task
+from commpress.collectives.driver import (
+    GATHER_BUFFERS,
+    Exchange,
+    Pending,
+    all_gather_task,
+    all_reduce_task,
+)
 from commpress.errors import CommpressError
 
 R = TypeVar("R")
@@ -99,10 +107,12 @@ def merge_round(
     return merged, split
 
 
-def _request_task(request: Request, ex: Exchange, what: str) -> Generator[Pending, None, Any]:
+def _request_task(
+    request: Request, ex: Exchange, what: str, held: list[torch.Tensor]
+) -> Generator[Pending, None, Any]:
     if isinstance(request, AllReduce):
         return all_reduce_task(request, ex, what=what)
-    return all_gather_task(request.payload, ex, what=what)
+    return all_gather_task(request.payload, ex, what=what, hold=held)
 
 
 def together(
@@ -158,6 +168,7 @@ def batched_task(
             return
         live.append((i, request))
 
+    held: list[torch.Tensor] = []  # kept all-gather buffers, given back when done
     try:
         for i in range(len(protocols)):
             advance(i, None, True)
@@ -166,7 +177,7 @@ def batched_task(
             merged, split = merge_round([r for _, r in live])
             what = f"round {round_index} of {len(live)} protocols"
             replies = yield from together(
-                [_request_task(r, ex, what) for r in merged], what
+                [_request_task(r, ex, what, held) for r in merged], what
             )
             waiting, live[:] = list(live), []
             for (i, _), reply in zip(waiting, split(replies), strict=True):
@@ -176,6 +187,7 @@ def batched_task(
         for gen in protocols:
             gen.close()
         raise
+    GATHER_BUFFERS.give(held)  # every protocol is done with its gathered payloads
     return results
 
 

@@ -1,0 +1,52 @@
+"""``Codec.sum_decoded`` on a CPU decodes into this thread's kept buffers (and, for 16-bit
+payloads, accumulates in a kept one): the same totals, bit for bit, as decoding each payload
+into new memory and adding it widened, and a total that no later call changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commpress.codecs import CodecContext, get_codec
+from commpress.codecs.base import Codec, Payload, saturating_cast
+
+SPECS = ["qsgd", "terngrad", "minmax:bits=4", "sign", "topk:ratio=0.1", "fp16", "netzip",
+         "randomk:ratio=0.2"]
+
+
+def _reference(codec: Codec, payloads: list[Payload], ctx: CodecContext) -> torch.Tensor:
+    """The sum as written before the kept buffers: new memory for everything."""
+    first = payloads[0]
+    acc_dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
+    acc = torch.zeros(first.shape, dtype=acc_dtype)
+    for p in payloads:
+        acc += codec.decode(p, ctx).to(acc_dtype)
+    if len(payloads) > 1:
+        acc /= len(payloads)
+    return saturating_cast(acc, first.dtype)
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("spec", SPECS)
+def test_sum_decoded_is_the_fresh_sum_and_stays_put(spec: str, dtype: torch.dtype) -> None:
+    codec = get_codec(spec)
+    g = torch.Generator().manual_seed(3)
+    results = []
+    for step, n in enumerate((5000, 5000, 333)):
+        xs = [(torch.randn(n, generator=g) * 100).to(dtype) for _ in range(3)]
+        if dtype == torch.float16:
+            xs[0][:3] = torch.tensor([60000.0, -60000.0, 65504.0])  # sums that saturate
+        xs[1][4] = float("nan") if step == 1 else xs[1][4]
+        ctxs = [CodecContext(rank=r, world_size=3, step=step, key="s") for r in range(3)]
+        payloads = [codec.encode(x, c) for x, c in zip(xs, ctxs, strict=True)]
+        got = codec.sum_decoded(payloads, ctxs[0], average=True)
+        want = _reference(codec, payloads, ctxs[0])
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert _bits(got) == _bits(want), (spec, dtype, step)
+        results.append((got, got.clone()))
+    for got, copy in results:  # later sums never wrote into an earlier total
+        assert _bits(got) == _bits(copy)
