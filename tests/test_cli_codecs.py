@@ -74,7 +74,7 @@ def test_bench_codecs_measures_every_requested_codec(
 
 def test_ratios_are_against_the_run_ceiling() -> None:
     """Every row divides by the same ceiling: the best of all the run's copy samples."""
-    rows = run_bench(["identity", "fp16", "sign"], size_mb=0.05, repeat=2, progress=False)
+    rows = run_bench(["identity", "fp16", "topk"], size_mb=0.05, repeat=2, progress=False)
     samples = run_samples(rows)
     assert len(samples) == 2 * len(rows) and all(math.isfinite(s) and s > 0 for s in samples)
     ceiling = max(samples)
@@ -83,7 +83,7 @@ def test_ratios_are_against_the_run_ceiling() -> None:
         assert r.encode_vs_memcpy == r.encode_gbps / ceiling
         assert r.decode_vs_memcpy == r.decode_into_gbps / ceiling
     assert rows[1].encode_into_vs_memcpy == rows[1].encode_into_gbps / ceiling
-    assert math.isnan(rows[2].encode_into_vs_memcpy)  # sign has no encodes_into
+    assert math.isnan(rows[2].encode_into_vs_memcpy)  # topk has no encodes_into
 
 
 def test_copy_samples_bracket_every_codec_timing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,8 +107,8 @@ def test_copy_samples_bracket_every_codec_timing(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(bench, "memcpy_gbps", fake_memcpy)
     monkeypatch.setattr(bench, "best_time", logged_best_time)
-    rows = run_bench(["identity", "fp16", "sign"], size_mb=0.01, repeat=1, progress=False)
-    # identity, sign: encode, decode, decode into; fp16 also encode with scratch=
+    rows = run_bench(["identity", "fp16", "topk"], size_mb=0.01, repeat=1, progress=False)
+    # identity, topk: encode, decode, decode into; fp16 also encode with scratch=
     timings = [3, 4, 3]
     assert events == [e for n in timings for e in ["copy"] + ["time"] * n + ["copy"]]
     assert [r.copy_samples for r in rows] == [[5.0, 1.0], [9.0, 2.0], [3.0, 4.0]]
@@ -119,8 +119,8 @@ def test_copy_samples_bracket_every_codec_timing(monkeypatch: pytest.MonkeyPatch
     assert "hot memcpy into a reused buffer 9.00 GB/s, the best of 6 samples" in text
     assert "(samples 1.00-9.00 GB/s, median 3.50, the best three 9.00, 5.00, 4.00)" in text
     assert "clone into fresh memory: best 4.50 GB/s" in text
-    # below 0.7 of the ceiling around them: identity (1/9) and fp16 (2/9), sign (3/9)
-    assert "identity (0.11), fp16 (0.22), sign (0.33)" in text
+    # below 0.7 of the ceiling around them: identity (1/9) and fp16 (2/9), topk (3/9)
+    assert "identity (0.11), fp16 (0.22), topk (0.33)" in text
 
 
 def test_copy_ceiling_is_the_best_finite_sample() -> None:
@@ -256,7 +256,7 @@ def test_rounds_keep_each_codecs_best_and_every_sample(monkeypatch: pytest.Monke
     import commpress.bench.codecs as bench
 
     copies = iter([1.0, 2.0, 3.0, 4.0, 8.0, 5.0, 6.0, 7.0])
-    # identity times encode, decode, decode into; sign too; rounds 1 then 2
+    # identity times encode, decode, decode into; topk too; rounds 1 then 2
     times = iter([1.0, 2.0, 4.0, 3.0, 3.0, 3.0, 2.0, 1.0, 8.0, 1.0, 5.0, 5.0])
 
     def fake_memcpy(x: object, repeat: int, *, clone: bool = True) -> tuple[float, float]:
@@ -264,13 +264,13 @@ def test_rounds_keep_each_codecs_best_and_every_sample(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(bench, "memcpy_gbps", fake_memcpy)
     monkeypatch.setattr(bench, "best_time", lambda fn, repeat: next(times))
-    rows = run_bench(["identity", "sign"], size_mb=0.01, repeat=1, progress=False, rounds=2)
+    rows = run_bench(["identity", "topk"], size_mb=0.01, repeat=1, progress=False, rounds=2)
     assert [r.copy_samples for r in rows] == [[1.0, 2.0, 8.0, 5.0], [3.0, 4.0, 6.0, 7.0]]
     assert [r.ceiling_gbps for r in rows] == [8.0, 8.0]
     nbytes = 50 * 50 * 4  # 0.01 MB of fp32 is a 50 x 50 matrix
     assert [(r.encode_gbps, r.decode_gbps, r.decode_into_gbps) for r in rows] == [
         tuple(nbytes / t / 1e9 for t in best) for best in ((1.0, 1.0, 4.0), (1.0, 3.0, 3.0))]
-    # quietest round of identity: min(8, 5) = 5 of 8; of sign: min(6, 7) = 6 of 8
+    # quietest round of identity: min(8, 5) = 5 of 8; of topk: min(6, 7) = 6 of 8
     assert [r.quietest_round for r in rows] == [5.0, 6.0]
     with pytest.raises(ValueError, match="rounds"):
         run_bench(["identity"], size_mb=0.01, repeat=1, progress=False, rounds=0)
