@@ -162,3 +162,35 @@ def test_ddp_with_kept_gather_buffers_trains_as_with_fresh_ones() -> None:
     fresh = run_workers(_ddp_worker, 2, 0)
     assert kept[0][0] > 0 and fresh[0][0] == 0  # the 1024x1024 weight's gathers reused
     assert kept[0][1:] == kept[1][1:] == fresh[0][1:] == fresh[1][1:]
+
+
+def _batched_alias_worker(rank: int, world: int) -> dict[str, Any]:
+    from commpress.collectives.batched import batched_task
+    from commpress.collectives.driver import Exchange, run_tasks
+
+    GATHER_BUFFERS.clear()
+    n = 300_000  # 1.2 MB a rank
+    ex = Exchange.of(None)
+
+    def aliasing() -> Protocol:
+        gathered = yield AllGather(_payload(rank, n))
+        return Reduced(total=gathered[1 - rank].parts["v"])  # a view of the received bytes
+
+    def plain() -> Protocol:
+        gathered = yield AllGather(_payload(rank + 7, n))
+        return Reduced(total=gathered[1 - rank].parts["v"].clone() * 0)
+
+    total = run_tasks([batched_task([aliasing()], ex)], ex, depth=1)[0][0].total
+    expected = total.clone()
+    out: dict[str, Any] = {"after_alias": GATHER_BUFFERS.kept_bytes}
+    run_tasks([batched_task([plain()], ex)], ex, depth=1)  # must not take the viewed buffer
+    out["alias_intact"] = torch.equal(total, expected) and float(total[0]) == 1000 * (1 - rank)
+    return out
+
+
+def test_batched_results_that_view_a_received_payload_keep_their_buffers() -> None:
+    """As :func:`protocol_task`: a protocol run by ``batched_task`` whose result views a
+    gathered payload keeps the buffers it views (a later all-gather would write into them)."""
+    for r in run_workers(_batched_alias_worker, 2):
+        assert r["after_alias"] == 0, r
+        assert r["alias_intact"], r
