@@ -1216,13 +1216,23 @@ def give_back(held: Sequence[torch.Tensor], results: Iterable[Any]) -> None:
     would write into it)."""
     if not held:
         return
-    views: set[int] = set()
+    spans = [_memory_span(b) for b in held]
     for result in results:
         tensors = (result.total, result.local) if isinstance(result, Reduced) else (result,)
-        views.update(t.untyped_storage().data_ptr() for t in tensors
-                     if isinstance(t, torch.Tensor))
-    if not views & {b.untyped_storage().data_ptr() for b in held}:
-        GATHER_BUFFERS.give(held)
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                lo, hi = _memory_span(t)
+                # the memory of t's storage, which a view through numpy (torch.from_numpy
+                # of a received part) holds apart from the buffer's own storage
+                if any(lo < end and start < hi for start, end in spans):
+                    return
+    GATHER_BUFFERS.give(held)
+
+
+def _memory_span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses ``[start, end)`` of ``t``'s storage."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
 def _check_reduced(value: Any) -> Reduced:
