@@ -109,3 +109,27 @@ def test_kernel_codes_argument_refuses_a_wrong_buffer(op: str) -> None:
     # codes inside the input's memory would be overwritten while it is read
     with pytest.raises(CommpressError, match="overlap"):
         run(x.view(torch.uint8)[:nbytes])
+
+
+@pytest.mark.parametrize("spec", [f"minmax:bits={b},chunk_size=7" for b in range(1, 9)]
+                         + [f"minmax:bits={b}" for b in (3, 5, 6, 7)]
+                         + [f"qsgd:levels={s},chunk_size=5" for s in (1, 2, 4, 8, 16, 32, 64)]
+                         + ["qsgd:levels=15", "terngrad:chunk_size=3", "sign"])
+def test_encode_into_a_dirty_kept_buffer_writes_every_byte(spec: str) -> None:
+    """A kept buffer holds the last payload's bytes: an encode into it must write every byte
+    (no bit ORed into a byte assumed zero), for every code width and odd sizes."""
+    codec = get_codec(spec)
+    part = CODES.get(codec.codec_id, "codes")
+    g = torch.Generator().manual_seed(5)
+    with kernels.use_backend("numba"):
+        for n in (1, 3, 7, 9, 17, 33, 127, 1001, 16391):
+            x = _input(n, torch.float32, seed=n)
+            ctx = CodecContext(rank=0, world_size=2, step=n, key="d")
+            plain = codec.encode(x, ctx)
+            nbytes = plain.parts[part].numel()
+            for dirty in (torch.full((nbytes,), 0xFF, dtype=torch.uint8),
+                          torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)):
+                pool = {"codes": dirty}
+                into = codec.encode(x, ctx, scratch=pool)
+                assert into.parts[part].data_ptr() == dirty.data_ptr()
+                assert _bits(into.parts[part]) == _bits(plain.parts[part]), (spec, n)

@@ -162,3 +162,48 @@ def test_ddp_with_kept_gather_buffers_trains_as_with_fresh_ones() -> None:
     fresh = run_workers(_ddp_worker, 2, 0)
     assert kept[0][0] > 0 and fresh[0][0] == 0  # the 1024x1024 weight's gathers reused
     assert kept[0][1:] == kept[1][1:] == fresh[0][1:] == fresh[1][1:]
+
+
+def _batched_alias_worker(rank: int, world: int) -> dict[str, Any]:
+    from commpress.collectives.batched import batched_task
+    from commpress.collectives.driver import Exchange, run_tasks
+
+    GATHER_BUFFERS.clear()
+    n = 300_000  # 1.2 MB a rank
+    ex = Exchange.of(None)
+
+    def aliasing() -> Protocol:
+        gathered = yield AllGather(_payload(rank, n))
+        return Reduced(total=gathered[1 - rank].parts["v"])  # a view of the received bytes
+
+    def plain() -> Protocol:
+        gathered = yield AllGather(_payload(rank + 7, n))
+        return Reduced(total=gathered[1 - rank].parts["v"].clone() * 0)
+
+    def numpy_alias() -> Protocol:
+        gathered = yield AllGather(_payload(rank, n))
+        # a view through numpy: a storage of its own, inside the received buffer
+        return Reduced(total=torch.zeros(1), local=torch.from_numpy(
+            gathered[1 - rank].parts["v"].numpy()))
+
+    out: dict[str, Any] = {}
+    for name, protocol in (("batched", lambda: run_tasks(
+            [batched_task([aliasing()], ex)], ex, depth=1)[0][0].total),
+            ("numpy", lambda: execute(numpy_alias()).local)):
+        GATHER_BUFFERS.clear()
+        total = protocol()
+        expected = total.clone()
+        out[f"{name}_kept"] = GATHER_BUFFERS.kept_bytes
+        run_tasks([batched_task([plain()], ex)], ex, depth=1)  # must not take the viewed buffer
+        out[f"{name}_intact"] = (torch.equal(total, expected)
+                                 and float(total[0]) == 1000 * (1 - rank))
+    return out
+
+
+def test_batched_results_that_view_a_received_payload_keep_their_buffers() -> None:
+    """A protocol run by ``batched_task`` (as by ``protocol_task``) whose result views a
+    gathered payload, or a ``local`` viewing one through numpy, keeps the buffers it views (a
+    later all-gather would write into them)."""
+    for r in run_workers(_batched_alias_worker, 2):
+        assert r["batched_kept"] == 0 and r["numpy_kept"] == 0, r
+        assert r["batched_intact"] and r["numpy_intact"], r

@@ -35,11 +35,11 @@ import torch
 
 from commpress.codecs.protocol import AllGather, AllReduce, Request
 from commpress.collectives.driver import (
-    GATHER_BUFFERS,
     Exchange,
     Pending,
     all_gather_task,
     all_reduce_task,
+    give_back,
 )
 from commpress.errors import CommpressError
 
@@ -187,7 +187,7 @@ def batched_task(
         for gen in protocols:
             gen.close()
         raise
-    GATHER_BUFFERS.give(held)  # every protocol is done with its gathered payloads
+    give_back(held, results)  # every protocol is done with its gathered payloads
     return results
 
 

@@ -1063,8 +1063,8 @@ def all_gather_task(
     shapes are all-gathered first (a small extra exchange) and buffers are padded to the
     largest rank's size. With ``hold`` (a list the caller keeps), large CPU send and receive
     buffers come from :data:`GATHER_BUFFERS` and are appended to it: the other ranks'
-    payloads are views of them, which the caller gives back (``GATHER_BUFFERS.give(hold)``)
-    once it no longer uses those payloads.
+    payloads are views of them, which the caller gives back (:func:`give_back`) once it no
+    longer uses those payloads.
     """
     if ex.world_size == 1:
         return [payload]
@@ -1204,14 +1204,35 @@ def protocol_task(
         kind, value = yield from offloaded(pool, step, f"codec work after round {round_index}")
         round_index += 1
     reduced = _check_reduced(value)
-    if held:
-        # the protocol is done with the gathered payloads; its result is decoded into new
-        # memory (a codec whose result views a received payload keeps those buffers)
-        views = {t.untyped_storage().data_ptr() for t in (reduced.total, reduced.local)
-                 if isinstance(t, torch.Tensor)}
-        if not views & {b.untyped_storage().data_ptr() for b in held}:
-            GATHER_BUFFERS.give(held)
+    give_back(held, [reduced])
     return reduced
+
+
+def give_back(held: Sequence[torch.Tensor], results: Iterable[Any]) -> None:
+    """Give the kept all-gather buffers ``held`` back to :data:`GATHER_BUFFERS` once the
+    protocols that gathered into them are done, unless one of their ``results`` (a
+    :class:`Reduced`, or a tensor) views one of them: a result is normally decoded into new
+    memory, but one that views a received payload keeps those buffers (a later all-gather
+    would write into it)."""
+    if not held:
+        return
+    spans = [_memory_span(b) for b in held]
+    for result in results:
+        tensors = (result.total, result.local) if isinstance(result, Reduced) else (result,)
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                lo, hi = _memory_span(t)
+                # the memory of t's storage, which a view through numpy (torch.from_numpy
+                # of a received part) holds apart from the buffer's own storage
+                if any(lo < end and start < hi for start, end in spans):
+                    return
+    GATHER_BUFFERS.give(held)
+
+
+def _memory_span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses ``[start, end)`` of ``t``'s storage."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
 def _check_reduced(value: Any) -> Reduced:
@@ -1389,6 +1410,7 @@ __all__ = [
     "dtype_code",
     "execute",
     "fire",
+    "give_back",
     "land",
     "name_hash",
     "offloaded",
