@@ -25,3 +25,17 @@ def pytest_sessionstart(session: object) -> None:
         x = torch.linspace(-1.0, 1.0, 4096)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             netzip.decode(netzip.encode(x.to(dtype), CodecContext()), CodecContext())
+
+
+def pytest_collection_finish(session: object) -> None:
+    """Under Triton's interpreter (``TRITON_INTERPRET=1``, which the Triton test modules set
+    as they are collected: triton must not be imported before), every interpreted launch of
+    the session gets its float arguments as a GPU does (tests/triton_interp.py), whichever
+    test module runs first."""
+    import importlib.util
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
+        from triton_interp import floats_as_compiled
+
+        floats_as_compiled()

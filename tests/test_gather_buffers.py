@@ -158,8 +158,8 @@ def _ddp_worker(rank: int, world: int, limit: int) -> list[float]:
 
 
 def test_ddp_with_kept_gather_buffers_trains_as_with_fresh_ones() -> None:
-    kept = run_workers(_ddp_worker, 2, GATHER_BUFFERS.limit)
-    fresh = run_workers(_ddp_worker, 2, 0)
+    kept = run_workers(_ddp_worker, 2, GATHER_BUFFERS.limit, timeout=180.0)
+    fresh = run_workers(_ddp_worker, 2, 0, timeout=180.0)
     assert kept[0][0] > 0 and fresh[0][0] == 0  # the 1024x1024 weight's gathers reused
     assert kept[0][1:] == kept[1][1:] == fresh[0][1:] == fresh[1][1:]
 

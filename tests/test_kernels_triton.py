@@ -49,44 +49,11 @@ else:  # pragma: no cover - loaded compiled before this module set TRITON_INTERP
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _floats_as_compiled() -> None:
-    """Make the interpreter pass a Python float argument as a compiled kernel gets it: as a
-    float32 (the interpreter keeps the float64; a kernel that needed the float64 passed every
-    interpreter test and gave another exponent on an H200, session 30). Constexprs stay as
-    they are (Triton folds them at compile time)."""
-    import inspect
-
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if getattr(interpreter.InterpretedFunction.run, "_floats_as_compiled", False):
-        return
-    original = interpreter.InterpretedFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
-        params = inspect.signature(self.fn).parameters
-        constexprs = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
-        names = list(params)
-
-        def f32(name: str, value: object) -> object:
-            if type(value) is float and name not in constexprs:
-                return float(np.float32(value))
-            return value
-
-        args = tuple(f32(names[i], a) for i, a in enumerate(args))
-        kwargs = {k: f32(k, v) for k, v in kwargs.items()}
-        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    run._floats_as_compiled = True  # type: ignore[attr-defined]
-    interpreter.InterpretedFunction.run = run  # type: ignore[method-assign]
-
-
-if tg.INTERPRETED:
-    _floats_as_compiled()
 
 
 def test_the_interpreter_passes_floats_as_float32() -> None:
-    """A Python float argument reaches a kernel rounded to float32, as on a GPU."""
+    """A Python float argument reaches a kernel rounded to float32, as on a GPU (the session
+    applies ``triton_interp.floats_as_compiled``: tests/conftest.py)."""
     if not tg.INTERPRETED:  # pragma: no cover - on a GPU the compiled kernel does it
         pytest.skip("compiled kernels round float arguments themselves")
     import triton
