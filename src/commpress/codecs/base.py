@@ -33,7 +33,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import threading
 import types
 import typing
 from abc import ABC, abstractmethod
@@ -43,6 +42,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from commpress.codecs.kernels.common import thread_buffer
 from commpress.codecs.protocol import AllGather, AllReduce, Bound, Protocol, Reduced
 from commpress.errors import CommpressError, ConfigError, PayloadError, error_context
 
@@ -94,9 +94,6 @@ def _saturate(x: torch.Tensor, dtype: torch.dtype, top: float) -> torch.Tensor:
     return torch.where(torch.isinf(wide), wide, clamped).to(dtype)
 
 
-_DECODED = threading.local()
-
-
 def _decode_buffer(
     shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device,
     use: str = "decode",
@@ -111,12 +108,7 @@ def _decode_buffer(
     n = shape_numel(tuple(shape))
     if device.type != "cpu" or n == 0:
         return None
-    bufs: dict[tuple[str, torch.dtype], torch.Tensor] = getattr(_DECODED, "bufs", None) or {}
-    _DECODED.bufs = bufs
-    buf = bufs.get((use, dtype))
-    if buf is None or buf.numel() < n:
-        buf = bufs[(use, dtype)] = torch.empty(n, dtype=dtype)
-    return buf[:n].view(shape)
+    return thread_buffer(n, dtype, f"sum_decoded.{use}").view(shape)
 
 
 def shape_numel(shape: tuple[int, ...] | torch.Size) -> int:

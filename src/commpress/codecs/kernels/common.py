@@ -24,10 +24,21 @@ def scratch32(n: int, device: torch.device | str | None = None) -> torch.Tensor:
     dev = torch.device("cpu" if device is None else device)
     if dev.type != "cpu":
         return torch.empty(n, dtype=torch.float32, device=dev)
-    buf = getattr(_scratch, "buf", None)
+    return thread_buffer(n, torch.float32, "scratch32")
+
+
+def thread_buffer(n: int, dtype: torch.dtype, use: str) -> torch.Tensor:
+    """``n`` elements of ``dtype`` of this thread's CPU buffer for ``use`` (one per use and
+    dtype, grown on demand and kept while the thread lives; its content undefined): memory
+    reused call after call instead of page-faulted afresh. Each ``use`` names one caller's
+    purpose, so two never write into the same buffer (:func:`scratch32`'s is
+    ``"scratch32"``)."""
+    bufs: dict[tuple[str, torch.dtype], torch.Tensor] | None = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    buf = bufs.get((use, dtype))
     if buf is None or buf.numel() < n:
-        buf = torch.empty(max(n, 1), dtype=torch.float32)
-        _scratch.buf = buf
+        buf = bufs[(use, dtype)] = torch.empty(max(n, 1), dtype=dtype)
     return buf[:n]
 
 
