@@ -127,6 +127,60 @@ def test_a_prepared_convert_divide_converts_what_the_memory_holds_at_each_call()
         kernels.prepare_convert_divide(x, torch.empty(x.numel()), 2)
 
 
+@pytest.mark.parametrize("src", HALF)
+def test_add_widened_is_torchs_widening_add(src: torch.dtype) -> None:
+    """``acc += x`` widened, one pass: every 16-bit pattern added to float32 accumulators
+    of random bits and rounding edges (NaNs compared by position: which of two NaN
+    operands an addition keeps is the CPU's choice), in a contiguous accumulator and
+    through views; an accumulator that is not float32 or not contiguous is refused."""
+    x = all_16bit(src).repeat(4)
+    acc = _float_bits(x.numel(), seed=6)[: x.numel()].clone()
+    want = acc.clone().add_(x.float())
+    kernels.add_widened(x, acc)
+    assert _same(acc, want)
+    odd = torch.randn(16385, dtype=torch.float32)
+    want = odd.clone().add_(x[:16385].float())
+    kernels.add_widened(x[:16385], odd)  # a view of part of x, an odd size
+    assert _same(odd, want)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.add_widened(x[:10], torch.zeros(20)[::2])
+    with pytest.raises(ValueError, match="bfloat16 or float16 values to float32"):
+        kernels.add_widened(x[:10].float(), torch.zeros(10))
+
+
+@pytest.mark.parametrize("dst", HALF)
+def test_narrow_sum_is_torchs_division_and_saturating_cast(dst: torch.dtype) -> None:
+    """``acc / d`` saturated to 16 bits in one pass, bit for bit ``acc / d`` then
+    :func:`saturating_cast` for finite quotients (float32 bit patterns, rounding edges, the
+    16-bit values themselves), divisors powers of two and not; ``False`` exactly where a
+    quotient is not finite, and ``acc`` left as it was."""
+    x = _float_bits(200_001, seed=7)
+    finite = x[torch.isfinite(x)].contiguous()
+    for d in DIVISORS:
+        before = finite.clone()
+        out = torch.empty(finite.numel(), dtype=dst)
+        quotient = finite / d if d > 1 else finite.clone()
+        assert kernels.narrow_sum(finite, out, divisor=d) == bool(
+            torch.isfinite(quotient).all())
+        assert torch.equal(finite.view(torch.int32), before.view(torch.int32))
+        ok = torch.isfinite(quotient)
+        assert _same(out[ok], saturating_cast(quotient, dst)[ok]), (dst, d)
+    wide = all_16bit(dst).float()
+    for d in (1, 3):
+        part = wide[torch.isfinite(wide)].contiguous()
+        out = torch.empty(part.numel(), dtype=dst)
+        assert kernels.narrow_sum(part, out, divisor=d)
+        assert _same(out, saturating_cast(part / d, dst)), d
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        acc = torch.ones(70001)
+        acc[40000] = bad
+        assert not kernels.narrow_sum(acc, torch.empty(70001, dtype=dst), divisor=2)
+    with pytest.raises(ValueError, match="float32 to bfloat16 or float16"):
+        kernels.narrow_sum(torch.ones(4), torch.empty(4), divisor=1)
+    with pytest.raises(ValueError, match="positive count"):
+        kernels.narrow_sum(torch.ones(4), torch.empty(4, dtype=dst), divisor=0)
+
+
 def test_convert_divide_pays_only_where_it_runs_as_vector_code() -> None:
     x = torch.ones(40)
     half = torch.empty(40, dtype=torch.float16)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commpress.codecs import CodecContext, get_codec
+from commpress.codecs import CodecContext, get_codec, kernels
 from commpress.codecs.base import Codec, Payload, saturating_cast
 
 SPECS = ["qsgd", "terngrad", "minmax:bits=4", "sign", "topk:ratio=0.1", "fp16", "netzip",
@@ -50,3 +50,34 @@ def test_sum_decoded_is_the_fresh_sum_and_stays_put(spec: str, dtype: torch.dtyp
         results.append((got, got.clone()))
     for got, copy in results:  # later sums never wrote into an earlier total
         assert _bits(got) == _bits(copy)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_sums_are_widened_and_narrowed_in_the_kernels(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the numba backend a 16-bit sum adds each decode widened in one pass and divides and
+    casts the total in one; a total holding a NaN is cast by torch's passes instead (the same
+    result as the fresh sum either way: the test above)."""
+    calls = {"add_widened": 0, "narrow_sum": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+
+        def counted(*args: object, _real: object = real, _name: str = name,
+                    **kwargs: object) -> object:
+            calls[_name] += 1
+            return _real(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(kernels, name, counted)
+    codec = get_codec("qsgd")
+    xs = [torch.randn(3000, generator=torch.Generator().manual_seed(r)).to(dtype)
+          for r in range(2)]
+    ctxs = [CodecContext(rank=r, world_size=2, step=0, key="k") for r in range(2)]
+    payloads = [codec.encode(x, c) for x, c in zip(xs, ctxs, strict=True)]
+    got = codec.sum_decoded(payloads, ctxs[0], average=True)
+    assert calls == {"add_widened": 2, "narrow_sum": 1}
+    assert _bits(got) == _bits(_reference(codec, payloads, ctxs[0]))
+    with kernels.use_backend("torch"):
+        assert _bits(codec.sum_decoded(payloads, ctxs[0], average=True)) == _bits(got)
+    assert calls == {"add_widened": 2, "narrow_sum": 1}

@@ -42,6 +42,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from commpress.codecs import kernels
 from commpress.codecs.kernels.common import thread_buffer
 from commpress.codecs.protocol import AllGather, AllReduce, Bound, Protocol, Reduced
 from commpress.errors import CommpressError, ConfigError, PayloadError, error_context
@@ -92,6 +93,23 @@ def _saturate(x: torch.Tensor, dtype: torch.dtype, top: float) -> torch.Tensor:
     wide = x.to(work)
     clamped = wide.clamp(-top, top)  # NaN stays NaN
     return torch.where(torch.isinf(wide), wide, clamped).to(dtype)
+
+
+def add_into(acc: torch.Tensor, values: torch.Tensor) -> None:
+    """``acc += values`` with ``values`` (of ``acc``'s shape) widened exactly to ``acc``'s
+    float32 or float64 dtype first, as :meth:`Codec.sum_decoded` adds decodes. 16-bit CPU
+    values into a contiguous float32 ``acc``: one numba pass (:func:`kernels.add_widened`);
+    otherwise torch, through a widening copy into this thread's kept buffer (torch's
+    mixed-dtype add runs ~3x slower on a CPU than that copy and a same-dtype add)."""
+    if values.dtype == acc.dtype:
+        acc.add_(values)
+        return
+    if (acc.dtype == torch.float32 and values.dtype in (torch.bfloat16, torch.float16)
+            and acc.is_contiguous() and kernels.use_kernels(values)):
+        kernels.add_widened(values, acc)
+        return
+    wide = _decode_buffer(values.shape, acc.dtype, values.device)
+    acc.add_(values if wide is None else wide.copy_(values))
 
 
 def _decode_buffer(
@@ -694,8 +712,16 @@ class Codec(ABC):
             self.check_payload(p, first.shape)
             with error_context(f"{self.codec_id}.decode", wrap_as=PayloadError):
                 self._add_decoded(p, acc, ctx)
-        if average and len(payloads) > 1:
-            acc /= len(payloads)
+        divisor = len(payloads) if average else 1
+        if kept is not None and kernels.use_kernels(kept):
+            # numba: the division and the saturating cast in one pass, into fresh memory (the
+            # result outlives this thread's kept accumulator); where a quotient is not finite,
+            # torch's passes below instead (NaN bits as torch makes them)
+            out = torch.empty(first.shape, dtype=first.dtype)
+            if kernels.narrow_sum(acc, out, divisor=divisor):
+                return out
+        if divisor > 1:
+            acc /= divisor
         return saturating_cast(acc, first.dtype, inplace=True)
 
     def _add_decoded(self, payload: Payload, acc: torch.Tensor, ctx: CodecContext) -> None:
@@ -718,11 +744,7 @@ class Codec(ABC):
                 f"{self.codec_id}.decode produced {tuple(result.shape)} {result.dtype}, "
                 f"expected {tuple(payload.shape)} {payload.dtype} (codec bug)"
             )
-        wide = (_decode_buffer(result.shape, acc.dtype, result.device)
-                if result.dtype != acc.dtype else None)
-        # acc + the decoded values widened exactly to acc's dtype (torch's mixed-dtype add
-        # runs ~3x slower on a CPU than a copy into a kept buffer and a same-dtype add)
-        acc.add_(result if wide is None else wide.copy_(result))
+        add_into(acc, result)
 
     def check_input(self, tensor: Any) -> torch.Tensor:
         """Refuse anything but a floating-point tensor of a supported dtype."""

@@ -628,6 +628,24 @@ def convert_divide_pays(x: torch.Tensor, out: torch.Tensor) -> bool:
     return kernels is not None and kernels.vector_half
 
 
+def add_widened(x: torch.Tensor, acc: torch.Tensor) -> None:
+    """``acc += x`` for bfloat16 or float16 CPU values ``x`` and ``acc`` as many contiguous
+    float32 CPU values: each value widened exactly and added in float32, bit for bit
+    ``acc.add_(x.float())``, in one parallel pass (numba only; torch's mixed-dtype add, or a
+    widening copy and then the add, are two or three passes)."""
+    _impl(x, "add_widened").add_widened(x, acc)
+
+
+def narrow_sum(acc: torch.Tensor, out: torch.Tensor, *, divisor: int = 1) -> bool:
+    """``out`` (as many contiguous bfloat16 or float16 CPU values as the float32 ``acc``
+    holds) = ``acc / divisor`` (a float32 division; none for 1) cast to ``out``'s dtype as
+    :func:`~commpress.codecs.base.saturating_cast` casts it, in one parallel pass (numba
+    only) instead of torch's division, range check, clamp and cast. ``acc`` is not changed.
+    Returns ``False`` where a quotient is NaN or infinite: ``out`` then holds the right
+    values but not torch's NaN bits, and the caller casts with torch instead."""
+    return bool(_impl(acc, "narrow_sum").narrow_sum(acc, out, divisor))
+
+
 def topk_select(x: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending int64 indices of the ``k`` largest ``|x|`` of a 1-D contiguous fp32 CPU
     tensor (``1 <= k <= n``; NaN ranks as +inf; among equal magnitudes at the threshold the
@@ -799,6 +817,7 @@ __all__ = [
     "ENV_VAR",
     "NUMBA_MODULES",
     "TRITON_OPS",
+    "add_widened",
     "at_least",
     "at_least_magnitudes",
     "available",
@@ -820,6 +839,7 @@ __all__ = [
     "load_numba",
     "minmax_decode",
     "minmax_encode",
+    "narrow_sum",
     "note_dispatch",
     "numba_error",
     "numba_kernels",

@@ -345,6 +345,66 @@ def _nb_convert_divide(
                 d16[k] = _nb_f16(_nb_f16_value(s16[k]) / d, cap)
 
 
+def _nb_add_widened(x16: Any, mode: Any, n: Any, acc: Any) -> None:
+    # acc += x (bfloat16 bits for mode 1, float16 bits for mode 2), each value widened to
+    # float32 exactly and added in float32: ``acc.add_(x.float())`` in one pass
+    for unit in prange((n + UNIT - 1) // UNIT):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        d = acc[a:b]
+        s16 = x16[a:b]
+        if mode == 1:
+            for k in range(d.size):
+                d[k] = d[k] + _nb_bf16_value(s16[k])
+        else:
+            for k in range(d.size):
+                d[k] = d[k] + _nb_f16_value(s16[k])
+
+
+def _nb_narrow_run(src: Any, scale: Any, d: Any, pow2: Any, omode: Any, cap: Any, dst: Any) -> Any:
+    # _nb_narrow_sum's loop over one work item: dst = src / d (src * scale where d is a power
+    # of two, whose reciprocal scale is exact: the same bits) rounded to 16 bits; returns how
+    # many quotients are not finite. One loop per case, so that each vectorizes.
+    count = 0
+    if omode == 1 and pow2:
+        for k in range(dst.size):
+            v = f32(src[k] * scale)
+            count += u32(v.view(u32) & u32(0x7FFFFFFF)) >= _INF_BITS
+            dst[k] = _nb_bf16(v, cap)
+    elif omode == 1:
+        for k in range(dst.size):
+            v = f32(src[k] / d)
+            count += u32(v.view(u32) & u32(0x7FFFFFFF)) >= _INF_BITS
+            dst[k] = _nb_bf16(v, cap)
+    elif pow2:
+        for k in range(dst.size):
+            v = f32(src[k] * scale)
+            count += u32(v.view(u32) & u32(0x7FFFFFFF)) >= _INF_BITS
+            dst[k] = _nb_f16(v, cap)
+    else:
+        for k in range(dst.size):
+            v = f32(src[k] / d)
+            count += u32(v.view(u32) & u32(0x7FFFFFFF)) >= _INF_BITS
+            dst[k] = _nb_f16(v, cap)
+    return count
+
+
+def _nb_narrow_sum(acc: Any, n: Any, divisor: Any, out16: Any, omode: Any) -> Any:
+    # out = acc / divisor (float32 division, as torch's ``acc /= divisor``) rounded to out's
+    # 16-bit format (omode 1: bfloat16, 2: float16) and saturated as base.saturating_cast
+    # saturates finite values, in one pass; returns how many of the quotients are not finite
+    # (NaN's bits in out are then not torch's: the caller redoes the cast with torch)
+    cap = _nb_cap(omode, True)
+    d = f32(divisor)
+    pow2 = divisor >= 1 and (divisor & (divisor - 1)) == 0
+    scale = f32(1.0) / d
+    bad = 0
+    for unit in prange((n + UNIT - 1) // UNIT):
+        a = unit * UNIT
+        b = min(a + UNIT, n)
+        bad += _nb_narrow_run(acc[a:b], scale, d, pow2, omode, cap, out16[a:b])
+    return bad
+
 def _nb_uniform(seed: Any, i: Any) -> Any:
     # SplitMix64 of (seed + (i+1) * golden gamma); the top 24 bits give u in [0, 1).
     z = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
@@ -2346,6 +2406,7 @@ _HELPERS = (
     "_nb_minmax_value",
     "_nb_minmax_run",
     "_nb_narrow",
+    "_nb_narrow_run",
     "_nb_target",
     "_nb_store",
     "_nb_uniform",
@@ -2417,6 +2478,8 @@ _KERNELS = (
     "_nb_top16",
     "_nb_gather_finite",
     "_nb_spread_stream",
+    "_nb_add_widened",
+    "_nb_narrow_sum",
 )
 # kernels without a parallel loop of their own
 # (the first two are a parallel helper's wrappers)
@@ -3766,6 +3829,33 @@ class NumbaKernels:
         with _launch():
             self["convert_divide"](xf, x16, mode, n, out16, omode, divisor)
         return result
+
+    def add_widened(self, x: torch.Tensor, acc: torch.Tensor) -> None:
+        """See :func:`commpress.codecs.kernels.add_widened`."""
+        _, x16, mode, n = source(x)
+        _, outf, _, omode = target(acc, n)
+        if mode == 0 or omode != 0:
+            raise CommpressError(
+                f"add_widened adds bfloat16 or float16 values to float32, not {x.dtype} "
+                f"to {acc.dtype}"
+            )
+        with _launch():
+            self["add_widened"](x16, mode, n, outf)
+
+    def narrow_sum(self, acc: torch.Tensor, out: torch.Tensor, divisor: int) -> bool:
+        """See :func:`commpress.codecs.kernels.narrow_sum`."""
+        xf, _, mode, n = source(acc)
+        _, _, out16, omode = target(out, n)
+        if mode != 0 or omode == 0:
+            raise CommpressError(
+                f"narrow_sum rounds float32 to bfloat16 or float16, not {acc.dtype} to "
+                f"{out.dtype}"
+            )
+        if divisor < 1:
+            raise CommpressError(f"narrow_sum divides by a positive count, got {divisor}")
+        with _launch():
+            bad = self["narrow_sum"](xf, n, divisor, out16, omode)
+        return int(bad) == 0
 
     def prepare_convert_divide(
         self, x: torch.Tensor, out: torch.Tensor, divisor: int
