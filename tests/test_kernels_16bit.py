@@ -127,25 +127,33 @@ def test_a_prepared_convert_divide_converts_what_the_memory_holds_at_each_call()
         kernels.prepare_convert_divide(x, torch.empty(x.numel()), 2)
 
 
-@pytest.mark.parametrize("src", HALF)
+@pytest.mark.parametrize("src", [torch.float32, *HALF])
 def test_add_widened_is_torchs_widening_add(src: torch.dtype) -> None:
-    """``acc += x`` widened, one pass: every 16-bit pattern added to float32 accumulators
-    of random bits and rounding edges (NaNs compared by position: which of two NaN
-    operands an addition keeps is the CPU's choice), in a contiguous accumulator and
-    through views; an accumulator that is not float32 or not contiguous is refused."""
-    x = all_16bit(src).repeat(4)
+    """``acc += x`` widened, one pass: every 16-bit pattern (float32: random bit patterns and
+    rounding edges) added to float32 accumulators of random bits and edges (NaNs compared by
+    position: which of two NaN operands an addition keeps is the CPU's choice), in a
+    contiguous accumulator and through views; with ``first`` the accumulator's old content
+    is ignored and the result is zeroing and adding (``-0.0`` gives ``+0.0``); an
+    accumulator that is not float32 or not contiguous is refused."""
+    x = all_16bit(src).repeat(4) if src != torch.float32 else _float_bits(100_000, seed=8)
     acc = _float_bits(x.numel(), seed=6)[: x.numel()].clone()
     want = acc.clone().add_(x.float())
     kernels.add_widened(x, acc)
     assert _same(acc, want)
+    garbage = _float_bits(x.numel(), seed=9)[: x.numel()].clone()
+    kernels.add_widened(x, garbage, first=True)
+    want = torch.zeros(x.numel()).add_(x.float())
+    assert _same(garbage, want)
+    assert torch.equal(torch.signbit(garbage[x == 0]), torch.zeros(int((x == 0).sum()),
+                                                                   dtype=torch.bool))
     odd = torch.randn(16385, dtype=torch.float32)
     want = odd.clone().add_(x[:16385].float())
     kernels.add_widened(x[:16385], odd)  # a view of part of x, an odd size
     assert _same(odd, want)
     with pytest.raises(ValueError, match="contiguous"):
         kernels.add_widened(x[:10], torch.zeros(20)[::2])
-    with pytest.raises(ValueError, match="bfloat16 or float16 values to float32"):
-        kernels.add_widened(x[:10].float(), torch.zeros(10))
+    with pytest.raises(ValueError, match="to float32, not to"):
+        kernels.add_widened(x[:10], torch.zeros(10, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("dst", HALF)

@@ -95,22 +95,28 @@ def _saturate(x: torch.Tensor, dtype: torch.dtype, top: float) -> torch.Tensor:
     return torch.where(torch.isinf(wide), wide, clamped).to(dtype)
 
 
-def add_into(acc: torch.Tensor, values: torch.Tensor) -> None:
+def add_into(acc: torch.Tensor, values: torch.Tensor, *, first: bool = False) -> None:
     """``acc += values`` with ``values`` (of ``acc``'s shape) widened exactly to ``acc``'s
-    float32 or float64 dtype first, as :meth:`Codec.sum_decoded` adds decodes. 16-bit CPU
-    values into a contiguous float32 ``acc``: one numba pass (:func:`kernels.add_widened`);
-    otherwise torch, through a widening copy into this thread's kept buffer (torch's
-    mixed-dtype add runs ~3x slower on a CPU than that copy and a same-dtype add)."""
+    float32 or float64 dtype first, as :meth:`Codec.sum_decoded` adds decodes; with
+    ``first``, ``acc`` (its content undefined) becomes ``0.0 + values``, the bits of zeroing
+    it and then adding. CPU values into a contiguous float32 ``acc`` on the numba backend:
+    one pass (:func:`kernels.add_widened`; float32 values only with ``first``, torch's
+    same-dtype add being one pass already); otherwise torch, 16-bit values through a widening
+    copy into this thread's kept buffer (torch's mixed-dtype add runs ~3x slower on a CPU
+    than that copy and a same-dtype add)."""
+    if (acc.dtype == torch.float32 and acc.is_contiguous()
+            and (values.dtype in (torch.bfloat16, torch.float16)
+                 or (first and values.dtype == torch.float32))
+            and kernels.use_kernels(values)):
+        kernels.add_widened(values, acc, first=first)
+        return
+    if first:
+        acc.zero_()
     if values.dtype == acc.dtype:
         acc.add_(values)
         return
-    if (acc.dtype == torch.float32 and values.dtype in (torch.bfloat16, torch.float16)
-            and acc.is_contiguous() and kernels.use_kernels(values)):
-        kernels.add_widened(values, acc)
-        return
     wide = _decode_buffer(values.shape, acc.dtype, values.device)
     acc.add_(values if wide is None else wide.copy_(values))
-
 
 def _decode_buffer(
     shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device,
@@ -706,12 +712,21 @@ class Codec(ABC):
         # a 16-bit result is a cast of the accumulator: then it is this thread's kept one
         kept = (_decode_buffer(first.shape, acc_dtype, first.device, "acc")
                 if first.dtype != acc_dtype else None)
-        acc = (torch.zeros(first.shape, dtype=acc_dtype, device=first.device) if kept is None
-               else kept.zero_())
-        for p in payloads:
+        # the default dense decode writes the first payload's values over the accumulator
+        # (0.0 + values, add_into's ``first``) instead of zeroing it and adding them
+        dense = type(self)._add_decoded is Codec._add_decoded
+        if kept is not None:
+            acc = kept if dense else kept.zero_()
+        else:
+            acc = (torch.empty if dense else torch.zeros)(
+                first.shape, dtype=acc_dtype, device=first.device)
+        for i, p in enumerate(payloads):
             self.check_payload(p, first.shape)
             with error_context(f"{self.codec_id}.decode", wrap_as=PayloadError):
-                self._add_decoded(p, acc, ctx)
+                if dense:
+                    add_into(acc, self._dense_decode(p, ctx), first=i == 0)
+                else:
+                    self._add_decoded(p, acc, ctx)
         divisor = len(payloads) if average else 1
         if kept is not None and kernels.use_kernels(kept):
             # numba: the division and the saturating cast in one pass, into fresh memory (the
@@ -733,6 +748,11 @@ class Codec(ABC):
         with :attr:`decodes_into` decodes a CPU payload into this thread's reused buffer
         (:func:`_decode_buffer`) instead of new memory, which a large decode would page-fault
         anew at every payload; the values are the same."""
+        add_into(acc, self._dense_decode(payload, ctx))
+
+    def _dense_decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        """The decode of a checked payload that :meth:`_add_decoded` adds: into this
+        thread's reused buffer where the codec :attr:`decodes_into` on a CPU, else fresh."""
         buf = (_decode_buffer(payload.shape, payload.dtype, payload.device)
                if self.decodes_into else None)
         if buf is not None:
@@ -744,7 +764,7 @@ class Codec(ABC):
                 f"{self.codec_id}.decode produced {tuple(result.shape)} {result.dtype}, "
                 f"expected {tuple(payload.shape)} {payload.dtype} (codec bug)"
             )
-        add_into(acc, result)
+        return result
 
     def check_input(self, tensor: Any) -> torch.Tensor:
         """Refuse anything but a floating-point tensor of a supported dtype."""

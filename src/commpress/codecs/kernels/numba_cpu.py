@@ -345,17 +345,33 @@ def _nb_convert_divide(
                 d16[k] = _nb_f16(_nb_f16_value(s16[k]) / d, cap)
 
 
-def _nb_add_widened(x16: Any, mode: Any, n: Any, acc: Any) -> None:
-    # acc += x (bfloat16 bits for mode 1, float16 bits for mode 2), each value widened to
-    # float32 exactly and added in float32: ``acc.add_(x.float())`` in one pass
+def _nb_add_widened(xf: Any, x16: Any, mode: Any, n: Any, acc: Any, first: Any) -> None:
+    # acc += x (float32, or bfloat16 / float16 bits for mode 1 / 2, each value widened to
+    # float32 exactly) in float32: ``acc.add_(x.float())`` in one pass; with ``first``, acc =
+    # 0.0 + x, what zeroing acc and then adding gives (-0.0 becomes +0.0; acc is not read)
     for unit in prange((n + UNIT - 1) // UNIT):
         a = unit * UNIT
         b = min(a + UNIT, n)
         d = acc[a:b]
+        if mode == 0:
+            src = xf[a:b]
+            if first:
+                for k in range(d.size):
+                    d[k] = f32(0.0) + src[k]
+            else:
+                for k in range(d.size):
+                    d[k] = d[k] + src[k]
+            continue
         s16 = x16[a:b]
-        if mode == 1:
+        if mode == 1 and first:
+            for k in range(d.size):
+                d[k] = f32(0.0) + _nb_bf16_value(s16[k])
+        elif mode == 1:
             for k in range(d.size):
                 d[k] = d[k] + _nb_bf16_value(s16[k])
+        elif first:
+            for k in range(d.size):
+                d[k] = f32(0.0) + _nb_f16_value(s16[k])
         else:
             for k in range(d.size):
                 d[k] = d[k] + _nb_f16_value(s16[k])
@@ -3830,17 +3846,17 @@ class NumbaKernels:
             self["convert_divide"](xf, x16, mode, n, out16, omode, divisor)
         return result
 
-    def add_widened(self, x: torch.Tensor, acc: torch.Tensor) -> None:
+    def add_widened(self, x: torch.Tensor, acc: torch.Tensor, first: bool) -> None:
         """See :func:`commpress.codecs.kernels.add_widened`."""
-        _, x16, mode, n = source(x)
+        xf, x16, mode, n = source(x)
         _, outf, _, omode = target(acc, n)
-        if mode == 0 or omode != 0:
+        if omode != 0:
             raise CommpressError(
-                f"add_widened adds bfloat16 or float16 values to float32, not {x.dtype} "
-                f"to {acc.dtype}"
+                f"add_widened adds float32, bfloat16 or float16 values to float32, not to "
+                f"{acc.dtype}"
             )
         with _launch():
-            self["add_widened"](x16, mode, n, outf)
+            self["add_widened"](xf, x16, mode, n, outf, first)
 
     def narrow_sum(self, acc: torch.Tensor, out: torch.Tensor, divisor: int) -> bool:
         """See :func:`commpress.codecs.kernels.narrow_sum`."""
