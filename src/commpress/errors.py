@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,16 @@ class error_context:  # noqa: N801 - used as a function: ``with error_context(..
             add_note = getattr(exc, "add_note", None)  # Python >= 3.11
             if add_note is not None:
                 add_note(f"(in {what})")
+
+
+def exit_status(main: Callable[[], int]) -> int:
+    """``main()``'s exit status, or 2 after a :class:`CommpressError`, which it prints as
+    ``commpress: error: <message>`` on standard error, as every commpress command does."""
+    try:
+        return main()
+    except CommpressError as exc:
+        print(f"commpress: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def read_json(path: str | os.PathLike[str], what: str) -> Any:

@@ -71,7 +71,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from commpress.errors import CommpressError, error_context, read_json
+from commpress.errors import CommpressError, error_context, exit_status, read_json
 
 #: Results file rank 0 writes in the work directory.
 RESULTS_FILE = "results.json"
@@ -1211,11 +1211,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(_main())
-    except CommpressError as exc:
-        print(f"commpress: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(exit_status(_main))
 
 
 __all__ = [
