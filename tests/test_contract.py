@@ -22,7 +22,14 @@ from commpress.codecs import (
 from commpress.codecs.base import FeedbackFit
 from commpress.codecs.randomk import RandomK
 from commpress.codecs.registry import codec_class
-from commpress.errors import CommpressError, ConfigError, PayloadError, error_context
+from commpress.errors import (
+    CommpressError,
+    ConfigError,
+    PayloadError,
+    error_context,
+    exit_status,
+    read_json,
+)
 from commpress.testing import check_config_round_trip, gaussian, nmse
 
 EXPECTED_IDS = {
@@ -157,6 +164,58 @@ def test_error_context_does_not_relabel_bugs(bug: type[Exception]) -> None:
     assert not isinstance(info.value, ValueError)
     if hasattr(info.value, "add_note"):  # Python >= 3.11
         assert "(in doing y)" in getattr(info.value, "__notes__", [])
+
+
+def test_read_json_names_the_file_it_cannot_read(tmp_path: typing.Any) -> None:
+    good = tmp_path / "good.json"
+    good.write_text('{"a": [1, 2]}')
+    assert read_json(good, "the good file") == {"a": [1, 2]}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    with pytest.raises(CommpressError, match=r"^cannot read the bad file: Expecting property"):
+        read_json(bad, "the bad file")
+    with pytest.raises(CommpressError, match=r"^cannot read it: \[Errno 2\] No such file"):
+        read_json(tmp_path / "missing.json", "it")
+
+
+def test_exit_status_reports_a_commpress_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert exit_status(lambda: 3) == 3
+
+    def failing() -> int:
+        raise ConfigError("bad option")
+
+    assert exit_status(failing) == 2
+    assert capsys.readouterr().err == "commpress: error: bad option\n"
+
+    def buggy() -> int:
+        raise RuntimeError("bug")
+
+    with pytest.raises(RuntimeError):  # anything else is not the command's error to report
+        exit_status(buggy)
+
+
+@pytest.mark.parametrize("spec", ["identity", "minmax", "netzip"])
+def test_a_decoding_of_another_shape_or_dtype_is_a_codec_bug(
+    spec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Codec.decode (with and without ``out``), NetZip's own decode and sum_decoded check
+    what a codec's ``_decode`` returned against the payload."""
+    codec = get_codec(spec)
+    payload = codec.encode(gaussian(12).reshape(3, 4))
+
+    def wrong(
+        self: typing.Any, payload: typing.Any, ctx: typing.Any, out: typing.Any = None
+    ) -> torch.Tensor:
+        return torch.zeros(payload.shape, dtype=torch.float64)
+
+    monkeypatch.setattr(type(codec), "_decode", wrong)
+    bug = r"decode produced \(3, 4\) torch.float64, expected \(3, 4\) torch.float32 \(codec bug\)"
+    with pytest.raises(CommpressError, match=bug):
+        codec.decode(payload)
+    with pytest.raises(CommpressError, match=bug):
+        codec.decode(payload, out=torch.empty(3, 4))
+    with pytest.raises(CommpressError, match=bug):
+        codec.sum_decoded([payload, payload], CodecContext())
 
 
 def test_context_validates_and_seeds_reproducibly() -> None:

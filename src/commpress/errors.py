@@ -24,6 +24,11 @@ ranks (for example through torchrun's elastic restarts).
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -100,6 +105,25 @@ class error_context:  # noqa: N801 - used as a function: ``with error_context(..
             add_note = getattr(exc, "add_note", None)  # Python >= 3.11
             if add_note is not None:
                 add_note(f"(in {what})")
+
+
+def exit_status(main: Callable[[], int]) -> int:
+    """``main()``'s exit status, or 2 after a :class:`CommpressError`, which it prints as
+    ``commpress: error: <message>`` on standard error, as every commpress command does."""
+    try:
+        return main()
+    except CommpressError as exc:
+        print(f"commpress: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def read_json(path: str | os.PathLike[str], what: str) -> Any:
+    """The JSON value stored in the file ``path``. A file that cannot be read or parsed raises
+    :class:`CommpressError` ``"cannot read {what}: {reason}"`` (``what`` names the file)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CommpressError(f"cannot read {what}: {exc}") from exc
 
 
 def prefixed(exc: CommpressError, what: str) -> CommpressError:

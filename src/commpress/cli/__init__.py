@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from commpress.errors import CommpressError
+from commpress.errors import exit_status
 
 #: Sub-command modules under ``commpress.cli``, in the order ``--help`` lists them.
 COMMANDS: list[str] = [
@@ -154,10 +154,7 @@ def _run(argv: Sequence[str] | None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
-    except CommpressError as exc:
-        print(f"commpress: error: {exc}", file=sys.stderr)
-        return 2
+        return exit_status(lambda: int(args.func(args) or 0))
     except KeyboardInterrupt:
         print("commpress: interrupted", file=sys.stderr)
         return 130

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         model_kwargs,
         workload_from_args,
     )
-    from commpress.errors import CommpressError
+    from commpress.errors import CommpressError, read_json
     from commpress.perfmodel.advisor import advise
 
     workload = workload_from_args(args)
@@ -80,10 +80,7 @@ def run(args: argparse.Namespace) -> int:
             ) from None
     table = None
     if args.nmse_table:
-        try:
-            table = json.loads(Path(args.nmse_table).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CommpressError(f"cannot read --nmse-table {args.nmse_table}: {exc}") from exc
+        table = read_json(args.nmse_table, f"--nmse-table {args.nmse_table}")
         if not isinstance(table, dict) or not all(
             isinstance(v, (int, float)) for v in table.values()
         ):

@@ -7,14 +7,12 @@ They live in the CLI, not in :mod:`commpress.perfmodel`: ``--demo-model`` builds
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from commpress.demo.model import build_model, preset
-from commpress.errors import CommpressError
+from commpress.errors import CommpressError, read_json
 from commpress.perfmodel.codec_costs import STRATEGIES, Offload, SpeedTable
 from commpress.perfmodel.collectives import ALLREDUCE_ALGORITHMS, TCP_EFFICIENCY, Cluster
 from commpress.perfmodel.model import (
@@ -126,10 +124,7 @@ def calibration_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     path = getattr(args, "platform", None)
     if not path:
         return None
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CommpressError(f"cannot read --platform {path}: {exc}") from exc
+    data = read_json(path, f"--platform {path}")
     return data if isinstance(data, dict) and data.get("format") == CALIBRATION_FORMAT else None
 
 
@@ -246,10 +241,7 @@ def cluster_from_args(
     ):  # a sweep's grid of clusters keeps its own
         return Cluster.from_measured(cal["cluster"])
     if links:
-        try:
-            data = json.loads(Path(links).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CommpressError(f"cannot read --links {links}: {exc}") from exc
+        data = read_json(links, f"--links {links}")
         return Cluster.from_measured(data, gpus_per_node=args.gpus_per_node)
     return Cluster.build(
         nodes=nodes if nodes is not None else args.nodes,

@@ -528,20 +528,31 @@ class Codec(ABC):
             self.check_out(out, payload)
         context = ctx if ctx is not None else CodecContext()
         with error_context(f"{self.codec_id}.decode", wrap_as=PayloadError):
-            if out is not None and self.decodes_into:
-                result = self._decode(payload, context, out=out)  # type: ignore[call-arg]
-            else:
-                result = self._decode(payload, context)
-        if tuple(result.shape) != tuple(payload.shape) or result.dtype != payload.dtype:
-            raise CommpressError(
-                f"{self.codec_id}.decode produced {tuple(result.shape)} {result.dtype}, "
-                f"expected {tuple(payload.shape)} {payload.dtype} (codec bug)"
-            )
+            result = self._decode_maybe_into(payload, context, out)
+        self.check_decoded(result, payload)
         if out is None:
             return result
         if result.data_ptr() != out.data_ptr() or result.numel() != out.numel():
             out.copy_(result)
         return out
+
+    def _decode_maybe_into(
+        self, payload: Payload, ctx: CodecContext, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`_decode`, into ``out`` when one is given and the codec
+        :attr:`decodes_into` (the caller copies otherwise)."""
+        if out is not None and self.decodes_into:
+            return self._decode(payload, ctx, out=out)  # type: ignore[call-arg]
+        return self._decode(payload, ctx)
+
+    def check_decoded(self, result: torch.Tensor, payload: Payload) -> None:
+        """Raise :class:`CommpressError` unless ``result``, a decoding of ``payload``, has the
+        payload's shape and dtype (another is a bug of the codec, not of the payload)."""
+        if tuple(result.shape) != tuple(payload.shape) or result.dtype != payload.dtype:
+            raise CommpressError(
+                f"{self.codec_id}.decode produced {tuple(result.shape)} {result.dtype}, "
+                f"expected {tuple(payload.shape)} {payload.dtype} (codec bug)"
+            )
 
     def check_out(self, out: Any, payload: Payload) -> None:
         """Refuse an ``out=`` buffer that cannot hold the decoding of ``payload``."""
@@ -755,15 +766,8 @@ class Codec(ABC):
         thread's reused buffer where the codec :attr:`decodes_into` on a CPU, else fresh."""
         buf = (_decode_buffer(payload.shape, payload.dtype, payload.device)
                if self.decodes_into else None)
-        if buf is not None:
-            result = self._decode(payload, ctx, out=buf)  # type: ignore[call-arg]
-        else:
-            result = self._decode(payload, ctx)
-        if tuple(result.shape) != tuple(payload.shape) or result.dtype != payload.dtype:
-            raise CommpressError(
-                f"{self.codec_id}.decode produced {tuple(result.shape)} {result.dtype}, "
-                f"expected {tuple(payload.shape)} {payload.dtype} (codec bug)"
-            )
+        result = self._decode_maybe_into(payload, ctx, buf)
+        self.check_decoded(result, payload)
         return result
 
     def check_input(self, tensor: Any) -> torch.Tensor:

@@ -93,6 +93,22 @@ def _per_chunk(
     return _chunked(flat, chunk, lambda view, _: fn(view))
 
 
+def _times_chunk_scale(
+    values: torch.Tensor, chunk: int, scale: torch.Tensor
+) -> torch.Tensor:
+    """``values`` (flat float32) times the ``scale`` entry of their chunk."""
+    return _chunked(values, chunk, lambda view, rows: view * scale[rows].unsqueeze(1))
+
+
+def _chunk_noise(
+    noise: torch.Tensor, view: torch.Tensor, rows: slice, chunk: int
+) -> torch.Tensor:
+    """The part of ``noise`` (one uniform per element) that falls on ``view``, the chunks
+    ``rows`` of a :func:`_chunked` pass, shaped as ``view``."""
+    start = rows.start * chunk
+    return noise[start : start + view.numel()].view_as(view)
+
+
 def _exact_f32(value: torch.Tensor) -> torch.Tensor:
     """Round a float64 result to float32. A single +, -, *, / done in float64 and rounded to
     float32 equals the correctly rounded float32 operation, which is what the CPU kernels
@@ -177,6 +193,13 @@ def _direct(
     if out is None:
         return None
     return out if out.dtype == torch.float32 else kernels.scratch32(payload.numel, out.device)
+
+
+def _empty_encoding(codec: Codec, x: torch.Tensor, *scales: str) -> Payload:
+    """The payload of an empty ``x``: no ``codes`` (uint8) and one empty float32 part
+    named after each of ``scales``."""
+    empty = torch.empty(0, device=x.device)
+    return codec.make_payload(x, {"codes": empty.to(torch.uint8), **dict.fromkeys(scales, empty)})
 
 
 def _uniform(ctx: CodecContext, seed: int, n: int, device: torch.device) -> torch.Tensor:
@@ -276,11 +299,7 @@ def minmax_encode_torch(
         lo_parts.append(lo)
         scale_parts.append(scale)
         t = (view * pre.unsqueeze(1)).sub_((lo * pre).unsqueeze(1)).mul_(inv.unsqueeze(1))
-        if noise is None:
-            t.add_(0.5)
-        else:
-            start = rows.start * chunk
-            t.add_(noise[start : start + view.numel()].view_as(view))
+        t.add_(0.5 if noise is None else _chunk_noise(noise, view, rows, chunk))
         return _floor_clamp(t, levels).to(torch.uint8)
 
     codes = _chunked(flat, chunk, quantize)
@@ -413,10 +432,7 @@ class MinMax(Codec):
         flat = _flat_in(x)
         n = flat.numel()
         if n == 0:
-            empty = torch.empty(0, device=x.device)
-            return self.make_payload(
-                x, {"codes": empty.to(torch.uint8), "min": empty, "scale": empty}
-            )
+            return _empty_encoding(self, x, "min", "scale")
         chunk = chunk_length(n, self.chunk_size)
         stochastic = self.rounding == "stochastic"
         if kernels.use_kernels(flat, "minmax_encode"):
@@ -547,8 +563,7 @@ class QSGD(Codec):
         n = flat.numel()
         s = float(self.levels)
         if n == 0:
-            empty = torch.empty(0, device=x.device)
-            return self.make_payload(x, {"codes": empty.to(torch.uint8), "norm": empty})
+            return _empty_encoding(self, x, "norm")
         chunk = chunk_length(n, self.chunk_size)
         if self.code_bits <= 8 and kernels.use_kernels(flat, "qsgd_encode"):
             # one launch (numba: one pass for chunks up to kernels.UNIT; Triton: at most
@@ -570,8 +585,7 @@ class QSGD(Codec):
             valid = (norm > 0) & torch.isfinite(norm)
             inv = torch.where(valid, s / norm, torch.zeros_like(norm))
             t = view.abs().mul_(inv.unsqueeze(1))
-            start = rows.start * chunk
-            t.add_(noise[start : start + view.numel()].view_as(view))
+            t.add_(_chunk_noise(noise, view, rows, chunk))
             level = _floor_clamp(t, s).to(torch.int32)
             return torch.where(view < 0, self.levels - level, self.levels + level)
 
@@ -602,9 +616,7 @@ class QSGD(Codec):
             )
         else:
             signed = unpack_bits(packed, bits, n).to(torch.int32) - self.levels
-            result = _chunked(
-                signed.to(torch.float32), chunk, lambda view, rows: view * step[rows].unsqueeze(1)
-            )
+            result = _times_chunk_scale(signed.to(torch.float32), chunk, step)
         return _into(result, payload, out, saturate=True)
 
 
@@ -673,8 +685,7 @@ class TernGrad(Codec):
         flat = _flat_in(x)
         n = flat.numel()
         if n == 0:
-            empty = torch.empty(0, device=x.device)
-            return self.make_payload(x, {"codes": empty.to(torch.uint8), "scale": empty})
+            return _empty_encoding(self, x, "scale")
         chunk = chunk_length(n, self.chunk_size)
         if kernels.use_kernels(flat, "terngrad_encode"):
             # one launch; the scale is max |x| per chunk, _max_abs's value bit for bit
@@ -692,8 +703,7 @@ class TernGrad(Codec):
             m = mag.amax(dim=1)
             scales.append(m)
             p = mag.mul_(_safe_reciprocal(m).unsqueeze(1))
-            start = rows.start * chunk
-            keep = noise[start : start + view.numel()].view_as(view) < p
+            keep = _chunk_noise(noise, view, rows, chunk) < p
             # codes: 0 -> -m, 1 -> 0, 2 -> +m
             sign = torch.where(view < 0, 0, 2).to(torch.uint8)
             return torch.where(keep, sign, torch.ones_like(sign))
@@ -720,7 +730,7 @@ class TernGrad(Codec):
             )
         else:
             ternary = unpack_bits(packed, 2, n).to(torch.float32) - 1.0
-            result = _chunked(ternary, chunk, lambda view, rows: view * m[rows].unsqueeze(1))
+            result = _times_chunk_scale(ternary, chunk, m)
         return _into(result, payload, out)
 
 

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import fnmatch
-import json
 import logging
 import math
 import os
@@ -22,7 +21,6 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
@@ -39,7 +37,7 @@ from commpress.collectives.feedback import (
     Schedule,
     feedback_applies,
 )
-from commpress.errors import CommpressError, error_context
+from commpress.errors import CommpressError, error_context, read_json
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -74,10 +72,7 @@ def load_policy_file(path: str | os.PathLike[str]) -> dict[str, str]:
     ``commpress advise --emit-policy`` writes) or a plain ``{glob: codec spec}`` object.
     Returns the rules, ``"*"`` being the default, for :meth:`CodecPolicy.build` or
     ``commpress.ddp.register(model, policy=...)``, which also accepts the path itself."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CommpressError(f"cannot read the policy file {str(path)!r}: {exc}") from exc
+    data = read_json(path, f"the policy file {str(path)!r}")
     if isinstance(data, dict) and "commpress_policy" in data:
         if data["commpress_policy"] != POLICY_FILE_VERSION:
             raise CommpressError(

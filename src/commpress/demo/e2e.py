@@ -71,7 +71,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from commpress.errors import CommpressError, error_context
+from commpress.errors import CommpressError, error_context, exit_status, read_json
 
 #: Results file rank 0 writes in the work directory.
 RESULTS_FILE = "results.json"
@@ -393,11 +393,7 @@ class RunResult:
 
 def load_results(path: str | os.PathLike[str]) -> list[RunResult]:
     """Read the ``results.json`` written by the workers (or by ``commpress demo``)."""
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CommpressError(f"cannot read run results from {path}: {exc}") from exc
+    data = read_json(path, f"run results from {path}")
     if not isinstance(data, dict) or data.get("format") != "commpress-e2e":
         raise CommpressError(f"{path} is not a commpress end-to-end results file")
     return [RunResult.from_dict(r) for r in data.get("results", [])]
@@ -1215,11 +1211,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(_main())
-    except CommpressError as exc:
-        print(f"commpress: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(exit_status(_main))
 
 
 __all__ = [

@@ -34,7 +34,7 @@ from torch import nn
 
 from commpress.demo.data import batches, eval_loss, stdlib_corpus
 from commpress.demo.model import GPTConfig, TinyGPT, build_model, preset
-from commpress.errors import CommpressError
+from commpress.errors import CommpressError, exit_status
 
 #: Corpus size used when ``train`` is not given one: 2 MB reads in well under a second and is
 #: far more text than a short demo run sees (200 steps x 16 rows x 64 bytes = 0.2 MB).
@@ -317,8 +317,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except CommpressError as exc:
-        print(f"commpress: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(exit_status(main))

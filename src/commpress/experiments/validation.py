@@ -78,7 +78,7 @@ from commpress.demo.e2e import Setup as RunSetup
 from commpress.demo.e2e import as_setup, parse_setup_spec, run_setups, setup_spec
 from commpress.demo.model import build_model, preset
 from commpress.demo.train import make_optimizer
-from commpress.errors import CommpressError, error_context
+from commpress.errors import CommpressError, error_context, read_json
 from commpress.perfmodel.calibration import (
     CalibrationResult,
     FitResult,
@@ -662,10 +662,7 @@ def save_run(run: ValidationRun, path: str | Path) -> None:
 
 
 def load_run(path: str | Path) -> ValidationRun:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CommpressError(f"cannot read validation run {path}: {exc}") from exc
+    data = read_json(path, f"validation run {path}")
     if isinstance(data, Mapping) and "measurements" in data:  # a full report: take its runs
         data = data["measurements"]
     return ValidationRun.from_dict(data)

@@ -36,7 +36,7 @@ from commpress.codecs.simulate import single_worker
 from commpress.codecs.thc import FUSED_BLOCK_LOG2, Thc
 from commpress.collectives.policy import CompressionState
 from commpress.collectives.strategies import get_strategy, strategy_names
-from commpress.errors import CommpressError, error_context
+from commpress.errors import CommpressError, error_context, read_json
 from commpress.metrics import gaussian, heavy_tailed, nmse
 from commpress.perfmodel import collectives as coll
 from commpress.perfmodel.collectives import Cluster
@@ -407,10 +407,7 @@ class SpeedTable:
     @classmethod
     def load(cls, path: str | Path) -> SpeedTable:
         """A stored table, with the built-in entries under it for codecs it does not list."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CommpressError(f"cannot read codec speed table {path}: {exc}") from exc
+        data = read_json(path, f"codec speed table {path}")
         table = cls.from_dict(data)
         device = "cpu" if str(table.provenance.get("device", "")).startswith("cpu") else "gpu"
         return cls.builtin(device).merged(

@@ -308,6 +308,18 @@ def hierarchical_steps(
 
 
 # ---------------------------------------------------------------------------- clusters
+def _measured_link(entries: list[Mapping[str, Any]]) -> Link:
+    """The link that a link check's ``entries`` of one kind measured: the slowest goodput
+    (bits/s, already net of TCP framing: efficiency 1) and half the median RTT as the
+    latency; an ideal link where there are none."""
+    if not entries:
+        return Link(1e12, 0.0, 1.0)
+    goodput = min(float(lk["goodput_bps"]) for lk in entries) / 8
+    rtts = sorted(float(lk["rtt_s"]) for lk in entries)
+    return Link(goodput, rtts[len(rtts) // 2] / 2, 1.0)
+
+
+# ---------------------------------------------------------------------------- clusters
 @dataclass(frozen=True, slots=True)
 class Cluster:
     """``nodes`` nodes of ``gpus_per_node`` ranks.
@@ -427,18 +439,8 @@ class Cluster:
                 n = nodes or len(intra_links) or len(inter_links)
                 if n >= 2 and not inter_links:
                     raise CommpressError("link report has no inter-node links")
-                if inter_links:
-                    goodput = min(float(lk["goodput_bps"]) for lk in inter_links) / 8
-                    rtts = sorted(float(lk["rtt_s"]) for lk in inter_links)
-                    inter = Link(goodput, rtts[len(rtts) // 2] / 2, 1.0)
-                else:
-                    inter = Link(1e12, 0.0, 1.0)
-                if intra_links:
-                    g_intra = min(float(lk["goodput_bps"]) for lk in intra_links) / 8
-                    r_intra = sorted(float(lk["rtt_s"]) for lk in intra_links)
-                    intra = Link(g_intra, r_intra[len(r_intra) // 2] / 2, 1.0)
-                else:
-                    intra = Link(1e12, 0.0, 1.0)
+                inter = _measured_link(inter_links)
+                intra = _measured_link(intra_links)
             except (KeyError, TypeError, ValueError) as exc:
                 if isinstance(exc, CommpressError):
                     raise

@@ -22,7 +22,7 @@ from typing import Any
 from commpress.codecs.registry import get_codec
 from commpress.collectives.feedback import compression_rate, dense_codec_ids, feedback_applies
 from commpress.collectives.strategies import get_strategy
-from commpress.errors import CommpressError, error_context
+from commpress.errors import CommpressError, error_context, read_json
 from commpress.perfmodel.codec_costs import (
     ExchangeConfig,
     Offload,
@@ -377,10 +377,7 @@ class Platform:
     @classmethod
     def load(cls, path: str | Path) -> Platform:
         """A platform file, or the platform of a ``commpress calibrate`` file."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CommpressError(f"cannot read platform file {path}: {exc}") from exc
+        data = read_json(path, f"platform file {path}")
         if isinstance(data, Mapping) and data.get("format") == CALIBRATION_FORMAT:
             data = data.get("platform") or {}
         if not isinstance(data, Mapping):

@@ -36,7 +36,6 @@ gradient's dtype, so that Table 1 cannot separate it from the compute.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -44,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from commpress.errors import CommpressError
+from commpress.errors import CommpressError, read_json
 from commpress.perfmodel.calibration import nelder_mead
 from commpress.perfmodel.codec_costs import (
     PROFILE_DIR,
@@ -314,10 +313,7 @@ class PublishedReport:
 
 
 def load(path: str | Path = DATA) -> dict[str, Any]:
-    try:
-        data: dict[str, Any] = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CommpressError(f"cannot read published data {path}: {exc}") from exc
+    data: dict[str, Any] = read_json(path, f"published data {path}")
     if data.get("format") != "commpress-published/1":
         raise CommpressError(f"{path} is not a commpress-published/1 file")
     return data

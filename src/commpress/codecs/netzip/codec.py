@@ -360,11 +360,7 @@ class NetZip(Codec):
             raise prefixed(exc, f"{self.codec_id}.decode") from exc.__cause__
         except WRAPPED as exc:  # a library failing on the payload's contents
             raise PayloadError(f"{self.codec_id}.decode: {type(exc).__name__}: {exc}") from exc
-        if out.shape != payload.shape or out.dtype != payload.dtype:
-            raise CommpressError(
-                f"{self.codec_id}.decode produced {tuple(out.shape)} {out.dtype}, expected "
-                f"{tuple(payload.shape)} {payload.dtype} (codec bug)"
-            )
+        self.check_decoded(out, payload)
         if buffer is not None:
             buffer.copy_(out)
             return buffer
