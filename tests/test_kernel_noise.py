@@ -366,7 +366,7 @@ def test_qsgd_window_codes_equal_the_per_chunk_codes(start: int) -> None:
     by chunk, inside a key block and across a multiple of 2^32 (inside a chunk and on a
     chunk boundary), with zeros of both signs, NaNs, infinities and multipliers of 0 and
     inf; and, across the boundary, the codes of the reference noise. bfloat16 bits coded in
-    place (``_nb_qsgd_window16``) give the codes of their float32 widening."""
+    place (the same ``_nb_qsgd_window``) give the codes of their float32 widening."""
     from commpress.codecs.kernels import numba_cpu
 
     assert kernels._load() is not None  # compiles the helpers
@@ -385,11 +385,11 @@ def test_qsgd_window_codes_equal_the_per_chunk_codes(start: int) -> None:
                                   noise, want[s:e])
     assert np.array_equal(codes, want)
     assert len(set(codes.tolist())) > 50  # the codes spread over the levels
-    # bfloat16 bits coded in place (_nb_qsgd_window16): the codes of their widening
+    # bfloat16 bits coded in place (_nb_qsgd_window of uint16): the codes of their widening
     x16 = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     wide = (x16.astype(np.uint32) << np.uint32(16)).view(np.float32)
     codes16, want16 = np.zeros(n, np.uint8), np.ones(n, np.uint8)
-    numba_cpu._nb_qsgd_window16(x16, start, chunk, invs, levels, np.uint64(seed), codes16)
+    numba_cpu._nb_qsgd_window(x16, start, chunk, invs, levels, np.uint64(seed), codes16)
     for j, s in enumerate(range(0, n, chunk)):
         e = min(s + chunk, n)
         numba_cpu._nb_stoch_codes(wide[s:e], start + s, invs[j], 0, levels, 1, np.uint64(seed),

@@ -101,6 +101,7 @@ _NO_I32 = np.zeros(1, np.int32)
 _F16_TINY = f32(2.0**-24)  # float16's smallest subnormal
 prange = range  # replaced by numba.prange in _build()
 _vsum_sq: Any = None  # replaced by _vector_lane_sum(True) in _build()
+_nb_f32: Any = None  # replaced by _float32_value() in _build()
 _vsum_abs: Any = None  # replaced by _vector_lane_sum(False) in _build()
 _vsum_chunks: Any = None  # replaced by _vector_chunk_sums() in _build()
 _vsign_bits: Any = None  # replaced by _vector_sign_bits() in _build()
@@ -888,12 +889,13 @@ def _nb_lane_sum(src: Any, square: Any, lanes: Any) -> None:
 
 
 def _nb_lane_total(src: Any, square: Any, lanes: Any) -> Any:
-    # the lanes of _nb_lane_sum added in order, then src's tail past its whole groups
+    # the lanes of _nb_lane_sum added in order, then src's tail past its whole groups (src:
+    # float32 values, or bfloat16 bits widened here)
     acc = 0.0
     for j in range(8):
         acc += lanes[j]
     for k in range(src.size // 8 * 8, src.size):
-        v = np.float64(src[k])
+        v = np.float64(_nb_f32(src[k]))
         acc += v * v if square else abs(v)
     return acc
 
@@ -1077,7 +1079,7 @@ def _nb_draw_loop16(
     src: Any, y: Any, khi: Any, inv: Any, kind: Any, top: Any, dst: Any
 ) -> None:
     # _nb_draw_loop's codes of the bfloat16 bits src, read in their own width (no widened
-    # copy): whole groups in vector code, the rest here
+    # copy), or of float32 values: whole groups in vector code, the rest here
     whole = src.size // _STOCH_GROUP * _STOCH_GROUP
     if kind == 0:
         _vqsgd_codes(src, y, khi, inv, top, dst)
@@ -1089,14 +1091,15 @@ def _nb_draw_loop16(
     for k in range(rest.size):
         u = _nb_draw(y, khi)
         y = u32(y + u32(0x9E3779B9))
-        tail[k] = _nb_stoch_code(_nb_bf16_value(rest[k]), u, inv, kind, top)
+        tail[k] = _nb_stoch_code(_nb_f32(rest[k]), u, inv, kind, top)
 
 
 def _nb_draw_codes16(
     src: Any, g: Any, seed: Any, inv: Any, kind: Any, levels: Any, dst: Any
 ) -> None:
-    # _nb_stoch_codes' codes with drawn noise (rmode 1) of the bfloat16 bits src,
-    # coordinates g.., split where src crosses a multiple of 2^32 (the noise key's block)
+    # _nb_stoch_codes' codes with drawn noise (rmode 1) of the bfloat16 bits src (or
+    # float32 values), coordinates g.., split where src crosses a multiple of 2^32 (the
+    # noise key's block)
     top = f32(levels)
     m = min(src.size, (g | 0xFFFFFFFF) + 1 - g)
     y, khi = _nb_noise_start(seed, g)
@@ -1394,38 +1397,9 @@ def _nb_qsgd_run(x: Any, y: Any, khi: Any, chunk: Any, invs: Any, top: Any, dst:
 def _nb_qsgd_window(
     x: Any, g: Any, chunk: Any, invs: Any, levels: Any, seed: Any, dst: Any
 ) -> None:
-    # the qsgd codes of x, whole chunks from coordinate g, chunk j with multiplier invs[j]
-    # (_nb_qsgd_run); a span across a multiple of 2^32 (a new noise key) is coded chunk by
-    # chunk through _nb_stoch_codes, which splits it
-    if (g >> 32) == ((g + x.size - 1) >> 32):
-        y, khi = _nb_noise_start(seed, g)
-        _nb_qsgd_run(x, y, khi, chunk, invs, f32(levels), dst)
-        return
-    for j in range((x.size + chunk - 1) // chunk):
-        s, e = j * chunk, min((j + 1) * chunk, x.size)
-        # rmode 1 (drawn noise): its noise argument, here invs, is not read
-        _nb_stoch_codes(x[s:e], g + s, invs[j], 0, levels, 1, seed, invs, dst[s:e])
-
-
-def _nb_norm_total16(src: Any, clamp: Any, lanes: Any) -> Any:
-    # _nb_norm_total of the bfloat16 bits src (its tail widened here)
-    acc = 0.0
-    for j in range(8):
-        acc += lanes[j]
-    for k in range(src.size // 8 * 8, src.size):
-        v = np.float64(_nb_bf16_value(src[k]))
-        acc += v * v
-    norm = np.sqrt(acc)
-    if norm > np.float64(clamp) and norm < np.inf:
-        norm = np.float64(clamp)
-    return f32(norm)
-
-
-def _nb_qsgd_window16(
-    x: Any, g: Any, chunk: Any, invs: Any, levels: Any, seed: Any, dst: Any
-) -> None:
-    # _nb_qsgd_window of the bfloat16 bits x (across a multiple of 2^32: chunk by chunk
-    # through _nb_draw_codes16, which splits)
+    # the qsgd codes of x (float32 values or bfloat16 bits), whole chunks from coordinate
+    # g, chunk j with multiplier invs[j] (_nb_qsgd_run); a span across a multiple of 2^32
+    # (a new noise key) is coded chunk by chunk through _nb_draw_codes16, which splits it
     if (g >> 32) == ((g + x.size - 1) >> 32):
         y, khi = _nb_noise_start(seed, g)
         _nb_qsgd_run(x, y, khi, chunk, invs, f32(levels), dst)
@@ -1433,6 +1407,34 @@ def _nb_qsgd_window16(
     for j in range((x.size + chunk - 1) // chunk):
         s, e = j * chunk, min((j + 1) * chunk, x.size)
         _nb_draw_codes16(x[s:e], g + s, seed, invs[j], 0, levels, dst[s:e])
+
+
+def _nb_qsgd_span(
+    x: Any, g: Any, chunk: Any, levels: Any, seed: Any, clamp: Any, sums: Any, lanes: Any,
+    invs: Any, stat: Any, c: Any, dst: Any,
+) -> None:
+    # _nb_qsgd_items' window x of whole chunks from coordinate g (float32 values, or
+    # bfloat16 bits read in place: the sums and the codes widen them in registers, and the
+    # codes loop asks for the line _AHEAD_BYTES ahead, the next window's, as it goes):
+    # stat[c + j] = chunk j's norm, invs[j] its multiplier, and the codes (_nb_qsgd_window).
+    # Inlined in numba's IR (a call per window cost 8 % of the encode)
+    # the lane sums of the window's whole chunks, _SUM_BLOCK side by side
+    summed = x.size // chunk // _SUM_BLOCK * _SUM_BLOCK
+    _vsum_chunks(x, chunk, summed // _SUM_BLOCK, sums)
+    for j in range(invs.size):
+        s = j * chunk
+        if s >= x.size:
+            break
+        src = x[s : min(s + chunk, x.size)]
+        if j < summed:
+            part = sums[j * 8 : j * 8 + 8]
+        else:
+            part = lanes
+            part[:] = 0.0
+            _vsum_sq(src, part)  # _nb_lane_sum's sums, without its call
+        stat[c + j] = _nb_norm_total(src, clamp, part)
+        invs[j] = _nb_stat_inv(stat[c + j], 0, levels)
+    _nb_qsgd_window(x, g, chunk, invs, levels, seed, dst)
 
 
 def _nb_qsgd_items(
@@ -1460,46 +1462,13 @@ def _nb_qsgd_items(
         for w in range(a, b, span):
             we = min(w + span, b)
             c = w // chunk
+            out = buf[w - a : we - a]
             if mode == 1:
-                # bfloat16 bits read in place (the sums and the codes widen them in
-                # registers); the codes loop asks for the line _AHEAD_BYTES ahead (the next
-                # window's) as it goes
-                xb = x16[w:we]
-                # the lane sums of the window's whole chunks, _SUM_BLOCK side by side
-                summed = xb.size // chunk // _SUM_BLOCK * _SUM_BLOCK
-                _vsum_chunks(xb, chunk, summed // _SUM_BLOCK, sums)
-                for j in range(invs.size):
-                    s = j * chunk
-                    if s >= xb.size:
-                        break
-                    src16 = xb[s : min(s + chunk, xb.size)]
-                    if j < summed:
-                        part = sums[j * 8 : j * 8 + 8]
-                    else:
-                        part = lanes
-                        part[:] = 0.0
-                        _vsum_sq(src16, part)
-                    stat[c + j] = _nb_norm_total16(src16, clamp, part)
-                    invs[j] = _nb_stat_inv(stat[c + j], 0, levels)
-                _nb_qsgd_window16(xb, w, chunk, invs, levels, seed, buf[w - a : we - a])
-                continue
-            x = _nb_widen(xf, x16, mode, w, we, wide)
-            summed = x.size // chunk // _SUM_BLOCK * _SUM_BLOCK
-            _vsum_chunks(x, chunk, summed // _SUM_BLOCK, sums)
-            for j in range(invs.size):
-                s = j * chunk
-                if s >= x.size:
-                    break
-                src = x[s : min(s + chunk, x.size)]
-                if j < summed:
-                    part = sums[j * 8 : j * 8 + 8]
-                else:
-                    part = lanes
-                    part[:] = 0.0
-                    _vsum_sq(src, part)  # _nb_lane_sum's sums, without its call
-                stat[c + j] = _nb_norm_total(src, clamp, part)
-                invs[j] = _nb_stat_inv(stat[c + j], 0, levels)
-            _nb_qsgd_window(x, w, chunk, invs, levels, seed, buf[w - a : we - a])
+                _nb_qsgd_span(x16[w:we], w, chunk, levels, seed, clamp, sums, lanes, invs,
+                              stat, c, out)
+            else:
+                _nb_qsgd_span(_nb_widen(xf, x16, mode, w, we, wide), w, chunk, levels, seed,
+                              clamp, sums, lanes, invs, stat, c, out)
         if bits != 8:
             _nb_pack_unit(buf, b - a, bits, packed, a // 8 * bits)
 
@@ -2458,12 +2427,13 @@ _HELPERS = (
     "_nb_stat_inv",
     "_nb_qsgd_run",
     "_nb_qsgd_window",
-    "_nb_norm_total16",
-    "_nb_qsgd_window16",
 )
 # helpers inlined where they are called (numba IR inlining: a call in a loop would keep
 # the loop from vectorizing)
-_INLINED = ("_nb_draw", "_nb_sign_run", "_nb_stoch_code", "_nb_draw_codes", "_nb_qsgd_code")
+_INLINED = (
+    "_nb_draw", "_nb_sign_run", "_nb_stoch_code", "_nb_draw_codes", "_nb_qsgd_code",
+    "_nb_qsgd_span",
+)
 # helpers that contain parallel loops (compiled with parallel=True)
 _PARALLEL_HELPERS = (
     "_nb_write_selected",
@@ -2725,6 +2695,32 @@ def _c_array(ty: Any, dtype: Any, ndim: int | None = None) -> bool:
         isinstance(ty, types.Array) and ty.dtype == dtype and ty.layout == "C"
         and (ndim is None or ty.ndim == ndim)
     )
+
+
+def _float32_value() -> Any:
+    """A numba intrinsic ``(v)``: the float32 value of ``v``, a float32 (itself) or
+    bfloat16 bits as uint16 (widened exactly: the top half of a float32), the choice made
+    when compiled (a test of the width at run time in a small helper kept LLVM from inlining
+    it: 4 % of QSGD's encode)."""
+    from llvmlite import ir
+    from numba.core import types
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def value(typingctx: Any, v: Any) -> Any:
+        if v not in (types.float32, types.uint16):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            if signature.args[0] == types.float32:
+                return args[0]
+            i32 = ir.IntType(32)
+            bits = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+            return builder.bitcast(bits, ir.FloatType())
+
+        return types.float32(v), codegen
+
+    return value
 
 
 def _vector_lane_sum(square: bool) -> Any:
@@ -3482,6 +3478,7 @@ def _build() -> dict[str, Callable[..., Any]]:
         _streamers()
     )
     module["_vsum_sq"] = _vector_lane_sum(True)
+    module["_nb_f32"] = _float32_value()
     module["_vsum_abs"] = _vector_lane_sum(False)
     module["_vsum_chunks"] = _vector_chunk_sums()
     module["_vsign_bits"] = _vector_sign_bits()

@@ -178,6 +178,7 @@ def _nb_emit_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits
             c4row = cc4[:cnt]
             m = cnt
         tt = t[k : k + m]
+        first = 0  # the first sign/mantissa plane not yet written
         if byte_mode:
             tt2 = t2[k : k + m]
             for j in range(m):
@@ -186,45 +187,33 @@ def _nb_emit_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits
                 tt[j] = np.uint8(r & 255)
                 tt2[j] = np.uint8(r >> 8)
         else:
+            # the 4-bit codes and the first plane (every layout has one; bf16's only one) in
+            # one loop
             rb11 = rb - 44
             bad = 0
-            if nplanes == 1 and not has_rem:  # bf16: codes and the one plane in one loop
-                out = mant[0, k : k + m]
-                for j in range(m):
-                    v = np.int64(row[j])
-                    code = ((v >> man) & emask) - ((rb11 + c4row[j]) >> 2)
-                    ok = (code >= 0) & (code <= 14)
-                    bad += 1 - ok
-                    tt[j] = np.uint8(code if ok else 15)
-                    out[j] = np.uint8((v & mmask) | (((v >> sbit) & 1) << man))
-            else:
-                for j in range(m):
-                    v = np.int64(row[j])
-                    code = ((v >> man) & emask) - ((rb11 + c4row[j]) >> 2)
-                    ok = (code >= 0) & (code <= 14)
-                    bad += 1 - ok
-                    tt[j] = np.uint8(code if ok else 15)
+            out = mant[0, k : k + m]
+            for j in range(m):
+                v = np.int64(row[j])
+                code = ((v >> man) & emask) - ((rb11 + c4row[j]) >> 2)
+                ok = (code >= 0) & (code <= 14)
+                bad += 1 - ok
+                tt[j] = np.uint8(code if ok else 15)
+                out[j] = np.uint8((v & mmask) | (((v >> sbit) & 1) << man))
+            first = 1
             if bad:
                 for j in range(m):
                     if tt[j] == 15:
                         if ne < esc.size:
                             esc[ne] = (np.int64(row[j]) >> man) & emask
                         ne += 1
-            if nplanes == 1 and not has_rem:
-                k += m
-                continue
-        for q in range(nplanes):
-            out = mant[q, k : k + m]
+        # the other planes, then the bits left over (remv), 8 bits a plane of the sign
+        # above the mantissa
+        for q in range(first, nplanes + (1 if has_rem else 0)):
+            out = mant[q, k : k + m] if q < nplanes else remv[k : k + m]
             sh = 8 * q
             for j in range(m):
                 v = np.int64(row[j])
                 out[j] = np.uint8(((v & mmask) | (((v >> sbit) & 1) << man)) >> sh)
-        if has_rem:
-            rv = remv[k : k + m]
-            sh = 8 * nplanes
-            for j in range(m):
-                v = np.int64(row[j])
-                rv[j] = np.uint8(((v & mmask) | (((v >> sbit) & 1) << man)) >> sh)
         k += m
     return k, ne
 
@@ -408,6 +397,21 @@ def _nb_unpack_bits(packed: Any, k: Any, bits: Any, out: Any) -> None:
             out[8 * groups + j] = np.uint8((acc >> np.uint64(bits * j)) & mask)
 
 
+def _nb_col_context(colsum: Any, colcnt: Any, use_col: Any) -> Any:
+    # (g4, c4) from the column statistics (sums of the nonzero words' exponents, their
+    # counts): g4 = 4x the mean exponent, rounded (0 without a nonzero word); c4[j] = 4x
+    # column j's mean, rounded, minus g4 (all 0 without use_col; 0 for an all-zero column)
+    tot = colsum.sum()
+    cnt = colcnt.sum()
+    g4 = (4 * tot + cnt // 2) // cnt if cnt > 0 else np.int64(0)
+    c4 = np.zeros(colsum.size, dtype=np.int64)
+    if use_col:
+        for j in range(colsum.size):
+            c = colcnt[j]
+            c4[j] = ((4 * colsum[j] + c // 2) // c if c > 0 else g4) - g4
+    return g4, c4
+
+
 def _nb_encode_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbits: Any,
                         use_row: Any, use_col: Any, allow_mask: Any, stride: Any,
                         rem_bits: Any, t: Any, t2: Any, esc: Any, mant: Any, remv: Any,
@@ -417,20 +421,13 @@ def _nb_encode_exponent(words: Any, n: Any, cols: Any, man: Any, emask: Any, wbi
     colsum = np.zeros(cols, dtype=np.int64)
     colcnt = np.zeros(cols, dtype=np.int64)
     _nb_colstats(words, n, cols, stride, man, emask, colsum, colcnt)
-    tot = colsum.sum()
-    cnt = colcnt.sum()
     use_mask = False
     if allow_mask:  # an exact count: a flat, vectorized pass
         nonzero = 0
         for i in range(n):
             nonzero += words[i] != 0
         use_mask = (n - nonzero) * 64 >= n
-    g4 = (4 * tot + cnt // 2) // cnt if cnt > 0 else np.int64(0)
-    c4 = np.zeros(cols, dtype=np.int64)
-    if use_col:
-        for j in range(cols):
-            c = colcnt[j]
-            c4[j] = ((4 * colsum[j] + c // 2) // c if c > 0 else g4) - g4
+    g4, c4 = _nb_col_context(colsum, colcnt, use_col)
     r4 = np.empty(rows if use_row else 1, dtype=np.int64)
     mask = np.zeros((n + 7) // 8 if use_mask else 0, dtype=np.uint8)
     kept, ne = _nb_emit_exponent(words, n, cols, man, emask, wbits, use_mask, use_row, c4, g4,
@@ -497,14 +494,7 @@ def _nb_encode_bf16(words: Any, n: Any, cols: Any, use_row: Any, use_col: Any,
         for j in range(er.size):
             colsum[j] += er[j]
             colcnt[j] += wr[j] != 0
-    tot = colsum.sum()
-    cnt = colcnt.sum()
-    g4 = (4 * tot + cnt // 2) // cnt if cnt > 0 else np.int64(0)
-    c4 = np.zeros(cols, dtype=np.int64)
-    if use_col:
-        for j in range(cols):
-            c = colcnt[j]
-            c4[j] = ((4 * colsum[j] + c // 2) // c if c > 0 else g4) - g4
+    g4, c4 = _nb_col_context(colsum, colcnt, use_col)
     # D_r[j] = (r + c4[j]) >> 2 for r = 0..3, as wrapped bytes and as exact values' range
     dtab = np.empty(4 * cols, dtype=np.uint8)  # flat: row r at r * cols (C-contiguous)
     dlo = np.int64(1 << 40)
@@ -851,6 +841,7 @@ _KERNELS = (
     "_nb_set_bits",
     "_nb_count_bits",
     "_nb_colstats",
+    "_nb_col_context",
     "_nb_emit_exponent",
     "_nb_decode_exponent",
     "_nb_pack_pairs",

@@ -565,16 +565,26 @@ def _nb_load_signed(xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any,
     _nb_flip(bits, start, sseed)
 
 
+def _nb_rotate_scratch() -> Any:
+    # a work item's scratch for _nb_load_rotate: the lanes of a block's range and a tile's
+    # sign words, written often (64 bytes of padding on each side, off the cache lines of
+    # other threads' allocations), and _nb_peak's
+    acc = np.empty(3 * _VEC, np.uint32)[_VEC : 2 * _VEC]
+    words = np.empty(20, np.uint64)[8:12]
+    return acc, words, np.empty(1, np.int32)
+
+
 def _nb_load_rotate(
     xi: Any, xb: Any, mode: Any, n: Any, start: Any, sseed: Any, scale: Any, bits: Any,
     acc: Any, words: Any,
 ) -> None:
     # bits = the float32 bit patterns of the rotated block of coordinates [start, start +
     # bits.size): H(signs * scale * x), zeros past n, and acc's lanes = the maxima of their
-    # magnitude bits (for _nb_peak). A whole block of at least 64 is read, sign-flipped,
-    # scaled and put through its first stages in one sweep (tiles of 256 coordinates, the
-    # stages h < 256; or vectors, h < 16), the rest in sweeps between vectors; the last,
-    # short block and small blocks take separate passes (the same values)
+    # magnitude bits (for _nb_peak; the scratch of _nb_rotate_scratch). A whole block of
+    # at least 64 is read, sign-flipped, scaled and put through its first stages in one
+    # sweep (tiles of 256 coordinates, the stages h < 256; or vectors, h < 16), the rest in
+    # sweeps between vectors; the last, short block and small blocks take separate passes
+    # (the same values)
     m = bits.size
     buf = bits.view(np.float32)
     acc[:] = 0
@@ -724,11 +734,7 @@ def _nb_thc_encode(
     for item in prange((nblocks + per - 1) // per):
         bits = np.empty(block, np.uint32)
         buf = bits.view(np.float32)
-        scratch = np.empty(1, np.int32)
-        # the lanes of a block's range and a tile's sign words, written often: 64 bytes of
-        # padding on each side, off the cache lines of other threads' allocations
-        acc = np.empty(3 * _VEC, np.uint32)[_VEC : 2 * _VEC]
-        words = np.empty(20, np.uint64)[8:12]
+        acc, words, scratch = _nb_rotate_scratch()
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
             _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits, acc, words)
@@ -747,15 +753,11 @@ def _nb_thc_rotate(
     per = max(1, _ITEM // block)
     yi = y.view(np.uint32)
     for item in prange((nblocks + per - 1) // per):
-        scratch = np.empty(1, np.int32)
-        # the lanes of a block's range and a tile's sign words, written often: 64 bytes of
-        # padding on each side, off the cache lines of other threads' allocations
-        acc = np.empty(3 * _VEC, np.uint32)[_VEC : 2 * _VEC]
-        words = np.empty(20, np.uint64)[8:12]
+        acc, words, scratch = _nb_rotate_scratch()
         for b in range(item * per, min((item + 1) * per, nblocks)):
             start = b * block
-            bits = yi[start : start + block]
-            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, bits, acc, words)
+            _nb_load_rotate(xi, xb, mode, n, start, sseed, scale, yi[start : start + block],
+                            acc, words)
             ranges[b] = _nb_peak(acc, scratch)
 
 
@@ -899,8 +901,8 @@ _STOCH_GROUP = numba_cpu._STOCH_GROUP
 _SHARED = ("_nb_noise_start", "_nb_draw")
 _HELPERS = (
     "_nb_mix", "_nb_word", "_nb_keys_max", "_nb_fwht_cols", "_nb_fwht", "_nb_flip",
-    "_nb_load_signed", "_nb_load_rotate", "_nb_peak", "_nb_step", "_nb_code", "_nb_quant_draws",
-    "_nb_quant_bounded", "_nb_quant", "_nb_square_out",
+    "_nb_load_signed", "_nb_rotate_scratch", "_nb_load_rotate", "_nb_peak", "_nb_step",
+    "_nb_code", "_nb_quant_draws", "_nb_quant_bounded", "_nb_quant", "_nb_square_out",
 )
 _KERNELS = (
     "_nb_thc_encode", "_nb_thc_rotate", "_nb_thc_quantize", "_nb_thc_decode",

@@ -54,7 +54,7 @@ import functools
 import os
 import struct
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -1196,6 +1196,24 @@ def _decode_out(
     return out, flat.view(torch.int16) if code == 1 else flat, code
 
 
+def _decode_launch(
+    kernel: Any, packed: torch.Tensor, params: tuple[object, ...], after: tuple[object, ...],
+    n: int, out: torch.Tensor | None, saturate: bool, **meta: object,
+) -> torch.Tensor:
+    """A decode kernel's launch over ``n`` outputs, ``8 * GROUPS`` per program (none when
+    ``n`` is 0): its arguments the codes ``packed``, ``params`` (the codes' parameters), the
+    output (see _decode_out), ``n`` and ``after``, with meta-parameters ``BLOCK``, ``OUT``,
+    ``SATURATE`` and ``meta``. Returns the output."""
+    out, target, code = _decode_out(out, n, packed.device)
+    if n:
+        block = 8 * GROUPS
+        kernel[_blocks(n, block)](
+            packed.contiguous(), *params, target, n, *after, BLOCK=block, OUT=code,
+            SATURATE=saturate, **meta,
+        )
+    return out
+
+
 def minmax_decode(
     packed: torch.Tensor,
     lo: torch.Tensor,
@@ -1209,15 +1227,10 @@ def minmax_decode(
 ) -> torch.Tensor:
     """See :func:`commpress.codecs.kernels.minmax_decode` (float32, bfloat16 or float16
     outputs, written in the kernel)."""
-    out, target, code = _decode_out(out, n, packed.device)
-    if n:
-        block = 8 * GROUPS
-        _minmax_decode_kernel[_blocks(n, block)](
-            packed.contiguous(), lo.contiguous(), scale.contiguous(), target, n, chunk,
-            packed.numel(), BITS=bits, BLOCK=block, OUT=code, SATURATE=saturate,
-            enable_fp_fusion=False,
-        )
-    return out
+    return _decode_launch(
+        _minmax_decode_kernel, packed, (lo.contiguous(), scale.contiguous()),
+        (chunk, packed.numel()), n, out, saturate, BITS=bits, enable_fp_fusion=False,
+    )
 
 
 def sign_encode_scaled(
@@ -1250,14 +1263,10 @@ def sign_decode(
 ) -> torch.Tensor:
     """See :func:`commpress.codecs.kernels.sign_decode` (float32, bfloat16 or float16
     outputs, written in the kernel)."""
-    out, target, code = _decode_out(out, n, packed.device)
-    if n:
-        block = 8 * GROUPS
-        _sign_decode_kernel[_blocks(n, block)](
-            packed.contiguous(), scale.to(torch.float32).contiguous(), target, n, BLOCK=block,
-            OUT=code, SATURATE=saturate,
-        )
-    return out
+    return _decode_launch(
+        _sign_decode_kernel, packed, (scale.to(torch.float32).contiguous(),), (), n, out,
+        saturate,
+    )
 
 
 def stochastic_encode(
@@ -1423,15 +1432,11 @@ def offset_decode(
 ) -> torch.Tensor:
     """See :func:`commpress.codecs.kernels.offset_decode` (float32, bfloat16 or float16
     outputs, written in the kernel)."""
-    out, target, code = _decode_out(out, n, packed.device)
-    if n:
-        block = 8 * GROUPS
-        _offset_decode_kernel[_blocks(n, block)](
-            packed.contiguous(), step.contiguous(), target, n, chunk, packed.numel(),
-            float(offset), BITS=bits, BLOCK=block, OUT=code, SATURATE=saturate,
-            enable_fp_fusion=False,
-        )
-    return out
+    return _decode_launch(
+        _offset_decode_kernel, packed, (step.contiguous(),),
+        (chunk, packed.numel(), float(offset)), n, out, saturate, BITS=bits,
+        enable_fp_fusion=False,
+    )
 
 
 #: Elements per program when counting and collecting magnitudes at or above a threshold.
