@@ -1,7 +1,8 @@
 """Fused kernels for the codecs: one switch, one loader, two backends.
 
 Two kernel backends implement the hot loops of the single-pass codecs (``minmax``, ``sign``,
-``qsgd``, ``terngrad``) and a few selections (top-k, DGC, Random-K):
+``qsgd``, ``terngrad``) and a few selections (top-k, DGC, Random-K); on a CPU also the casts
+between float formats and the sums of gathered decodes (``add_widened``, ``narrow_sum``):
 
 * :mod:`.numba_cpu`: numba kernels for CPU tensors (every entry point below but the
   Triton-only ``chunk_square_sums`` and ``thc_rotate`` / ``thc_encode`` /
