@@ -83,3 +83,28 @@ def test_16bit_sums_are_widened_and_narrowed_in_the_kernels(
     with kernels.use_backend("torch"):
         assert _bits(codec.sum_decoded(payloads, ctxs[0], average=True)) == _bits(got)
     assert calls == {"add_widened": 2, "narrow_sum": 1}
+
+
+@pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+@pytest.mark.parametrize("n", [5, 15, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16bit_nan_total_has_the_torch_paths_bits(n: int, dtype: torch.dtype) -> None:
+    """A total holding a NaN has the bits of torch's passes (the torch backend's sum, the
+    sum before the kernels), not only a NaN at the same place: torch widens a float16 NaN
+    outside its vector loop to 0x7FFFFFFF where the kernel keeps its payload, and which of
+    two NaN operands an addition keeps is the code's choice."""
+    codec = get_codec("identity")
+    bits = {torch.bfloat16: (0x7FC1, -0x3F), torch.float16: (0x7E01, -0x1FF)}[dtype]
+    xs = []
+    for r in range(3):
+        x = torch.linspace(-2.0, 2.0, n).to(dtype)
+        x.view(torch.int16)[n - 1] = bits[r % 2]  # the same coordinate NaN on every rank
+        x.view(torch.int16)[n // 2] = bits[r % 2] if r == 1 else x.view(torch.int16)[n // 2]
+        xs.append(x)
+    ctxs = [CodecContext(rank=r, world_size=3, step=0, key="n") for r in range(3)]
+    payloads = [codec.encode(x, c) for x, c in zip(xs, ctxs, strict=True)]
+    for average in (False, True):
+        got = codec.sum_decoded(payloads, ctxs[0], average=average)
+        with kernels.use_backend("torch"):
+            want = codec.sum_decoded(payloads, ctxs[0], average=average)
+        assert _bits(got) == _bits(want), (dtype, n, average)
