@@ -110,3 +110,26 @@ def test_a_16bit_nan_total_has_the_torch_paths_bits(n: int, dtype: torch.dtype) 
         with kernels.use_backend("torch"):
             want = codec.sum_decoded(payloads, ctxs[0], average=average)
         assert _bits(got) == _bits(want), (dtype, n, average)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_kernel_sums_are_the_torch_sums(world: int, dtype: torch.dtype) -> None:
+    """Finite 16-bit totals (the kernels' one-pass division and cast) with and without
+    ``average``, divisors powers of two and not, sums that saturate: the torch backend's."""
+    codec = get_codec("qsgd")
+    g = torch.Generator().manual_seed(world)
+    top = 65504.0 if dtype == torch.float16 else 1e37  # float16: sums that saturate
+    xs = [(torch.randn(2049, generator=g) * 100).to(dtype) for _ in range(world)]
+    for x in xs:
+        x[:2] = torch.tensor([top, -top])
+    ctxs = [CodecContext(rank=r, world_size=world, step=0, key="w") for r in range(world)]
+    payloads = [codec.encode(x, c) for x, c in zip(xs, ctxs, strict=True)]
+    for average in (False, True):
+        with kernels.use_backend("numba"):
+            got = codec.sum_decoded(payloads, ctxs[0], average=average)
+        with kernels.use_backend("torch"):
+            want = codec.sum_decoded(payloads, ctxs[0], average=average)
+        assert bool(torch.isfinite(got).all())
+        assert _bits(got) == _bits(want), (world, average)
