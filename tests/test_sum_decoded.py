@@ -77,9 +77,59 @@ def test_16bit_sums_are_widened_and_narrowed_in_the_kernels(
           for r in range(2)]
     ctxs = [CodecContext(rank=r, world_size=2, step=0, key="k") for r in range(2)]
     payloads = [codec.encode(x, c) for x, c in zip(xs, ctxs, strict=True)]
-    got = codec.sum_decoded(payloads, ctxs[0], average=True)
+    with kernels.use_backend("numba"):  # whatever COMMPRESS_KERNELS says
+        got = codec.sum_decoded(payloads, ctxs[0], average=True)
     assert calls == {"add_widened": 2, "narrow_sum": 1}
     assert _bits(got) == _bits(_reference(codec, payloads, ctxs[0]))
     with kernels.use_backend("torch"):
         assert _bits(codec.sum_decoded(payloads, ctxs[0], average=True)) == _bits(got)
     assert calls == {"add_widened": 2, "narrow_sum": 1}
+
+
+@pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+@pytest.mark.parametrize("n", [5, 15, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16bit_nan_total_has_the_torch_paths_bits(n: int, dtype: torch.dtype) -> None:
+    """A total holding a NaN has the bits of torch's passes (the torch backend's sum, the
+    sum before the kernels), not only a NaN at the same place: torch widens a float16 NaN
+    outside its vector loop to 0x7FFFFFFF where the kernel keeps its payload, and which of
+    two NaN operands an addition keeps is the code's choice."""
+    codec = get_codec("identity")
+    bits = {torch.bfloat16: (0x7FC1, -0x3F), torch.float16: (0x7E01, -0x1FF)}[dtype]
+    xs = []
+    for r in range(3):
+        x = torch.linspace(-2.0, 2.0, n).to(dtype)
+        x.view(torch.int16)[n - 1] = bits[r % 2]  # the same coordinate NaN on every rank
+        x.view(torch.int16)[n // 2] = bits[r % 2] if r == 1 else x.view(torch.int16)[n // 2]
+        xs.append(x)
+    ctxs = [CodecContext(rank=r, world_size=3, step=0, key="n") for r in range(3)]
+    payloads = [codec.encode(x, c) for x, c in zip(xs, ctxs, strict=True)]
+    for average in (False, True):
+        with kernels.use_backend("numba"):
+            got = codec.sum_decoded(payloads, ctxs[0], average=average)
+        with kernels.use_backend("torch"):
+            want = codec.sum_decoded(payloads, ctxs[0], average=average)
+        assert _bits(got) == _bits(want), (dtype, n, average)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_kernel_sums_are_the_torch_sums(world: int, dtype: torch.dtype) -> None:
+    """Finite 16-bit totals (the kernels' one-pass division and cast) with and without
+    ``average``, divisors powers of two and not, sums that saturate: the torch backend's."""
+    codec = get_codec("qsgd")
+    g = torch.Generator().manual_seed(world)
+    top = 65504.0 if dtype == torch.float16 else 1e37  # float16: sums that saturate
+    xs = [(torch.randn(2049, generator=g) * 100).to(dtype) for _ in range(world)]
+    for x in xs:
+        x[:2] = torch.tensor([top, -top])
+    ctxs = [CodecContext(rank=r, world_size=world, step=0, key="w") for r in range(world)]
+    payloads = [codec.encode(x, c) for x, c in zip(xs, ctxs, strict=True)]
+    for average in (False, True):
+        with kernels.use_backend("numba"):
+            got = codec.sum_decoded(payloads, ctxs[0], average=average)
+        with kernels.use_backend("torch"):
+            want = codec.sum_decoded(payloads, ctxs[0], average=average)
+        assert bool(torch.isfinite(got).all())
+        assert _bits(got) == _bits(want), (world, average)

@@ -95,7 +95,9 @@ def _saturate(x: torch.Tensor, dtype: torch.dtype, top: float) -> torch.Tensor:
     return torch.where(torch.isinf(wide), wide, clamped).to(dtype)
 
 
-def add_into(acc: torch.Tensor, values: torch.Tensor, *, first: bool = False) -> None:
+def add_into(
+    acc: torch.Tensor, values: torch.Tensor, *, first: bool = False, kernel: bool = True
+) -> None:
     """``acc += values`` with ``values`` (of ``acc``'s shape) widened exactly to ``acc``'s
     float32 or float64 dtype first, as :meth:`Codec.sum_decoded` adds decodes; with
     ``first``, ``acc`` (its content undefined) becomes ``0.0 + values``, the bits of zeroing
@@ -103,8 +105,9 @@ def add_into(acc: torch.Tensor, values: torch.Tensor, *, first: bool = False) ->
     one pass (:func:`kernels.add_widened`; float32 values only with ``first``, torch's
     same-dtype add being one pass already); otherwise torch, 16-bit values through a widening
     copy into this thread's kept buffer (torch's mixed-dtype add runs ~3x slower on a CPU
-    than that copy and a same-dtype add)."""
-    if (acc.dtype == torch.float32 and acc.is_contiguous()
+    than that copy and a same-dtype add). Without ``kernel``, torch's passes always (a NaN's
+    bits are then torch's)."""
+    if (kernel and acc.dtype == torch.float32 and acc.is_contiguous()
             and (values.dtype in (torch.bfloat16, torch.float16)
                  or (first and values.dtype == torch.float32))
             and kernels.use_kernels(values)):
@@ -746,6 +749,13 @@ class Codec(ABC):
             out = torch.empty(first.shape, dtype=first.dtype)
             if kernels.narrow_sum(acc, out, divisor=divisor):
                 return out
+            if dense and bool(torch.isnan(acc).any()):
+                # a NaN's bits from the kernel adds need not be torch's (torch widens a float16
+                # NaN outside its vector loop to 0x7FFFFFFF; which of two NaN operands an add
+                # keeps is the code's choice): add the decodes again with torch's passes
+                for i, p in enumerate(payloads):
+                    with error_context(f"{self.codec_id}.decode", wrap_as=PayloadError):
+                        add_into(acc, self._dense_decode(p, ctx), first=i == 0, kernel=False)
         if divisor > 1:
             acc /= divisor
         return saturating_cast(acc, first.dtype, inplace=True)

@@ -632,10 +632,11 @@ def convert_divide_pays(x: torch.Tensor, out: torch.Tensor) -> bool:
 def add_widened(x: torch.Tensor, acc: torch.Tensor, *, first: bool = False) -> None:
     """``acc += x`` for float32, bfloat16 or float16 CPU values ``x`` and ``acc`` as many
     contiguous float32 CPU values: each value widened exactly and added in float32, bit for
-    bit ``acc.add_(x.float())``, in one parallel pass (numba only; torch's mixed-dtype add,
-    or a widening copy and then the add, are two or three passes). With ``first``, ``acc``
-    is not read: it becomes ``0.0 + x``, the bits of ``acc.zero_()`` and then the add
-    (``-0.0`` gives ``+0.0``), one pass instead of two."""
+    bit ``acc.add_(x.float())`` but for a NaN's bits (torch widens a float16 NaN outside its
+    vector loop to 0x7FFFFFFF; of two NaN operands, either may be kept), in one parallel pass
+    (numba only; torch's mixed-dtype add, or a widening copy and then the add, are two or
+    three passes). With ``first``, ``acc`` is not read: it becomes ``0.0 + x``, the bits of
+    ``acc.zero_()`` and then the add (``-0.0`` gives ``+0.0``), one pass instead of two."""
     _impl(x, "add_widened").add_widened(x, acc, first)
 
 
