@@ -26,6 +26,17 @@ def _reference(codec: Codec, payloads: list[Payload], ctx: CodecContext) -> torc
     return saturating_cast(acc, first.dtype)
 
 
+def _numba_and_torch_sums(
+    codec: Codec, payloads: list[Payload], ctx: CodecContext, average: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sum_decoded`` on the numba backend and on the torch backend."""
+    with kernels.use_backend("numba"):
+        got = codec.sum_decoded(payloads, ctx, average=average)
+    with kernels.use_backend("torch"):
+        want = codec.sum_decoded(payloads, ctx, average=average)
+    return got, want
+
+
 def _bits(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -105,10 +116,7 @@ def test_a_16bit_nan_total_has_the_torch_paths_bits(n: int, dtype: torch.dtype) 
     ctxs = [CodecContext(rank=r, world_size=3, step=0, key="n") for r in range(3)]
     payloads = [codec.encode(x, c) for x, c in zip(xs, ctxs, strict=True)]
     for average in (False, True):
-        with kernels.use_backend("numba"):
-            got = codec.sum_decoded(payloads, ctxs[0], average=average)
-        with kernels.use_backend("torch"):
-            want = codec.sum_decoded(payloads, ctxs[0], average=average)
+        got, want = _numba_and_torch_sums(codec, payloads, ctxs[0], average)
         assert _bits(got) == _bits(want), (dtype, n, average)
 
 
@@ -127,9 +135,6 @@ def test_16bit_kernel_sums_are_the_torch_sums(world: int, dtype: torch.dtype) ->
     ctxs = [CodecContext(rank=r, world_size=world, step=0, key="w") for r in range(world)]
     payloads = [codec.encode(x, c) for x, c in zip(xs, ctxs, strict=True)]
     for average in (False, True):
-        with kernels.use_backend("numba"):
-            got = codec.sum_decoded(payloads, ctxs[0], average=average)
-        with kernels.use_backend("torch"):
-            want = codec.sum_decoded(payloads, ctxs[0], average=average)
+        got, want = _numba_and_torch_sums(codec, payloads, ctxs[0], average)
         assert bool(torch.isfinite(got).all())
         assert _bits(got) == _bits(want), (world, average)

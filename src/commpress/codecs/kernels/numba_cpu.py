@@ -422,6 +422,7 @@ def _nb_narrow_sum(acc: Any, n: Any, divisor: Any, out16: Any, omode: Any) -> An
         bad += _nb_narrow_run(acc[a:b], scale, d, pow2, omode, cap, out16[a:b])
     return bad
 
+
 def _nb_uniform(seed: Any, i: Any) -> Any:
     # SplitMix64 of (seed + (i+1) * golden gamma); the top 24 bits give u in [0, 1).
     z = seed + u64(i + 1) * u64(0x9E3779B97F4A7C15)
