@@ -234,6 +234,9 @@ def warm_up() -> bool:
         offset_decode(codes, inv, chunk=8, bits=2, offset=1.0, n=20)
         chunk_norms(x, 8, 1.0)
         convert_divide(x, torch.empty(20, dtype=torch.float16), 2)  # the fp16 mean's cast
+        acc = torch.zeros(20)  # the sums of gathered 16-bit decodes (Codec.sum_decoded)
+        add_widened(x.to(torch.bfloat16), acc, first=True)
+        narrow_sum(acc, torch.empty(20, dtype=torch.bfloat16), divisor=2)
         topk_select(x, 3)
         at_least(x, 0.5)[1]()
         at_least(x, 0.5, 4)[1]()
