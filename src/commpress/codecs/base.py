@@ -121,6 +121,7 @@ def add_into(
     wide = _decode_buffer(values.shape, acc.dtype, values.device)
     acc.add_(values if wide is None else wide.copy_(values))
 
+
 def _decode_buffer(
     shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device,
     use: str = "decode",
