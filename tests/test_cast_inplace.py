@@ -27,7 +27,7 @@ def _inputs(dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def _requests(codec_id: str, x: torch.Tensor, ctx: CodecContext, **kw: Any) -> list[bytes]:
-    gen = get_codec(codec_id).reduce(x, ctx, **kw)  # type: ignore[call-arg]
+    gen = get_codec(codec_id).reduce_into(x, ctx, **kw)
     req = next(gen)
     assert isinstance(req, AllReduce)
     return [req.tensors["values"].clone().view(torch.uint8).numpy().tobytes()]
@@ -53,7 +53,7 @@ def test_out_and_scratch_give_the_plain_results(
     for _ in range(2):  # the second call reuses the scratch buffers
         ptrs = [s["values"].data_ptr() if s else None for s in scratch]
         into = drive([
-            codec.reduce(x, c, out=o, scratch=s)  # type: ignore[call-arg]
+            codec.reduce_into(x, c, out=o, scratch=s)
             for x, c, o, s in zip(xs, ctxs, outs, scratch, strict=True)
         ])
         for r in range(WORLD):
@@ -86,7 +86,7 @@ def test_out_may_be_the_input_itself() -> None:
     ctxs = [CodecContext(rank=r, world_size=WORLD, average=True) for r in range(WORLD)]
     plain = drive([codec.reduce(x.clone(), c) for x, c in zip(xs, ctxs, strict=True)])
     into = drive([
-        codec.reduce(x, c, out=x, scratch={})  # type: ignore[call-arg]
+        codec.reduce_into(x, c, out=x, scratch={})
         for x, c in zip(xs, ctxs, strict=True)
     ])
     for r in range(WORLD):
@@ -232,7 +232,7 @@ def test_a_bound_cast_sends_what_its_protocol_requests(which: str, dtype: torch.
         assert bound is None
         return
     assert bound is not None
-    gen = codec.reduce(x.clone(), ctx, out=x.clone(), scratch={})
+    gen = codec.reduce_into(x.clone(), ctx, out=x.clone(), scratch={})
     request = next(gen)
     gen.close()
     assert isinstance(request, AllReduce) and not request.saturate
@@ -277,3 +277,57 @@ def test_a_bound_fp16_mean_follows_the_backend_at_each_encode(shape: tuple[int, 
         numba_cpu._launch = real_launch  # type: ignore[assignment]
     assert bound.wire.view(torch.int16).equal(want.view(torch.int16))
     assert not launches  # the torch backend's cast, not a numba kernel prepared at bind
+
+
+def _ddp_gathered_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import commpress.ddp
+    from commpress.codecs.base import Codec
+
+    out: dict[str, Any] = {}
+    plain_sum = Codec.sum_decoded
+    into = []
+
+    def counted(self: Codec, payloads: Any, ctx: Any, **kw: Any) -> torch.Tensor:
+        total = plain_sum(self, payloads, ctx, **kw)
+        into.append(kw.get("out") is not None and total is kw["out"])
+        return total
+
+    Codec.sum_decoded = counted  # type: ignore[method-assign]
+    for codec in ("qsgd", "minmax:bits=4"):
+        for strategy in ("auto", "allgather"):
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                      torch.nn.Linear(256, 4))
+            model = DDP(net, bucket_cap_mb=0.05)
+            state = commpress.ddp.register(model, codec, strategy=strategy,
+                                           error_feedback=False)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                x = torch.randn(8, 64, generator=g)
+                y = torch.randint(0, 4, (8,), generator=g)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            out[f"{codec} {strategy}"] = (
+                torch.cat([p.detach().reshape(-1) for p in net.parameters()]), list(into),
+            )
+            into.clear()
+    Codec.sum_decoded = plain_sum  # type: ignore[method-assign]
+    return out
+
+
+def test_ddp_gathered_buckets_are_summed_into_the_bucket() -> None:
+    """QSGD and minmax through the hook's codec protocol (``auto``: every gradient's mean
+    summed into its own memory in the bucket, ``sum_decoded(out=...)``) train to the same
+    parameters, bit for bit, as the ``allgather`` strategy (new totals, copied back)."""
+    results = run_workers(_ddp_gathered_worker, WORLD, timeout=180)
+    for out in results:
+        for codec in ("qsgd", "minmax:bits=4"):
+            (auto, into), (gather, fresh) = out[f"{codec} auto"], out[f"{codec} allgather"]
+            assert torch.equal(auto, gather), codec
+            assert len(into) == 3 * 4 and all(into), codec  # 4 parameters, 3 steps
+            assert len(fresh) == 3 * 4 and not any(fresh), codec
+    assert torch.equal(results[0]["qsgd auto"][0], results[1]["qsgd auto"][0])

@@ -98,6 +98,37 @@ def _driver_worker(rank: int, world: int) -> dict[str, Any]:
         got = all_reduce(buf, codec, op=op, key=f"inplace-{codec}-{op}", inplace=True)
         want = exact if op == "sum" or world == 1 else exact / world
         out[f"inplace-{codec}-{op}"] = got is buf and torch.equal(buf, want)
+    # In place, an all-gathered codec sums into the input itself (each bucket into its own
+    # rows, sum_decoded's out=): the totals of a reduction into new memory, bit for bit.
+    from commpress.codecs.base import Codec
+
+    plain_sum, into = Codec.sum_decoded, []
+
+    def counted(self: Codec, payloads: Any, c: Any, **kw: Any) -> torch.Tensor:
+        total = plain_sum(self, payloads, c, **kw)
+        into.append(kw.get("out") is not None and total is kw["out"])
+        return total
+
+    Codec.sum_decoded = counted  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(rank)
+    same: list[bool] = []
+    calls: list[tuple[list[bool], list[bool]]] = []
+    for spec in ("qsgd", "topk:ratio=0.2"):
+        for dtype in (torch.float32, torch.bfloat16):
+            for bucket_bytes in (None, 2048):
+                x = torch.randn(64, 33, generator=g).to(dtype)
+                key = f"ip-{spec}-{dtype}-{bucket_bytes}"
+                want = all_reduce(x.clone(), spec, key=key, bucket_bytes=bucket_bytes)
+                fresh = into[:]
+                into.clear()
+                buf = x.clone()
+                got = all_reduce(buf, spec, key=key, bucket_bytes=bucket_bytes, inplace=True)
+                same.append(got is buf and torch.equal(buf.view(torch.uint8),
+                                                       want.view(torch.uint8)))
+                calls.append((fresh, into[:]))
+                into.clear()
+    Codec.sum_decoded = plain_sum  # type: ignore[method-assign]
+    out["inplace-gathered"] = (same, calls)
     # Byte counters: this rank's logical payload bytes over all rounds.
     stats: dict[str, int] = {}
     reduce(xs[rank], TwoRoundInt(), key="tr", stats=stats)
@@ -121,6 +152,12 @@ def test_driver_requests_match_the_simulator(world: int) -> None:
         assert out["two_round"] and out["two_round_api"]
         for case in ("identity-sum", "identity-mean", "fp16-sum"):
             assert out[f"inplace-{case}"], f"rank {rank}: inplace {case}"
+        same, calls = out["inplace-gathered"]
+        assert len(same) == 8 and all(same), same
+        if world > 1:  # every bucket's total into new memory, then into the input's memory
+            for fresh, inplace in calls:
+                assert len(fresh) == len(inplace) >= 1 and not any(fresh) and all(inplace)
+            assert [len(f) for f, _ in calls] == [1, 5, 1, 3] * 2  # 15 and 31 rows a bucket
         # 4 bytes of peak + 40 int32 lanes + (rank + 1) float32 marker values; nothing is
         # exchanged (or counted) by a group of one.
         assert out["two_round_bytes"] == (4 + 160 + 4 * (rank + 1) if world > 1 else 0)
@@ -156,7 +193,7 @@ def _shoot_worker(rank: int, world: int) -> dict[str, Any]:
         else:
             c = get_codec(codec)
             into = {"out": buf, "scratch": {}} if c.reduces_into else {}
-            task = protocol_task(c.reduce(buf, ctx, **into), ex, single_round=True)
+            task = protocol_task(c.reduce_into(buf, ctx, **into), ex, single_round=True)
         total = run_steps(_waits(task, ex))
         return total.total.clone(), ex.stats.get("wire_bytes", 0)
 
@@ -169,7 +206,7 @@ def _shoot_worker(rank: int, world: int) -> dict[str, Any]:
                                average=average)
             c = None if codec is None else get_codec(codec)
             into = {"out": buf, "scratch": {}} if c is not None and c.reduces_into else {}
-            protocol = None if c is None else c.reduce(buf, ctx, **into)
+            protocol = None if c is None else c.reduce_into(buf, ctx, **into)
             shot = shoot(ex, buf, protocol=protocol, average=average)
             fut = when_settled(shot.futures(), lambda _, s=shot: s.finish().total)
             got = fut.wait()

@@ -4,11 +4,15 @@ into new memory and adding it widened, and a total that no later call changes.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
 import pytest
 import torch
 
 from commpress.codecs import CodecContext, get_codec, kernels
 from commpress.codecs.base import Codec, Payload, saturating_cast
+from commpress.codecs.simulate import drive
 
 SPECS = ["qsgd", "terngrad", "minmax:bits=4", "sign", "topk:ratio=0.1", "fp16", "netzip",
          "randomk:ratio=0.2"]
@@ -138,3 +142,137 @@ def test_16bit_kernel_sums_are_the_torch_sums(world: int, dtype: torch.dtype) ->
         got, want = _numba_and_torch_sums(codec, payloads, ctxs[0], average)
         assert bool(torch.isfinite(got).all())
         assert _bits(got) == _bits(want), (world, average)
+
+
+GATHERED = ["qsgd", "terngrad", "minmax:bits=4", "sign", "topk:ratio=0.1", "dgc:ratio=0.1"]
+
+
+@pytest.mark.parametrize("average", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("spec", [*SPECS, "dgc:ratio=0.1"])
+def test_sum_decoded_into_out_is_the_new_total(
+    spec: str, dtype: torch.dtype, average: bool
+) -> None:
+    """``out=`` receives, bit for bit, the total a call without it returns, whatever ``out``
+    held (NaN here), and is what is returned; on both backends."""
+    codec = get_codec(spec)
+    g = torch.Generator().manual_seed(5)
+    xs = [(torch.randn(40, 37, generator=g) * 50).to(dtype) for _ in range(3)]
+    xs[2][1, 1] = float("nan")
+    ctxs = [CodecContext(rank=r, world_size=3, key="o") for r in range(3)]
+    payloads = [codec.encode(x, c) for x, c in zip(xs, ctxs, strict=True)]
+    for backend in ("numba", "torch") if kernels.available() else ("torch",):
+        with kernels.use_backend(backend):
+            want = codec.sum_decoded(payloads, ctxs[0], average=average)
+            out = torch.full_like(xs[0], float("nan"))
+            got = codec.sum_decoded(payloads, ctxs[0], average=average, out=out)
+        assert got is out, (spec, backend)
+        assert _bits(got) == _bits(want), (spec, dtype, backend)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Passthrough(Codec):
+    """A codec (not registered, not summable) whose payload is its input's own memory."""
+
+    codec_id: ClassVar[str] = "test-passthrough"
+
+    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        return self.make_payload(x, {"values": x.reshape(-1)})
+
+    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        return self.part(payload, "values", numel=payload.numel).reshape(payload.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_reduce_into_the_memory_of_a_payload(dtype: torch.dtype) -> None:
+    """``reduce_into(x, out=x)`` where the payload is ``x`` itself: ``out`` is not the
+    accumulator (rank 1's would hold rank 0's values before its own payload is read), so the
+    totals are ``reduce``'s."""
+    codec = _Passthrough()
+    g = torch.Generator().manual_seed(9)
+    xs = [(torch.randn(300, generator=g) * 10).to(dtype) for _ in range(3)]
+    ctxs = [CodecContext(rank=r, world_size=3, key="a", average=True) for r in range(3)]
+    plain = _gathered([codec.reduce(x.clone(), c) for x, c in zip(xs, ctxs, strict=True)])
+    bufs = [x.clone() for x in xs]
+    into = _gathered([codec.reduce_into(b, c, out=b, scratch={})
+                      for b, c in zip(bufs, ctxs, strict=True)])
+    for r in range(3):
+        assert into[r] is bufs[r]
+        assert _bits(into[r]) == _bits(plain[r]), (dtype, r)
+
+
+def _gathered(protocols: list[Any]) -> list[torch.Tensor]:
+    """The totals of one-all-gather protocols, each rank given its own payload and copies of
+    the others' (as a real all-gather delivers them; ``drive`` shares the objects)."""
+    payloads = [next(p).payload for p in protocols]
+    replies = [[p if i == r else p.replace(parts={k: v.clone() for k, v in p.parts.items()})
+                for i, p in enumerate(payloads)] for r in range(len(protocols))]
+    totals = []
+    for protocol, reply in zip(protocols, replies, strict=True):
+        with pytest.raises(StopIteration) as stop:
+            protocol.send(reply)
+        totals.append(stop.value.value.total)
+    return totals
+
+
+def test_sum_decoded_refuses_an_out_that_cannot_hold_the_total() -> None:
+    codec = get_codec("qsgd")
+    x = torch.randn(10, 3)
+    payloads = [codec.encode(x)]
+    ctx = CodecContext()
+    for bad in (torch.empty(30), torch.empty(10, 3, dtype=torch.float64),
+                torch.empty(3, 10).t()):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            codec.sum_decoded(payloads, ctx, out=bad)
+
+
+@pytest.mark.parametrize("spec", GATHERED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reduce_into_writes_the_gathered_mean_into_the_input(spec: str, dtype: torch.dtype) -> None:
+    """``reduce_into(x, out=x, scratch=...)`` of an all-gathered codec: the same totals, bit for
+    bit, as ``reduce``, written into ``x`` (which the encode read first), over two steps with
+    the same scratch dicts (payload buffers reused)."""
+    codec = get_codec(spec)
+    assert codec.reduces_into and not codec.summable
+    g = torch.Generator().manual_seed(13)
+    scratch: list[dict[str, torch.Tensor]] = [{} for _ in range(3)]
+    states: list[dict[str, object]] = [{} for _ in range(3)]
+    states_into: list[dict[str, object]] = [{} for _ in range(3)]
+    for step in range(2):
+        xs = [(torch.randn(4099, generator=g) * 3).to(dtype) for _ in range(3)]
+        ctxs = [CodecContext(rank=r, world_size=3, step=step, key="r", average=True,
+                             state=states[r]) for r in range(3)]
+        plain = drive([codec.reduce(x.clone(), c) for x, c in zip(xs, ctxs, strict=True)])
+        ctxs = [CodecContext(rank=r, world_size=3, step=step, key="r", average=True,
+                             state=states_into[r]) for r in range(3)]
+        bufs = [x.clone() for x in xs]
+        into = drive([codec.reduce_into(b, c, out=b, scratch=s)
+                      for b, c, s in zip(bufs, ctxs, scratch, strict=True)])
+        for r in range(3):
+            assert into.totals[r].data_ptr() == bufs[r].data_ptr(), (spec, r)
+            assert _bits(into.totals[r]) == _bits(plain.totals[r]), (spec, dtype, step, r)
+    if codec.encodes_into and kernels.available():
+        assert all(scratch), "the payload's buffers are kept for the next step"
+
+
+def test_a_codec_with_its_own_reduce_does_not_reduce_into() -> None:
+    """A subclass that overrides ``reduce`` (and not ``reduce_into``) is not given ``out=``:
+    its ``reduce_into`` is its own protocol, so a caller cannot bypass it."""
+    from dataclasses import dataclass
+
+    from commpress.codecs.quantize import QSGD
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Doubled(QSGD):
+        def reduce(self, tensor: torch.Tensor, ctx: CodecContext):  # type: ignore[no-untyped-def]
+            reduced = yield from QSGD.reduce(self, tensor, ctx)
+            return type(reduced)(total=reduced.total * 2, local=reduced.local)
+
+    codec = Doubled()
+    assert not codec.reduces_into and get_codec("qsgd").reduces_into
+    x = torch.randn(100)
+    ctx = CodecContext(rank=0, world_size=1, key="d")
+    out = torch.zeros(100)
+    got = drive([codec.reduce_into(x.clone(), ctx, out=out, scratch={})]).totals[0]
+    want = drive([codec.reduce(x.clone(), ctx)]).totals[0]
+    assert torch.equal(got, want) and not torch.equal(out, want)

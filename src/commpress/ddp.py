@@ -40,7 +40,7 @@ import torch.distributed
 
 from commpress.codecs import kernels
 from commpress.codecs.base import Codec, CodecContext
-from commpress.codecs.protocol import Bound, Protocol
+from commpress.codecs.protocol import Bound
 from commpress.collectives import engine
 from commpress.collectives.api import Strategy
 from commpress.collectives.batched import batched_task
@@ -521,7 +521,7 @@ def _lane_of(
     route = _route(state, ex)
     one_collective = (
         (sums_plainly(codec) and direct_path_applies(whole, ex))
-        or (codec.reduces_into and not codec.multi_round)
+        or engine.one_all_reduce(codec)
     )
     if not (route.plain and one_collective):
         return None
@@ -688,21 +688,19 @@ def _single_task(
     t: torch.Tensor,
     plan: Plan,
     step: int,
-    exchange: engine.Exchanger | Callable[[Codec, torch.Tensor, CodecContext], Protocol],
+    exchange: engine.Exchanger,
 ) -> Generator[Any, Any, None]:
     """Reduce one tensor with its plan's codec by the hook's strategy (or, given
-    :func:`_codec_protocol`, as the codec's own protocol: a generator of requests),
-    compensated before and remembered after (``state.prepare`` / ``state.finish``) when error
-    feedback applies."""
+    :func:`~commpress.collectives.engine.codec_protocol`, as the codec's own protocol: a
+    generator of requests), compensated before and remembered after (``state.prepare`` /
+    ``state.finish``) when error feedback applies; the mean is written into ``t`` (by the
+    codec itself where it can: ``out=``)."""
     reduced = yield from engine.with_feedback(
-        state, key, t, exchange, rank=ex.rank, world_size=ex.world_size, step=step, plan=plan
+        state, key, t, exchange, rank=ex.rank, world_size=ex.world_size, step=step, plan=plan,
+        out=t,
     )
-    t.copy_(reduced.total)
-
-
-def _codec_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext) -> Protocol:
-    """The codec's own protocol for ``x`` (what strategy ``auto`` drives)."""
-    return codec.reduce(x, ctx)
+    if reduced.total.data_ptr() != t.data_ptr() or reduced.total.dtype != t.dtype:
+        t.copy_(reduced.total)
 
 
 def _batched_task(
@@ -718,7 +716,7 @@ def _batched_task(
     merged exchange), each compensated and remembered on its own. ``exchange`` (the
     strategy's) is not used: the strategy runs the codecs' protocols, which this merges."""
     protocols = [
-        _single_task(state, ex, key, t, plan, step, _codec_protocol)
+        _single_task(state, ex, key, t, plan, step, engine.codec_protocol)
         for (key, t), plan in zip(items, plans, strict=True)
     ]
     yield from batched_task(protocols, ex)

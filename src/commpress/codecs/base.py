@@ -139,6 +139,19 @@ def _decode_buffer(
     return thread_buffer(n, dtype, f"sum_decoded.{use}").view(shape)
 
 
+def fits_out(out: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether ``out`` can receive a reduction of ``tensor``: a contiguous tensor of its
+    shape, dtype and device."""
+    return (out.is_contiguous() and out.shape == tensor.shape and out.dtype == tensor.dtype
+            and out.device == tensor.device)
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage (on the same device)."""
+    return (a.device == b.device and a.untyped_storage().data_ptr()
+            == b.untyped_storage().data_ptr())
+
+
 def shape_numel(shape: tuple[int, ...] | torch.Size) -> int:
     """Elements of a tensor of ``shape`` (1 for a 0-d shape ``()``)."""
     return math.prod(int(d) for d in shape)
@@ -392,12 +405,18 @@ class Codec(ABC):
     #: there (see :meth:`encode`): the 16-bit casts, and the packed codes of minmax, QSGD,
     #: TernGrad and sign on their kernel paths (numba, Triton).
     encodes_into: ClassVar[bool] = False
-    #: ``reduce`` accepts ``out=`` (write the total into the caller's buffer) and ``scratch=``
-    #: (a dict the caller keeps, to reuse payload buffers across steps): the 16-bit casts.
-    reduces_into: ClassVar[bool] = False
+    #: :meth:`reduce_into` uses ``out=`` (writes the total into the caller's buffer) and
+    #: ``scratch=`` (a dict the caller keeps, to reuse payload buffers across steps): this
+    #: class's one-round protocol (the all-gather of minmax, QSGD, TernGrad, sign, Top-K, DGC)
+    #: and the 16-bit casts. A subclass that overrides :meth:`reduce` and not
+    #: :meth:`reduce_into` does not (its ``reduce_into`` is its ``reduce``), unless it says so.
+    reduces_into: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if ("reduce" in cls.__dict__ and "reduce_into" not in cls.__dict__
+                and "reduces_into" not in cls.__dict__):
+            cls.reduces_into = False
         # A lossless codec is exact, hence unbiased and contractive, whatever it declares.
         if cls.__dict__.get("lossless", False):
             cls.unbiased = True
@@ -584,7 +603,34 @@ class Codec(ABC):
         With ``ctx.average`` the sum is divided by the world size. Multi-round codecs override
         this.
         """
-        payload = self.encode(tensor, ctx)
+        return self._one_round(tensor, ctx, None, None)
+
+    def reduce_into(
+        self, tensor: torch.Tensor, ctx: CodecContext, *, out: torch.Tensor | None = None,
+        scratch: dict[str, torch.Tensor] | None = None,
+    ) -> Protocol:
+        """:meth:`reduce`, with the total written into ``out`` where the codec
+        :attr:`reduces_into` (else :meth:`reduce` itself; ``out`` and ``scratch`` unused).
+
+        ``out``, a contiguous tensor of ``tensor``'s shape, dtype and device (it may be
+        ``tensor`` itself, which is read before), receives a gathered total
+        (:meth:`sum_decoded`'s ``out``), bit-identical to a new one, and is the returned total;
+        another ``out`` is ignored. ``scratch``, a dict the caller keeps for this tensor from
+        call to call (with a usable ``out`` only), holds the large payload parts of a codec
+        that :attr:`encodes_into` (:meth:`encode`), so that they are not page-faulted anew at
+        every step."""
+        if not self.reduces_into:
+            return self.reduce(tensor, ctx)
+        return self._one_round(tensor, ctx, out, scratch)
+
+    def _one_round(
+        self, tensor: torch.Tensor, ctx: CodecContext, out: torch.Tensor | None,
+        scratch: dict[str, torch.Tensor] | None,
+    ) -> Protocol:
+        """The default protocol of :meth:`reduce` (see :meth:`reduce_into` for ``out`` and
+        ``scratch``)."""
+        into = out if out is not None and fits_out(out, tensor) else None
+        payload = self.encode(tensor, ctx, scratch=scratch if into is not None else None)
         local = self.decode(payload, ctx) if ctx.need_local else None
         if self.summable:
             summed = yield AllReduce(tensors=dict(payload.parts), **self.sum_lanes(payload))
@@ -593,8 +639,10 @@ class Codec(ABC):
         else:
             gathered = yield AllGather(payload)
             # divided in the float32 accumulator: a 16-bit mean that fits never overflows
-            return Reduced(total=self.sum_decoded(gathered, ctx, average=ctx.average),
-                           local=local)
+            return Reduced(
+                total=self.sum_decoded(gathered, ctx, average=ctx.average, out=into),
+                local=local,
+            )
         return Reduced(total=self.finish_total(total, ctx), local=local)
 
     def bind(
@@ -715,14 +763,26 @@ class Codec(ABC):
         return t
 
     def sum_decoded(
-        self, payloads: list[Payload], ctx: CodecContext, *, average: bool = False
+        self, payloads: list[Payload], ctx: CodecContext, *, average: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode payloads and add them in list order, accumulating in float32 (or float64);
         with ``average``, divide by their number in the accumulator, before the cast back to
-        the payloads' dtype (which saturates: a finite mean stays finite)."""
+        the payloads' dtype (which saturates: a finite mean stays finite).
+
+        ``out``, when given, is a contiguous tensor of the payloads' shape, dtype and device
+        that receives the total (and is returned), bit-identical to a new one: a collective
+        then writes the mean into the caller's buffer without a new tensor of its size (page
+        faults) and a copy. A float32/float64 ``out`` is the accumulator itself unless a
+        payload shares its memory; what it held before is not read."""
         if not payloads:
             raise ConfigError("nothing to sum: empty list of payloads")
         first = payloads[0]
+        target = out
+        if out is not None:
+            self.check_out(out, first)
+            if any(_shares_memory(t, out) for p in payloads for t in p.parts.values()):
+                target = None  # a payload's memory: the total is copied there at the end
         acc_dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
         # a 16-bit result is a cast of the accumulator: then it is this thread's kept one
         kept = (_decode_buffer(first.shape, acc_dtype, first.device, "acc")
@@ -730,8 +790,13 @@ class Codec(ABC):
         # the default dense decode writes the first payload's values over the accumulator
         # (0.0 + values, add_into's ``first``) instead of zeroing it and adding them
         dense = type(self)._add_decoded is Codec._add_decoded
+        # a float32/float64 total is accumulated where it is returned
+        into = target if target is not None and target.dtype == acc_dtype else None
+        acc: torch.Tensor
         if kept is not None:
             acc = kept if dense else kept.zero_()
+        elif into is not None:
+            acc = into if dense else into.zero_()
         else:
             acc = (torch.empty if dense else torch.zeros)(
                 first.shape, dtype=acc_dtype, device=first.device)
@@ -744,12 +809,13 @@ class Codec(ABC):
                     self._add_decoded(p, acc, ctx)
         divisor = len(payloads) if average else 1
         if kept is not None and kernels.use_kernels(kept):
-            # numba: the division and the saturating cast in one pass, into fresh memory (the
-            # result outlives this thread's kept accumulator); where a quotient is not finite,
-            # torch's passes below instead (NaN bits as torch makes them)
-            out = torch.empty(first.shape, dtype=first.dtype)
-            if kernels.narrow_sum(acc, out, divisor=divisor):
-                return out
+            # numba: the division and the saturating cast in one pass, into ``out`` or fresh
+            # memory (the result outlives this thread's kept accumulator); where a quotient is
+            # not finite, torch's passes below instead (NaN bits as torch makes them)
+            narrow = (target if target is not None
+                      else torch.empty(first.shape, dtype=first.dtype))
+            if kernels.narrow_sum(acc, narrow, divisor=divisor):
+                return narrow if out is None or narrow is out else out.copy_(narrow)
             if dense and bool(torch.isnan(acc).any()):
                 # a NaN's bits from the kernel adds need not be torch's (torch widens a float16
                 # NaN outside its vector loop to 0x7FFFFFFF; which of two NaN operands an add
@@ -759,7 +825,10 @@ class Codec(ABC):
                         add_into(acc, self._dense_decode(p, ctx), first=i == 0, kernel=False)
         if divisor > 1:
             acc /= divisor
-        return saturating_cast(acc, first.dtype, inplace=True)
+        total = saturating_cast(acc, first.dtype, inplace=True)
+        if out is None or total.data_ptr() == out.data_ptr():
+            return total
+        return out.copy_(total)
 
     def _add_decoded(self, payload: Payload, acc: torch.Tensor, ctx: CodecContext) -> None:
         """``acc += decode(payload)`` in ``acc``'s (float32 or float64) dtype, for a payload

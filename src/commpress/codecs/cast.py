@@ -154,15 +154,13 @@ class _FloatCast(Codec):
         _cast_into(v, out, saturate=saturate)
         return out
 
-    #: :meth:`reduce` takes ``out=``, the tensor that receives the total.
-    reduces_into: ClassVar[bool] = True
-
-    def reduce(
-        self, tensor: torch.Tensor, ctx: CodecContext, *, out: torch.Tensor | None = None,
-        scratch: dict[str, torch.Tensor] | None = None,
+    def _one_round(
+        self, tensor: torch.Tensor, ctx: CodecContext, out: torch.Tensor | None,
+        scratch: dict[str, torch.Tensor] | None,
     ) -> Protocol:
-        """One all-reduce of the cast values (divided by the world size first for a mean, as
-        PyTorch's ``fp16_compress_hook`` does), decoded into ``out`` when given.
+        """:meth:`reduce` and :meth:`reduce_into`: one all-reduce of the cast values (divided
+        by the world size first for a mean, as PyTorch's ``fp16_compress_hook`` does), decoded
+        into ``out`` when given.
 
         The cast makes a new tensor (unless ``tensor`` already has the wire dtype): it is the
         codec's scratch, so the mean divides it in place (the same values as dividing into a

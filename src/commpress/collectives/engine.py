@@ -35,6 +35,7 @@ import torch
 
 from commpress.codecs.base import Codec, CodecContext
 from commpress.codecs.protocol import Bound, Reduced
+from commpress.codecs.protocol import Protocol as CodecProtocol
 from commpress.collectives import checks
 from commpress.collectives.driver import (
     Exchange,
@@ -169,17 +170,19 @@ class Route:
 
         ``out`` (a contiguous tensor of ``x``'s shape and dtype, possibly ``x`` itself) may
         receive the total: where the strategy runs the codec's own protocol on this thread
-        and the codec's ``reduce`` takes ``out=`` (``reduces_into``, the 16-bit casts), the
-        codec decodes into it, without a new tensor of the bucket's size, and encodes into the
-        buffers it keeps in ``scratch`` (a dict the caller keeps for this exchange across
-        calls; buffers reused are never page-faulted again). The caller must still copy a
-        total that is not ``out``."""
+        and the codec's ``reduce_into`` takes ``out=`` (``reduces_into``: the 16-bit casts and the
+        all-gathered codecs of the default protocol), the codec decodes or sums into it,
+        without a new tensor of the bucket's size, and encodes into the buffers it keeps in
+        ``scratch`` (a dict the caller keeps for this exchange across calls; buffers reused
+        are never page-faulted again). The caller must still copy a total that is not
+        ``out``."""
         if self._sums_directly(ex, codec, x, ctx):
             return plain_sum_task(x, ex, average=ctx.average)
         if out is not None and self.plain and codec.reduces_into:
+            # as the strategy's task (CodecProtocol.task) runs it, with out= and scratch=
             return protocol_task(
-                codec.reduce(x, ctx, out=out, scratch=scratch),  # type: ignore[call-arg]
-                ex, single_round=not codec.multi_round,
+                codec.reduce_into(x, ctx, out=out, scratch=scratch),
+                ex, single_round=not codec.multi_round, final=codec.elementwise,
             )
         return self.strategy.task(
             codec, x, ctx, ex, tag=tag, pool=self.pool, local_size=self.local_size
@@ -203,10 +206,10 @@ class Route:
         ``None`` for any other (run :meth:`exchange`'s task)."""
         if self._sums_directly(ex, codec, x, ctx):
             return shoot(ex, x, average=ctx.average)
-        if self.plain and codec.reduces_into and not codec.multi_round:
+        if self.plain and one_all_reduce(codec):
             return shoot(
                 ex, x,
-                protocol=codec.reduce(x, ctx, out=out, scratch=scratch),  # type: ignore[call-arg]
+                protocol=codec.reduce_into(x, ctx, out=out, scratch=scratch),
             )
         return None
 
@@ -222,11 +225,18 @@ class Route:
         (use :meth:`shoot`)."""
         if self._sums_directly(ex, codec, x, ctx):
             bound = bind_plain(x, ex, average=ctx.average)
-        elif self.plain and codec.reduces_into and not codec.multi_round:
+        elif self.plain and one_all_reduce(codec):
             bound = codec.bind(x, ctx, out=out, scratch=scratch)
         else:
             return None
         return bound if bound is not None and bound_applies(bound, ex) else None
+
+
+def one_all_reduce(codec: Codec) -> bool:
+    """Whether ``codec.reduce`` takes ``out=`` and ``scratch=`` and is one all-reduce (the
+    16-bit casts), which :meth:`Route.shoot` can issue and leave in flight; an all-gather
+    may take two exchanges (payload sizes, payloads), which a shot cannot wait for."""
+    return codec.reduces_into and codec.summable and not codec.multi_round
 
 
 def run_jobs(
@@ -378,6 +388,10 @@ def reduce(tensor: torch.Tensor, codec: checks.CodecSpec, options: ReduceOptions
     else:
         ctx = dataclasses.replace(ctx, average=op == "mean", need_local=need_local)
     rows = x.reshape(-1, *x.shape[1:]) if unit > 1 else x.reshape(-1)
+    # In place without a local part, a bucket's total may be written into its own memory
+    # (Route.exchange's ``out``; the codec reads the bucket before), without a new tensor of
+    # its size and the copy back.
+    into = inplace and not need_local and x.is_contiguous()
 
     def bucket_ctx(i: int) -> CodecContext:
         if not many:
@@ -390,14 +404,20 @@ def reduce(tensor: torch.Tensor, codec: checks.CodecSpec, options: ReduceOptions
         # With offload every strategy runs its codec work on the pool; the scheduler's thread
         # alone issues the collectives, in the same order as without it (see run_tasks).
         lo, hi = slices[i]
-        return exchange(codec, x if not many else rows[lo:hi], bucket_ctx(i))
+        part = x if not many else rows[lo:hi]
+        return exchange(codec, part, bucket_ctx(i), out=part if into else None)
 
     jobs = [functools.partial(bucket_job, i) for i in range(len(slices))]
     results: list[Reduced] = run_jobs(ex, route, jobs)
     if not many:
         reduced = results[0]
     else:
-        total = torch.cat([r.total.reshape(-1) for r in results]).reshape(x.shape)
+        in_place = into and all(
+            r.total.data_ptr() == rows[lo].data_ptr() and r.total.dtype == x.dtype
+            for r, (lo, _) in zip(results, slices, strict=True)
+        )
+        total = (x if in_place
+                 else torch.cat([r.total.reshape(-1) for r in results]).reshape(x.shape))
         local = None
         if ctx.need_local:
             local = torch.cat([r.local.reshape(-1) for r in results if r.local is not None])
@@ -407,25 +427,38 @@ def reduce(tensor: torch.Tensor, codec: checks.CodecSpec, options: ReduceOptions
 
 
 # ---------------------------------------------------------------------------- with feedback
+def codec_protocol(
+    codec: Codec, x: torch.Tensor, ctx: CodecContext, *, out: torch.Tensor | None = None,
+    scratch: dict[str, torch.Tensor] | None = None,
+) -> CodecProtocol:
+    """The codec's own protocol for ``x`` (what strategy ``auto`` drives), as an
+    :class:`Exchanger`: :meth:`~commpress.codecs.base.Codec.reduce_into`."""
+    return codec.reduce_into(x, ctx, out=out, scratch=scratch)
+
+
 def with_feedback(
     state: CompressionState,
     key: str,
     tensor: torch.Tensor,
-    exchange: Callable[[Codec, torch.Tensor, CodecContext], Generator[Y, Any, Reduced]],
+    exchange: Exchanger,
     *,
     rank: int,
     world_size: int,
     step: int | None = None,
     average: bool = True,
     plan: Plan | None = None,
-) -> Generator[Y, Any, Reduced]:
+    out: torch.Tensor | None = None,
+) -> Generator[Any, Any, Reduced]:
     """One tensor through ``state``: its plan and compensated input (``state.prepare``), the
     ``exchange`` (a strategy task, or a codec protocol: any generator giving a
-    :class:`Reduced`), then ``state.finish`` (error-feedback memory, the tensor's dtype)."""
+    :class:`Reduced`), then ``state.finish`` (error-feedback memory, the tensor's dtype).
+    ``out`` (``tensor``'s own memory, say) is handed to the exchange where no feedback
+    applies and the input is ``tensor`` itself: the total may then be written there."""
     plan, x, ctx = state.prepare(
         key, tensor, rank=rank, world_size=world_size, step=step, average=average, plan=plan
     )
-    result = yield from exchange(plan.codec, x, ctx)
+    into = out if out is not None and not plan.feedback and x is tensor else None
+    result = yield from exchange(plan.codec, x, ctx, out=into)
     return state.finish(key, tensor, x, plan, result)
 
 
@@ -522,11 +555,13 @@ __all__ = [
     "Route",
     "bucket_slices",
     "call_label",
+    "codec_protocol",
     "dense_with_feedback",
     "finish_inplace",
     "flat_view",
     "forget",
     "offload_pool",
+    "one_all_reduce",
     "reduce",
     "resolve_strategy",
     "ring_tag",

@@ -476,11 +476,6 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _codec_protocol(codec: Codec, x: torch.Tensor, ctx: CodecContext) -> Protocol:
-    """The codec's own protocol: the exchange of :meth:`CompressionState.reduce`."""
-    return codec.reduce(x, ctx)
-
-
 def checked_options(
     *, error_feedback: Any, timeout: Any, guard: Any
 ) -> Guard | None:
@@ -1050,7 +1045,7 @@ class CompressionState:
         """
         return (
             yield from engine.with_feedback(
-                self, key, tensor, _codec_protocol, rank=rank, world_size=world_size,
+                self, key, tensor, engine.codec_protocol, rank=rank, world_size=world_size,
                 step=step, average=average, plan=plan,
             )
         )
