@@ -240,14 +240,14 @@ def test_mixed_codecs_from_a_policy_batch_alike() -> None:
 
 def _failing_worker(rank: int, world: int) -> dict[str, Any]:
     """The middle matrix's protocol raises after its first round at step 2, on every rank."""
-    import commpress.ddp as hook
+    from commpress.collectives import engine
 
     model = DDP(_mlp())
     state = commpress.ddp.register(model, "powersgd", rank=2, own_group=False)
-    real = hook._codec_protocol
+    real = engine.codec_protocol
 
-    def failing(codec: Any, x: torch.Tensor, ctx: CodecContext) -> Any:
-        inner = real(codec, x, ctx)
+    def failing(codec: Any, x: torch.Tensor, ctx: CodecContext, **kw: Any) -> Any:
+        inner = real(codec, x, ctx, **kw)
         if ctx.step != 2 or tuple(x.shape) != (48, 48):
             return inner
 
@@ -257,7 +257,7 @@ def _failing_worker(rank: int, world: int) -> dict[str, Any]:
 
         return broken()
 
-    hook._codec_protocol = failing  # type: ignore[assignment]
+    engine.codec_protocol = failing  # type: ignore[assignment]
     try:
         _backward(model, rank, 0)
         _backward(model, rank, 1)
@@ -268,7 +268,7 @@ def _failing_worker(rank: int, world: int) -> dict[str, Any]:
         except RuntimeError as exc:
             error = str(exc)
     finally:
-        hook._codec_protocol = real  # type: ignore[assignment]
+        engine.codec_protocol = real  # type: ignore[assignment]
     after = state.memory.state_dict()["residual"]
     # the group is still usable: both ranks issued the same collectives
     probe = torch.full((2,), float(rank + 1))
