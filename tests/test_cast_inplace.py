@@ -123,7 +123,11 @@ def test_driver_reduces_scratch_requests_in_place() -> None:
         assert same and not untouched and values == want  # the codec's scratch is the reply
 
 
-def _ddp_scratch_worker(rank: int, world: int) -> dict[str, Any]:
+def _train(
+    rank: int, codec: str, steps: int, after_step: Any = None, **register: Any
+) -> tuple[torch.Tensor, list[Any]]:
+    """A small MLP trained ``steps`` steps under DDP with commpress's hook (``codec``,
+    ``register``'s keywords); its parameters, and ``after_step(state)`` after each step."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import commpress.ddp
@@ -131,20 +135,29 @@ def _ddp_scratch_worker(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
     model = DDP(net, bucket_cap_mb=0.05)
-    state = commpress.ddp.register(model, "fp16")
+    state = commpress.ddp.register(model, codec, **register)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
-    ptrs = []
-    for _ in range(4):
+    seen = []
+    for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         x = torch.randn(8, 64, generator=g)
         y = torch.randint(0, 4, (8,), generator=g)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        ptrs.append(sorted(
+        if after_step is not None:
+            seen.append(after_step(state))
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), seen
+
+
+def _ddp_scratch_worker(rank: int, world: int) -> dict[str, Any]:
+    def kept(state: Any) -> list[tuple[str, int, int]]:
+        return sorted(
             (k, s["values"].data_ptr(), s["values"].numel()) for k, s in state._scratch.items()
-        ))
-    return {"ptrs": ptrs, "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()])}
+        )
+
+    params, ptrs = _train(rank, "fp16", 4, kept)
+    return {"ptrs": ptrs, "params": params}
 
 
 def test_ddp_bucket_payloads_are_reused_across_steps() -> None:
@@ -280,9 +293,6 @@ def test_a_bound_fp16_mean_follows_the_backend_at_each_encode(shape: tuple[int, 
 
 
 def _ddp_gathered_worker(rank: int, world: int) -> dict[str, Any]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import commpress.ddp
     from commpress.codecs.base import Codec
 
     out: dict[str, Any] = {}
@@ -297,23 +307,8 @@ def _ddp_gathered_worker(rank: int, world: int) -> dict[str, Any]:
     Codec.sum_decoded = counted  # type: ignore[method-assign]
     for codec in ("qsgd", "minmax:bits=4"):
         for strategy in ("auto", "allgather"):
-            torch.manual_seed(0)
-            net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                                      torch.nn.Linear(256, 4))
-            model = DDP(net, bucket_cap_mb=0.05)
-            state = commpress.ddp.register(model, codec, strategy=strategy,
-                                           error_feedback=False)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            g = torch.Generator().manual_seed(rank)
-            for _ in range(3):
-                opt.zero_grad(set_to_none=True)
-                x = torch.randn(8, 64, generator=g)
-                y = torch.randint(0, 4, (8,), generator=g)
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-            out[f"{codec} {strategy}"] = (
-                torch.cat([p.detach().reshape(-1) for p in net.parameters()]), list(into),
-            )
+            params, _ = _train(rank, codec, 3, strategy=strategy, error_feedback=False)
+            out[f"{codec} {strategy}"] = (params, list(into))
             into.clear()
     Codec.sum_decoded = plain_sum  # type: ignore[method-assign]
     return out
