@@ -172,28 +172,36 @@ def test_sum_decoded_into_out_is_the_new_total(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Passthrough(Codec):
-    """A codec (not registered, not summable) whose payload is its input's own memory."""
+    """A codec (not registered, not summable) whose payload is its input's own memory (a
+    view of it, or with ``via_numpy`` a tensor over the same memory with a storage of its
+    own)."""
 
     codec_id: ClassVar[str] = "test-passthrough"
+    via_numpy: bool = False
 
     def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
-        return self.make_payload(x, {"values": x.reshape(-1)})
+        flat = x.reshape(-1)
+        if self.via_numpy and x.dtype != torch.bfloat16:
+            flat = torch.from_numpy(flat.numpy())
+        return self.make_payload(x, {"values": flat})
 
     def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
         return self.part(payload, "values", numel=payload.numel).reshape(payload.shape)
 
 
+@pytest.mark.parametrize("via_numpy", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_reduce_into_the_memory_of_a_payload(dtype: torch.dtype) -> None:
-    """``reduce_into(x, out=x)`` where the payload is ``x`` itself: ``out`` is not the
-    accumulator (rank 1's would hold rank 0's values before its own payload is read), so the
-    totals are ``reduce``'s."""
-    codec = _Passthrough()
+def test_reduce_into_the_memory_of_a_payload(dtype: torch.dtype, via_numpy: bool) -> None:
+    """``reduce_into(x, out=x)`` where the payload is ``x``'s memory (``x`` a slice of a
+    larger tensor): ``out`` is not the accumulator (rank 1's would hold rank 0's values before
+    its own payload is read), so the totals are ``reduce``'s."""
+    codec = _Passthrough(via_numpy=via_numpy)
     g = torch.Generator().manual_seed(9)
-    xs = [(torch.randn(300, generator=g) * 10).to(dtype) for _ in range(3)]
+    xs = [(torch.randn(500, generator=g) * 10).to(dtype) for _ in range(3)]
     ctxs = [CodecContext(rank=r, world_size=3, key="a", average=True) for r in range(3)]
-    plain = _gathered([codec.reduce(x.clone(), c) for x, c in zip(xs, ctxs, strict=True)])
-    bufs = [x.clone() for x in xs]
+    plain = _gathered([codec.reduce(x[100:400].clone(), c)
+                       for x, c in zip(xs, ctxs, strict=True)])
+    bufs = [x.clone()[100:400] for x in xs]
     into = _gathered([codec.reduce_into(b, c, out=b, scratch={})
                       for b, c in zip(bufs, ctxs, strict=True)])
     for r in range(3):
@@ -255,24 +263,77 @@ def test_reduce_into_writes_the_gathered_mean_into_the_input(spec: str, dtype: t
         assert all(scratch), "the payload's buffers are kept for the next step"
 
 
-def test_a_codec_with_its_own_reduce_does_not_reduce_into() -> None:
-    """A subclass that overrides ``reduce`` (and not ``reduce_into``) is not given ``out=``:
-    its ``reduce_into`` is its own protocol, so a caller cannot bypass it."""
-    from dataclasses import dataclass
+class _Doubling:
+    """A mixin whose ``reduce`` doubles the codec's total."""
 
+    def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Any:
+        reduced = yield from super().reduce(tensor, ctx)  # type: ignore[misc]
+        return type(reduced)(total=reduced.total * 2, local=reduced.local)
+
+
+def _codecs_with_their_own_reduce() -> dict[str, Codec]:
     from commpress.codecs.quantize import QSGD
 
     @dataclass(frozen=True, slots=True, kw_only=True)
     class Doubled(QSGD):
-        def reduce(self, tensor: torch.Tensor, ctx: CodecContext):  # type: ignore[no-untyped-def]
+        def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Any:
             reduced = yield from QSGD.reduce(self, tensor, ctx)
             return type(reduced)(total=reduced.total * 2, local=reduced.local)
 
-    codec = Doubled()
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Mixed(_Doubling, QSGD):
+        pass
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Declared(Doubled):  # says it reduces into out=, as the casts once did
+        reduces_into: ClassVar[bool] = True
+
+        def reduce(self, tensor: torch.Tensor, ctx: CodecContext) -> Any:
+            return Doubled.reduce(self, tensor, ctx)
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class OldSum(QSGD):  # a sum_decoded written before out=
+        def sum_decoded(self, payloads: list[Payload], ctx: CodecContext, *,
+                        average: bool = False) -> torch.Tensor:
+            return QSGD.sum_decoded(self, payloads, ctx, average=average) * 2
+
+    return {"subclass": Doubled(), "mixin": Mixed(), "declared": Declared(),
+            "old sum_decoded": OldSum()}
+
+
+@pytest.mark.parametrize("case", ["subclass", "mixin", "declared", "old sum_decoded"])
+def test_a_codec_with_its_own_reduce_does_not_reduce_into(case: str) -> None:
+    """A subclass or mixin that overrides ``reduce`` (and not ``reduce_into`` below it), or
+    ``sum_decoded`` without ``out=``, is not given ``out=``: its ``reduce_into`` is its own
+    protocol, so a caller (``all_reduce(inplace=True)``, the DDP hook) cannot bypass it."""
+    codec = _codecs_with_their_own_reduce()[case]
     assert not codec.reduces_into and get_codec("qsgd").reduces_into
     x = torch.randn(100)
     ctx = CodecContext(rank=0, world_size=1, key="d")
     out = torch.zeros(100)
     got = drive([codec.reduce_into(x.clone(), ctx, out=out, scratch={})]).totals[0]
     want = drive([codec.reduce(x.clone(), ctx)]).totals[0]
-    assert torch.equal(got, want) and not torch.equal(out, want)
+    plain = drive([get_codec("qsgd").reduce(x.clone(), ctx)]).totals[0]
+    assert torch.equal(got, want) and torch.equal(want, plain * 2) and not torch.equal(out, want)
+
+
+def test_with_feedback_hands_out_only_to_an_exchange_that_can_take_it() -> None:
+    """``engine.with_feedback`` without ``out`` calls the exchange as before (three arguments:
+    an exchange written for it still works); with ``out`` and no feedback, the codec's
+    protocol sums into it, the same bits."""
+    from commpress.collectives import engine
+    from commpress.collectives.policy import CompressionState
+
+    x = torch.randn(64, generator=torch.Generator().manual_seed(2))
+
+    def run(exchange: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        state = CompressionState("qsgd", error_feedback=False)
+        t = x.clone() if out is None else out
+        protocol = engine.with_feedback(state, "w", t, exchange, rank=0, world_size=1, step=0,
+                                        out=out)
+        return drive([protocol]).totals[0]
+
+    old_style = run(lambda codec, t, ctx: codec.reduce(t, ctx))
+    buf = x.clone()
+    into = run(engine.codec_protocol, out=buf)
+    assert into is buf and _bits(into) == _bits(old_style)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 import types
@@ -146,10 +147,18 @@ def fits_out(out: torch.Tensor, tensor: torch.Tensor) -> bool:
             and out.device == tensor.device)
 
 
+def memory_span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses ``[start, end)`` of ``t``'s storage."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are views of one storage (on the same device)."""
-    return (a.device == b.device and a.untyped_storage().data_ptr()
-            == b.untyped_storage().data_ptr())
+    """Whether the storages of ``a`` and ``b`` overlap (on one device): views of one
+    storage, or a view through numpy (``torch.from_numpy`` of a tensor's ``numpy()``), which
+    holds a storage of its own inside the other's."""
+    (a0, a1), (b0, b1) = memory_span(a), memory_span(b)
+    return a.device == b.device and a0 < b1 and b0 < a1
 
 
 def shape_numel(shape: tuple[int, ...] | torch.Size) -> int:
@@ -408,14 +417,23 @@ class Codec(ABC):
     #: :meth:`reduce_into` uses ``out=`` (writes the total into the caller's buffer) and
     #: ``scratch=`` (a dict the caller keeps, to reuse payload buffers across steps): this
     #: class's one-round protocol (the all-gather of minmax, QSGD, TernGrad, sign, Top-K, DGC)
-    #: and the 16-bit casts. A subclass that overrides :meth:`reduce` and not
-    #: :meth:`reduce_into` does not (its ``reduce_into`` is its ``reduce``), unless it says so.
+    #: and the 16-bit casts. Set to ``False`` for a class (or mixin) that overrides
+    #: :meth:`reduce` without overriding :meth:`reduce_into` below it: its ``reduce_into``
+    #: is then its ``reduce``.
     reduces_into: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if ("reduce" in cls.__dict__ and "reduce_into" not in cls.__dict__
-                and "reduces_into" not in cls.__dict__):
+        # reduce_into serves out= only where no class overrides reduce below the one that
+        # defines reduce_into (Codec's runs this class's one-round protocol): a mixin's or
+        # subclass's own reduce is otherwise what both run
+        reduce_from = next(k for k in cls.__mro__ if "reduce" in k.__dict__)
+        into_from = next(k for k in cls.__mro__ if "reduce_into" in k.__dict__)
+        if reduce_from is not Codec and not issubclass(into_from, reduce_from):
+            cls.reduces_into = False
+        # nor where an overridden sum_decoded takes no out= (one written before it had one)
+        if (cls.sum_decoded is not Codec.sum_decoded
+                and "out" not in inspect.signature(cls.sum_decoded).parameters):
             cls.reduces_into = False
         # A lossless codec is exact, hence unbiased and contractive, whatever it declares.
         if cls.__dict__.get("lossless", False):
@@ -577,11 +595,12 @@ class Codec(ABC):
                 f"expected {tuple(payload.shape)} {payload.dtype} (codec bug)"
             )
 
-    def check_out(self, out: Any, payload: Payload) -> None:
-        """Refuse an ``out=`` buffer that cannot hold the decoding of ``payload``."""
+    def check_out(self, out: Any, payload: Payload, what: str = "decode") -> None:
+        """Refuse an ``out=`` buffer that cannot hold the decoding of ``payload`` (the error
+        names ``what``, the method given it)."""
         if not isinstance(out, torch.Tensor):
             raise ConfigError(
-                f"{self.codec_id}.decode: out must be a torch.Tensor, got {type(out).__name__}"
+                f"{self.codec_id}.{what}: out must be a torch.Tensor, got {type(out).__name__}"
             )
         if (
             tuple(out.shape) != tuple(payload.shape)
@@ -590,7 +609,7 @@ class Codec(ABC):
             or not out.is_contiguous()
         ):
             raise ConfigError(
-                f"{self.codec_id}.decode: out must be a contiguous {tuple(payload.shape)} "
+                f"{self.codec_id}.{what}: out must be a contiguous {tuple(payload.shape)} "
                 f"{payload.dtype} tensor on {payload.device}, got {tuple(out.shape)} "
                 f"{out.dtype} on {out.device} (contiguous={out.is_contiguous()})"
             )
@@ -639,10 +658,10 @@ class Codec(ABC):
         else:
             gathered = yield AllGather(payload)
             # divided in the float32 accumulator: a 16-bit mean that fits never overflows
-            return Reduced(
-                total=self.sum_decoded(gathered, ctx, average=ctx.average, out=into),
-                local=local,
-            )
+            # (out= only when there is one: a subclass's sum_decoded may predate it)
+            total = (self.sum_decoded(gathered, ctx, average=ctx.average) if into is None
+                     else self.sum_decoded(gathered, ctx, average=ctx.average, out=into))
+            return Reduced(total=total, local=local)
         return Reduced(total=self.finish_total(total, ctx), local=local)
 
     def bind(
@@ -780,7 +799,7 @@ class Codec(ABC):
         first = payloads[0]
         target = out
         if out is not None:
-            self.check_out(out, first)
+            self.check_out(out, first, "sum_decoded")
             if any(_shares_memory(t, out) for p in payloads for t in p.parts.values()):
                 target = None  # a payload's memory: the total is copied there at the end
         acc_dtype = torch.float64 if first.dtype == torch.float64 else torch.float32

@@ -126,8 +126,12 @@ def reduce(
             hierarchical strategies, ``intra_node_bytes`` (uncompressed traffic on the node).
         inplace: write the total into ``tensor`` and return it as ``Reduced.total`` (like
             ``torch.distributed.all_reduce``). With a codec whose payload is the tensor itself
-            (identity) and ``op="sum"`` this avoids every copy; otherwise the total is copied
-            back at the end.
+            (identity) and ``op="sum"`` this avoids every copy; a codec of the default
+            one-round protocol (the casts, and the all-gathered minmax, QSGD, TernGrad,
+            sign, Top-K, DGC) on strategy ``auto`` without offload sums or decodes into the
+            tensor (each bucket into its own part), without new memory; otherwise the total
+            is copied back at the end. If the reduction fails, the tensor's content is
+            undefined (parts may hold partial sums).
     """
     options = engine.ReduceOptions(
         group=group, op=op, strategy=strategy, ctx=ctx, key=key, step=step, timeout=timeout,

@@ -53,7 +53,7 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 import torch.distributed as dist
 
-from commpress.codecs.base import Codec, CodecContext, Payload
+from commpress.codecs.base import Codec, CodecContext, Payload, memory_span
 from commpress.codecs.protocol import AllGather, AllReduce, Bound, Protocol, Reduced, Request
 from commpress.codecs.simulate import reduce_tensors
 from commpress.collectives.queue import Steps, resume_final, run_steps
@@ -1216,23 +1216,17 @@ def give_back(held: Sequence[torch.Tensor], results: Iterable[Any]) -> None:
     would write into it)."""
     if not held:
         return
-    spans = [_memory_span(b) for b in held]
+    spans = [memory_span(b) for b in held]
     for result in results:
         tensors = (result.total, result.local) if isinstance(result, Reduced) else (result,)
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                lo, hi = _memory_span(t)
+                lo, hi = memory_span(t)
                 # the memory of t's storage, which a view through numpy (torch.from_numpy
                 # of a received part) holds apart from the buffer's own storage
                 if any(lo < end and start < hi for start, end in spans):
                     return
     GATHER_BUFFERS.give(held)
-
-
-def _memory_span(t: torch.Tensor) -> tuple[int, int]:
-    """The addresses ``[start, end)`` of ``t``'s storage."""
-    storage = t.untyped_storage()
-    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
 def _check_reduced(value: Any) -> Reduced:

@@ -233,9 +233,10 @@ class Route:
 
 
 def one_all_reduce(codec: Codec) -> bool:
-    """Whether ``codec.reduce`` takes ``out=`` and ``scratch=`` and is one all-reduce (the
-    16-bit casts), which :meth:`Route.shoot` can issue and leave in flight; an all-gather
-    may take two exchanges (payload sizes, payloads), which a shot cannot wait for."""
+    """Whether ``codec.reduce_into`` uses ``out=`` and ``scratch=`` and is one all-reduce
+    (the 16-bit casts), which :meth:`Route.shoot` can issue and leave in flight; an
+    all-gather may take two exchanges (payload sizes, payloads), which a shot cannot wait
+    for."""
     return codec.reduces_into and codec.summable and not codec.multi_round
 
 
@@ -457,8 +458,10 @@ def with_feedback(
     plan, x, ctx = state.prepare(
         key, tensor, rank=rank, world_size=world_size, step=step, average=average, plan=plan
     )
-    into = out if out is not None and not plan.feedback and x is tensor else None
-    result = yield from exchange(plan.codec, x, ctx, out=into)
+    if out is not None and not plan.feedback and x is tensor:
+        result = yield from exchange(plan.codec, x, ctx, out=out)
+    else:  # (an exchange without out= works too)
+        result = yield from exchange(plan.codec, x, ctx)
     return state.finish(key, tensor, x, plan, result)
 
 
