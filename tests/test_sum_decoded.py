@@ -317,7 +317,7 @@ def test_a_codec_with_its_own_reduce_does_not_reduce_into(case: str) -> None:
     assert torch.equal(got, want) and torch.equal(want, plain * 2) and not torch.equal(out, want)
 
 
-def test_with_feedback_hands_out_only_to_an_exchange_that_can_take_it() -> None:
+def test_with_feedback_passes_out_only_when_given() -> None:
     """``engine.with_feedback`` without ``out`` calls the exchange as before (three arguments:
     an exchange written for it still works); with ``out`` and no feedback, the codec's
     protocol sums into it, the same bits."""
@@ -337,3 +337,90 @@ def test_with_feedback_hands_out_only_to_an_exchange_that_can_take_it() -> None:
     buf = x.clone()
     into = run(engine.codec_protocol, out=buf)
     assert into is buf and _bits(into) == _bits(old_style)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Wide(Codec):
+    """A codec (not registered) that sends its input as float32, whatever its dtype."""
+
+    codec_id: ClassVar[str] = "test-wide"
+
+    def _encode(self, x: torch.Tensor, ctx: CodecContext) -> Payload:
+        w = x.float()
+        return self.make_payload(w, {"values": w.reshape(-1).clone()})
+
+    def _decode(self, payload: Payload, ctx: CodecContext) -> torch.Tensor:
+        return self.part(payload, "values", numel=payload.numel).reshape(payload.shape)
+
+
+def test_reduce_into_a_payload_of_another_dtype_or_a_local_view() -> None:
+    """``out`` is not used where the payload's dtype is not the input's (the total is the
+    payload's dtype: new memory), nor where the local contribution is a view of ``out``'s
+    memory (the total would overwrite it): the results of ``reduce``, no error."""
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(16, generator=g).to(torch.bfloat16) for _ in range(2)]
+    ctxs = [CodecContext(rank=r, world_size=2, key="w", average=True) for r in range(2)]
+    plain = _gathered([_Wide().reduce(x.clone(), c) for x, c in zip(xs, ctxs, strict=True)])
+    bufs = [x.clone() for x in xs]
+    into = _gathered([_Wide().reduce_into(b, c, out=b, scratch={})
+                      for b, c in zip(bufs, ctxs, strict=True)])
+    for r in range(2):
+        assert into[r].dtype == torch.float32 and torch.equal(into[r], plain[r])
+        assert torch.equal(bufs[r], xs[r])  # not written
+    codec = _Passthrough()
+    ctxs = [CodecContext(rank=r, world_size=2, key="l", need_local=True) for r in range(2)]
+    xs = [torch.full((8,), float(r + 1)) for r in range(2)]
+    protocols = [codec.reduce_into(x, c, out=x, scratch={}) for x, c in zip(xs, ctxs, strict=True)]
+    payloads = [next(p).payload for p in protocols]
+    for r, protocol in enumerate(protocols):
+        reply = [p if i == r else p.replace(parts={k: v.clone() for k, v in p.parts.items()})
+                 for i, p in enumerate(payloads)]
+        with pytest.raises(StopIteration) as stop:
+            protocol.send(reply)
+        reduced = stop.value.value
+        assert torch.equal(reduced.local, torch.full((8,), float(r + 1)))
+        assert torch.equal(reduced.total, torch.full((8,), 3.0))
+
+
+def test_reduces_into_follows_what_the_class_runs() -> None:
+    """The flag, set when a class is made: regained by a class that defines its own
+    ``reduce_into`` below an overridden ``reduce``; lost by a summable codec of the default
+    protocol (it does not use ``out``) and by a ``sum_decoded`` whose signature cannot be
+    read; a cast subclass that overrides ``reduce_into`` or ``_one_round`` has no bound form
+    (its own protocol runs in a DDP lane too)."""
+    from commpress.codecs.cast import Fp16
+
+    base = _codecs_with_their_own_reduce()["subclass"]
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Regained(type(base)):  # type: ignore[misc]
+        def reduce_into(self, tensor: torch.Tensor, ctx: CodecContext, *,
+                        out: torch.Tensor | None = None,
+                        scratch: dict[str, torch.Tensor] | None = None) -> Any:
+            return self.reduce(tensor, ctx)
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Summed(_Passthrough):
+        summable: ClassVar[bool] = True
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Builtin(_Passthrough):
+        sum_decoded = staticmethod(torch.add)  # type: ignore[assignment]
+
+    assert Regained.reduces_into and not type(base).reduces_into
+    assert not Summed.reduces_into and _Passthrough.reduces_into
+    assert not Builtin.reduces_into
+
+    x = torch.randn(64)
+    ctx = CodecContext(rank=0, world_size=2, key="b", average=True, need_local=False)
+    assert Fp16().bind(x, ctx, out=x.clone(), scratch={}) is not None
+    for name in ("reduce_into", "_one_round"):
+        @dataclass(frozen=True, slots=True, kw_only=True)
+        class Sub(Fp16):
+            pass
+
+        def override(self: Any, *args: Any, _name: str = name, **kw: Any) -> Any:
+            return getattr(Fp16, _name)(self, *args, **kw)
+
+        setattr(Sub, name, override)
+        assert Sub().bind(x, ctx, out=x.clone(), scratch={}) is None, name

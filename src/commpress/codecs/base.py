@@ -161,6 +161,28 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a0 < b1 and b0 < a1
 
 
+def _may_reduce_into(cls: type[Codec]) -> bool:
+    """Whether ``cls.reduce_into`` can serve ``out=``: no class or mixin overrides
+    ``reduce`` below the class that defines ``reduce_into`` (a subclass's own ``reduce`` is
+    otherwise what both must run), an overridden ``sum_decoded`` takes ``out=`` (one written
+    before it had one does not), and the default protocol is not a summable codec's (its
+    decode of the all-reduced payload does not use ``out``)."""
+    def owner(name: str) -> type:
+        return next(k for k in cls.__mro__ if name in k.__dict__)
+
+    reduce_from = owner("reduce")
+    if reduce_from is not Codec and not issubclass(owner("reduce_into"), reduce_from):
+        return False
+    if owner("_one_round") is Codec and cls.summable:
+        return False
+    if cls.sum_decoded is Codec.sum_decoded:
+        return True
+    try:
+        return "out" in inspect.signature(cls.sum_decoded).parameters
+    except (TypeError, ValueError):  # no signature to read: not known to take out=
+        return False
+
+
 def shape_numel(shape: tuple[int, ...] | torch.Size) -> int:
     """Elements of a tensor of ``shape`` (1 for a 0-d shape ``()``)."""
     return math.prod(int(d) for d in shape)
@@ -424,17 +446,10 @@ class Codec(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # reduce_into serves out= only where no class overrides reduce below the one that
-        # defines reduce_into (Codec's runs this class's one-round protocol): a mixin's or
-        # subclass's own reduce is otherwise what both run
-        reduce_from = next(k for k in cls.__mro__ if "reduce" in k.__dict__)
-        into_from = next(k for k in cls.__mro__ if "reduce_into" in k.__dict__)
-        if reduce_from is not Codec and not issubclass(into_from, reduce_from):
+        if not _may_reduce_into(cls):
             cls.reduces_into = False
-        # nor where an overridden sum_decoded takes no out= (one written before it had one)
-        if (cls.sum_decoded is not Codec.sum_decoded
-                and "out" not in inspect.signature(cls.sum_decoded).parameters):
-            cls.reduces_into = False
+        elif "reduce_into" in cls.__dict__ and "reduces_into" not in cls.__dict__:
+            cls.reduces_into = True  # its own reduce_into, below any reduce
         # A lossless codec is exact, hence unbiased and contractive, whatever it declares.
         if cls.__dict__.get("lossless", False):
             cls.unbiased = True
@@ -629,7 +644,8 @@ class Codec(ABC):
         scratch: dict[str, torch.Tensor] | None = None,
     ) -> Protocol:
         """:meth:`reduce`, with the total written into ``out`` where the codec
-        :attr:`reduces_into` (else :meth:`reduce` itself; ``out`` and ``scratch`` unused).
+        :attr:`reduces_into` (else :meth:`reduce` itself, ``out`` and ``scratch`` unused: a
+        ``reduce`` that calls ``reduce_into`` must then come with its own ``reduce_into``).
 
         ``out``, a contiguous tensor of ``tensor``'s shape, dtype and device (it may be
         ``tensor`` itself, which is read before), receives a gathered total
@@ -651,6 +667,14 @@ class Codec(ABC):
         into = out if out is not None and fits_out(out, tensor) else None
         payload = self.encode(tensor, ctx, scratch=scratch if into is not None else None)
         local = self.decode(payload, ctx) if ctx.need_local else None
+        if into is not None and (
+            tuple(payload.shape) != tuple(into.shape) or payload.dtype != into.dtype
+            or payload.device != into.device
+            or (local is not None and _shares_memory(local, into))
+        ):
+            # a payload of another dtype (a codec encoding a cast of its input), or a local
+            # contribution that the total would overwrite: the total in new memory
+            into = None
         if self.summable:
             summed = yield AllReduce(tensors=dict(payload.parts), **self.sum_lanes(payload))
             total_payload = payload.replace(parts=dict(summed), summed=ctx.world_size)
@@ -668,10 +692,10 @@ class Codec(ABC):
         self, tensor: torch.Tensor, ctx: CodecContext, *, out: torch.Tensor,
         scratch: dict[str, torch.Tensor],
     ) -> Bound | None:
-        """:meth:`reduce` of ``tensor`` into ``out`` prepared for repeated calls on the same
-        memory (:class:`~commpress.codecs.protocol.Bound`), or ``None`` where the codec has no
-        such form (the default) or not for these arguments: the caller then runs
-        :meth:`reduce`. Only deterministic, stateless, single-round codecs whose one request
+        """:meth:`reduce_into` of ``tensor`` into ``out`` prepared for repeated calls on the
+        same memory (:class:`~commpress.codecs.protocol.Bound`), or ``None`` where the codec
+        has no such form (the default) or not for these arguments: the caller then runs
+        :meth:`reduce_into`. Only deterministic, stateless, single-round codecs whose one request
         is an in-place all-reduce and whose encoding ignores ``ctx.step`` and ``ctx.key`` may
         return one (the 16-bit casts). ``tensor`` is read and ``out`` written at each call,
         with the values they hold then; ``scratch`` (a dict the caller keeps) holds the wire

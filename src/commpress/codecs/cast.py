@@ -256,13 +256,16 @@ class _FloatCast(Codec):
         return _cast_into(x, self._scratch_buffer(scratch, x), saturate=False)
 
 
-#: What :meth:`_FloatCast.bind` replays in place of :meth:`_FloatCast.reduce`'s encode.
-_BIND_REPLAYS = ("encode", "_encode", "_scratch", "_scratch_buffer", "reduce")
+#: What :meth:`_FloatCast.bind` replays in place of the encode of its protocol
+#: (:meth:`_FloatCast._one_round`, run by ``reduce`` and ``reduce_into``).
+_BIND_REPLAYS = ("encode", "_encode", "_scratch", "_scratch_buffer", "reduce", "reduce_into",
+                 "_one_round")
 
 
 def _binds_as_cast(cls: type[_FloatCast]) -> bool:
     """Whether ``cls`` encodes and reduces as :class:`_FloatCast` does (a subclass that
-    changes the encoding, a scaled cast say, has no bound form: its own :meth:`reduce` runs)."""
+    changes the encoding or the protocol, a scaled cast say, has no bound form: its own
+    :meth:`reduce` / :meth:`reduce_into` runs)."""
     return all(getattr(cls, name) is getattr(_FloatCast, name) for name in _BIND_REPLAYS)
 
 

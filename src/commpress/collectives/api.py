@@ -129,8 +129,9 @@ def reduce(
             (identity) and ``op="sum"`` this avoids every copy; a codec of the default
             one-round protocol (the casts, and the all-gathered minmax, QSGD, TernGrad,
             sign, Top-K, DGC) on strategy ``auto`` without offload sums or decodes into the
-            tensor (each bucket into its own part), without new memory; otherwise the total
-            is copied back at the end. If the reduction fails, the tensor's content is
+            tensor (each bucket into its own part; a 16-bit total is narrowed into it by the
+            numba kernels, else made in new memory first); otherwise the total is copied
+            back at the end. If the reduction fails, the tensor's content is
             undefined (parts may hold partial sums).
     """
     options = engine.ReduceOptions(
