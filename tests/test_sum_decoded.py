@@ -157,17 +157,19 @@ def test_sum_decoded_into_out_is_the_new_total(
     held (NaN here), and is what is returned; on both backends."""
     codec = get_codec(spec)
     g = torch.Generator().manual_seed(5)
-    xs = [(torch.randn(40, 37, generator=g) * 50).to(dtype) for _ in range(3)]
-    xs[2][1, 1] = float("nan")
-    ctxs = [CodecContext(rank=r, world_size=3, key="o") for r in range(3)]
-    payloads = [codec.encode(x, c) for x, c in zip(xs, ctxs, strict=True)]
-    for backend in ("numba", "torch") if kernels.available() else ("torch",):
-        with kernels.use_backend(backend):
-            want = codec.sum_decoded(payloads, ctxs[0], average=average)
-            out = torch.full_like(xs[0], float("nan"))
-            got = codec.sum_decoded(payloads, ctxs[0], average=average, out=out)
-        assert got is out, (spec, backend)
-        assert _bits(got) == _bits(want), (spec, dtype, backend)
+    for shape in ((40, 37), (0, 5)):  # (an empty total is ``out`` too)
+        xs = [(torch.randn(shape, generator=g) * 50).to(dtype) for _ in range(3)]
+        if xs[2].numel():
+            xs[2][1, 1] = float("nan")
+        ctxs = [CodecContext(rank=r, world_size=3, key="o") for r in range(3)]
+        payloads = [codec.encode(x, c) for x, c in zip(xs, ctxs, strict=True)]
+        for backend in ("numba", "torch") if kernels.available() else ("torch",):
+            with kernels.use_backend(backend):
+                want = codec.sum_decoded(payloads, ctxs[0], average=average)
+                out = torch.full_like(xs[0], float("nan"))
+                got = codec.sum_decoded(payloads, ctxs[0], average=average, out=out)
+            assert got is out, (spec, backend, shape)
+            assert _bits(got) == _bits(want), (spec, dtype, backend, shape)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

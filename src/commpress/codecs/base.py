@@ -869,7 +869,7 @@ class Codec(ABC):
         if divisor > 1:
             acc /= divisor
         total = saturating_cast(acc, first.dtype, inplace=True)
-        if out is None or total.data_ptr() == out.data_ptr():
+        if out is None or total is out:
             return total
         return out.copy_(total)
 
