@@ -675,9 +675,7 @@ def _replay_finish(
 
 def _settle_shot(ex: Exchange, shot: Shot, buffer: torch.Tensor) -> int:
     """A lane's shot finished into the bucket ``buffer``; the wire bytes it counted."""
-    total = shot.finish().total
-    if total.data_ptr() != buffer.data_ptr() or total.dtype != buffer.dtype:
-        buffer.copy_(total)
+    engine.write_total(buffer, shot.finish().total)
     return int(ex.stats.get("wire_bytes", 0))
 
 
@@ -699,8 +697,7 @@ def _single_task(
         state, key, t, exchange, rank=ex.rank, world_size=ex.world_size, step=step, plan=plan,
         out=t,
     )
-    if reduced.total.data_ptr() != t.data_ptr() or reduced.total.dtype != t.dtype:
-        t.copy_(reduced.total)
+    engine.write_total(t, reduced.total)
 
 
 def _batched_task(

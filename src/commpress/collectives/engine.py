@@ -283,13 +283,18 @@ def bucket_slices(shape: tuple[int, ...], bucket_elems: int) -> tuple[list[tuple
     return [(lo, min(lo + step, length)) for lo in range(0, length, step)], unit
 
 
+def write_total(dest: torch.Tensor, total: torch.Tensor) -> None:
+    """Copy ``total`` into ``dest`` unless it is already there (a codec or the driver that
+    reduced into ``dest``'s memory, ``out=`` or :attr:`Exchange.writable`)."""
+    if total.data_ptr() != dest.data_ptr() or total.dtype != dest.dtype:
+        dest.copy_(total)
+
+
 def finish_inplace(tensor: torch.Tensor, reduced: Reduced, inplace: bool) -> Reduced:
     """``reduced``, with the total written into ``tensor`` when ``inplace``."""
     if not inplace:
         return reduced
-    out = tensor.detach()
-    if reduced.total.data_ptr() != out.data_ptr() or reduced.total.dtype != out.dtype:
-        out.copy_(reduced.total)
+    write_total(tensor.detach(), reduced.total)
     return Reduced(total=tensor, local=reduced.local)
 
 
@@ -529,8 +534,7 @@ def dense_with_feedback(
     reduced = yield from exchange(codec, flat, ctx, out=out, scratch=scratch)
     totals = reduced.total
     if dest is not None:
-        if totals.data_ptr() != dest.data_ptr() or totals.dtype != dest.dtype:
-            dest.copy_(totals)  # the means, in the tensors' dtype, in their memory
+        write_total(dest, totals)  # the means, in the tensors' dtype, in their memory
         totals = dest
         if not feedback:  # the means are in the tensors already: count them
             state.record_group(plans, dest, tensors)
@@ -571,4 +575,5 @@ __all__ = [
     "run_jobs",
     "schedule_jobs",
     "with_feedback",
+    "write_total",
 ]
