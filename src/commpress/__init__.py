@@ -30,7 +30,7 @@ from commpress.errors import (
     PayloadError,
     PeerLostError,
 )
-from commpress.procs import tune_cpu_allocator
+from commpress.procs import tune_cpu_allocator, use_huge_pages
 
 __version__ = "0.1.0"
 
@@ -65,4 +65,5 @@ __all__ = [
     "send",
     "simulate",
     "tune_cpu_allocator",
+    "use_huge_pages",
 ]

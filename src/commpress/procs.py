@@ -1,12 +1,25 @@
-"""Process helpers: for the worker processes that commpress starts (benchmarks, tests), and
-:func:`tune_cpu_allocator` for a training process on a CPU."""
+"""Process helpers: for the worker processes that commpress starts (benchmarks, tests),
+:func:`tune_cpu_allocator` for a training process on a CPU, and :func:`advise_huge_pages`, the
+huge-page backing of commpress's own large CPU buffers (:func:`use_huge_pages` turns it off)."""
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
+import sys
 import threading
 import time
+from collections.abc import Callable
+
+#: ``madvise``'s advice that asks the kernel to back a range with transparent huge pages (Linux's
+#: ``MADV_HUGEPAGE``, mman-common.h).
+_MADV_HUGEPAGE = 14
+#: The smallest block :func:`advise_huge_pages` advises (numpy's threshold for its own arrays):
+#: below it a block holds at most one aligned 2 MiB page and usually comes from reused heap.
+HUGE_PAGE_MIN_BYTES = 4 << 20
+_PAGE = mmap.PAGESIZE  # madvise takes whole pages (4 KiB on x86-64)
+_huge_pages = {"on": True}
 
 #: glibc's ``mallopt`` parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -62,6 +75,61 @@ def tune_cpu_allocator(
     if not libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(min(mmap_threshold, 2**31 - 1))):
         return False
     return bool(libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(min(trim_threshold, 2**31 - 1))))
+
+
+def use_huge_pages(enabled: bool) -> bool:
+    """Whether :func:`advise_huge_pages` advises from now on (default: it does); returns the
+    previous setting. Off, commpress's large CPU buffers are plain ``torch.empty`` memory
+    (the choice for a process that must never wait on the kernel's compaction of memory into
+    huge pages, which ``/sys/kernel/mm/transparent_hugepage/defrag`` may allow on a fault)."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"use_huge_pages: enabled must be a bool, got {enabled!r}")
+    previous = _huge_pages["on"]
+    _huge_pages["on"] = enabled
+    return previous
+
+
+def advise_huge_pages(address: int, nbytes: int) -> bool:
+    """Ask Linux to back the whole pages (4 KiB on x86-64) of the ``nbytes`` at ``address`` with
+    transparent huge pages (``madvise(MADV_HUGEPAGE)``) before they are first touched;
+    ``True`` when the advice was taken. Nothing is done (``False``) for a block under
+    :data:`HUGE_PAGE_MIN_BYTES`, off Linux or glibc, when :func:`use_huge_pages` turned it
+    off, or where the kernel refuses (transparent huge pages compiled out); the memory is
+    the same either way, only its page size differs.
+
+    Why: a fresh block of CPU memory is mapped one 4 KiB page per fault on first touch, and
+    those faults (kernel entry, zeroing, page-table update) cost several times the pass that
+    fills the block: 64 MiB, fresh and filled, took 17 ms against a hot copy's 3.9 ms on the
+    2-core AMD EPYC of the README; advised, 4.3 ms (545 faults, 32 of them of 2 MiB, instead
+    of 16,385), and the passes over it take fewer TLB misses afterwards. numpy advises its
+    own arrays the same way from 4 MiB; torch does so only when a process starts with
+    ``THP_MEM_ALLOC_ENABLE=1``. The advice applies where the system's
+    ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise`` (the usual
+    default); with ``never`` it has no effect."""
+    if not _huge_pages["on"] or nbytes < HUGE_PAGE_MIN_BYTES:
+        return False
+    madvise = _madvise()
+    if madvise is None:
+        return False
+    start = -(-address // _PAGE) * _PAGE
+    end = (address + nbytes) // _PAGE * _PAGE
+    return end > start and madvise(start, end - start, _MADV_HUGEPAGE) == 0
+
+
+_madvise_fn: list[Callable[[int, int, int], int] | None] = []
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """glibc's ``madvise`` on Linux (looked up once), else ``None``."""
+    if not _madvise_fn:
+        libc = _glibc() if sys.platform.startswith("linux") else None
+        fn = None
+        if libc is not None:
+            fn = libc.madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+        _madvise_fn.append(fn)
+    return _madvise_fn[0]
 
 
 def _glibc() -> ctypes.CDLL | None:

@@ -841,8 +841,7 @@ class Codec(ABC):
         elif into is not None:
             acc = into if dense else into.zero_()
         else:
-            acc = (torch.empty if dense else torch.zeros)(
-                first.shape, dtype=acc_dtype, device=first.device)
+            acc = (kernels.empty if dense else kernels.zeros)(first.shape, acc_dtype, first.device)
         for i, p in enumerate(payloads):
             self.check_payload(p, first.shape)
             with error_context(f"{self.codec_id}.decode", wrap_as=PayloadError):
@@ -856,7 +855,7 @@ class Codec(ABC):
             # memory (the result outlives this thread's kept accumulator); where a quotient is
             # not finite, torch's passes below instead (NaN bits as torch makes them)
             narrow = (target if target is not None
-                      else torch.empty(first.shape, dtype=first.dtype))
+                      else kernels.empty(first.shape, first.dtype))
             if kernels.narrow_sum(acc, narrow, divisor=divisor):
                 return narrow if out is None or narrow is out else out.copy_(narrow)
             if dense and bool(torch.isnan(acc).any()):

@@ -55,7 +55,7 @@ def kept_buffer(
     payload memory of an encode with ``scratch=`` (:attr:`Codec.encodes_into`)."""
     buf = scratch.get(key)
     if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
-        buf = torch.empty(numel, dtype=dtype, device=device)
+        buf = kernels.empty(numel, dtype, device)
         scratch[key] = buf
     return buf
 
@@ -100,7 +100,7 @@ def scale_values(
     if values.device.type == "cpu" and exponent.numel() == 1 and int(exponent) == 0:
         if (values.dtype in _HALF and value_dtype in _HALF and values.dtype != value_dtype
                 and values.numel() and kernels.use_kernels(values, "convert")):
-            out = torch.empty(values.numel(), dtype=value_dtype)
+            out = kernels.empty(values.numel(), value_dtype)
             return kernels.convert(values.reshape(-1).contiguous(), out).reshape(values.shape)
         return values.to(value_dtype)
     work = work_dtype(values.dtype)

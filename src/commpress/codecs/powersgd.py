@@ -286,7 +286,7 @@ class PowerSGD(Codec):
         # out-of-range value can only become +-Inf
         factor = 2.0 ** headroom_log2(1, n)
         if out is None:
-            out = torch.empty(payload.shape, dtype=payload.dtype, device=p.device)
+            out = kernels.empty(payload.shape, payload.dtype, p.device)
         rows = out.view(n, m)
         if _kernel_path(rows) and rows.is_contiguous():
             # one numba pass writing each output row while it is in cache: the products
@@ -358,7 +358,7 @@ class PowerSGD(Codec):
 def _low_rank(p: torch.Tensor, q: torch.Tensor, factor: float, dtype: torch.dtype) -> torch.Tensor:
     """``saturating_cast(p @ q.T * factor, dtype)``, computed as the decode computes it (the
     numba kernel on a CPU, so the reduce's totals equal the decodings bit for bit)."""
-    out = torch.empty(p.shape[0], q.shape[0], dtype=dtype, device=p.device)
+    out = kernels.empty((p.shape[0], q.shape[0]), dtype, p.device)
     if _kernel_path(out):
         kernels.lowrank_decode(p, q, factor, out)
         return out

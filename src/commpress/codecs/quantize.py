@@ -187,7 +187,7 @@ def _direct(
     ``out``). :func:`_into` finishes either way."""
     if payload.dtype in _KERNEL_DTYPES:
         if out is None:
-            return torch.empty(payload.numel, dtype=payload.dtype, device=codes.device)
+            return kernels.empty(payload.numel, payload.dtype, codes.device)
         if out.dtype == payload.dtype and out.is_contiguous():
             return out
     if out is None:

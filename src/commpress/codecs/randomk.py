@@ -274,7 +274,7 @@ class RandomK(Codec):
             and kernels.use_kernels(out, "spread")
         )
         if out is None:
-            out = torch.zeros(payload.shape, dtype=payload.dtype, device=values.device)
+            out = kernels.zeros(payload.shape, payload.dtype, values.device)
         elif not spread:
             out.zero_()
         if d:

@@ -238,7 +238,7 @@ def scatter_decode(
     error context turns into a :class:`CommpressError`.
     """
     if out is None:
-        out = torch.zeros(payload.shape, dtype=payload.dtype, device=values.device)
+        out = kernels.zeros(payload.shape, payload.dtype, values.device)
     else:
         out.zero_()
     if values.numel():

@@ -552,8 +552,8 @@ class Thc(Codec):
             if out is not None and direct:
                 target = out
             else:
-                target = torch.empty(
-                    lay.numel, dtype=dtype if direct else torch.float32, device=codes.device
+                target = kernels.empty(
+                    lay.numel, dtype if direct else torch.float32, codes.device
                 )
             if triton:  # one launch: the parameters' float32 values computed in the kernel
                 kernels.thc_decode(

@@ -464,7 +464,7 @@ class TopKC(Codec):
         else:
             chosen_values = saturating_cast(unscale_values(values, e, work), payload.dtype)
         if out is None or lay.chunks * lay.chunk != lay.numel:
-            full = torch.zeros(lay.chunks, lay.chunk, dtype=payload.dtype, device=values.device)
+            full = kernels.zeros((lay.chunks, lay.chunk), payload.dtype, values.device)
             target = full.view(-1)
         else:
             # zero the buffer (a hot memset) and copy the chosen chunks in place
@@ -493,8 +493,7 @@ class TopKC(Codec):
         chosen = _chosen(keys, lay.selected)
         cpu = values.device.type == "cpu"
         if out is None or lay.chunks * lay.chunk != lay.numel:
-            target = torch.zeros(lay.chunks * lay.chunk, dtype=payload.dtype,
-                                 device=values.device)
+            target = kernels.zeros(lay.chunks * lay.chunk, payload.dtype, values.device)
         else:
             target = out.view(-1)
             target.zero_()

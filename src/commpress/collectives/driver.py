@@ -53,6 +53,7 @@ from typing import Any, TypeAlias, TypeVar
 import torch
 import torch.distributed as dist
 
+from commpress.codecs import kernels
 from commpress.codecs.base import Codec, CodecContext, Payload, memory_span
 from commpress.codecs.protocol import AllGather, AllReduce, Bound, Protocol, Reduced, Request
 from commpress.codecs.simulate import reduce_tensors
@@ -472,7 +473,7 @@ def pack_bytes(
     else:
         if device is None:
             device = tensors[0].device if tensors else torch.device("cpu")
-        buf = torch.zeros(size, dtype=torch.uint8, device=device)
+        buf = kernels.zeros(size, torch.uint8, device)
     pos = 0
     for off, t in zip(offsets, tensors, strict=True):
         if out is not None and off > pos:
@@ -528,7 +529,7 @@ class GatherBuffers:
                 self._kept -= nbytes
                 self.reused += 1
                 return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return kernels.empty(nbytes, torch.uint8)
 
     def give(self, buffers: Iterable[torch.Tensor]) -> None:
         """Keep ``buffers`` (taken with :meth:`take`, no longer used) while :attr:`limit`
@@ -768,7 +769,7 @@ def all_reduce_task(
         specs = [(tuple(t.shape), t.dtype) for t in tensors]
         device = ex.comm_device(tensors[0].device)
         mine = pack_bytes(tensors, device=device)
-        bufs = [torch.empty_like(mine) for _ in range(ex.world_size)]
+        bufs = [kernels.empty(mine.shape, mine.dtype, mine.device) for _ in range(ex.world_size)]
         yield Pending(
             [dist.all_gather(bufs, mine, group=ex.group, async_op=True)],
             f"{what} (saturating all-reduce as all-gather)", last,
@@ -1111,7 +1112,8 @@ def all_gather_task(
             bufs = list(received.view(ex.world_size, size).unbind(0))
         else:
             mine = pack_bytes(local, size, device=device)
-            bufs = [torch.empty_like(mine) for _ in range(ex.world_size)]
+            bufs = [kernels.empty(mine.shape, mine.dtype, mine.device)
+                    for _ in range(ex.world_size)]
         yield Pending(
             [dist.all_gather(bufs, mine, group=ex.group, async_op=True)], f"{what} (payloads)",
             last,

@@ -54,7 +54,14 @@ import numpy as np
 import torch
 
 from commpress.codecs.kernels import numba_cache, numba_cpu
-from commpress.codecs.kernels.common import TRITON_MAX_ELEMENTS, check_codes, scratch32, widen
+from commpress.codecs.kernels.common import (
+    TRITON_MAX_ELEMENTS,
+    check_codes,
+    empty,
+    scratch32,
+    widen,
+    zeros,
+)
 from commpress.errors import CommpressError
 
 Backend: TypeAlias = Literal["auto", "numba", "triton", "torch"]
@@ -837,6 +844,7 @@ __all__ = [
     "convert_divide_pays",
     "prepare_convert_divide",
     "dispatch_counts",
+    "empty",
     "finite_max_abs",
     "first_distinct",
     "gather_finite",
@@ -873,4 +881,5 @@ __all__ = [
     "use_kernels",
     "warm_up",
     "widen",
+    "zeros",
 ]

@@ -1,4 +1,5 @@
-"""Buffers shared by every kernel backend: fp32 scratch, widening, decode outputs."""
+"""Buffers shared by every kernel backend: fp32 scratch, widening, decode outputs, and
+:func:`empty`, the fresh large CPU tensors on huge pages."""
 
 from __future__ import annotations
 
@@ -7,8 +8,33 @@ import threading
 import torch
 
 from commpress.errors import CommpressError
+from commpress.procs import advise_huge_pages
 
 _scratch = threading.local()
+
+
+def empty(
+    shape: int | tuple[int, ...] | torch.Size, dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device=device)``, a large CPU one advised onto huge
+    pages before anything touches it (:func:`commpress.procs.advise_huge_pages`: from 4 MiB,
+    on Linux): the codecs' fresh payloads, decodes and kept buffers are written right away,
+    and a fresh block's 4 KiB page faults cost them several times the pass itself. The
+    tensor is torch's own (its allocator, storage and lifetime), only its pages differ."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.device.type == "cpu":
+        advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
+    return t
+
+
+def zeros(
+    shape: int | tuple[int, ...] | torch.Size, dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``torch.zeros`` as :func:`empty` makes it: a large CPU one on huge pages (torch's own
+    ``zeros`` is an empty tensor and a fill on a CPU too)."""
+    return empty(shape, dtype, device).zero_()
 
 
 def scratch32(n: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -38,7 +64,7 @@ def thread_buffer(n: int, dtype: torch.dtype, use: str) -> torch.Tensor:
         bufs = _scratch.bufs = {}
     buf = bufs.get((use, dtype))
     if buf is None or buf.numel() < n:
-        buf = bufs[(use, dtype)] = torch.empty(max(n, 1), dtype=dtype)
+        buf = bufs[(use, dtype)] = empty(max(n, 1), dtype)
     return buf[:n]
 
 
@@ -47,7 +73,7 @@ def codes_buffer(codes: torch.Tensor | None, nbytes: int, device: torch.device) 
     by :func:`check_codes`) when given, else a new uint8 tensor of ``nbytes`` on ``device``."""
     if codes is not None:
         return codes
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return empty(nbytes, torch.uint8, device)
 
 
 def check_codes(codes: torch.Tensor | None, n: int, bits: int, x: torch.Tensor) -> None:

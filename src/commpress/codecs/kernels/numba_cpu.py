@@ -44,7 +44,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from commpress.codecs.kernels.common import codes_buffer
+from commpress.codecs.kernels.common import codes_buffer, empty
 from commpress.errors import CommpressError
 
 #: Codes handled by one parallel work item (a multiple of 8, so items own whole bytes).
@@ -3587,7 +3587,7 @@ def target(
     (``n`` contiguous float32, bfloat16 or float16 values on the CPU, written in its dtype),
     or a fresh float32 tensor."""
     if out is None:
-        out = torch.empty(n, dtype=torch.float32)
+        out = empty(n, torch.float32)
     omode = MODES.get(out.dtype)
     if omode is None or out.numel() != n or not out.is_contiguous() or out.device.type != "cpu":
         raise CommpressError(
@@ -3770,7 +3770,7 @@ class NumbaKernels:
     ) -> torch.Tensor:
         """See :func:`commpress.codecs.kernels.stochastic_encode`."""
         xf, x16, xmode, n = source(x)
-        packed = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+        packed = empty(-(-n * bits // 8), torch.uint8)
         mode, noise_np = _noise_arg(noise)
         with _launch():
             self["stochastic_encode"](

@@ -969,7 +969,7 @@ def thc_encode(
     xi, xb, mode = _source(x)
     blocks = padded // block
     ranges = torch.empty(blocks, dtype=torch.float32)
-    codes = torch.empty(padded, dtype=lane)
+    codes = kernels.empty(padded, lane)
     nmode, nseed, nz = _noise_args(seed, noise)
     with numba_cpu._launch():
         _kernel("thc_encode")(
@@ -985,7 +985,7 @@ def thc_rotate(
     """``(y, ranges)``: the padded rotation ``H(signs * scale * x)`` (float32) and its
     per-block ``max |y|`` (``+inf`` for a block holding NaN)."""
     xi, xb, mode = _source(x)
-    y = torch.empty(padded, dtype=torch.float32)
+    y = kernels.empty(padded, torch.float32)
     ranges = torch.empty(padded // block, dtype=torch.float32)
     with numba_cpu._launch():
         _kernel("thc_rotate")(
@@ -1000,7 +1000,7 @@ def thc_quantize(
     lane: torch.dtype, noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Codes ``clamp(floor(y / step + u), -L, L)`` (non-finite quotients give 0)."""
-    codes = torch.empty(y.numel(), dtype=lane)
+    codes = kernels.empty(y.numel(), lane)
     nmode, nseed, nz = _noise_args(seed, noise)
     with numba_cpu._launch():
         _kernel("thc_quantize")(
