@@ -652,7 +652,7 @@ def _plain_buffer(x: torch.Tensor, ex: Exchange) -> torch.Tensor:
     """What a plain all-reduce of ``x`` sums in: the caller's memory when it is
     :attr:`Exchange.writable`, else a copy (counted as wire bytes)."""
     flat = x.reshape(-1)
-    buf = flat if ex.may_overwrite(flat) else flat.clone()
+    buf = flat if ex.may_overwrite(flat) else kernels.copy_of(flat)
     if ex.world_size > 1:
         ex.count(buf.numel() * buf.element_size())
     return buf

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import torch
 
+from commpress.codecs import kernels
 from commpress.codecs.base import Codec, CodecContext, require
 from commpress.codecs.registry import codec_class, codec_ids, get_codec
 from commpress.errors import CommpressError, error_context
@@ -167,16 +168,16 @@ class FeedbackMemory:
                 f"{getattr(grad, 'dtype', type(grad).__name__)}"
             )
         dtype = _memory_dtype(grad.dtype)
-        x = grad.detach().to(dtype=dtype, copy=True)
+        x = kernels.copy_of(grad.detach(), dtype)  # large ones on huge pages
         if not self.config.error_feedback:
             return x
         if self.config.momentum > 0.0:
             u = self._fetch(self._velocity, key, grad, dtype)
             # a new tensor, not an in-place update: the caller may still hold the old velocity
             # to restore it if the step turns out non-finite (CompressionState's rollback)
-            u = x.clone() if u is None else u.mul(self.config.momentum).add_(x)
+            u = kernels.copy_of(x) if u is None else u.mul(self.config.momentum).add_(x)
             self._velocity[key] = u
-            x = u.clone()
+            x = kernels.copy_of(u)
         e = self._fetch(self._residual, key, grad, dtype)
         if e is not None:
             x.add_(e)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commpress.codecs import kernels
 from commpress.codecs.base import Codec, CodecContext, Payload
 from commpress.codecs.registry import codec_ids, get_codec
 from commpress.collectives.driver import (
@@ -166,7 +167,7 @@ def _recv_now(
     shape = tuple(int(d) for d in row[_FIXED : _FIXED + row[3]])
     meta = row[_FIXED + _MAX_DIMS :]
     specs = [((int(row[4]),), torch.uint8), *parse_payload_meta(meta)]
-    body = torch.empty(packed_layout(specs)[1], dtype=torch.uint8, device=comm)
+    body = kernels.empty(packed_layout(specs)[1], torch.uint8, comm)
     # Always take the body off the wire, even when refusing it, so the sender never blocks.
     works = _issue(ex, src, "receiving", lambda: [dist.irecv(body, peer, group=ex.group, tag=tag)])
     ex.wait(Pending(works, f"body from rank {src}"))

@@ -57,6 +57,7 @@ from commpress.codecs.kernels import numba_cache, numba_cpu
 from commpress.codecs.kernels.common import (
     TRITON_MAX_ELEMENTS,
     check_codes,
+    copy_of,
     empty,
     scratch32,
     widen,
@@ -842,6 +843,7 @@ __all__ = [
     "convert",
     "convert_divide",
     "convert_divide_pays",
+    "copy_of",
     "prepare_convert_divide",
     "dispatch_counts",
     "empty",

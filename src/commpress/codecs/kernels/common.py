@@ -23,9 +23,20 @@ def empty(
     and a fresh block's 4 KiB page faults cost them several times the pass itself. The
     tensor is torch's own (its allocator, storage and lifetime), only its pages differ."""
     t = torch.empty(shape, dtype=dtype, device=device)
-    if t.device.type == "cpu":
+    # a plain tensor only: a subclass (torch's FakeTensor while tracing) has no real memory
+    if t.device.type == "cpu" and type(t) is torch.Tensor:
         advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
     return t
+
+
+def copy_of(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new tensor holding ``x`` (converted to ``dtype`` when given): ``x.to(dtype,
+    copy=True)``, made by :func:`empty` when ``x`` is contiguous (the same values, the same
+    contiguous layout); another layout (channels-last, a view with gaps) keeps torch's copy,
+    whose strides follow ``x``'s."""
+    if not x.is_contiguous():
+        return x.to(dtype=dtype if dtype is not None else x.dtype, copy=True)
+    return empty(x.shape, dtype if dtype is not None else x.dtype, x.device).copy_(x)
 
 
 def zeros(
