@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,8 +28,7 @@ SPECS = ("fp16", "bf16", "minmax", "qsgd", "terngrad", "sign", "topk", "randomk"
 PROBE = """
 import json, sys, torch
 from commpress import procs
-from commpress.codecs import CodecContext, get_codec, kernels
-from commpress.collectives.driver import GATHER_BUFFERS, pack_bytes
+from commpress.codecs import CodecContext, get_codec
 
 def advised(t):
     # the mapping holding the tensor's middle (its first page, shared with the allocator's
@@ -48,7 +48,7 @@ def advised(t):
 
 if sys.argv[1] == "off":
     assert procs.use_huge_pages(False) is True
-n = 10 << 20  # 40 MiB of float32: above glibc's largest mmap threshold, a mapping of its own
+n = 10 << 20  # 40 MiB of float32
 x = torch.randn(2560, 4096)
 out = {"plain torch.empty": advised(torch.empty(n))}
 for spec in sys.argv[2].split(","):
@@ -57,19 +57,10 @@ for spec in sys.argv[2].split(","):
 wide = torch.randn(4 * n).bfloat16()
 out["fp16 encode of bf16"] = advised(get_codec("fp16").encode(wide[: 2 * n], CodecContext())
                                      .parts["values"])
-out["fp16 encode of fp32"] = advised(get_codec("fp16").encode(x, CodecContext()).parts["values"])
 out["qsgd codes of bf16"] = advised(get_codec("qsgd").encode(wide, CodecContext()).parts["codes"])
-out["qsgd codes kept (scratch=)"] = advised(
-    get_codec("qsgd").encode(wide, CodecContext(), scratch={}).parts["codes"])
-out["thc codes"] = advised(get_codec("thc").encode(x, CodecContext()).parts["codes"])
 codec, ctx = get_codec("minmax"), CodecContext()
 payloads = [codec.encode(x, ctx), codec.encode(-x, ctx)]
 out["minmax sum_decoded total"] = advised(codec.sum_decoded(payloads, ctx))
-half = [codec.encode(wide, ctx), codec.encode(-wide, ctx)]
-out["minmax sum_decoded bf16 total"] = advised(codec.sum_decoded(half, ctx, average=True))
-out["copy_of"] = advised(kernels.copy_of(x))
-out["gather buffer"] = advised(GATHER_BUFFERS.take(4 * n))
-out["pack_bytes"] = advised(pack_bytes([x]))
 print(json.dumps(out))
 """
 
@@ -99,16 +90,15 @@ def _advice_taken() -> bool:
 
 @pytest.mark.skipif(not _linux_smaps, reason="Linux's /proc/self/smaps shows the advice")
 def test_fresh_large_codec_outputs_are_advised_onto_huge_pages() -> None:
-    """Every codec's fresh decode of 40 MiB, the fp16 cast's payloads, QSGD's codes (new and
-    kept), THC's codes, gathered totals (float32 and bfloat16), a copy for error feedback, the
-    driver's gather buffer and packed bytes sit in advised memory; a plain ``torch.empty`` of the
+    """Every codec's fresh decode of 40 MiB, the fp16 cast's payload of a bfloat16 input,
+    QSGD's codes and a gathered total sit in advised memory; a plain ``torch.empty`` of the
     same size does not (so the check can tell); with ``use_huge_pages(False)`` none does."""
     if not _advice_taken():
         pytest.skip("this kernel refuses MADV_HUGEPAGE (transparent huge pages compiled out)")
     on = _probe("on")
     assert on.pop("plain torch.empty") is False
     assert on and all(on.values()), {k: v for k, v in on.items() if not v}
-    assert len(on) == len(SPECS) + 10
+    assert len(on) == len(SPECS) + 3
     off = _probe("off")
     assert not any(off.values()), {k: v for k, v in off.items() if v}
 
@@ -180,3 +170,41 @@ def test_kernels_empty_and_zeros_are_torch_tensors_of_the_shape_asked(
         assert len(big) == 2 and all(c[1] <= nbytes for c in big), rec.calls
     else:
         assert not rec.calls
+
+
+def _advised_by(call: Any, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether the tensor ``call()`` returns lies in a range that the call itself advised (a
+    recording madvise, so no earlier mapping can answer for it)."""
+    rec = _Recorder()
+    monkeypatch.setattr(procs, "_madvise_fn", [rec])
+    t = call()
+    mid = t.data_ptr() + t.numel() * t.element_size() // 2
+    return any(start <= mid < start + length for start, length, _ in rec.calls)
+
+
+def test_every_fresh_output_site_advises_its_own_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sites beyond the decodes, each asked for one 8-32 MiB tensor: the cast's payload of
+    a float32 input, QSGD's codes (new and kept), THC's codes, gathered totals (float32 and
+    bfloat16), a copy for error feedback, the driver's gather buffer and packed bytes."""
+    from commpress.codecs import CodecContext, get_codec
+    from commpress.collectives.driver import GATHER_BUFFERS, pack_bytes
+
+    x = torch.randn(2 << 20, generator=torch.Generator().manual_seed(0))  # 8 MiB
+    wide = torch.randn(8 << 20, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ctx = CodecContext()
+    fp16, qsgd, thc, minmax = (get_codec(s) for s in ("fp16", "qsgd", "thc", "minmax"))
+    pair = [minmax.encode(x, ctx), minmax.encode(-x, ctx)]
+    half = [minmax.encode(wide, ctx), minmax.encode(-wide, ctx)]
+    cases = {
+        "fp16 encode of fp32": lambda: fp16.encode(wide.float(), ctx).parts["values"],
+        "qsgd codes of bf16": lambda: qsgd.encode(wide, ctx).parts["codes"],
+        "qsgd codes kept (scratch=)": lambda: qsgd.encode(wide, ctx, scratch={}).parts["codes"],
+        "thc codes": lambda: thc.encode(wide.float(), ctx).parts["codes"],
+        "minmax sum_decoded total": lambda: minmax.sum_decoded(pair, ctx),
+        "minmax sum_decoded bf16 total": lambda: minmax.sum_decoded(half, ctx, average=True),
+        "copy_of": lambda: kernels.copy_of(x),
+        "gather buffer": lambda: GATHER_BUFFERS.take(9 << 20),
+        "pack_bytes": lambda: pack_bytes([x]),
+    }
+    missed = [name for name, call in cases.items() if not _advised_by(call, monkeypatch)]
+    assert not missed, missed
