@@ -71,7 +71,7 @@ if want torch; then
 fi
 if want cuda; then
   stage cuda
-  timeout "${CUDA_S:-120}" python3 -m pytest -q -p no:cacheprovider --timeout 100 -rfE \
+  timeout "${CUDA_S:-240}" python3 -m pytest -q -p no:cacheprovider --timeout 100 -rfE \
     tests/test_cuda.py >"$OUT/pytest-cuda.log" 2>&1
   echo "rc $?"; tail -30 "$OUT/pytest-cuda.log"
 fi

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from commpress.errors import CommpressError
+from commpress.perfmodel import calibration
 from commpress.perfmodel.advisor import advise
-from commpress.perfmodel.calibration import fit_network
+from commpress.perfmodel.calibration import FlatTimes, fit_network
 from commpress.perfmodel.codec_costs import CodecSpeed, SpeedTable
 from commpress.perfmodel.collectives import Cluster
 from commpress.perfmodel.model import Platform, Workload, speedup_range
@@ -44,6 +45,49 @@ def test_network_fit_recovers_alpha_and_bandwidth() -> None:
         fit_network(samples[:1], n)
     with pytest.raises(CommpressError, match="at least 2 processes"):
         fit_network(samples, 1)
+
+
+def _scripted_timings(monkeypatch: pytest.MonkeyPatch,
+                      rounds: list[list[float]]) -> list[tuple[int, ...]]:
+    """``_time_all_reduces`` replaced by one that returns ``rounds`` in turn (one median-to-be
+    per size, three equal repeats); returns the list of the calls' sizes."""
+    calls: list[tuple[int, ...]] = []
+
+    def timed(sizes, repeats, device, group=None, member=True):  # type: ignore[no-untyped-def]
+        times = rounds[min(len(calls), len(rounds) - 1)]
+        calls.append(tuple(sizes))
+        return [(b, [t] * repeats) for b, t in zip(sizes, times, strict=True)]
+
+    monkeypatch.setattr(calibration, "_time_all_reduces", timed)
+    return calls
+
+
+SIZES = (1 << 16, 1 << 20, 1 << 22)
+
+
+def test_flat_timings_are_measured_again_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy loopback can time the largest all-reduce fastest (one descheduled rank in the
+    smaller sizes' repeats): the first round is flat, so the fit takes another round, and the
+    medians over both rounds grow with the size. The old code raised at the first round."""
+    flat = [3e-3, 2e-3, 1e-3]  # the largest size fastest: no bandwidth in it
+    growing = [2e-4, 6e-4, 2e-3]
+    calls = _scripted_timings(monkeypatch, [flat, growing])
+    fit = calibration._measure_fit(SIZES, 3, "cpu", 2, "gloo")
+    # medians of both rounds' six repeats: 1.6, 1.3 and 1.5 ms, so the slope from the two
+    # largest sizes is positive
+    assert len(calls) == 2
+    assert [len(t) for _, t in fit.samples] == [6, 6, 6]
+    assert fit.bandwidth > 0
+    # the fit of those samples, not of the last round only
+    assert fit == fit_network([(b, list(t)) for b, t in fit.samples], 2, "gloo")
+
+
+def test_timings_flat_every_round_fail_with_the_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _scripted_timings(monkeypatch, [[3e-3, 2e-3, 1e-3]])
+    with pytest.raises(FlatTimes, match=r"does not grow.*after 12 repeats.*4194304 B: 1"):
+        calibration._measure_fit(SIZES, 3, "cpu", 2, "gloo")
+    assert len(calls) == calibration.FIT_ROUNDS == 4
+    assert issubclass(FlatTimes, CommpressError)
 
 
 def test_calibrate_command_on_loopback_gloo(tmp_path: Path) -> None:

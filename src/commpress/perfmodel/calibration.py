@@ -319,6 +319,7 @@ __all__ = [
     "ValidationReport",
     "ValidationRow",
     "calibrate_and_validate",
+    "FlatTimes",
     "fit_network",
     "fit_platform",
     "JobNetwork",
@@ -332,6 +333,11 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------- network
+class FlatTimes(CommpressError):
+    """The median all-reduce time of the largest size was no longer than the others': the
+    timings cannot give a bandwidth (noise larger than the sizes' difference)."""
+
+
 @dataclass(frozen=True)
 class NetworkFit:
     """Alpha-beta fit of measured all-reduces among ``processes`` ranks.
@@ -384,8 +390,8 @@ def fit_network(samples: Sequence[tuple[int, Sequence[float]]], processes: int,
     if intercept == 0.0 and slope > 0:  # the smallest size is faster than the line: through 0
         slope = y2 / x2
     if slope <= 0:
-        raise CommpressError("the measured all-reduce time does not grow with the size; "
-                             "measure larger sizes")
+        raise FlatTimes("the measured all-reduce time does not grow with the size; "
+                        "measure larger sizes")
     n = processes
     fit = NetworkFit(n, backend, intercept / (2 * (n - 1)), 2 * (n - 1) / n / slope, 0.0,
                      tuple((int(b), tuple(float(x) for x in t)) for b, t in samples))
@@ -429,6 +435,35 @@ def _time_all_reduces(sizes: Sequence[int], repeats: int, device: str, group: An
     return results
 
 
+#: rounds of timings :func:`_measure_fit` takes at most before giving up on flat timings
+FIT_ROUNDS = 4
+
+
+def _measure_fit(sizes: Sequence[int], repeats: int, device: str, processes: int,
+                 backend: str, group: Any = None, member: bool = True) -> NetworkFit:
+    """Time all-reduces (:func:`_time_all_reduces`) and fit them (:func:`fit_network`).
+
+    When the medians do not grow with the size (:class:`FlatTimes`: a busy machine's noise
+    larger than the sizes' difference, as on a loopback shared by other jobs), another round
+    of ``repeats`` timings per size joins the samples and the fit is tried again, at most
+    :data:`FIT_ROUNDS` rounds in all. The samples are the same on every rank, so every rank
+    takes the same decision and issues the same collectives."""
+    samples = _time_all_reduces(sizes, repeats, device, group, member)
+    for taken in range(1, FIT_ROUNDS + 1):
+        try:
+            return fit_network(samples, processes, backend)
+        except FlatTimes as exc:
+            if taken == FIT_ROUNDS:
+                raise FlatTimes(
+                    f"{exc} (after {taken * repeats} repeats of each size; times in ms: "
+                    + ", ".join(f"{b} B: {1e3 * statistics.median(t):.3g}" for b, t in samples)
+                    + ")"
+                ) from None
+        more = _time_all_reduces(sizes, repeats, device, group, member)
+        samples = [(b, t + u) for (b, t), (_, u) in zip(samples, more, strict=True)]
+    raise AssertionError("unreachable")
+
+
 def _network_worker(rank: int, world: int, store_path: str, backend: str,
                     sizes: Sequence[int], repeats: int, out: Any) -> None:
     import torch
@@ -443,10 +478,10 @@ def _network_worker(rank: int, world: int, store_path: str, backend: str,
         device = "cuda" if backend == "nccl" else "cpu"
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        results = _time_all_reduces(sizes, repeats, device)
+        fit = _measure_fit(sizes, repeats, device, world, backend)
         dist.destroy_process_group()
         if rank == 0:
-            out.put(("ok", results))
+            out.put(("ok", fit))
     except BaseException as exc:  # reported to the parent, never a hang
         out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
 
@@ -486,7 +521,7 @@ def measure_network(processes: int = 2, *, backend: str = "gloo",
                     p.kill()
     if status != "ok":
         raise CommpressError(f"network calibration failed: {value}")
-    return fit_network(value, processes, backend)
+    return value
 
 
 @dataclass(frozen=True)
@@ -567,13 +602,13 @@ def measure_job_network(*, backend: str = "gloo",
         inter = intra = None
         if nodes > 1:  # every rank creates every group, in the same order
             leaders = dist.new_group([k * per_node for k in range(nodes)])
-            samples = _time_all_reduces(sizes, repeats, device, leaders, rank % per_node == 0)
-            inter = fit_network(samples, nodes, backend)
+            inter = _measure_fit(sizes, repeats, device, nodes, backend, leaders,
+                                 rank % per_node == 0)
         if per_node > 1:
             groups = [dist.new_group(list(range(k * per_node, (k + 1) * per_node)))
                       for k in range(nodes)] if nodes > 1 else [None]
-            samples = _time_all_reduces(sizes, repeats, device, groups[node if nodes > 1 else 0])
-            intra = fit_network(samples, per_node, backend)
+            intra = _measure_fit(sizes, repeats, device, per_node, backend,
+                                 groups[node if nodes > 1 else 0])
         dist.barrier()
     finally:
         if started:
