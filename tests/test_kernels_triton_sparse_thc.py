@@ -38,6 +38,56 @@ def triton_calls() -> int:
 
 
 # ---------------------------------------------------------------------- Random-K: kernels
+@pytest.mark.parametrize(
+    ("d", "m"),
+    [(2, 1), (3, 1), (5, 2), (17, 8), (100, 50), (1000, 10), (4097, 2000), (1 << 20, 3000),
+     (3_000_001, 1100), ((1 << 32) - 5, 1025)],  # 1 to 16 bits a half; several programs
+)
+def test_feistel_sample_kernel_is_the_torch_permutation(d: int, m: int) -> None:
+    """Random-K's GPU coordinates: the kernel's values are the torch reference's, in order
+    (the cycle walk included: every d here is far from a power of four), m distinct values of
+    [0, d); the codec's sample is them in that order (the rest, ascending, when it keeps
+    more than half) and has no host sync on the kernel path."""
+    from commpress.codecs.randomk import (
+        _complement,
+        feistel_half,
+        feistel_keys,
+        feistel_sample_torch,
+        permuted_sample,
+    )
+
+    for seed in (0, 12345, 2**62 + 7):
+        half, keys = feistel_half(d), feistel_keys(seed)
+        want = feistel_sample_torch(m, d, half, keys, torch.device(DEVICE))
+        got = torch.empty(m, dtype=torch.int64, device=DEVICE)
+        before = triton_calls()
+        with kernels.use_backend("triton"):
+            kernels.feistel_sample(got, d, half, keys)
+        assert triton_calls() == before + 1
+        same(got, want)
+        assert int(got.min()) >= 0 and int(got.max()) < d
+        assert got.unique().numel() == m
+    with kernels.use_backend("triton"):
+        counts = _syncs(lambda: permuted_sample(d, m, 99, torch.device(DEVICE)))
+        chosen = permuted_sample(d, m, 99, torch.device(DEVICE))
+        left = (permuted_sample(d, d - m, 99, torch.device(DEVICE))
+                if 2 * m < d < 1 << 22 else None)
+    assert sum(counts.values()) == 0, counts
+    # in the permutation's order (no sort, the largest host cost on a GPU)
+    same(chosen, feistel_sample_torch(m, d, feistel_half(d), feistel_keys(99),
+                                      torch.device(DEVICE)))
+    if left is not None:  # k > d / 2: the first d - k values are the ones left out
+        same(left, _complement(chosen.sort().values, d, mask=True))
+    with kernels.use_backend("torch"), pytest.raises(CommpressError, match="Triton kernels only"):
+        kernels.feistel_sample(got, d, half, keys)
+
+
+def _syncs(fn: object) -> dict[str, int]:
+    from test_randomk import _syncs as counted
+
+    return counted(fn)
+
+
 @pytest.mark.parametrize("n", [1, 7, 1024, 1025, 3001])
 def test_gather_finite_is_index_select_and_isfinite(n: int) -> None:
     """The gathered bits are ``x[idx]``'s; ``finite`` is ``isfinite(x).all()`` with the NaN or
@@ -115,7 +165,8 @@ def poisoned(x: torch.Tensor, spot: int, value: float) -> torch.Tensor:
 @pytest.mark.parametrize("poison", [None, math.nan, -math.inf])
 def test_randomk_sends_and_decodes_the_torch_bits(spec: str, poison: float | None) -> None:
     """Encode (one launch: finiteness and gather) and decode into ``out=`` (zeros, one store
-    kernel) on the Triton kernels give the torch path's payload and output bits; a NaN or
+    kernel) on the Triton kernels (and on a GPU the coordinates, one launch per call) give
+    the torch path's payload and output bits; a NaN or
     an Inf at an unsent coordinate still makes every value NaN."""
     codec = get_codec(spec)
     ctx = CodecContext(key="rk", step=5)
@@ -138,8 +189,11 @@ def test_randomk_sends_and_decodes_the_torch_bits(spec: str, poison: float | Non
                     calls = triton_calls() - before
                 assert decoded is out
                 results.append((bits(p.parts["values"]), bits(out), bits(fresh)))
-                if backend == "triton":  # gather + spread, none for an empty tensor
-                    assert calls == (2 if x.numel() else 0), (spec, name, calls)
+                if backend == "triton":  # gather + spread, none for an empty tensor;
+                    # on a GPU the coordinates too, at each of the three calls
+                    k = codec.num_selected(x.numel())
+                    drawn = 3 if torch.device(DEVICE).type != "cpu" and 0 < k < x.numel() else 0
+                    assert calls == (2 if x.numel() else 0) + drawn, (spec, name, calls)
             for a, b in zip(*results, strict=True):
                 same(a, b)
             if poison is not None and x.numel() > 1:

@@ -3,10 +3,13 @@ by d/k it is unbiased with variance d/k - 1."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
 
-from commpress.codecs import CodecContext, get_codec, simulate
+from commpress.codecs import CodecContext, get_codec, kernels, simulate
 from commpress.codecs.randomk import RandomK
 from commpress.errors import CommpressError
 from commpress.testing import (
@@ -89,6 +92,46 @@ def test_indices_are_distinct_sorted_and_shared() -> None:
     assert not torch.equal(a, later)
     assert not torch.equal(a, randomk(ratio=0.1, seed=1).indices(
         5000, CodecContext(step=3, key="w"), torch.device("cpu")))
+
+
+@pytest.mark.parametrize("ratio", [0.05, 0.7])
+def test_gpu_coordinates_in_permutation_order_round_trip(
+    monkeypatch: pytest.MonkeyPatch, ratio: float
+) -> None:
+    """A GPU's coordinates (permuted_sample: the permutation's order, not ascending) through
+    the codec's torch path, run on a CPU by giving it the GPU's sampler: encode sends x at
+    those coordinates in that order, decode (fresh and into ``out=``) puts each back where
+    it came from, the reduce adds the workers' values there, and every worker agrees."""
+    from commpress.codecs import randomk as rk
+
+    def gpu_sampler(numel: int, k: int, g: torch.Generator, device: torch.device
+                    ) -> torch.Tensor:
+        seed = int(torch.randint(0, 2**62, (1,), generator=g))
+        return rk.permuted_sample(numel, k, seed, device)
+
+    monkeypatch.setattr(rk, "shared_sample", gpu_sampler)
+    codec = randomk(ratio=ratio)
+    d = 3001
+    ctx = CodecContext(step=2, key="g", world_size=2)
+    idx = codec.indices(d, ctx, torch.device("cpu"))
+    k = codec.num_selected(d)
+    assert idx.numel() == k and idx.unique().numel() == k
+    if ratio < 0.5:  # the permutation's order: not sorted
+        assert not bool((idx[1:] > idx[:-1]).all())
+    xs = [gaussian(d, seed=s) for s in (1, 2)]
+    with kernels.use_backend("torch"):
+        p = codec.encode(xs[0], ctx)
+        assert torch.equal(p.parts["values"], xs[0][idx])
+        want = torch.zeros(d).index_put_((idx,), xs[0][idx])
+        assert torch.equal(codec.decode(p, ctx), want)
+        out = torch.full((d,), 7.0)
+        assert torch.equal(codec.decode(p, ctx, out=out), want)
+        results = simulate(codec, xs, step=2, key="g")
+    total = torch.zeros(d).index_put_((idx,), (xs[0] + xs[1])[idx])
+    assert len(results.totals) == 2
+    for t in results.totals:
+        torch.testing.assert_close(t, total, rtol=1e-6, atol=1e-6)
+        assert torch.equal(t, results.total)
 
 
 def test_decode_needs_the_encoding_step_and_key() -> None:
@@ -360,6 +403,51 @@ def test_sample_is_uniform_without_replacement(d: int, ratio: float) -> None:
     assert rel < 0.25, float(rel)
 
 
+def _chi2_limit(dof: int, z: float = 3.719) -> float:
+    """The chi-square quantile for ``dof`` degrees of freedom at the normal quantile ``z``
+    (3.719: p = 1e-4), by the Wilson-Hilferty approximation (within 1% from 5 dof)."""
+    c = 2 / (9 * dof)
+    return dof * (1 - c + z * math.sqrt(c)) ** 3
+
+
+def _subset_chi2(d: int, m: int, rounds: int, samples: int = 12000) -> tuple[float, float]:
+    """``(chi2, limit)`` of the GPU sampler's first-``m`` subsets of ``[0, d)`` over
+    ``samples`` seeds against the uniform law on all ``C(d, m)`` subsets, with the first
+    ``rounds`` round keys (the sampler uses all of them)."""
+    from commpress.codecs.randomk import feistel_half, feistel_keys, feistel_sample_torch
+
+    per_seed = [feistel_keys(1_000_003 * s + 17)[:rounds] for s in range(samples)]
+    keys = [torch.tensor([k[r] for k in per_seed]).reshape(-1, 1) for r in range(rounds)]
+    first = feistel_sample_torch(m, d, feistel_half(d), keys, torch.device("cpu"))
+    assert first.shape == (samples, m)
+    subsets = first.sort(dim=1).values
+    assert bool((subsets[:, 1:] > subsets[:, :-1]).all()) and int(subsets.max()) < d
+    code = (subsets * d ** torch.arange(m)).sum(1)
+    counts = torch.bincount(code, minlength=d**m).double()
+    cells = torch.tensor([sum(c * d**j for j, c in enumerate(combo))
+                          for combo in itertools.combinations(range(d), m)])
+    observed = counts[cells]
+    assert observed.sum() == samples  # every sample is a subset of m distinct coordinates
+    expected = samples / cells.numel()
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    return chi2, _chi2_limit(cells.numel() - 1)
+
+
+@pytest.mark.parametrize(("d", "m"), [(5, 2), (6, 2), (10, 3), (16, 2), (33, 1), (3, 1)])
+def test_gpu_sample_is_uniform_over_subsets(d: int, m: int) -> None:
+    """The GPU's coordinates (the first m values of a keyed permutation, twelve Feistel
+    rounds; the torch reference of the Triton kernel): over 12,000 seeds every m-subset of
+    small domains (4 or 16 values a half, cycle walks from 16 or 64) appears equally often,
+    chi-square below its p = 1e-4 quantile. With six rounds the first two domains fail."""
+    from commpress.codecs.randomk import FEISTEL_ROUNDS
+
+    chi2, limit = _subset_chi2(d, m, FEISTEL_ROUNDS)
+    assert chi2 < limit, (chi2, limit)
+    if (d, m) in ((5, 2), (6, 2)):
+        chi2, limit = _subset_chi2(d, m, 6)
+        assert chi2 > limit, (chi2, limit)
+
+
 # ---------------------------------------------------------------------- numba kernels
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """Bit patterns (NaN payloads included) of a float tensor, for exact comparisons."""
@@ -485,7 +573,7 @@ def _first_distinct_reference(draws: list[int], k: int) -> list[int] | None:
 
 
 def test_torch_sampler_equals_a_plain_loop() -> None:
-    """The torch path (CUDA's sampler) keeps the first k distinct draws, ascending, and
+    """The torch path (a CPU's without numba) keeps the first k distinct draws, ascending, and
     answers None when there are fewer: heavy repeats, short samples, k = 1, k = len(draws)."""
     from commpress.codecs.randomk import first_distinct_torch
 
@@ -531,9 +619,10 @@ def _syncs(fn: object) -> dict[str, int]:
 
 @pytest.mark.parametrize(("d", "k"), [(1024, 10), (1000, 700), (5, 1)])
 def test_torch_sampler_synchronizes_once(d: int, k: int) -> None:
-    """The torch path (what CUDA tensors run) reads one value on the host per sample (the
-    count of distinct draws): no boolean indexing, nonzero or kthvalue, whose CUDA versions
-    each wait for the device; the complement of a k > d/2 sample adds no host read either."""
+    """The rejection sampler's torch path (a CPU's with COMMPRESS_KERNELS=torch; a GPU tensor
+    of more than 2**32 elements) reads one value on the host per sample (the count of
+    distinct draws): no boolean indexing, nonzero or kthvalue, whose CUDA versions each wait
+    for the device; the complement of a k > d/2 sample adds no host read either."""
     from commpress.codecs import kernels
     from commpress.codecs.randomk import _complement, shared_sample
 

@@ -23,10 +23,11 @@ def require_seed(seed: int) -> None:
     require(0 <= seed < SEED_LIMIT, "seed must be in [0, 2**63)", seed)
 
 
-def kernel_seed(ctx: CodecContext, seed: int) -> int:
-    """A 63-bit seed for the CPU kernels' own counter-based generator, drawn from this
-    worker's stream (quantizers' and THC's rounding noise)."""
-    g = ctx.generator(seed, shared=False, device=torch.device("cpu"))
+def kernel_seed(ctx: CodecContext, seed: int, *, shared: bool = False) -> int:
+    """A 63-bit seed for the kernels' own counter-based generators, drawn (on the host) from
+    this worker's stream (quantizers' and THC's rounding noise), or with ``shared`` from the
+    stream every worker shares (Random-K's coordinates on a GPU)."""
+    g = ctx.generator(seed, shared=shared, device=torch.device("cpu"))
     return int(torch.randint(0, SEED_LIMIT - 1, (1,), generator=g).item())
 
 

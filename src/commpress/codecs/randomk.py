@@ -16,6 +16,7 @@ or a small learning rate.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -31,7 +32,7 @@ from commpress.codecs.base import (
     saturating_cast,
     shape_numel,
 )
-from commpress.codecs.common import reply_part, require_seed, scatter_into
+from commpress.codecs.common import kernel_seed, reply_part, require_seed, scatter_into
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.registry import register_codec
 from commpress.errors import error_context
@@ -113,6 +114,109 @@ def shared_sample(numel: int, k: int, g: torch.Generator, device: torch.device) 
     return _complement(chosen, numel, mask=device.type == "cpu")
 
 
+#: Random-K's coordinates on a GPU come from a permutation of ``[0, 2**(2 half))`` on 32-bit
+#: lanes: tensors larger than this draw them as a CPU does (:func:`shared_sample`)
+FEISTEL_MAX = 1 << 32
+_M32 = 0xFFFFFFFF
+# the round function's multipliers (a 32-bit multiply-xorshift hash; the Triton kernel's)
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B9, 0x7FEB352D, 0x846CA68B
+
+
+#: rounds of the Feistel network (the Triton kernel's, unrolled): six left small domains
+#: (d < 32) visibly uneven in a chi-square test over seeds, ten did not
+FEISTEL_ROUNDS = 12
+
+
+def feistel_keys(seed: int) -> tuple[int, ...]:
+    """The :data:`FEISTEL_ROUNDS` 31-bit round keys of :func:`feistel_sample_torch` for a
+    63-bit ``seed``: the low bits of the SplitMix64 words of ``seed`` and each round."""
+    keys = []
+    for r in range(FEISTEL_ROUNDS):
+        z = (seed + (r + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        keys.append((z ^ (z >> 31)) & 0x7FFFFFFF)
+    return tuple(keys)
+
+
+def feistel_half(d: int) -> int:
+    """Half the bits of the permuted domain for ``[0, d)`` (``d >= 2``): ``2**(2 half)`` is the
+    smallest even power of two ``>= d``, so at most ``4 d`` and a walk takes < 4 steps on
+    average."""
+    return ((d - 1).bit_length() + 1) // 2
+
+
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """``a * c mod 2**32`` for int64 ``a`` in ``[0, 2**32)`` and a 32-bit constant, in two
+    16-bit halves of ``c`` so no int64 product overflows."""
+    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _feistel_torch(y: torch.Tensor, half: int,
+                   keys: Sequence[int | torch.Tensor]) -> torch.Tensor:
+    mask = (1 << half) - 1
+    left, right = y >> half, y & mask
+    for key in keys:
+        f = (_mul32(right, _GOLDEN) + key) & _M32
+        f = f ^ (f >> 16)
+        f = _mul32(f, _MIX1)
+        f = f ^ (f >> 15)
+        f = _mul32(f, _MIX2)
+        f = f ^ (f >> 16)
+        left, right = right, left ^ (f & mask)
+    return (left << half) | right
+
+
+def feistel_sample_torch(m: int, d: int, half: int, keys: Sequence[int | torch.Tensor],
+                         device: torch.device) -> torch.Tensor:
+    """Plain-torch :func:`commpress.codecs.kernels.feistel_sample` (the reference): the first
+    ``m`` values (``m <= d``) of a keyed permutation of ``[0, d)``, in the permutation's
+    order (int64). A balanced Feistel network of twelve rounds (``keys``) permutes
+    ``[0, 2**(2 half))``; a value ``>= d`` goes through it again until it lands below ``d``
+    (cycle walking: a permutation of ``[0, d)``). One host sync per walking step. ``keys``
+    may also be int64 tensors of shape ``(S, 1)``: ``S`` key sets at once, ``(S, m)``
+    values (the statistical tests draw many samples so)."""
+    y = _feistel_torch(torch.arange(m, device=device), half, keys)
+    while True:
+        pending = y >= d
+        if not bool(pending.any()):
+            return y
+        y = torch.where(pending, _feistel_torch(y, half, keys), y)
+
+
+def permuted_sample(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
+    """``k`` distinct coordinates of ``[0, numel)`` (int64) for a device other than a CPU:
+    the first ``k`` values of the keyed permutation of :func:`feistel_sample_torch`
+    (``seed``: 63 bits, shared by every worker), **in the permutation's order**, not sorted;
+    when ``k > numel / 2`` the first ``numel - k`` are left out instead and the rest come
+    ascending. With the Triton kernels one launch, no host synchronization and no retry (the
+    CPU's :func:`shared_sample` rejects repeated draws, which needs the host to see a
+    count), and no sort: ``torch.sort`` was the largest host cost of a GPU encode in the
+    profile (docs/kernels.md), and neither the gather nor the spread needs an order.
+    A pseudo-random sample: every coordinate is kept with probability ``k / numel`` over
+    seeds, and small domains' subsets pass a chi-square test of uniformity; the
+    permutations are a keyed family, not all ``numel!`` of them."""
+    if k >= numel:
+        return torch.arange(numel, device=device)
+    if numel > FEISTEL_MAX:
+        g = torch.Generator(device=device)
+        g.manual_seed(seed)
+        return shared_sample(numel, k, g, device)
+    complement = 2 * k > numel
+    m = numel - k if complement else k
+    if m == 0:
+        return torch.arange(numel, device=device)
+    half, keys = feistel_half(numel), feistel_keys(seed)
+    first = torch.empty(m, dtype=torch.int64, device=device)
+    if kernels.backend_for(first) == "triton":
+        kernels.feistel_sample(first, numel, half, keys)
+    else:
+        first = feistel_sample_torch(m, numel, half, keys, device)
+    if not complement:
+        return first
+    return _complement(torch.sort(first).values, numel, mask=False)
+
+
 def _complement(left_out: torch.Tensor, numel: int, *, mask: bool) -> torch.Tensor:
     """The coordinates of ``[0, numel)`` not in ``left_out`` (ascending, distinct, int64),
     ascending. ``mask`` (CPUs): through a ``numel``-sized mask and ``nonzero``. Otherwise
@@ -160,8 +264,11 @@ class RandomK(Codec):
 
     The indices are a function of ``(seed, key, step)``: **encode and decode must be given the
     same step and key** (the same :class:`CodecContext` fields), or the values land on the wrong
-    coordinates. The draw is made on the tensor's device; all workers must use the same kind of
-    device (CPU and CUDA generators give different streams).
+    coordinates. The draw is made on the tensor's device, and all workers must use the same
+    kind of device: on a CPU it is :func:`shared_sample` (repeated draws rejected: exactly
+    uniform over the ``k``-subsets), elsewhere :func:`permuted_sample` (the first ``k`` values
+    of a keyed pseudo-random permutation: one kernel launch and a sort, no host
+    synchronization), which give different coordinates.
 
     Args:
         ratio: fraction of coordinates sent, in ``(0, 1]``. Unscaled, each step moves only
@@ -234,10 +341,15 @@ class RandomK(Codec):
         return self.num_selected(shape_numel(shape)) * _VALUE_DTYPES[self.value_dtype].itemsize
 
     def indices(self, numel: int, ctx: CodecContext, device: torch.device) -> torch.Tensor:
-        """The ``k`` shared coordinates (sorted) for this tensor, key and step."""
+        """The ``k`` shared coordinates for this tensor, key and step: ascending on a CPU,
+        on other devices in the order of :func:`permuted_sample` (ascending when ``k`` is
+        more than half the tensor)."""
         k = self.num_selected(numel)
         if k == numel:
             return torch.arange(numel, device=device)
+        if device.type != "cpu":  # no host sync: a keyed permutation's first k
+            seed = kernel_seed(ctx, self.seed + _INDEX_STREAM, shared=True)
+            return permuted_sample(numel, k, seed, device)
         g = ctx.generator(self.seed + _INDEX_STREAM, shared=True, device=device)
         return shared_sample(numel, k, g, device)
 

@@ -9,8 +9,8 @@ between float formats and the sums of gathered decodes (``add_widened``, ``narro
   ``thc_quantize`` / ``thc_decode``; THC's numba kernels are in :mod:`.numba_transforms`);
 * :mod:`.triton_gpu`: Triton kernels for CUDA tensors (the quantizers' entry points, whole
   QSGD / TernGrad encodes, ``at_least`` for the top-k / DGC selections, TopKC's chunk
-  sums, THC's encode and decode, Random-K's ``gather_finite`` and ``spread``;
-  ``topk_select`` and Random-K's ``first_distinct`` keep their torch paths). Under
+  sums, THC's encode and decode, Random-K's ``gather_finite``, ``spread`` and its GPU
+  coordinates, ``feistel_sample``; ``topk_select`` keeps its torch path). Under
   Triton's interpreter (``TRITON_INTERPRET=1`` set before this package first loads Triton)
   they also run on CPU tensors, which is how they are tested without a GPU.
 
@@ -97,6 +97,7 @@ TRITON_OPS = frozenset(
         "thc_decode_params",
         "gather_finite",
         "spread",
+        "feistel_sample",
     }
 )
 
@@ -807,6 +808,21 @@ def first_distinct(draws: torch.Tensor, k: int, d: int) -> torch.Tensor | None:
     return _impl(draws, "first_distinct").first_distinct(draws, k, d)
 
 
+def feistel_sample(out: torch.Tensor, d: int, half: int, keys: tuple[int, ...]) -> None:
+    """Random-K's coordinates on a GPU (Triton only; the reference is
+    :func:`commpress.codecs.randomk.feistel_sample_torch`): ``out[i]`` (int64, ``m``
+    elements, ``m <= d``) = the ``i``-th value of a keyed permutation of ``[0, d)``: twelve
+    rounds of a Feistel network on ``2 * half`` bits (``2**(2 half) >= d``, ``half <= 16``)
+    with the twelve 31-bit round ``keys``, walked again while the value is ``>= d``."""
+    if backend_for(out) != "triton":
+        raise CommpressError(
+            f"feistel_sample runs on the Triton kernels only, not for a {out.device.type} "
+            f"tensor with backend {requested_backend()!r} (the torch path is "
+            "randomk.feistel_sample_torch)"
+        )
+    _impl(out, "feistel_sample").feistel_sample(out, d, half, keys)
+
+
 def gather_finite(
     x: torch.Tensor, idx: torch.Tensor
 ) -> tuple[torch.Tensor, bool | torch.Tensor]:
@@ -848,6 +864,7 @@ __all__ = [
     "dispatch_counts",
     "empty",
     "finite_max_abs",
+    "feistel_sample",
     "first_distinct",
     "gather_finite",
     "lowrank_decode",

@@ -828,6 +828,62 @@ def _spread_kernel(idx_ptr, val_ptr, out_ptr, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _feistel_round(left, right, key, half, mask):
+    # (left, right) -> (right, left ^ F(right)), F a keyed 32-bit multiply-xorshift hash of
+    # the right half cut to ``half`` bits (randomk.feistel_permute's rounds, bit for bit)
+    f = right * 0x9E3779B9 + key
+    f = f ^ (f >> 16)
+    f = f * 0x7FEB352D
+    f = f ^ (f >> 15)
+    f = f * 0x846CA68B
+    f = f ^ (f >> 16)
+    return right, left ^ (f & mask)
+
+
+@triton.jit
+def _feistel(y, half, mask, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11):
+    # twelve rounds of a balanced Feistel network on 2 * half bits (uint32 lanes; six left
+    # small domains, d < 32, visibly uneven)
+    left = y >> half
+    right = y & mask
+    left, right = _feistel_round(left, right, k0, half, mask)
+    left, right = _feistel_round(left, right, k1, half, mask)
+    left, right = _feistel_round(left, right, k2, half, mask)
+    left, right = _feistel_round(left, right, k3, half, mask)
+    left, right = _feistel_round(left, right, k4, half, mask)
+    left, right = _feistel_round(left, right, k5, half, mask)
+    left, right = _feistel_round(left, right, k6, half, mask)
+    left, right = _feistel_round(left, right, k7, half, mask)
+    left, right = _feistel_round(left, right, k8, half, mask)
+    left, right = _feistel_round(left, right, k9, half, mask)
+    left, right = _feistel_round(left, right, k10, half, mask)
+    left, right = _feistel_round(left, right, k11, half, mask)
+    return (left << half) | right
+
+
+@triton.jit(do_not_specialize=["m", "d", "half", "k0", "k1", "k2", "k3", "k4", "k5", "k6",
+                               "k7", "k8", "k9", "k10", "k11"])
+def _feistel_sample_kernel(out_ptr, m, d, half, k0, k1, k2, k3, k4, k5, k6, k7, k8, k9, k10,
+                           k11, BLOCK: tl.constexpr):
+    # out[i] = the keyed permutation of [0, 2^(2 half)) restricted to [0, d) by cycle walking
+    # (applied again until the value is below d), for i < m: m distinct values of [0, d)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < m
+    h = half.to(tl.uint32)
+    mask = (tl.full((BLOCK,), 1, tl.uint32) << h) - 1
+    u0, u1, u2, u3 = k0.to(tl.uint32), k1.to(tl.uint32), k2.to(tl.uint32), k3.to(tl.uint32)
+    u4, u5, u6, u7 = k4.to(tl.uint32), k5.to(tl.uint32), k6.to(tl.uint32), k7.to(tl.uint32)
+    u8, u9, u10, u11 = k8.to(tl.uint32), k9.to(tl.uint32), k10.to(tl.uint32), k11.to(tl.uint32)
+    y = _feistel(i.to(tl.uint32), h, mask, u0, u1, u2, u3, u4, u5, u6, u7, u8, u9, u10, u11)
+    pending = live & (y.to(tl.int64) >= d)
+    while tl.max(pending.to(tl.int32), axis=0) > 0:
+        again = _feistel(y, h, mask, u0, u1, u2, u3, u4, u5, u6, u7, u8, u9, u10, u11)
+        y = tl.where(pending, again, y)
+        pending = pending & (y.to(tl.int64) >= d)
+    tl.store(out_ptr + i, y.to(tl.int64), mask=live)
+
+
+@triton.jit
 def _pow2_f64(e):
     # 2^e as float64 for integer-valued float64 ``e`` in [-1022, 1023], exactly (exponent bits)
     return ((e.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
@@ -1659,6 +1715,14 @@ def gather_finite(x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, tor
     return values, finite
 
 
+def feistel_sample(out: torch.Tensor, d: int, half: int, keys: tuple[int, ...]) -> None:
+    """See :func:`commpress.codecs.kernels.feistel_sample`: one launch, no host sync."""
+    m = out.numel()
+    if m:
+        _feistel_sample_kernel[_blocks(m, GATHER_BLOCK)](out, m, d, half, *keys,
+                                                         BLOCK=GATHER_BLOCK)
+
+
 def spread(idx: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
     """See :func:`commpress.codecs.kernels.spread`: torch's ``zero_`` (a memset), then one
     kernel storing the values (``out`` contiguous, of the values' dtype)."""
@@ -1861,6 +1925,7 @@ def topkc_scatter(
 __all__ = [
     "INTERPRETED",
     "at_least",
+    "feistel_sample",
     "at_least_magnitudes",
     "chunk_norms",
     "chunk_square_sums",
