@@ -242,7 +242,8 @@ class RandomK(Codec):
 
     1. Draw ``k = max(1, round(ratio * d))`` distinct coordinates uniformly at random
        (``min(k, d)``; none for an empty tensor) from a generator seeded by ``seed``, the tensor
-       key and the step, identical on every worker.
+       key and the step, identical on every worker (on a GPU pseudo-randomly: the first ``k``
+       values of a keyed permutation, see below).
     2. Send those ``k`` values of ``x`` (in ``value_dtype``). A NaN/Inf anywhere in ``x`` turns
        every sent value into NaN, since a non-finite value at an unsent coordinate would
        otherwise vanish silently.
@@ -267,7 +268,7 @@ class RandomK(Codec):
     coordinates. The draw is made on the tensor's device, and all workers must use the same
     kind of device: on a CPU it is :func:`shared_sample` (repeated draws rejected: exactly
     uniform over the ``k``-subsets), elsewhere :func:`permuted_sample` (the first ``k`` values
-    of a keyed pseudo-random permutation: one kernel launch and a sort, no host
+    of a keyed pseudo-random permutation: one kernel launch, no sort, no host
     synchronization), which give different coordinates.
 
     Args:

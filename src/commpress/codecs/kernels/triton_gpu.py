@@ -830,7 +830,7 @@ def _spread_kernel(idx_ptr, val_ptr, out_ptr, k, BLOCK: tl.constexpr):
 @triton.jit
 def _feistel_round(left, right, key, half, mask):
     # (left, right) -> (right, left ^ F(right)), F a keyed 32-bit multiply-xorshift hash of
-    # the right half cut to ``half`` bits (randomk.feistel_permute's rounds, bit for bit)
+    # the right half cut to ``half`` bits (randomk._feistel_torch's rounds, bit for bit)
     f = right * 0x9E3779B9 + key
     f = f ^ (f >> 16)
     f = f * 0x7FEB352D
