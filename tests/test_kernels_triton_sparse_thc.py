@@ -82,6 +82,27 @@ def test_feistel_sample_kernel_is_the_torch_permutation(d: int, m: int) -> None:
         kernels.feistel_sample(got, d, half, keys)
 
 
+def test_feistel_sample_refuses_bad_arguments() -> None:
+    """Arguments the kernel would turn into wrong coordinates or an out-of-bounds write are
+    refused with what is wrong, before any launch."""
+    from commpress.codecs.randomk import feistel_keys
+
+    keys = feistel_keys(5)
+    good = torch.empty(8, dtype=torch.int64, device=DEVICE)
+    cases = [
+        (torch.empty(8, dtype=torch.int32, device=DEVICE), 100, 4, keys, "1-D contiguous int64"),
+        (torch.empty(16, dtype=torch.int64, device=DEVICE)[::2], 100, 4, keys, "contiguous"),
+        (good, 100, 17, keys, r"half must be in \[1, 16\], got 17"),
+        (good, 100, 3, keys, r"m <= d <= 4\*\*half, got m=8, d=100, half=3"),
+        (good, 5, 4, keys, "m=8, d=5"),
+        (good, 100, 4, keys[:6], "twelve 31-bit integers, got 6"),
+        (good, 100, 4, (*keys[:11], 2**31), "twelve 31-bit integers"),
+    ]
+    for out, d, half, ks, message in cases:
+        with kernels.use_backend("triton"), pytest.raises(CommpressError, match=message):
+            kernels.feistel_sample(out, d, half, ks)
+
+
 def _syncs(fn: object) -> dict[str, int]:
     from test_randomk import _syncs as counted
 

@@ -90,6 +90,30 @@ def test_timings_flat_every_round_fail_with_the_times(monkeypatch: pytest.Monkey
     assert issubclass(FlatTimes, CommpressError)
 
 
+def test_flat_timings_in_a_worker_reach_the_parent_as_flat_times(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker of :func:`measure_network` whose timings stay flat sends that fact back and
+    the parent raises :class:`FlatTimes` (the old code raised a plain CommpressError with
+    the class name in its text); other failures stay CommpressError."""
+    import queue
+
+    import torch.distributed as dist
+
+    def flat(*args: object) -> None:
+        raise FlatTimes("the measured all-reduce time does not grow with the size")
+
+    monkeypatch.setattr(calibration, "_measure_fit", flat)
+    out: queue.Queue = queue.Queue()
+    calibration._network_worker(0, 1, str(tmp_path / "store"), "gloo", list(SIZES), 3, out)
+    status, value = out.get_nowait()
+    assert not dist.is_initialized()  # the worker left no group behind
+    with pytest.raises(FlatTimes, match="calibration failed: rank 0: the measured"):
+        calibration._worker_result(status, value)
+    with pytest.raises(CommpressError, match="calibration failed: rank 1: OSError") as err:
+        calibration._worker_result("error", "rank 1: OSError: gone")
+    assert not isinstance(err.value, FlatTimes)
+
+
 def test_calibrate_command_on_loopback_gloo(tmp_path: Path) -> None:
     out = tmp_path / "calib.json"
     proc = subprocess.run(

@@ -448,6 +448,47 @@ def test_gpu_sample_is_uniform_over_subsets(d: int, m: int) -> None:
         assert chi2 > limit, (chi2, limit)
 
 
+@pytest.mark.parametrize("tensor_keys", [False, True])
+def test_gpu_sample_walks_only_pending_values(tensor_keys: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch reference of the GPU sampler equals a walk of each value on its own (a
+    value >= d goes through the network again until it lands below d), with one key set or
+    several (``(S, 1)`` key tensors), and re-encrypts only the values still pending: for
+    d = 4097 in a domain of 16384 each value takes N/d ~ 4 passes on average, so the whole
+    sample costs about 4 m encryptions; re-running every value in every pass (26 passes for
+    the slowest value here) costs 26 m, far above the 6 m bound."""
+    from commpress.codecs import randomk as rk
+
+    d, m = 4097, 2000
+    half = rk.feistel_half(d)
+    assert 4 ** half == 16384
+    seeds = [11, 12, 13]
+    key_sets = [rk.feistel_keys(s) for s in seeds]
+    keys = ([torch.tensor([ks[r] for ks in key_sets]).reshape(-1, 1)
+             for r in range(rk.FEISTEL_ROUNDS)] if tensor_keys else list(key_sets[0]))
+    work = []
+    encrypt = rk._feistel_torch
+
+    def counted(y: torch.Tensor, h: int, ks: list) -> torch.Tensor:
+        work.append(y.numel())
+        return encrypt(y, h, ks)
+
+    monkeypatch.setattr(rk, "_feistel_torch", counted)
+    got = rk.feistel_sample_torch(m, d, half, keys, torch.device("cpu"))
+    rows = len(seeds) if tensor_keys else 1
+    assert got.shape == ((rows, m) if tensor_keys else (m,))
+    assert sum(work) < 6 * m * rows, (sum(work), len(work))
+    for row, ks in enumerate(key_sets[:rows]):
+        want = []
+        for i in range(m):
+            y = encrypt(torch.tensor([i]), half, list(ks))
+            while int(y) >= d:
+                y = encrypt(y, half, list(ks))
+            want.append(int(y))
+        assert got.reshape(rows, m)[row].tolist() == want
+        assert len(set(want)) == m and max(want) < d
+
+
 # ---------------------------------------------------------------------- numba kernels
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """Bit patterns (NaN payloads included) of a float tensor, for exact comparisons."""

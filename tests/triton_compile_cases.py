@@ -375,9 +375,10 @@ def cases(module: ModuleType) -> list[Case]:
               BLOCK=tg.GATHER_BLOCK)
     for vd in (*FLOATS, "fp64"):
         c.add("_spread_kernel", "*i64", "*" + vd, "*" + vd, i32, BLOCK=tg.GATHER_BLOCK)
-    # Random-K's GPU coordinates: d below 2**31 or up to 2**32 (i64); 31-bit round keys
-    for d in (i32, i64):
-        c.add("_feistel_sample_kernel", "*i64", i32, d, i32, *[i32] * 12, BLOCK=tg.GATHER_BLOCK)
+    # Random-K's GPU coordinates: d below 2**31 or up to 2**32 (i64), and so m (a sample of
+    # half of 2**32 coordinates); 31-bit round keys
+    for m, d in ((i32, i32), (i32, i64), (i64, i64)):
+        c.add("_feistel_sample_kernel", "*i64", m, d, i32, *[i32] * 12, BLOCK=tg.GATHER_BLOCK)
     # TopKC: bfloat16 tensors go as their int16 bits (BF16); norms are float16 or bfloat16
     bits_of = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*i16"}
     for (xd, x), fp16 in itertools.product(bits_of.items(), (False, True)):

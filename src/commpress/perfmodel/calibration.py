@@ -478,19 +478,36 @@ def _network_worker(rank: int, world: int, store_path: str, backend: str,
         device = "cuda" if backend == "nccl" else "cpu"
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        fit = _measure_fit(sizes, repeats, device, world, backend)
-        dist.destroy_process_group()
+        try:
+            fit = _measure_fit(sizes, repeats, device, world, backend)
+        finally:
+            dist.destroy_process_group()
         if rank == 0:
             out.put(("ok", fit))
+    except FlatTimes as exc:  # every rank takes it; the parent raises the same class
+        out.put(("flat", f"rank {rank}: {exc}"))
     except BaseException as exc:  # reported to the parent, never a hang
         out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+
+
+def _worker_result(status: str, value: Any) -> NetworkFit:
+    """The fit a :func:`_network_worker` sent, or its failure raised in the parent: times
+    that stayed flat as :class:`FlatTimes` (the caller may measure larger sizes), anything
+    else as :class:`CommpressError`."""
+    if status == "ok":
+        return value
+    if status == "flat":
+        raise FlatTimes(f"network calibration failed: {value}")
+    raise CommpressError(f"network calibration failed: {value}")
 
 
 def measure_network(processes: int = 2, *, backend: str = "gloo",
                     sizes: Sequence[int] = (1 << 12, 1 << 18, 1 << 22), repeats: int = 7,
                     timeout_s: float = 300.0) -> NetworkFit:
     """Time real all-reduces among ``processes`` local processes (``backend`` gloo or nccl,
-    the job's own process count) at ``sizes`` bytes and fit :class:`NetworkFit`."""
+    the job's own process count) at ``sizes`` bytes and fit :class:`NetworkFit`.
+    ``timeout_s`` bounds the whole measurement, up to :data:`FIT_ROUNDS` rounds of
+    ``repeats`` all-reduces of each size (a few seconds for the defaults on a loopback)."""
     import multiprocessing as mp
     import queue
     import tempfile
@@ -519,9 +536,7 @@ def measure_network(processes: int = 2, *, backend: str = "gloo",
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-    if status != "ok":
-        raise CommpressError(f"network calibration failed: {value}")
-    return value
+    return _worker_result(status, value)
 
 
 @dataclass(frozen=True)

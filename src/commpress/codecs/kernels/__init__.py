@@ -814,6 +814,20 @@ def feistel_sample(out: torch.Tensor, d: int, half: int, keys: tuple[int, ...]) 
     elements, ``m <= d``) = the ``i``-th value of a keyed permutation of ``[0, d)``: twelve
     rounds of a Feistel network on ``2 * half`` bits (``2**(2 half) >= d``, ``half <= 16``)
     with the twelve 31-bit round ``keys``, walked again while the value is ``>= d``."""
+    m = out.numel()
+    problems = [
+        text for bad, text in (
+            (out.dtype != torch.int64 or out.dim() != 1 or not out.is_contiguous(),
+             f"out must be a 1-D contiguous int64 tensor, got {out.dtype} of shape "
+             f"{tuple(out.shape)} (contiguous={out.is_contiguous()})"),
+            (not 1 <= half <= 16, f"half must be in [1, 16], got {half}"),
+            (not m <= d <= 4**half, f"need m <= d <= 4**half, got m={m}, d={d}, half={half}"),
+            (len(keys) != 12 or any(not 0 <= key < 2**31 for key in keys),
+             f"keys must be twelve 31-bit integers, got {len(keys)}"),
+        ) if bad
+    ]
+    if problems:
+        raise CommpressError("feistel_sample: " + "; ".join(problems))
     if backend_for(out) != "triton":
         raise CommpressError(
             f"feistel_sample runs on the Triton kernels only, not for a {out.device.type} "
