@@ -95,12 +95,17 @@ def test_feistel_sample_refuses_bad_arguments() -> None:
         (good, 100, 17, keys, r"half must be in \[1, 16\], got 17"),
         (good, 100, 3, keys, r"m <= d <= 4\*\*half, got m=8, d=100, half=3"),
         (good, 5, 4, keys, "m=8, d=5"),
-        (good, 100, 4, keys[:6], "twelve 31-bit integers, got 6"),
-        (good, 100, 4, (*keys[:11], 2**31), "twelve 31-bit integers"),
+        (good, 100, 4, keys[:6], "twelve 31-bit integers, got 6 keys"),
+        (good, 100, 4, (*keys[:11], 2**31), r"got 12 keys, out of range: \[2147483648\]"),
     ]
     for out, d, half, ks, message in cases:
         with kernels.use_backend("triton"), pytest.raises(CommpressError, match=message):
             kernels.feistel_sample(out, d, half, ks)
+    # the torch reference refuses m > d too (its cycle walk would never end)
+    from commpress.codecs.randomk import feistel_sample_torch
+
+    with pytest.raises(CommpressError, match="m=8, d=5"):
+        feistel_sample_torch(8, 5, 4, keys, torch.device(DEVICE))
 
 
 def _syncs(fn: object) -> dict[str, int]:

@@ -35,7 +35,7 @@ from commpress.codecs.base import (
 from commpress.codecs.common import kernel_seed, reply_part, require_seed, scatter_into
 from commpress.codecs.protocol import AllReduce, Protocol, Reduced
 from commpress.codecs.registry import register_codec
-from commpress.errors import error_context
+from commpress.errors import CommpressError, error_context
 
 _VALUE_DTYPES = {
     "float32": torch.float32,
@@ -174,9 +174,12 @@ def feistel_sample_torch(m: int, d: int, half: int, keys: Sequence[int | torch.T
     order (int64). A balanced Feistel network of twelve rounds (``keys``) permutes
     ``[0, 2**(2 half))``; a value ``>= d`` goes through it again until it lands below ``d``
     (cycle walking: a permutation of ``[0, d)``). One host sync per walking step, and each
-    step re-encrypts only the values still ``>= d`` (a quarter or fewer after the first
-    pass, then fewer each time). ``keys`` may also be int64 tensors of shape ``(S, 1)``:
-    ``S`` key sets at once, ``(S, m)`` values (the statistical tests draw many samples so)."""
+    step re-encrypts only the values still ``>= d`` (a fraction ``1 - d / 4**half < 3/4``
+    of them each step). ``keys`` may also be int64 tensors of shape ``(S, 1)``: ``S`` key
+    sets at once, ``(S, m)`` values (the statistical tests draw many samples so)."""
+    if not 0 <= m <= d <= 4**half:  # m > d would walk forever
+        raise CommpressError(f"feistel_sample_torch: need 0 <= m <= d <= 4**half, got m={m}, "
+                             f"d={d}, half={half}")
     y = _feistel_torch(torch.arange(m, device=device), half, keys)
     flat = y.view(-1)
     where = (flat >= d).nonzero().view(-1)

@@ -22,6 +22,7 @@ know nothing about how they were taken.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -472,22 +473,28 @@ def _network_worker(rank: int, world: int, store_path: str, backend: str,
     from commpress.procs import exit_when_orphaned
 
     exit_when_orphaned()
+    started = False
     try:
         dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank,
                                 world_size=world)
+        started = True
         device = "cuda" if backend == "nccl" else "cpu"
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        try:
-            fit = _measure_fit(sizes, repeats, device, world, backend)
-        finally:
-            dist.destroy_process_group()
-        if rank == 0:
-            out.put(("ok", fit))
+        fit = _measure_fit(sizes, repeats, device, world, backend)
     except FlatTimes as exc:  # every rank takes it; the parent raises the same class
         out.put(("flat", f"rank {rank}: {exc}"))
-    except BaseException as exc:  # reported to the parent, never a hang
+    except BaseException as exc:  # reported to the parent first (the root cause), never a hang
         out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+    else:
+        if rank == 0:
+            out.put(("ok", fit))
+    finally:
+        # after the report, so a peer's error from the teardown never comes first, and a
+        # teardown error never replaces the report
+        if started:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
 
 
 def _worker_result(status: str, value: Any) -> NetworkFit:

@@ -815,18 +815,24 @@ def feistel_sample(out: torch.Tensor, d: int, half: int, keys: tuple[int, ...]) 
     rounds of a Feistel network on ``2 * half`` bits (``2**(2 half) >= d``, ``half <= 16``)
     with the twelve 31-bit round ``keys``, walked again while the value is ``>= d``."""
     m = out.numel()
-    problems = [
-        text for bad, text in (
-            (out.dtype != torch.int64 or out.dim() != 1 or not out.is_contiguous(),
-             f"out must be a 1-D contiguous int64 tensor, got {out.dtype} of shape "
-             f"{tuple(out.shape)} (contiguous={out.is_contiguous()})"),
-            (not 1 <= half <= 16, f"half must be in [1, 16], got {half}"),
-            (not m <= d <= 4**half, f"need m <= d <= 4**half, got m={m}, d={d}, half={half}"),
-            (len(keys) != 12 or any(not 0 <= key < 2**31 for key in keys),
-             f"keys must be twelve 31-bit integers, got {len(keys)}"),
-        ) if bad
-    ]
-    if problems:
+    shape_ok = out.dtype == torch.int64 and out.dim() == 1 and out.is_contiguous()
+    bad_keys = [key for key in keys if not 0 <= key < 2**31]
+    if not (shape_ok and 1 <= half <= 16 and m <= d <= 4**half and m <= 2**31
+            and len(keys) == 12 and not bad_keys):
+        problems = [
+            text for bad, text in (
+                (not shape_ok,
+                 f"out must be a 1-D contiguous int64 tensor, got {out.dtype} of shape "
+                 f"{tuple(out.shape)} (contiguous={out.is_contiguous()})"),
+                (not 1 <= half <= 16, f"half must be in [1, 16], got {half}"),
+                (not m <= d <= 4**half,
+                 f"need m <= d <= 4**half, got m={m}, d={d}, half={half}"),
+                (m > 2**31, f"m must be at most 2**31 (32-bit program indices), got {m}"),
+                (len(keys) != 12 or bad_keys,
+                 f"keys must be twelve 31-bit integers, got {len(keys)} keys"
+                 + (f", out of range: {bad_keys[:3]}" if bad_keys else "")),
+            ) if bad
+        ]
         raise CommpressError("feistel_sample: " + "; ".join(problems))
     if backend_for(out) != "triton":
         raise CommpressError(
