@@ -473,11 +473,9 @@ def _network_worker(rank: int, world: int, store_path: str, backend: str,
     from commpress.procs import exit_when_orphaned
 
     exit_when_orphaned()
-    started = False
     try:
         dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank,
                                 world_size=world)
-        started = True
         device = "cuda" if backend == "nccl" else "cpu"
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -492,7 +490,7 @@ def _network_worker(rank: int, world: int, store_path: str, backend: str,
     finally:
         # after the report, so a peer's error from the teardown never comes first, and a
         # teardown error never replaces the report
-        if started:
+        if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
 
