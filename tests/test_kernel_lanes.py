@@ -76,6 +76,10 @@ def test_sign_bits_compare_whole_vectors() -> None:
 
     found = _vector_types("_nb_sign_bits", _array(types.float32), _array(types.uint8))
     assert (32, "i1") in found, found  # one compare per 32 values, its lanes the word's bits
+    # bfloat16 bits compared as 16-bit integers, 32 at a time, never widened to float32
+    found = _vector_types("_nb_sign_bits_bf16", _array(types.uint16), _array(types.uint8))
+    assert (32, "i16") in found and (32, "i1") in found, found
+    assert not any(t in ("float", "i32") for _, t in found), found
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 31, 32, 33, 63, 64, 100, 2048, 2049, 16384 + 45])

@@ -507,9 +507,12 @@ def test_minmax_kernel_nonfinite_chunks_match_torch() -> None:
     assert torch.isfinite(out[48:]).all() and not torch.isfinite(out[:48]).any()
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 16384, 16385, 100003])
-def test_sign_kernel_matches_torch_bit_for_bit(n: int) -> None:
-    x = heavy_tailed(n, seed=n)
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 33, 2049, 16384, 16385, 100003])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sign_kernel_matches_torch_bit_for_bit(n: int, dtype: torch.dtype) -> None:
+    # bfloat16: the kernel reads the bits as they are (no widened copy), the torch path
+    # widens to float32 first
+    x = heavy_tailed(n, seed=n).to(dtype)
     packed_k, total = kernels.sign_encode(x)
     packed_t, scale_t = sign_encode_torch(x)
     assert torch.equal(packed_k, packed_t)
