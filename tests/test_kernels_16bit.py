@@ -72,6 +72,35 @@ def test_convert_rounds_like_torch(src: torch.dtype, dst: torch.dtype, saturate:
     assert _same(got, want)
 
 
+@pytest.mark.parametrize("saturate", [False, True])
+def test_float16_to_bfloat16_vector_groups_equal_the_scalar_rounding_bit_for_bit(
+    saturate: bool,
+) -> None:
+    """float16 -> bfloat16 (the fp16 cast's decode into a bfloat16 buffer) converts whole
+    groups of 16 with F16C where the CPU has it and the rest of a work item in scalar code:
+    every one of the 65,536 float16 bit patterns, NaN payloads included, gets the scalar
+    definition's bits, in one call (vector groups) and in calls of 15 values (scalar only)."""
+    import numba
+    import numpy as np
+
+    from commpress.codecs.kernels import numba_cpu
+
+    kernels.load_numba("numba_cpu")
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    bits = x.view(torch.int16).numpy().view(np.uint16)
+    scalar = numba.njit(lambda s: [numba_cpu._nb_bf16(numba_cpu._nb_f16_value(v),
+                                                      numba_cpu._INF_BITS) for v in s])
+    want = torch.from_numpy(np.array(scalar(bits), np.uint16).view(np.int16))
+    whole = kernels.convert(x, torch.empty(x.numel(), dtype=torch.bfloat16), saturate=saturate)
+    assert torch.equal(whole.view(torch.int16), want)
+    parts = torch.cat([
+        kernels.convert(p, torch.empty(p.numel(), dtype=torch.bfloat16), saturate=saturate)
+        for p in x[:15 * 400].split(15)
+    ])
+    assert torch.equal(parts.view(torch.int16), want[:15 * 400])
+    assert (numba_cpu._vhalf_widen is not None) == kernels._load().vector_half  # type: ignore[union-attr]
+
+
 def test_convert_rejects_a_wrong_output() -> None:
     x = torch.ones(10, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="contiguous"):
