@@ -137,6 +137,11 @@ def test_analyze_cli_reports_bad_input(tmp_path: Path, capsys: pytest.CaptureFix
     assert "no such file" in capsys.readouterr().err
     assert main(["analyze", str(tmp_path)]) == 2  # an empty directory
     assert "no .safetensors" in capsys.readouterr().err
+    (tmp_path / "not.json").write_text('{"a": 1}')  # not safetensors: one line, no traceback
+    assert main(["analyze", str(tmp_path / "not.json")]) == 2
+    err = capsys.readouterr().err
+    assert "not a readable safetensors file" in err and "Traceback" not in err
+    (tmp_path / "not.json").unlink()
     save_file({"w": torch.randn(8)}, str(tmp_path / "w.safetensors"))
     assert main(["analyze", str(tmp_path), "--configs", "topk"]) == 2
     assert "not lossless" in capsys.readouterr().err

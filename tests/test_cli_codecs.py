@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
+import torch
 
 from commpress.bench.codecs import CodecRow, copy_ceiling, render, run_bench, run_samples
 from commpress.cli import main
@@ -172,6 +174,36 @@ def test_bad_arguments_give_an_error_not_a_traceback(capsys: pytest.CaptureFixtu
     assert main(["bench", "codecs", "--rounds", "2", "--profile", "p.json"]) == 2
     assert "not to --profile" in capsys.readouterr().err
     assert main(["bench", "codecs", "--codecs", "nope", "--size-mb", "0.01"]) == 2
+    assert main(["bench", "codecs", "--size-mb", "nan"]) == 2
+    assert "--size-mb a finite number > 0" in capsys.readouterr().err
+
+
+def test_unusable_outputs_and_devices_are_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import commpress.bench.codecs as bench_codecs
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(bench_codecs, "run_bench", never)
+    base = ["bench", "codecs", "--size-mb", "0.01", "--codecs", "fp16"]
+    cases = {
+        ("--json", str(tmp_path / "missing" / "x.json")): "does not exist",
+        ("--json", str(tmp_path)): "is a directory, not a file",
+        ("--profile", str(tmp_path / "missing" / "p.json")): "does not exist",
+        ("--device", "gpu"): "write 'cuda' for a GPU",
+        ("--device", "mps"): "'cpu' or 'cuda' devices",
+    }
+    if not torch.cuda.is_available():
+        cases[("--device", "cuda")] = "use 'cpu'"
+    for (flag, value), fragment in cases.items():
+        assert main([*base, flag, value]) == 2, (flag, value)
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err, (flag, value, err)
+    (tmp_path / "file").write_text("")
+    assert main(["sweep", "--params", "125M", "--out", str(tmp_path / "file" / "sub")]) == 2
+    assert "cannot create it under" in capsys.readouterr().err
 
 
 def test_output_into_a_pipe_closed_early_exits_quietly() -> None:

@@ -224,6 +224,8 @@ def test_mismatched_calls_are_refused_on_every_rank_at_the_first_call() -> None:
 
 # ---------------------------------------------------------------------------- bad arguments
 def _bad_args_worker(rank: int, world: int) -> dict[str, str]:
+    from commpress.collectives import all_reduce_async, reduce_async
+
     x = torch.randn(8)
     cases: dict[str, Any] = {
         "op": lambda: reduce(x, "identity", op="prod"),
@@ -240,6 +242,14 @@ def _bad_args_worker(rank: int, world: int) -> dict[str, str]:
         "bad param": lambda: reduce(x, {"id": "topk", "ratio": 2.0}),
         "local size": lambda: reduce(x, "identity", strategy="hierarchical", local_size=0),
         "check": lambda: reduce(x, "identity", check="sometimes"),  # type: ignore[arg-type]
+        # codec parameters and misspelled options: refused before anything is queued (they
+        # were a TypeError from the queue's thread); the identity call after a first one
+        # would otherwise take its direct lane
+        "codec keyword": lambda: all_reduce(x, "topk", ratio=0.1),
+        "misspelled": lambda: (all_reduce(x, "identity", key="lane"),
+                               all_reduce(x, "identity", key="lane", inplcae=True)),
+        "async keyword": lambda: all_reduce_async(x, "fp16", inplcae=True),
+        "reduce_async keyword": lambda: reduce_async(x, "qsgd", levels=3),
     }
     out = {}
     for name, call in cases.items():
@@ -307,6 +317,11 @@ def test_bad_arguments_are_clear_errors() -> None:
         "local size": "local size that divides the world size",
         "check": "check must be one of 'first', 'every', 'off', got 'sometimes'",
         "check env": "$COMMPRESS_CHECK must be one of 'first', 'every', 'off', got 'never'",
+        "codec keyword": "commpress.all_reduce: unknown keyword argument(s) 'ratio'; codec "
+                         "parameters go in the codec spec (e.g. 'topk:ratio=0.1')",
+        "misspelled": "unknown keyword argument(s) 'inplcae'",
+        "async keyword": "commpress.all_reduce_async: unknown keyword argument(s) 'inplcae'",
+        "reduce_async keyword": "'qsgd:levels=3'",
     }
     for name, fragment in expected.items():
         assert fragment in out[name], f"{name}: {out[name]}"

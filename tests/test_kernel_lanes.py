@@ -82,6 +82,22 @@ def test_sign_bits_compare_whole_vectors() -> None:
     assert not any(t in ("float", "i32") for _, t in found), found
 
 
+@pytest.mark.parametrize("offset", [0, 1, 5, 31])
+def test_bfloat16_sign_bits_of_every_pattern(offset: int) -> None:
+    """Every bfloat16 bit pattern (both NaN signs, which a cast from float32 never gives:
+    torch turns every NaN into 0xFFFF), in order and shuffled, starting ``offset`` values
+    into the tensor so that groups and tails fall elsewhere: the kernel reads the bits in
+    place and compares them as integers."""
+    g = torch.Generator().manual_seed(offset)
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    for bits in (every, every[torch.randperm(every.numel(), generator=g)]):
+        x = bits[offset:].view(torch.bfloat16)
+        with kernels.use_backend("numba"):
+            packed, _ = kernels.load_numba("numba_cpu").sign_encode(x)
+        expected = np.packbits((x.float() >= 0).numpy(), bitorder="little")
+        assert packed.numpy().tobytes() == expected.tobytes()
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 31, 32, 33, 63, 64, 100, 2048, 2049, 16384 + 45])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_sign_bits_equal_numpy_packbits(n: int, dtype: torch.dtype) -> None:

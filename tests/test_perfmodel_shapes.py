@@ -552,3 +552,18 @@ def test_sweep_and_advise_take_a_real_model(tmp_path: Path,
     # a model-only codec may be advised, never written as a training policy
     assert main([*common, "--codec", "ratio:8", "--emit-policy", str(tmp_path / "x.json")]) == 2
     assert "model-only 'ratio' codec" in capsys.readouterr().err
+
+
+def test_hf_config_without_transformers_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from commpress.errors import ConfigError
+    from commpress.perfmodel.shapes import shapes_from_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "bert"}')
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
+    with pytest.raises(ConfigError, match=r"needs transformers: pip install 'commpress\[models\]'"):
+        shapes_from_hf_config(str(path))

@@ -347,6 +347,7 @@ def plot(groups: Sequence[GroupStats], path: str | Path, *, title: str = "") -> 
 def load_tensors(paths: Sequence[str | Path]) -> list[tuple[str, str, torch.Tensor]]:
     """``(file, name, tensor)`` for every tensor of every safetensors file in ``paths``
     (directories are searched for ``*.safetensors``)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     files: list[Path] = []
@@ -362,7 +363,10 @@ def load_tensors(paths: Sequence[str | Path]) -> list[tuple[str, str, torch.Tens
     out: list[tuple[str, str, torch.Tensor]] = []
     for f in files:
         with error_context(f"reading {f}"):
-            tensors: Mapping[str, torch.Tensor] = load_file(str(f))
+            try:
+                tensors: Mapping[str, torch.Tensor] = load_file(str(f))
+            except SafetensorError as exc:
+                raise CommpressError(f"{f} is not a readable safetensors file: {exc}") from None
         for name, t in tensors.items():
             if t.is_floating_point():
                 out.append((f.name, name, t))

@@ -52,7 +52,7 @@ from tqdm import tqdm
 from commpress.codecs import Codec, CodecContext, codec_ids, get_codec, kernels
 from commpress.errors import CommpressError
 from commpress.metrics import gaussian, heavy_tailed, nmse
-from commpress.procs import tune_cpu_allocator
+from commpress.procs import tune_cpu_allocator, usable_device
 from commpress.report import format_cell, render_table
 
 if TYPE_CHECKING:
@@ -539,8 +539,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeat < 1 or args.size_mb <= 0 or args.rounds < 1:
-        raise CommpressError("--repeat and --rounds must be >= 1 and --size-mb > 0")
+    if args.repeat < 1 or not args.size_mb > 0 or args.rounds < 1 or math.isinf(args.size_mb):
+        raise CommpressError("--repeat and --rounds must be >= 1 and --size-mb a finite "
+                             "number > 0")
+    usable_device(args.device)
     specs = codec_ids() if args.codecs == ["all"] else list(args.codecs)
     malloc = args.malloc
     if malloc == "reuse" and not tune_cpu_allocator():

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from commpress.errors import exit_status
+from commpress.errors import ConfigError, exit_status
 
 #: Sub-command modules under ``commpress.cli``, in the order ``--help`` lists them.
 COMMANDS: list[str] = [
@@ -147,14 +147,53 @@ def _silence_stdout() -> None:
         os.close(devnull)
 
 
+#: Output arguments holding a file path (``--json``, ``--profile``; ``--out`` ending in
+#: ``.json``) or a directory made with its parents (``--out``)
+_OUTPUT_ARGS = ("json", "profile", "out")
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse an output path that cannot be written before the command runs (a benchmark
+    would otherwise fail at its very end): a file's directory must exist; a directory's
+    nearest existing ancestor must be a directory, and the directory itself not a file."""
+    from pathlib import Path
+
+    for name in _OUTPUT_ARGS:
+        value = getattr(args, name, None)
+        if not isinstance(value, str) or not value:
+            continue
+        path = Path(value)
+        flag = f"--{name}"
+        if name != "out" or path.suffix == ".json":
+            if path.is_dir():
+                raise ConfigError(f"{flag} {value}: is a directory, not a file")
+            parent = path.parent
+            if not parent.is_dir():
+                raise ConfigError(f"{flag} {value}: directory {str(parent)!r} does not exist")
+            if not os.access(parent, os.W_OK):
+                raise ConfigError(f"{flag} {value}: directory {str(parent)!r} is not writable")
+            continue
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{flag} {value}: exists and is not a directory")
+        ancestor = path
+        while not ancestor.exists() and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
+            raise ConfigError(f"{flag} {value}: cannot create it under {str(ancestor)!r}")
+
+
 def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    def command() -> int:
+        check_output_paths(args)
+        return int(args.func(args) or 0)
+
     try:
-        return exit_status(lambda: int(args.func(args) or 0))
+        return exit_status(command)
     except KeyboardInterrupt:
         print("commpress: interrupted", file=sys.stderr)
         return 130

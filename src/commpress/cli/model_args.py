@@ -110,7 +110,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="built-in codec profile when no speed table is given: gpu (measured "
                    "on an H100, default) or cpu (gloo jobs whose codecs run on the CPU)")
     g.add_argument("--overlap-efficiency", type=float,
-                   help="override the platform's overlap efficiency (0..1)")
+                   help="override the platform's overlap efficiency: 1 = communication "
+                   "during backward fully hidden, 0 = serial, below 0 = it slows the "
+                   "backward too (-4..1)")
     g.add_argument("--offload-bw", help="run codec work on an offload device (SqueezeNIC) "
                    "compressing at this rate of uncompressed data, e.g. 400gbit")
     g.add_argument("--offload-decompress-bw",

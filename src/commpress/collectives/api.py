@@ -37,7 +37,7 @@ from commpress.collectives.checks import (
 from commpress.collectives.driver import Exchange, direct_path_applies, sums_plainly
 from commpress.collectives.queue import queue_for
 from commpress.collectives.strategies import strategy_names
-from commpress.errors import CommpressError
+from commpress.errors import CommpressError, ConfigError
 
 #: The registered strategies' names, for type checkers (the registry is the source of truth:
 #: :func:`commpress.collectives.strategies.strategy_names`).
@@ -143,6 +143,32 @@ def reduce(
     return engine.reduce(tensor, codec, options)
 
 
+#: The keyword arguments :func:`reduce` takes besides the tensor and the codec.
+_REDUCE_KEYWORDS = frozenset({
+    "group", "op", "strategy", "ctx", "key", "step", "timeout", "bucket_bytes", "need_local",
+    "local_size", "offload", "pipeline_depth", "check", "stats", "inplace",
+})
+
+
+def _check_keywords(name: str, codec: CodecSpec, given: Mapping[str, Any]) -> None:
+    """Refuse keyword arguments :func:`reduce` does not take, on the calling thread and
+    before anything is sent (not as a ``TypeError`` from the queue's thread), pointing codec
+    parameters to the codec spec."""
+    unknown = sorted(set(given) - _REDUCE_KEYWORDS)
+    if not unknown:
+        return
+    hint = ""
+    if isinstance(codec, str):
+        base = codec.split(":", 1)[0]
+        example = ",".join(f"{k}={given[k]!r}" for k in unknown)
+        hint = (f"; codec parameters go in the codec spec (e.g. "
+                f"'{base}:{example}'), or pass a codec object")
+    raise ConfigError(
+        f"commpress.{name}: unknown keyword argument(s) {', '.join(map(repr, unknown))}"
+        f"{hint}; it takes {', '.join(sorted(_REDUCE_KEYWORDS))}"
+    )
+
+
 def all_reduce_async(
     tensor: torch.Tensor,
     codec: CodecSpec,
@@ -163,6 +189,7 @@ def all_reduce_async(
     order. The input must not be modified until the future completes. Extra ``options`` are
     those of :func:`reduce` (``need_local`` is not available here: use :func:`reduce_async`).
     """
+    _check_keywords("all_reduce_async", codec, options)
     options.update(op=op, strategy=strategy, ctx=ctx, key=key, step=step, timeout=timeout)
     return _queued_total(tensor, codec, group, bucket_bytes, options, blocking=False)
 
@@ -199,6 +226,7 @@ def reduce_async(tensor: torch.Tensor, codec: CodecSpec, **kwargs: Any) -> torch
 
     This is what a DDP communication hook with error feedback uses (``need_local=True``).
     """
+    _check_keywords("reduce_async", codec, kwargs)
     q = queue_for(kwargs.get("group"))
     checks.note_submitter(q, kwargs.get("group"), check_mode(kwargs.get("check")), stacklevel=2)
     return q.submit(reduce, tensor, codec, **kwargs)
@@ -277,8 +305,11 @@ def all_reduce(
             codec work of every strategy on a separate worker thread), ``pipeline_depth`` (2),
             ``check`` (``"first"``, ``"every"`` or ``"off"``), ``stats`` (a dict receiving
             byte counters), ``inplace`` (write the result into ``tensor``, avoiding copies
-            where the codec allows); see :func:`reduce`.
+            where the codec allows); see :func:`reduce`. Any other keyword is refused with a
+            :class:`~commpress.errors.ConfigError` before anything is sent: codec parameters
+            go in the codec spec (``"topk:ratio=0.1"``).
     """
+    _check_keywords("all_reduce", codec, options)
     # A call repeating a verified identity signature takes its direct lane (see direct.py).
     lane_key = None
     if ctx is None and timeout is None and bucket_bytes is None:

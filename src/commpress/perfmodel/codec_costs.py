@@ -42,6 +42,7 @@ from commpress.perfmodel import collectives as coll
 from commpress.perfmodel.collectives import Cluster
 from commpress.perfmodel.ratio import RatioCodec, model_codec
 from commpress.perfmodel.timeline import Segment
+from commpress.procs import usable_device
 
 #: Largest sample (elements) encoded to measure wire bytes; larger tensors are extrapolated.
 SAMPLE_MAX = 1 << 16
@@ -475,7 +476,7 @@ def calibrate_speeds(
     million elements on a GPU, so that launch overheads do not hide the throughput; more
     ``repeats`` on a busy machine.
     """
-    dev = torch.device(device)
+    dev = usable_device(device, "device")
     speeds: dict[str, CodecSpeed] = {}
     iterator: Any = list(specs)
     if progress:

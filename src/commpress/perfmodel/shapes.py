@@ -260,9 +260,10 @@ def shapes_from_hf_config(source: str) -> ModelShapes:
     head; tied weights count once), else ``AutoModel``.
     """
     import torch
+
+    config = _hf_config(source)  # first: it says how to install transformers when missing
     import transformers
 
-    config = _hf_config(source)
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
     builder = cls if cls is not None and hasattr(cls, "_from_config") else None

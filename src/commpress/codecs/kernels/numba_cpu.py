@@ -940,7 +940,7 @@ def _nb_sign_bits_bf16(src: Any, dst: Any) -> None:
 def _nb_sign_encode(xf: Any, x16: Any, mode: Any, n: Any, packed: Any, partial: Any) -> None:
     # the sign bits of UNIT values per work item and their sum of |x| (partial[unit]);
     # bfloat16 bits are read as they are (compared as integers, widened in registers for
-    # the sum: without a widened copy, 8.0 -> 3.5 ms for 32 M values on the 2-core machine);
+    # the sum: without a widened copy, 8.0 -> 3.2-4.7 ms for 32 M values on the 2-core machine);
     # float16 inputs are widened WINDOW values (whole groups of eight: the same sums) at a
     # time
     nunits = (n + UNIT - 1) // UNIT
