@@ -327,3 +327,35 @@ def test_bench_codecs_rounds_from_the_command_line(
     rows = json.loads(out_file.read_text())
     assert [len(r["copy_samples"]) for r in rows] == [4, 4]  # before/after, two passes
     assert "the best of 8 samples" in out
+
+
+def test_output_path_check_follows_each_commands_kind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from commpress.cli import check_output_paths
+    from commpress.errors import ConfigError
+
+    existing = tmp_path / "calib.platform"
+    existing.write_text("{}")
+    ok = [
+        argparse.Namespace(json=str(existing)),  # an existing file is overwritten
+        argparse.Namespace(json="/dev/null"),
+        argparse.Namespace(json=True),  # a flag, not a path
+        argparse.Namespace(out=str(existing), out_kind="file"),  # calibrate's --out
+        argparse.Namespace(out=str(tmp_path / "sweep.json")),  # a directory named *.json
+        argparse.Namespace(out=str(tmp_path / "a" / "b")),  # made with its parents
+    ]
+    for args in ok:
+        check_output_paths(args)
+    bad = [
+        argparse.Namespace(out=str(existing)),  # a directory command: a file is in the way
+        argparse.Namespace(out=str(tmp_path / "missing" / "c.json"), out_kind="file"),
+        argparse.Namespace(profile=str(tmp_path)),
+    ]
+    for args in bad:
+        with pytest.raises(ConfigError):
+            check_output_paths(args)
+    monkeypatch.setenv("RANK", "1")  # a launched job's other ranks write nothing
+    check_output_paths(bad[1])

@@ -242,9 +242,8 @@ def _bad_args_worker(rank: int, world: int) -> dict[str, str]:
         "bad param": lambda: reduce(x, {"id": "topk", "ratio": 2.0}),
         "local size": lambda: reduce(x, "identity", strategy="hierarchical", local_size=0),
         "check": lambda: reduce(x, "identity", check="sometimes"),  # type: ignore[arg-type]
-        # codec parameters and misspelled options: refused before anything is queued (they
-        # were a TypeError from the queue's thread); the identity call after a first one
-        # would otherwise take its direct lane
+        # codec parameters and misspelled options: refused on the calling thread before
+        # anything is queued (they were a TypeError from the queue's thread)
         "codec keyword": lambda: all_reduce(x, "topk", ratio=0.1),
         "misspelled": lambda: (all_reduce(x, "identity", key="lane"),
                                all_reduce(x, "identity", key="lane", inplcae=True)),
@@ -318,8 +317,8 @@ def test_bad_arguments_are_clear_errors() -> None:
         "check": "check must be one of 'first', 'every', 'off', got 'sometimes'",
         "check env": "$COMMPRESS_CHECK must be one of 'first', 'every', 'off', got 'never'",
         "codec keyword": "commpress.all_reduce: unknown keyword argument(s) 'ratio'; codec "
-                         "parameters go in the codec spec (e.g. 'topk:ratio=0.1')",
-        "misspelled": "unknown keyword argument(s) 'inplcae'",
+                         "parameters go in the codec spec ('topk:ratio=0.1')",
+        "misspelled": "unknown keyword argument(s) 'inplcae'; did you mean 'inplace'",
         "async keyword": "commpress.all_reduce_async: unknown keyword argument(s) 'inplcae'",
         "reduce_async keyword": "'qsgd:levels=3'",
     }

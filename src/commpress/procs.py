@@ -11,10 +11,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 #: ``madvise``'s advice that asks the kernel to back a range with transparent huge pages (Linux's
 #: ``MADV_HUGEPAGE``, mman-common.h).
@@ -168,33 +164,4 @@ def exit_when_orphaned(poll_s: float = 1.0) -> None:
                 os._exit(3)
 
     threading.Thread(target=watch, name="commpress-orphan-watch", daemon=True).start()
-
-
-def usable_device(device: object, what: str = "--device") -> torch.device:
-    """``device`` (a name such as ``"cpu"``, ``"cuda"``, ``"cuda:1"``, or a
-    ``torch.device``) as a ``torch.device`` this process can use; otherwise a
-    :class:`~commpress.errors.ConfigError` naming ``what`` (``"gpu"`` is refused with a hint
-    to write ``"cuda"``; a CUDA device on a torch built without CUDA, or with no GPU visible,
-    or beyond the visible count, says so)."""
-    import torch
-
-    from commpress.errors import ConfigError
-
-    try:
-        dev = torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError) as exc:
-        hint = " (write 'cuda' for a GPU)" if str(device).lower().startswith("gpu") else ""
-        raise ConfigError(f"{what} {device!r}: not a torch device such as 'cpu' or "
-                          f"'cuda:0'{hint}") from exc
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            built = "a torch built without CUDA" if torch.version.cuda is None else "no GPU visible"
-            raise ConfigError(f"{what} {device!r}: this process has {built} "
-                              f"(torch {torch.__version__}); use 'cpu'")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"{what} {device!r}: only {torch.cuda.device_count()} CUDA "
-                              f"device(s) visible")
-    elif dev.type != "cpu":
-        raise ConfigError(f"{what} {device!r}: commpress measures on 'cpu' or 'cuda' devices")
-    return dev
 

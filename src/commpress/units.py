@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import math
 import re
+from typing import TYPE_CHECKING
 
-from commpress.errors import CommpressError
+from commpress.errors import CommpressError, ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 _NUMBER = re.compile(r"^\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*(.*?)\s*$")
 
@@ -154,6 +158,34 @@ def parse_list(text: str, parse: object) -> list[float]:
     return [parse(s) for s in items]  # type: ignore[operator]
 
 
+def usable_device(device: object, what: str = "--device") -> torch.device:
+    """``device`` (a name such as ``"cpu"``, ``"cuda"``, ``"cuda:1"``, or a
+    ``torch.device``) as a ``torch.device`` this process can use; otherwise a
+    :class:`~commpress.errors.ConfigError` naming ``what`` (``"gpu"`` is refused with a hint
+    to write ``"cuda"``; a CUDA device on a torch built without CUDA, or with no GPU visible,
+    or beyond the visible count, says so)."""
+    import torch
+
+    try:
+        dev = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as exc:
+        hint = " (write 'cuda' for a GPU)" if str(device).lower().startswith("gpu") else ""
+        raise ConfigError(f"{what} {device!r}: not a torch device such as 'cpu' or "
+                          f"'cuda:0'{hint}") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            built = "a torch built without CUDA" if torch.version.cuda is None else "no GPU visible"
+            raise ConfigError(f"{what} {device!r}: this process has {built} "
+                              f"(torch {torch.__version__}); use 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"{what} {device!r}: only {torch.cuda.device_count()} CUDA "
+                              f"device(s) visible")
+    elif dev.type != "cpu":
+        raise ConfigError(f"{what} {device!r}: commpress measures codecs on 'cpu' or 'cuda' "
+                          f"devices")
+    return dev
+
+
 def format_seconds(seconds: float) -> str:
     """``0.2503`` -> ``"250.3 ms"``."""
     s = abs(seconds)
@@ -193,4 +225,5 @@ __all__ = [
     "parse_duration",
     "parse_list",
     "parse_size",
+    "usable_device",
 ]

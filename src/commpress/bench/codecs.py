@@ -52,8 +52,9 @@ from tqdm import tqdm
 from commpress.codecs import Codec, CodecContext, codec_ids, get_codec, kernels
 from commpress.errors import CommpressError
 from commpress.metrics import gaussian, heavy_tailed, nmse
-from commpress.procs import tune_cpu_allocator, usable_device
+from commpress.procs import tune_cpu_allocator
 from commpress.report import format_cell, render_table
+from commpress.units import usable_device
 
 if TYPE_CHECKING:
     from commpress.perfmodel.codec_costs import CodecSpeed

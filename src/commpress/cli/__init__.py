@@ -147,26 +147,35 @@ def _silence_stdout() -> None:
         os.close(devnull)
 
 
-#: Output arguments holding a file path (``--json``, ``--profile``; ``--out`` ending in
-#: ``.json``) or a directory made with its parents (``--out``)
+#: Output arguments holding a file path: ``--json``, ``--profile``, and ``--out`` where the
+#: command says so (``set_defaults(out_kind="file")``; else ``--out`` is a directory made
+#: with its parents)
 _OUTPUT_ARGS = ("json", "profile", "out")
 
 
 def check_output_paths(args: argparse.Namespace) -> None:
     """Refuse an output path that cannot be written before the command runs (a benchmark
-    would otherwise fail at its very end): a file's directory must exist; a directory's
-    nearest existing ancestor must be a directory, and the directory itself not a file."""
+    would otherwise fail at its very end): a file must be writable if it exists, else its
+    directory must exist and be writable; a directory must not be a file, and its nearest
+    existing ancestor must be a directory. Ranks other than 0 of a launched job (``RANK``)
+    write nothing and are not checked."""
     from pathlib import Path
 
+    if os.environ.get("RANK", "0") != "0":
+        return
     for name in _OUTPUT_ARGS:
         value = getattr(args, name, None)
         if not isinstance(value, str) or not value:
             continue
         path = Path(value)
         flag = f"--{name}"
-        if name != "out" or path.suffix == ".json":
+        if name != "out" or getattr(args, "out_kind", "dir") == "file":
             if path.is_dir():
                 raise ConfigError(f"{flag} {value}: is a directory, not a file")
+            if path.exists():
+                if not os.access(path, os.W_OK):
+                    raise ConfigError(f"{flag} {value}: is not writable")
+                continue
             parent = path.parent
             if not parent.is_dir():
                 raise ConfigError(f"{flag} {value}: directory {str(parent)!r} does not exist")
@@ -178,7 +187,7 @@ def check_output_paths(args: argparse.Namespace) -> None:
         ancestor = path
         while not ancestor.exists() and ancestor != ancestor.parent:
             ancestor = ancestor.parent
-        if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
+        if not ancestor.is_dir():
             raise ConfigError(f"{flag} {value}: cannot create it under {str(ancestor)!r}")
 
 

@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="time a few forward+backward steps of this built-in model instead")
     p.add_argument("--steps", type=int, default=5, help="timed steps of --demo-model (5)")
     p.add_argument("--out", required=True, help="output JSON")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, out_kind="file")
 
 
 def _demo_compute_s(preset_name: str, steps: int) -> float:

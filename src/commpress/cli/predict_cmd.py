@@ -49,10 +49,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     from commpress.errors import CommpressError
     from commpress.perfmodel.codec_costs import calibrate_speeds
-    from commpress.units import format_count, parse_count
+    from commpress.units import format_count, parse_count, usable_device
 
     if not args.save:
         raise CommpressError("--calibrate-codecs needs --save PATH for the speed table")
+    usable_device(args.device)
     specs = args.codec or codec_ids()
     table = calibrate_speeds(specs, device=args.device, large=int(parse_count(args.large)),
                              progress=True)

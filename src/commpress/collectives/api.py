@@ -152,20 +152,34 @@ _REDUCE_KEYWORDS = frozenset({
 
 def _check_keywords(name: str, codec: CodecSpec, given: Mapping[str, Any]) -> None:
     """Refuse keyword arguments :func:`reduce` does not take, on the calling thread and
-    before anything is sent (not as a ``TypeError`` from the queue's thread), pointing codec
-    parameters to the codec spec."""
+    before anything is queued (not as a ``TypeError`` from the queue's thread): a codec's own
+    parameter is pointed to the codec spec, a near miss of an option gets a suggestion."""
     unknown = sorted(set(given) - _REDUCE_KEYWORDS)
     if not unknown:
         return
-    hint = ""
-    if isinstance(codec, str):
-        base = codec.split(":", 1)[0]
-        example = ",".join(f"{k}={given[k]!r}" for k in unknown)
-        hint = (f"; codec parameters go in the codec spec (e.g. "
-                f"'{base}:{example}'), or pass a codec object")
+    import dataclasses
+    import difflib
+
+    taken = sorted(_REDUCE_KEYWORDS - {"need_local"} if name.startswith("all_") else
+                   _REDUCE_KEYWORDS)
+    try:
+        params = {f.name for f in dataclasses.fields(_as_codec(codec))}  # type: ignore[arg-type]
+    except Exception:  # not a codec spec: its own error comes from the call's checks
+        params = set()
+    hints = []
+    as_params = [k for k in unknown if k in params]
+    if as_params and isinstance(codec, str):
+        example = ",".join(f"{k}={given[k]!r}" for k in as_params)
+        hints.append(f"codec parameters go in the codec spec ('{codec.split(':', 1)[0]}:"
+                     f"{example}')")
+    for k in unknown:
+        if k not in params:
+            close = difflib.get_close_matches(k, taken, n=1)
+            if close:
+                hints.append(f"did you mean {close[0]!r} for {k!r}?")
     raise ConfigError(
         f"commpress.{name}: unknown keyword argument(s) {', '.join(map(repr, unknown))}"
-        f"{hint}; it takes {', '.join(sorted(_REDUCE_KEYWORDS))}"
+        + "".join(f"; {h}" for h in hints) + f"; it takes {', '.join(taken)}"
     )
 
 

@@ -42,7 +42,7 @@ from commpress.perfmodel import collectives as coll
 from commpress.perfmodel.collectives import Cluster
 from commpress.perfmodel.ratio import RatioCodec, model_codec
 from commpress.perfmodel.timeline import Segment
-from commpress.procs import usable_device
+from commpress.units import usable_device
 
 #: Largest sample (elements) encoded to measure wire bytes; larger tensors are extrapolated.
 SAMPLE_MAX = 1 << 16
