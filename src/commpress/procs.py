@@ -164,4 +164,3 @@ def exit_when_orphaned(poll_s: float = 1.0) -> None:
                 os._exit(3)
 
     threading.Thread(target=watch, name="commpress-orphan-watch", daemon=True).start()
-

@@ -197,6 +197,7 @@ def _run(argv: Sequence[str] | None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+
     def command() -> int:
         check_output_paths(args)
         return int(args.func(args) or 0)
