@@ -668,3 +668,30 @@ def test_advise_accepts_a_module_and_measured_links() -> None:
     assert len(advice.choices) == len(advice.workload.buckets)
     with pytest.raises(CommpressError, match="compute_s"):
         advise(torch.nn.Linear(4, 4), links)
+
+
+def test_advise_progress_counts_each_trial_once_and_ends_at_its_total() -> None:
+    """A pass tries every other choice once per bucket: the choice the bucket held when its
+    turn came is skipped, not the one it just moved to (the old loop tried that one again,
+    and the bar ran past its total: 545 of 536). A search that converges early ends with
+    its total shrunk to the trials it ran."""
+    workload = Workload.from_params(1e9, compute_s=0.2)
+    cluster = Cluster.build(nodes=2, gpus_per_node=8, inter_bw="100gbit")
+    specs = registered("thc", "powersgd:rank=4", "bf16")
+    calls: list[tuple[int, int]] = []
+    advice = advise(workload, cluster, candidates=specs, max_nmse=None,
+                    nmse_table={spec_key(get_codec(s)): 0.1 for s in specs},
+                    progress=lambda done, total: calls.append((done, total)))
+    assert calls, "no progress reported"
+    n, pool = len(workload.buckets), len(specs) + 1
+    assert all(done <= total for done, total in calls), calls[-3:]
+    dones = [done for done, _total in calls]
+    if len(dones) > 1 and dones[-1] == dones[-2]:  # converged: the total shrank to the trials
+        dones.pop()
+    assert dones == list(range(1, len(dones) + 1))
+    assert len(dones) % (n * (pool - 1)) == 0  # whole passes, each n * (pool - 1) trials
+    assert calls[-1][0] == calls[-1][1]
+    assert len(set(advice.choices)) >= 2  # a bucket moved: the case the old loop overcounted
+    with pytest.raises(CommpressError, match="max_passes"):
+        advise(workload, cluster, candidates=specs, max_nmse=None, max_passes=0,
+               nmse_table={spec_key(get_codec(s)): 0.1 for s in specs})

@@ -173,3 +173,107 @@ def test_predict_batched_granularity_is_pytorchs_powersgd_hook(
     assert main(["predict", "--params", "60M", "--compute-ms", "50", *CLUSTER, "--codec",
                  "topk:ratio=0.01", "--granularity", "batched"]) != 0
     assert "needs all-reduce rounds" in capsys.readouterr().err
+
+
+def _status(argv: list[str]) -> int:
+    """The exit status of ``commpress argv``, whether argparse or the command ended it."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+def test_a_number_out_of_range_is_reported_against_its_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: "number of ranks must be an integer >= 1, got 0" (which option?), "count must
+    be > 0" from sweep, --max-passes -1 accepted, --nodes 2.5 truncated to 2."""
+    cases = {
+        ("predict", "--params", "1e9", "--nodes", "0"): "argument --nodes: must be an integer >= 1",
+        ("predict", "--params", "1e9", "--gpus-per-node", "-1"): "argument --gpus-per-node",
+        ("predict", "--params", "1e9", "--gpu-tflops", "nan"): "argument --gpu-tflops: must be "
+                                                               "a finite number > 0",
+        ("predict", "--params", "1e9", "--bucket-mb", "0"): "argument --bucket-mb",
+        ("advise", "--params", "1e9", "--max-passes", "0"): "argument --max-passes",
+        ("sweep", "--params", "1e9", "--nodes", "4,0"): "--nodes: count must be > 0",
+        ("sweep", "--params", "1e9", "--nodes", "2.5"): "--nodes: node counts must be whole",
+        ("sweep", "--params", "1e9,x"): "--params: count: cannot parse 'x'",
+        ("validate", "--batch-size", "0"): "argument --batch-size",
+        ("calibrate", "--out", str(tmp_path / "p.json"), "--repeats", "0"): "argument --repeats",
+    }
+    for argv, fragment in cases.items():
+        assert _status([*argv, "--out", str(tmp_path / "o")] if argv[0] == "sweep"
+                       else list(argv)) == 2, argv
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "p.json").exists() and not (tmp_path / "o").exists()
+
+
+def test_an_unknown_option_gets_its_commands_usage_and_a_near_miss(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _status(["predict", "--params", "1e9", "--codecs", "thc"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: commpress predict")  # not the top-level usage
+    assert "unrecognized arguments: --codecs thc; did you mean --codec?" in err
+    assert _status(["advise", "--params", "1e9", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: commpress advise") and "did you mean" not in err
+    assert _status(["--bogus"]) == 2
+    assert capsys.readouterr().err.startswith("usage: commpress [-h]")
+
+
+def test_predict_refuses_calibration_options_without_calibrate_codecs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: `predict --save FILE` printed a prediction and wrote nothing (exit 0)."""
+    saved = tmp_path / "speeds.json"
+    assert main(["predict", "--params", "20M", "--save", str(saved)]) == 2
+    assert "--save applies only with --calibrate-codecs" in capsys.readouterr().err
+    assert main(["predict", "--params", "20M", "--device", "cuda", "--large", "2M"]) == 2
+    assert "--device, --large apply only with" in capsys.readouterr().err
+    assert not saved.exists()
+
+
+def test_save_and_policy_paths_are_checked_before_the_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import commpress.perfmodel.advisor as advisor
+    import commpress.perfmodel.codec_costs as codec_costs
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the work ran")
+
+    monkeypatch.setattr(advisor, "advise", never)
+    monkeypatch.setattr(codec_costs, "calibrate_speeds", never)
+    missing = tmp_path / "missing"
+    assert main(["advise", "--params", "20M", "--emit-policy", str(missing / "p.json")]) == 2
+    assert f"--emit-policy {missing / 'p.json'}: directory" in capsys.readouterr().err
+    assert main(["predict", "--calibrate-codecs", "--save", str(tmp_path)]) == 2
+    assert "--save" in capsys.readouterr().err
+
+
+def test_advise_notes_that_fp16_is_the_baseline_not_a_candidate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = tmp_path / "nmse.json"
+    table.write_text(json.dumps({"bf16": 1e-5}))
+    assert main(["advise", "--params", "20M", "--compute-ms", "50", "--codec", "fp16",
+                 "--codec", "bf16", "--nmse-table", str(table), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "--codec fp16 is the baseline" in captured.err
+    # one fp16 row, the baseline's
+    assert "| bf16" in captured.out and captured.out.count("| fp16") == 1
+    assert "| fp16 (baseline)" in captured.out
+
+
+def test_sweep_progress_counts_the_setups_its_summary_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: the bar also counted each cluster's fp16 baseline (600 against 500 setups)."""
+    assert main(["sweep", "--params", "5M,10M", "--nodes", "2,4", "--inter-bw", "1gbit",
+                 "--codec", "bf16", "--codec", "identity", "--compute-ms", "30",
+                 "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "8 setups" in captured.out
+    assert "8/8" in captured.err and "12/12" not in captured.err

@@ -147,10 +147,10 @@ def _silence_stdout() -> None:
         os.close(devnull)
 
 
-#: Output arguments holding a file path: ``--json``, ``--profile``, and ``--out`` where the
-#: command says so (``set_defaults(out_kind="file")``; else ``--out`` is a directory made
-#: with its parents)
-_OUTPUT_ARGS = ("json", "profile", "out")
+#: Output arguments holding a file path: ``--json``, ``--profile``, ``--save`` (predict's
+#: speed table), ``--emit-policy`` (advise's policy file), and ``--out`` where the command says
+#: so (``set_defaults(out_kind="file")``; else ``--out`` is a directory made with its parents)
+_OUTPUT_ARGS = ("json", "profile", "save", "emit_policy", "out")
 
 
 def check_output_paths(args: argparse.Namespace) -> None:
@@ -168,7 +168,7 @@ def check_output_paths(args: argparse.Namespace) -> None:
         if not isinstance(value, str) or not value:
             continue
         path = Path(value)
-        flag = f"--{name}"
+        flag = f"--{name.replace('_', '-')}"
         if name != "out" or getattr(args, "out_kind", "dir") == "file":
             if path.is_dir():
                 raise ConfigError(f"{flag} {value}: is a directory, not a file")
@@ -191,9 +191,36 @@ def check_output_paths(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value}: cannot create it under {str(ancestor)!r}")
 
 
+def _command_parser(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
+    """The parser of sub-command ``name``, or ``parser`` itself when there is none."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    return parser
+
+
+def _reject_unknown(parser: argparse.ArgumentParser, command: str | None,
+                    extra: list[str]) -> NoReturn:
+    """Report arguments no parser took with the usage of the command they were given to (not
+    the top-level usage argparse would print), and a near miss among its options."""
+    target = _command_parser(parser, command)
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    options = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
+    for word in extra:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.partition("=")[0], options, n=1, cutoff=0.75)
+            if close:
+                message += f"; did you mean {close[0]}?"
+                break
+    target.error(message)
+
+
 def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _reject_unknown(parser, getattr(args, "command", None), extra)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

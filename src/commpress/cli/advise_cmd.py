@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+from commpress.cli.argtypes import positive_float, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,9 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "budget; use 1 with error feedback)")
     p.add_argument("--nmse-table", help="JSON {codec spec: nmse} of measured errors (others "
                    "are measured on synthetic samples)")
-    p.add_argument("--min-speedup", type=float, default=1.05,
+    p.add_argument("--min-speedup", type=positive_float, default=1.05,
                    help="predicted speedup over fp16 needed to recommend compression (1.05)")
-    p.add_argument("--max-passes", type=int, default=2,
+    p.add_argument("--max-passes", type=positive_int, default=2,
                    help="coordinate-descent passes over the buckets (2)")
     p.add_argument("--emit-policy", metavar="FILE",
                    help="write the advice as a policy file that "
@@ -85,6 +88,19 @@ def run(args: argparse.Namespace) -> int:
             isinstance(v, (int, float)) for v in table.values()
         ):
             raise CommpressError("--nmse-table must be a JSON object {codec spec: number}")
+    from commpress.perfmodel.codec_costs import spec_key
+    from commpress.perfmodel.model import BASELINE_CODEC
+    from commpress.perfmodel.ratio import model_codec
+
+    for spec in args.codec:
+        try:
+            key = spec_key(model_codec(spec))
+        except CommpressError:
+            continue  # advise() reports it, naming the candidate
+        if key == BASELINE_CODEC:
+            print(f"commpress advise: note: --codec {spec} is the baseline ({BASELINE_CODEC}, "
+                  "no compression), which every bucket may keep anyway; it is not a separate "
+                  "candidate", file=sys.stderr)
     bar: Any = None
     progress = None
     if not args.quiet and not args.json:

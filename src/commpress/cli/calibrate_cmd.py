@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Any
 
+from commpress.cli.argtypes import positive_int
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -40,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--sizes", default="4kB,256kB,4MB",
                    help="all-reduce sizes, comma-separated (4kB,256kB,4MB)")
-    p.add_argument("--repeats", type=int, default=7, help="timed all-reduces per size (7)")
+    p.add_argument("--repeats", type=positive_int, default=7, help="timed all-reduces per size (7)")
     p.add_argument("--device", choices=["cpu", "gpu"], default=None,
                    help="built-in codec profile when --codec-speeds is not given (default: "
                    "cpu for gloo, gpu for nccl)")
@@ -49,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--compute-ms", help="forward + backward time per step (ms)")
     g.add_argument("--demo-model", choices=["tiny", "small", "medium"],
                    help="time a few forward+backward steps of this built-in model instead")
-    p.add_argument("--steps", type=int, default=5, help="timed steps of --demo-model (5)")
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps of --demo-model (5)")
     p.add_argument("--out", required=True, help="output JSON")
     p.set_defaults(func=run, out_kind="file")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from commpress.cli.argtypes import positive_float, positive_int
 from commpress.errors import CommpressError
 
 
@@ -44,14 +45,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "cannot be combined with --early/--late")
     p.add_argument("--model", default="tiny",
                    help="model preset: tiny (default, 0.87M params), small (4.9M), medium (26M)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtypes", type=_name_list, default=["bf16", "fp16", "fp32"],
                    help="comma-separated subset of bf16,fp16,fp32")
     p.add_argument("--kinds", type=_name_list, default=["grads", "acts", "act_grads"],
                    help="comma-separated subset of grads,acts,act_grads")
-    p.add_argument("--corpus-bytes", type=int, default=None,
+    p.add_argument("--corpus-bytes", type=positive_int, default=None,
                    help="bytes of stdlib source to train on (default 2,000,000)")
     p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

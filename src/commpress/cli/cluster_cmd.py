@@ -9,6 +9,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
+from commpress.cli.argtypes import positive_int
 from commpress.errors import CommpressError
 from commpress.report import render_table
 
@@ -18,8 +19,8 @@ if TYPE_CHECKING:
 
 def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     """``--nodes --procs-per-node --bandwidth --latency --loss --burst`` (shared with launch)."""
-    p.add_argument("--nodes", type=int, help="number of nodes (default 2)")
-    p.add_argument("--procs-per-node", type=int, help="workers per node (default 1)")
+    p.add_argument("--nodes", type=positive_int, help="number of nodes (default 2)")
+    p.add_argument("--procs-per-node", type=positive_int, help="workers per node (default 1)")
     p.add_argument(
         "--bandwidth",
         help="rate of each node's link, each direction: 100mbit, 1gbit, 1gbps (bits; 125MB/s "

@@ -6,6 +6,7 @@ import argparse
 import sys
 import warnings
 
+from commpress.cli.argtypes import non_negative_float, positive_float
 from commpress.cli.cluster_cmd import add_shape_arguments
 from commpress.errors import CommpressError
 
@@ -37,9 +38,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--check", action="store_true", help="print the link check before the job")
     p.add_argument("--master-port", type=int, help="rendezvous port (default 29500)")
-    p.add_argument("--timeout", type=float, help="stop the job after this many seconds (exit 124)")
+    p.add_argument("--timeout", type=positive_float,
+                   help="stop the job after this many seconds (exit 124)")
     p.add_argument(
-        "--grace", type=float, default=5.0,
+        "--grace", type=non_negative_float, default=5.0,
         help="seconds the other nodes may run on after one failed (default 5)",
     )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")

@@ -11,6 +11,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from commpress.cli.argtypes import non_negative_float, positive_float, positive_int
 from commpress.demo.model import build_model, preset
 from commpress.errors import CommpressError, read_json
 from commpress.perfmodel.codec_costs import STRATEGIES, Offload, SpeedTable
@@ -39,7 +40,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, single: bool = True) -> Non
                        "in the order they become ready (instead of --params)")
         g.add_argument("--demo-model", choices=["tiny", "small", "medium"],
                        help="the built-in TinyGPT preset (commpress.demo) instead of --params")
-        g.add_argument("--hidden", type=int, help="hidden size of the assumed GPT-style model "
+        g.add_argument("--hidden", type=positive_int,
+                       help="hidden size of the assumed GPT-style model "
                        "(default: derived from --params)")
     g.add_argument("--model", metavar="MODULE:FN",
                    help="a function returning the nn.Module to describe, 'pkg.module:build' or "
@@ -56,12 +58,13 @@ def add_workload_args(p: argparse.ArgumentParser, *, single: bool = True) -> Non
                    "6 * params * tokens / flops)")
     g.add_argument("--tokens-per-gpu", default="16384",
                    help="tokens per GPU per step, for the default compute time (16384)")
-    g.add_argument("--gpu-tflops", type=float, default=400.0,
+    g.add_argument("--gpu-tflops", type=positive_float, default=400.0,
                    help="achieved TFLOP/s per GPU, for the default compute time (400)")
     g.add_argument("--backward-fraction", type=float, default=2 / 3,
                    help="share of the compute that is backward (default 2/3)")
-    g.add_argument("--optimizer-ms", type=float, default=0.0, help="optimizer step in ms (0)")
-    g.add_argument("--bucket-mb", type=float, default=25.0,
+    g.add_argument("--optimizer-ms", type=non_negative_float, default=0.0,
+                   help="optimizer step in ms (0)")
+    g.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="DDP bucket_cap_mb (MiB, default 25)")
     g.add_argument("--grad-dtype", choices=sorted(_GRAD_BYTES),
                    help="dtype of the gradients before compression (default: the parameters' "
@@ -71,11 +74,11 @@ def add_workload_args(p: argparse.ArgumentParser, *, single: bool = True) -> Non
 def add_cluster_args(p: argparse.ArgumentParser, *, single: bool = True) -> None:
     g = p.add_argument_group("cluster")
     if single:
-        g.add_argument("--nodes", type=int, default=2, help="number of nodes N (2)")
+        g.add_argument("--nodes", type=positive_int, default=2, help="number of nodes N (2)")
         g.add_argument("--inter-bw", default="100gbit",
                        help="inter-node bandwidth per node and direction (100gbit; units: "
                        "gbit, Gb/s, Gbps = bits; GB/s = bytes)")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node M (8)")
+    g.add_argument("--gpus-per-node", type=positive_int, default=8, help="ranks per node M (8)")
     g.add_argument("--intra-bw", default="600GB/s", help="intra-node bandwidth (600GB/s)")
     g.add_argument("--inter-latency", default="10us", help="inter-node alpha (10us)")
     g.add_argument("--intra-latency", default="5us", help="intra-node alpha (5us)")

@@ -81,9 +81,24 @@ def result_row(name: str, pred: Any, base_total: float) -> list[Any]:
     ]
 
 
+#: The calibration group's options and their defaults: given without --calibrate-codecs they
+#: would be ignored (a --save that writes nothing, a --device that predicts nothing for it)
+_CALIBRATION_DEFAULTS = {"save": None, "device": "cpu", "large": "1M"}
+
+
 def run(args: argparse.Namespace) -> int:
     if args.calibrate_codecs:
         return _calibrate(args)
+    stray = [f"--{k}" for k, v in _CALIBRATION_DEFAULTS.items() if getattr(args, k) != v]
+    if stray:
+        from commpress.errors import CommpressError
+
+        raise CommpressError(
+            f"{', '.join(stray)} {'applies' if len(stray) == 1 else 'apply'} only with "
+            "--calibrate-codecs (measure codec speeds and "
+            "save them); a prediction takes a measured table with --codec-speeds FILE or "
+            "--codec-device cpu|gpu for a built-in one"
+        )
     from commpress.cli.model_args import cluster_from_args, model_kwargs, workload_from_args
     from commpress.perfmodel.model import predict, predict_baseline, speedup_range
     from commpress.units import format_count, format_seconds

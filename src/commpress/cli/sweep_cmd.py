@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         model_shapes_from_args,
         workload_common,
     )
-    from commpress.errors import CommpressError
+    from commpress.errors import CommpressError, error_context
     from commpress.perfmodel.codec_costs import measure_nmse
     from commpress.perfmodel.model import Workload, predict, predict_baseline
     from commpress.units import (
@@ -132,9 +132,15 @@ def run(args: argparse.Namespace) -> int:
         parse_list,
     )
 
-    params = parse_list(args.params, parse_count)
-    nodes = [int(n) for n in parse_list(args.nodes, parse_count)]
-    bws = parse_list(args.inter_bw, parse_bandwidth)
+    with error_context("--params"):
+        params = parse_list(args.params, parse_count)
+    with error_context("--nodes"):
+        counts = parse_list(args.nodes, parse_count)
+        if any(n != int(n) for n in counts):
+            raise CommpressError(f"node counts must be whole numbers, got {args.nodes!r}")
+    nodes = [int(n) for n in counts]
+    with error_context("--inter-bw"):
+        bws = parse_list(args.inter_bw, parse_bandwidth)
     known = set(codec_ids())
     codecs = args.codec or [c for c in DEFAULT_CODECS if c.partition(":")[0] in known]
     if not codecs:
@@ -150,7 +156,9 @@ def run(args: argparse.Namespace) -> int:
         common = workload_common(args)
         workloads = [Workload.from_params(p, compute_s=compute_seconds(args, p), **common)
                      for p in params]
-    total = len(workloads) * len(nodes) * len(bws) * (len(codecs) + 1)
+    # the bar counts the setups the summary counts (model x nodes x bandwidth x codec); the
+    # fp16 baseline of each cluster is predicted on the way, not counted
+    total = len(workloads) * len(nodes) * len(bws) * len(codecs)
     bar: Any = None
     if not args.quiet:
         from tqdm import tqdm
@@ -164,8 +172,6 @@ def run(args: argparse.Namespace) -> int:
                 cluster = cluster_from_args(args, nodes=n, inter_bw=b * 8)
                 base = predict_baseline(w, cluster, algorithm=args.algorithm,
                                         speeds=kwargs["speeds"], platform=kwargs["platform"])
-                if bar is not None:
-                    bar.update(1)
                 for spec in codecs:
                     pred = predict(w, cluster, spec, **kwargs)
                     bd = pred.breakdown()

@@ -26,6 +26,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from commpress.cli.argtypes import non_negative_int, positive_int
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg,unused-ignore]
     p = sub.add_parser(
@@ -57,15 +59,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     g.add_argument("--steps", type=int, default=20,
                    help="training steps per setup (20; the first max(timing-skip, warmup) are "
                    "not timed)")
-    g.add_argument("--warmup-steps", type=int, default=2,
+    g.add_argument("--warmup-steps", type=non_negative_int, default=2,
                    help="fp16 steps before a lossy codec starts (2)")
-    g.add_argument("--timing-skip", type=int, default=3,
+    g.add_argument("--timing-skip", type=non_negative_int, default=3,
                    help="start-up steps excluded from the timing (3)")
     g.add_argument("--model", default="tiny", choices=["tiny", "small", "medium"],
                    help="built-in model preset (tiny)")
-    g.add_argument("--batch-size", type=int, default=16,
+    g.add_argument("--batch-size", type=positive_int, default=16,
                    help="global batch rows (16; rounded up to a multiple of the world size)")
-    g.add_argument("--benchmark-steps", type=int, default=12,
+    g.add_argument("--benchmark-steps", type=positive_int, default=12,
                    help="steps of the compute micro-benchmark before each cluster (12)")
     g.add_argument("--local", action="store_true",
                    help="allow unshaped local processes when namespaces are unavailable (the "

@@ -345,6 +345,8 @@ def advise(
     cl = cluster if isinstance(cluster, Cluster) else Cluster.from_measured(cluster)
     if min_speedup <= 0:
         raise CommpressError(f"min_speedup must be > 0, got {min_speedup!r}")
+    if isinstance(max_passes, bool) or not isinstance(max_passes, int) or max_passes < 1:
+        raise CommpressError(f"max_passes must be an integer >= 1, got {max_passes!r}")
     if max_nmse is not None and not max_nmse >= 0:
         raise CommpressError(f"max_nmse must be >= 0 or None, got {max_nmse!r}")
     specs = list(candidates) if candidates is not None else default_candidates()
@@ -382,14 +384,17 @@ def advise(
     for o in options:
         if o.uniform is not None and o.uniform.total < best_total:
             best_total, assign, best_pred = o.uniform.total, [o.spec] * n, o.uniform
+    # each pass tries every other choice for every bucket: the choice a bucket held when its
+    # turn came is skipped, not the one it moved to, so a pass is exactly this many trials
     total_trials = max_passes * n * (len(choices_pool) - 1)
     done = 0
     if len(choices_pool) > 1:
         for _ in range(max_passes):
             changed = False
             for i in range(n):
+                held = assign[i]
                 for spec in choices_pool:
-                    if spec == assign[i]:
+                    if spec == held:
                         continue
                     trial = list(assign)
                     trial[i] = spec
@@ -401,6 +406,8 @@ def advise(
                         best_total, assign, best_pred, changed = pred.total, trial, pred, True
             if not changed:
                 break
+        if progress is not None and done < total_trials:
+            progress(done, done)  # converged: the passes left are not run, the total shrinks
     rng: SpeedupRange | None = None
     if baseline.total / best_total >= min_speedup and any(a != BASELINE_CODEC for a in assign):
         rng = speedup_range(workload, cl, assign, speeds=speeds, platform=platform,
