@@ -144,7 +144,14 @@ def test_analyze_cli_reports_bad_input(tmp_path: Path, capsys: pytest.CaptureFix
     (tmp_path / "not.json").unlink()
     save_file({"w": torch.randn(8)}, str(tmp_path / "w.safetensors"))
     assert main(["analyze", str(tmp_path), "--configs", "topk"]) == 2
-    assert "not lossless" in capsys.readouterr().err
+    assert "--configs 'topk': topk" in (err := capsys.readouterr().err) and "not lossless" in err
+    # the help's "none to skip" (was: unknown codec id 'none')
+    assert main(["analyze", str(tmp_path), "--configs", "none"]) == 0
+    assert "order-0 bound" in capsys.readouterr().out
+    # the figure's path is checked before the analysis (was: FileNotFoundError after it)
+    (tmp_path / "file").write_text("")
+    assert main(["analyze", str(tmp_path), "--png", str(tmp_path / "file" / "x.png")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
 
 
 def test_bench_lossless_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

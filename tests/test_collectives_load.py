@@ -198,3 +198,19 @@ def test_allreduce_benchmark_refuses_bad_sizes(capsys: pytest.CaptureFixture[str
 
     assert main(["bench", "allreduce", "--sizes", "0,1", "--worlds", "2"]) != 0
     assert "--sizes must be positive" in capsys.readouterr().err
+
+
+def test_allreduce_benchmark_names_what_it_skips_and_a_split_spec(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from commpress.bench.allreduce import _methods
+    from commpress.cli import main
+
+    skipped: list[str] = []
+    methods = _methods(["topk", "fp16"], ["allreduce", "allgather"], skipped)
+    assert methods == [("topk", "allgather"), ("fp16", "allreduce"), ("fp16", "allgather")]
+    assert skipped == ["topk/allreduce"]  # printed by the command (was dropped silently)
+    # a spec with two parameters split at its comma: pointed to ';' (was: unknown codec id)
+    assert main(["bench", "allreduce", "--codecs", "powersgd:rank=4,warm_start=true",
+                 "--worlds", "2", "--sizes", "1"]) == 2
+    assert "needs ';' between the specs" in capsys.readouterr().err

@@ -170,6 +170,20 @@ def _mismatch_worker(rank: int, world: int) -> dict[str, Any]:
             out["order"].append("no error")
         except CommpressError as exc:
             out["order"].append(str(exc))
+    # With check="every", a rank at a new call (another shape) and a rank at a verified one
+    # are refused together, naming what differs: the new call's field comparison and the
+    # known call's order check used to be different collectives, which waited out the
+    # timeout ("a peer did not answer") on both ranks.
+    out["new vs known"] = []
+    for codec in ("identity", "topk"):
+        all_reduce(torch.ones(4), codec, key=f"nk-{codec}", check="every")
+        start = time.monotonic()
+        try:
+            all_reduce(torch.ones(4 + rank), codec, key=f"nk-{codec}", check="every", timeout=20.0)
+            message = "no error"
+        except CommpressError as exc:
+            message = str(exc)
+        out["new vs known"].append((message, time.monotonic() - start))
     # Ranks with different check modes are refused at the first call.
     try:
         all_reduce(x, "identity", key="modes", check="every" if rank else "first")
@@ -219,6 +233,9 @@ def test_mismatched_calls_are_refused_on_every_rank_at_the_first_call() -> None:
             assert "ranks are at different calls" in message, (rank, message)
         assert out["after"] == "[2.0, 2.0, 2.0]"
         assert "ranks disagree on check mode" in out["modes"], out["modes"]
+        for message, elapsed in out["new vs known"]:
+            assert "ranks disagree on numel" in message, (rank, message)
+            assert elapsed < 10.0, elapsed  # the collective check, not the 20 s timeout
         assert out["collectives"] == [3, 6, 3], out["collectives"]
 
 
@@ -242,6 +259,15 @@ def _bad_args_worker(rank: int, world: int) -> dict[str, str]:
         "bad param": lambda: reduce(x, {"id": "topk", "ratio": 2.0}),
         "local size": lambda: reduce(x, "identity", strategy="hierarchical", local_size=0),
         "check": lambda: reduce(x, "identity", check="sometimes"),  # type: ignore[arg-type]
+        # wrong types, through the queue: named, not an AttributeError from deep inside (or,
+        # for stats and step, silently ignored)
+        "group type": lambda: all_reduce(x, "identity", group="foo"),
+        "ctx type": lambda: all_reduce(x, "identity", ctx={}),
+        "stats type": lambda: all_reduce(x, "identity", stats=[]),
+        "step type": lambda: all_reduce(x, "identity", step="a"),
+        "flag type": lambda: all_reduce(x, "identity", inplace="yes"),
+        "local size type": lambda: all_reduce(x, "identity", strategy="hierarchical",
+                                              local_size="x"),
         # codec parameters and misspelled options: refused on the calling thread before
         # anything is queued (they were a TypeError from the queue's thread)
         "codec keyword": lambda: all_reduce(x, "topk", ratio=0.1),
@@ -315,6 +341,12 @@ def test_bad_arguments_are_clear_errors() -> None:
         "bad param": "topk: ratio must be in (0, 1]",
         "local size": "local size that divides the world size",
         "check": "check must be one of 'first', 'every', 'off', got 'sometimes'",
+        "group type": "group must be a torch.distributed process group",
+        "ctx type": "ctx must be a CodecContext or None, got dict",
+        "stats type": "stats must be a dict",
+        "step type": "step must be an int >= 0, got 'a'",
+        "flag type": "inplace must be True or False, got 'yes'",
+        "local size type": "local_size must be an int or None, got 'x'",
         "check env": "$COMMPRESS_CHECK must be one of 'first', 'every', 'off', got 'never'",
         "codec keyword": "commpress.all_reduce: unknown keyword argument(s) 'ratio'; codec "
                          "parameters go in the codec spec ('topk:ratio=0.1')",

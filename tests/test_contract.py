@@ -120,6 +120,20 @@ def test_get_codec_accepts_id_mapping_spec_and_instance() -> None:
 def test_unknown_id_lists_known_ids() -> None:
     with pytest.raises(CommpressError, match="unknown codec id 'nope'.*identity"):
         get_codec("nope")
+    with pytest.raises(CommpressError, match="did you mean 'topk'"):  # another case
+        get_codec("TOPK")
+
+
+def test_spec_refuses_a_repeated_parameter_and_reads_nan_as_a_number() -> None:
+    # the last value used to win silently; 'nan' was "must be float, got 'nan'"
+    with pytest.raises(CommpressError, match="'ratio' is given twice"):
+        parse_codec_spec("topk:ratio=0.01,ratio=0.5")
+    with pytest.raises(CommpressError, match="goes before the ':'"):
+        parse_codec_spec("topk:id=minmax")
+    assert math.isnan(parse_codec_spec("topk:ratio=nan")["ratio"])
+    assert parse_codec_spec("topk:ratio=-inf")["ratio"] == -math.inf
+    with pytest.raises(CommpressError, match=r"ratio must be in \(0, 1\], got nan"):
+        get_codec("topk:ratio=nan")
 
 
 def test_unknown_parameter_lists_accepted_ones() -> None:

@@ -409,6 +409,11 @@ def test_capture_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert cli_main(["capture", "--out", str(out), "--steps", "0", "--dtypes", "fp64"]) == 2
     with pytest.raises(SystemExit):
         cli_main(["capture", "--out", str(out), "--steps", "a,b"])
+    # a device this process cannot use: one line before any work (was a torch traceback)
+    assert cli_main(["capture", "--out", str(tmp_path / "dev"), "--device", "foo"]) == 2
+    err = capsys.readouterr().err
+    assert "--device 'foo': not a torch device" in err and "Traceback" not in err
+    assert not (tmp_path / "dev").exists()
 
 
 def test_tinygpt_is_exported() -> None:

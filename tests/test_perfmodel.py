@@ -693,5 +693,10 @@ def test_advise_progress_counts_each_trial_once_and_ends_at_its_total() -> None:
     assert calls[-1][0] == calls[-1][1]
     assert len(set(advice.choices)) >= 2  # a bucket moved: the case the old loop overcounted
     with pytest.raises(CommpressError, match="max_passes"):
-        advise(workload, cluster, candidates=specs, max_nmse=None, max_passes=0,
+        advise(workload, cluster, candidates=specs, max_nmse=None, max_passes=-1,
                nmse_table={spec_key(get_codec(s)): 0.1 for s in specs})
+    # no passes: the best uniform choice, one codec for every bucket (what the demo asks)
+    uniform = advise(workload, cluster, candidates=[*specs, specs[0]], max_nmse=None,
+                     max_passes=0, nmse_table={spec_key(get_codec(s)): 0.1 for s in specs})
+    assert len(set(uniform.choices)) == 1 and uniform.compress
+    assert uniform.prediction.total >= advice.prediction.total

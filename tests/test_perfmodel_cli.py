@@ -194,7 +194,7 @@ def test_a_number_out_of_range_is_reported_against_its_option(
         ("predict", "--params", "1e9", "--gpu-tflops", "nan"): "argument --gpu-tflops: must be "
                                                                "a finite number > 0",
         ("predict", "--params", "1e9", "--bucket-mb", "0"): "argument --bucket-mb",
-        ("advise", "--params", "1e9", "--max-passes", "0"): "argument --max-passes",
+        ("advise", "--params", "1e9", "--max-passes", "-1"): "argument --max-passes",
         ("sweep", "--params", "1e9", "--nodes", "4,0"): "--nodes: count must be > 0",
         ("sweep", "--params", "1e9", "--nodes", "2.5"): "--nodes: node counts must be whole",
         ("sweep", "--params", "1e9,x"): "--params: count: cannot parse 'x'",
@@ -221,6 +221,13 @@ def test_an_unknown_option_gets_its_commands_usage_and_a_near_miss(
     assert err.startswith("usage: commpress advise") and "did you mean" not in err
     assert _status(["--bogus"]) == 2
     assert capsys.readouterr().err.startswith("usage: commpress [-h]")
+    # a sub-sub-command's own usage and options (nothing is brought up or run)
+    assert _status(["cluster", "up", "--nods", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: commpress cluster up") and "did you mean --nodes?" in err
+    assert _status(["bench", "codecs", "--repets", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: commpress bench codecs") and "did you mean --repeat?" in err
 
 
 def test_predict_refuses_calibration_options_without_calibrate_codecs(
@@ -230,8 +237,11 @@ def test_predict_refuses_calibration_options_without_calibrate_codecs(
     saved = tmp_path / "speeds.json"
     assert main(["predict", "--params", "20M", "--save", str(saved)]) == 2
     assert "--save applies only with --calibrate-codecs" in capsys.readouterr().err
-    assert main(["predict", "--params", "20M", "--device", "cuda", "--large", "2M"]) == 2
+    assert main(["predict", "--params", "20M", "--device", "cpu", "--large", "1M"]) == 2
     assert "--device, --large apply only with" in capsys.readouterr().err
+    # said before the path is checked: the option is the mistake, not its directory
+    assert main(["predict", "--params", "20M", "--save", str(tmp_path / "no" / "x.json")]) == 2
+    assert "--save applies only with --calibrate-codecs" in capsys.readouterr().err
     assert not saved.exists()
 
 
@@ -251,6 +261,21 @@ def test_save_and_policy_paths_are_checked_before_the_work(
     assert f"--emit-policy {missing / 'p.json'}: directory" in capsys.readouterr().err
     assert main(["predict", "--calibrate-codecs", "--save", str(tmp_path)]) == 2
     assert "--save" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["predict", "--calibrate-codecs", "--save", str(tmp_path / "file" / "x")]) == 2
+    assert "file' is not a directory" in capsys.readouterr().err
+    assert main(["predict", "--calibrate-codecs", "--save",
+                 str(tmp_path / "file" / "sub" / "x")]) == 2
+    assert "cannot create it under" in capsys.readouterr().err
+
+
+def test_calibrated_speeds_are_saved_into_new_directories(tmp_path: Path) -> None:
+    """`SpeedTable.save` makes the table's missing directories; the path check before the
+    run allows them (it once refused them)."""
+    saved = tmp_path / "new" / "sub" / "speeds.json"
+    assert main(["predict", "--calibrate-codecs", "--codec", "fp16", "--large", "16k",
+                 "--save", str(saved)]) == 0
+    assert set(json.loads(saved.read_text())["speeds"]) == {"fp16"}
 
 
 def test_advise_notes_that_fp16_is_the_baseline_not_a_candidate(

@@ -41,6 +41,7 @@ import functools
 import json
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,7 @@ from typing import Any
 from commpress.bench.ranks import run_ranks
 from commpress.codecs.registry import codec_ids, get_codec
 from commpress.collectives.api import STRATEGIES, all_reduce, reduce
-from commpress.errors import CommpressError
+from commpress.errors import CommpressError, error_context
 from commpress.report import render_table
 
 DEFAULT_CODECS = "identity,fp16,bf16,qsgd,topk,powersgd,thc"
@@ -112,20 +113,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _methods(codecs: list[str], strategies: list[str]) -> list[tuple[str, str]]:
+def _methods(
+    codecs: list[str], strategies: list[str], skipped: list[str] | None = None
+) -> list[tuple[str, str]]:
+    """The (codec, strategy) pairs to time; the pairs a strategy cannot run are left out and,
+    when ``skipped`` is given, named in it."""
     out = []
     for spec in codecs:
-        codec = get_codec(spec)
+        if "=" in spec and ":" not in spec and "," not in spec:
+            # 'powersgd:rank=4,warm_start=true' split at its comma: the second parameter
+            raise CommpressError(
+                f"--codecs: {spec!r} is not a codec spec; a spec with several parameters "
+                "needs ';' between the specs ('powersgd:rank=4,warm_start=true;fp16')"
+            )
+        with error_context(f"--codecs {spec!r}"):
+            codec = get_codec(spec)
         for strategy in strategies:
             if strategy not in STRATEGIES:
                 raise CommpressError(f"unknown strategy {strategy!r}; accepted: {STRATEGIES}")
-            if codec.multi_round and strategy in (
+            if (codec.multi_round and strategy in (
                 "allgather",
                 "ring",
                 "hierarchical-compress-first",
-            ):
-                continue
-            if strategy == "allreduce" and not (codec.summable or codec.multi_round):
+            )) or (strategy == "allreduce" and not (codec.summable or codec.multi_round)):
+                if skipped is not None:
+                    skipped.append(f"{spec}/{strategy}")
                 continue
             out.append((spec, strategy))
     return out
@@ -324,7 +336,11 @@ def run(args: argparse.Namespace) -> int:
     codecs = [c.strip() for c in codec_text.split(sep) if c.strip()]
     if not codecs:
         raise CommpressError("--codecs: empty list")
-    methods = _methods(codecs, args.strategies.split(","))
+    skipped: list[str] = []
+    methods = _methods(codecs, args.strategies.split(","), skipped)
+    if skipped:
+        print(f"skipped (the strategy cannot run the codec): {', '.join(skipped)}",
+              file=sys.stderr)
     rows: list[dict[str, Any]] = []
     for world in tqdm(worlds, desc="world sizes", disable=None):
         rows += measure(

@@ -21,6 +21,7 @@ import re
 import select
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from commpress.errors import ConfigError, exit_status
@@ -148,9 +149,14 @@ def _silence_stdout() -> None:
 
 
 #: Output arguments holding a file path: ``--json``, ``--profile``, ``--save`` (predict's
-#: speed table), ``--emit-policy`` (advise's policy file), and ``--out`` where the command says
-#: so (``set_defaults(out_kind="file")``; else ``--out`` is a directory made with its parents)
-_OUTPUT_ARGS = ("json", "profile", "save", "emit_policy", "out")
+#: speed table), ``--emit-policy`` (advise's policy file), ``--png`` (analyze's figure), and
+#: ``--out`` where the command says so (``set_defaults(out_kind="file")``; else ``--out`` is a
+#: directory made with its parents)
+_OUTPUT_ARGS = ("json", "profile", "save", "emit_policy", "png", "out")
+
+#: Output files whose missing directories the command makes (``SpeedTable.save``, analyze's
+#: figure)
+_FILES_WITH_PARENTS = ("save", "png")
 
 
 def check_output_paths(args: argparse.Namespace) -> None:
@@ -159,8 +165,6 @@ def check_output_paths(args: argparse.Namespace) -> None:
     directory must exist and be writable; a directory must not be a file, and its nearest
     existing ancestor must be a directory. Ranks other than 0 of a launched job (``RANK``)
     write nothing and are not checked."""
-    from pathlib import Path
-
     if os.environ.get("RANK", "0") != "0":
         return
     for name in _OUTPUT_ARGS:
@@ -177,6 +181,11 @@ def check_output_paths(args: argparse.Namespace) -> None:
                     raise ConfigError(f"{flag} {value}: is not writable")
                 continue
             parent = path.parent
+            if parent.exists() and not parent.is_dir():
+                raise ConfigError(f"{flag} {value}: {str(parent)!r} is not a directory")
+            if name in _FILES_WITH_PARENTS and not parent.exists():
+                _check_creatable(flag, value, parent)
+                continue
             if not parent.is_dir():
                 raise ConfigError(f"{flag} {value}: directory {str(parent)!r} does not exist")
             if not os.access(parent, os.W_OK):
@@ -184,27 +193,43 @@ def check_output_paths(args: argparse.Namespace) -> None:
             continue
         if path.exists() and not path.is_dir():
             raise ConfigError(f"{flag} {value}: exists and is not a directory")
-        ancestor = path
-        while not ancestor.exists() and ancestor != ancestor.parent:
-            ancestor = ancestor.parent
-        if not ancestor.is_dir():
-            raise ConfigError(f"{flag} {value}: cannot create it under {str(ancestor)!r}")
+        _check_creatable(flag, value, path)
 
 
-def _command_parser(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
-    """The parser of sub-command ``name``, or ``parser`` itself when there is none."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
-            found: argparse.ArgumentParser = action.choices[name]
-            return found
-    return parser
+def _check_creatable(flag: str, value: str, path: Path) -> None:
+    """Refuse a directory ``path`` that cannot be made with its parents: its nearest existing
+    ancestor must be a writable directory."""
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{flag} {value}: cannot create it under {str(ancestor)!r}")
+    if not path.exists() and not os.access(ancestor, os.W_OK):
+        raise ConfigError(f"{flag} {value}: cannot create it under {str(ancestor)!r} (not "
+                          "writable)")
 
 
-def _reject_unknown(parser: argparse.ArgumentParser, command: str | None,
+def _command_parser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The innermost (sub-)command parser that ``args`` went through: ``commpress bench
+    codecs``'s, not ``bench``'s; ``parser`` itself when no command was chosen."""
+    while True:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = getattr(args, action.dest, None) if action.dest else None
+                if chosen in action.choices:
+                    parser = action.choices[chosen]
+                    break
+        else:
+            return parser
+
+
+def _reject_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace,
                     extra: list[str]) -> NoReturn:
     """Report arguments no parser took with the usage of the command they were given to (not
     the top-level usage argparse would print), and a near miss among its options."""
-    target = _command_parser(parser, command)
+    target = _command_parser(parser, args)
     message = f"unrecognized arguments: {' '.join(extra)}"
     options = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
     for word in extra:
@@ -220,12 +245,15 @@ def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        _reject_unknown(parser, getattr(args, "command", None), extra)
+        _reject_unknown(parser, args, extra)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
 
     def command() -> int:
+        precheck = getattr(args, "precheck", None)
+        if precheck is not None:  # a command's own checks of its options, before the paths
+            precheck(args)
         check_output_paths(args)
         return int(args.func(args) or 0)
 

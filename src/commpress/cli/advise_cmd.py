@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from commpress.cli.argtypes import positive_float, positive_int
+from commpress.cli.argtypes import non_negative_int, positive_float
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,8 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "are measured on synthetic samples)")
     p.add_argument("--min-speedup", type=positive_float, default=1.05,
                    help="predicted speedup over fp16 needed to recommend compression (1.05)")
-    p.add_argument("--max-passes", type=positive_int, default=2,
-                   help="coordinate-descent passes over the buckets (2)")
+    p.add_argument("--max-passes", type=non_negative_int, default=2,
+                   help="coordinate-descent passes over the buckets (2; 0: one codec for "
+                   "every bucket)")
     p.add_argument("--emit-policy", metavar="FILE",
                    help="write the advice as a policy file that "
                    "commpress.ddp.register(model, policy=FILE) loads (a mixed choice needs "

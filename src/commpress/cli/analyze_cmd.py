@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--png", metavar="PATH", help="write the per-bit entropy figure here")
     p.add_argument("--configs", nargs="*", default=list(DEFAULT_CONFIGS), metavar="SPEC",
                    help="codec specs whose achieved ratio is reported (default: netzip "
-                   "variants; none to skip)")
+                   "variants; 'none', or the option with no spec, to skip)")
     p.add_argument("--json", metavar="FILE", help="also write the numbers as JSON")
     p.set_defaults(func=run)
 
@@ -68,10 +68,16 @@ def run(args: argparse.Namespace) -> int:
     for key, per_dtype in by_key.items():  # a group never mixes element widths
         for dtype, named in per_dtype.items():
             grouped[key if len(per_dtype) == 1 else f"{key} [{dtype}]"] = named
-    codecs = [get_codec(spec) for spec in args.configs]
-    for c in codecs:
-        if not c.lossless:
-            raise CommpressError(f"{c} is not lossless; analyze compares lossless codecs only")
+    if [c.lower() for c in args.configs] == ["none"]:  # as the help says: no codec columns
+        args.configs = []
+    codecs = []
+    for spec in args.configs:
+        with error_context(f"--configs {spec!r}"):
+            codec = get_codec(spec)
+        if not codec.lossless:
+            raise CommpressError(f"--configs {spec!r}: {codec} is not lossless; analyze "
+                                 "compares lossless codecs only")
+        codecs.append(codec)
     groups: list[GroupStats] = []
     achieved: dict[str, dict[str, float]] = {}
     for label, named in grouped.items():

@@ -14,11 +14,14 @@ def _int_list(text: str) -> list[int]:
     if not text:
         return []
     try:
-        return [int(part) for part in text.split(",")]
+        steps = [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated step numbers like 0,1,2, got {text!r}"
         ) from None
+    if any(s < 0 for s in steps):
+        raise argparse.ArgumentTypeError(f"step numbers must be >= 0, got {text!r}")
+    return steps
 
 
 def _name_list(text: str) -> list[str]:
@@ -74,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         early = args.early if args.early is not None else list(DEFAULT_EARLY)
         late = args.late if args.late is not None else list(DEFAULT_LATE)
+    if args.device is not None:
+        from commpress.units import usable_device
+
+        usable_device(args.device)
     corpus = stdlib_corpus(args.corpus_bytes or DEFAULT_CORPUS_BYTES)
     index = capture(
         Path(args.out), config=preset(args.model), early=early, late=late,

@@ -39,11 +39,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--calibrate-codecs", action="store_true",
                    help="measure encode/decode speed of the --codec codecs (default: all "
                    "registered) on --device and write --save; no prediction")
-    c.add_argument("--device", default="cpu", help="device for --calibrate-codecs (cpu)")
+    c.add_argument("--device", help="device for --calibrate-codecs (cpu)")
     c.add_argument("--save", help="output JSON for --calibrate-codecs")
-    c.add_argument("--large", default="1M",
+    c.add_argument("--large",
                    help="elements of the large calibration tensor (1M; use >= 16M on a GPU)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, precheck=_refuse_stray)
+
+
+#: The calibration group's options: given without --calibrate-codecs they would be ignored (a
+#: --save that writes nothing, a --device that predicts nothing for it)
+_CALIBRATION_ONLY = ("save", "device", "large")
+
+
+def _refuse_stray(args: argparse.Namespace) -> None:
+    if args.calibrate_codecs:
+        return
+    stray = [f"--{k}" for k in _CALIBRATION_ONLY if getattr(args, k) is not None]
+    if stray:
+        from commpress.errors import CommpressError
+
+        raise CommpressError(
+            f"{', '.join(stray)} {'applies' if len(stray) == 1 else 'apply'} only with "
+            "--calibrate-codecs (measure codec speeds and save them); a prediction takes a "
+            "measured table with --codec-speeds FILE or --codec-device cpu|gpu for a built-in one"
+        )
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -53,9 +72,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     if not args.save:
         raise CommpressError("--calibrate-codecs needs --save PATH for the speed table")
-    usable_device(args.device)
+    device = args.device or "cpu"
+    usable_device(device)
     specs = args.codec or codec_ids()
-    table = calibrate_speeds(specs, device=args.device, large=int(parse_count(args.large)),
+    table = calibrate_speeds(specs, device=device, large=int(parse_count(args.large or "1M")),
                              progress=True)
     table.save(args.save)
     rows = [[k, f"{v.overhead_s * 1e6:.1f}", format_count(v.encode_eps),
@@ -81,24 +101,9 @@ def result_row(name: str, pred: Any, base_total: float) -> list[Any]:
     ]
 
 
-#: The calibration group's options and their defaults: given without --calibrate-codecs they
-#: would be ignored (a --save that writes nothing, a --device that predicts nothing for it)
-_CALIBRATION_DEFAULTS = {"save": None, "device": "cpu", "large": "1M"}
-
-
 def run(args: argparse.Namespace) -> int:
     if args.calibrate_codecs:
         return _calibrate(args)
-    stray = [f"--{k}" for k, v in _CALIBRATION_DEFAULTS.items() if getattr(args, k) != v]
-    if stray:
-        from commpress.errors import CommpressError
-
-        raise CommpressError(
-            f"{', '.join(stray)} {'applies' if len(stray) == 1 else 'apply'} only with "
-            "--calibrate-codecs (measure codec speeds and "
-            "save them); a prediction takes a measured table with --codec-speeds FILE or "
-            "--codec-device cpu|gpu for a built-in one"
-        )
     from commpress.cli.model_args import cluster_from_args, model_kwargs, workload_from_args
     from commpress.perfmodel.model import predict, predict_baseline, speedup_range
     from commpress.units import format_count, format_seconds

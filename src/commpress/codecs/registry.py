@@ -48,6 +48,9 @@ def list_codecs() -> list[type[Codec]]:
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:
     """``" (did you mean 'topk'?)"`` for the closest of ``choices``, or ``""``."""
+    lowered = {c.lower(): c for c in choices}
+    if word.lower() in lowered:  # 'TOPK': the same id in another case
+        return f" (did you mean {lowered[word.lower()]!r}?)"
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -66,20 +69,28 @@ def codec_class(codec_id: str) -> type[Codec]:
 def parse_codec_spec(spec: str) -> dict[str, Any]:
     """Parse ``"powersgd:rank=4,warm_start=true"`` into ``{"id": "powersgd", "rank": 4, ...}``.
 
-    Values are read as JSON where possible (numbers, ``true``/``false``, ``null``) and as plain
-    strings otherwise.
+    Values are read as JSON where possible (numbers, ``true``/``false``, ``null``), ``nan`` and
+    ``inf`` as floats (so that the codec's range check names them), and as plain strings
+    otherwise. A parameter given twice is refused (the last one used to win silently).
     """
     codec_id, _, rest = spec.partition(":")
     config: dict[str, Any] = {"id": codec_id.strip()}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         name, sep, raw = item.partition("=")
-        if not sep or not name.strip():
+        name = name.strip()
+        if not sep or not name:
             raise ConfigError(f"codec spec {spec!r}: expected name=value, got {item!r}")
+        if name == "id":
+            raise ConfigError(f"codec spec {spec!r}: the codec id goes before the ':', not "
+                              "among its parameters")
+        if name in config:
+            raise ConfigError(f"codec spec {spec!r}: parameter {name!r} is given twice")
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
-            value = raw
-        config[name.strip()] = value
+            special = raw.strip().lower().lstrip("+-") in ("nan", "inf", "infinity")
+            value = float(raw) if special else raw
+        config[name] = value
     return config
 
 

@@ -15,6 +15,7 @@ Memory kept per group (verified signatures, submitting threads) is forgotten by
 from __future__ import annotations
 
 import hashlib
+import numbers
 import os
 import threading
 import warnings
@@ -93,8 +94,42 @@ def reduction_arguments(tensor: Any, codec: CodecSpec) -> Codec:
     return as_codec(codec)
 
 
-def reduce_options(*, op: Any, key: Any, bucket_bytes: Any, depth: Any) -> None:
-    """Check the options of a reduction that need no tensor (once, when they are built)."""
+def reduce_options(
+    *,
+    op: Any,
+    key: Any,
+    bucket_bytes: Any,
+    depth: Any,
+    group: Any = None,
+    ctx: Any = None,
+    stats: Any = None,
+    step: Any = 0,
+    local_size: Any = None,
+    flags: Mapping[str, Any] | None = None,
+) -> None:
+    """Check the options of a reduction that need no tensor (once, when they are built): a
+    wrong type is named here, not met as an ``AttributeError`` deep in the exchange (or, for
+    ``stats`` and ``step``, silently ignored). ``flags``: the boolean options by name."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise CommpressError(
+            f"group must be a torch.distributed process group (dist.new_group(...)) or None "
+            f"for the default one, got {type(group).__name__} {group!r}"
+        )
+    if ctx is not None and not isinstance(ctx, CodecContext):
+        raise CommpressError(f"ctx must be a CodecContext or None, got {type(ctx).__name__}")
+    if stats is not None and not isinstance(stats, dict):
+        raise CommpressError(
+            f"stats must be a dict (it receives byte counters) or None, got {type(stats).__name__}"
+        )
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise CommpressError(f"step must be an int >= 0, got {step!r}")
+    if local_size is not None and (
+        isinstance(local_size, bool) or not isinstance(local_size, numbers.Integral)
+    ):  # its value is checked against the world size by the strategy
+        raise CommpressError(f"local_size must be an int or None, got {local_size!r}")
+    for name, value in (flags or {}).items():
+        if not isinstance(value, bool):
+            raise CommpressError(f"{name} must be True or False, got {value!r}")
     if op not in ("mean", "sum"):
         raise CommpressError(f"op must be 'mean' or 'sum', got {op!r}")
     if not isinstance(key, str):
@@ -231,10 +266,16 @@ def check_agreement(
     Each rank contributes its codec fingerprint, tensor key, shape and dtype, strategy, op,
     bucketing, node size, pipeline depth, offload and check mode (everything that shapes the
     exchanges). Every rank sees every contribution, so either all proceed or all raise the same
-    :class:`CommpressError` (never a hang on mismatched collectives). With ``every``, later
-    calls with a verified signature compare the signature itself (a stable 63-bit hash of
-    those fields) in one tiny all-reduce (:func:`check_call_order`), which catches calls made
-    in a different order on different ranks. Returns the signature.
+    :class:`CommpressError` (never a hang on mismatched collectives). A call first compares
+    the signature itself (a stable 63-bit hash of those fields) in one tiny all-reduce
+    (:func:`check_call_order`): at a rank's first call with the signature in either mode, and
+    with ``every`` at every call, which catches verified calls made in a different order on
+    different ranks. The comparison of the fields follows on every rank when any rank meets
+    its signature for the first time, so under ``every`` a rank at a new call and a rank at a
+    known one issue the same collectives and fail together, naming the fields that differ
+    (they used to issue different ones and wait out the timeout). Under ``first`` a rank at a
+    known call checks nothing, so a peer's new call there is not caught. Returns the
+    signature.
     """
     fp = codec.fingerprint()
     shape = tuple(x.shape)
@@ -244,31 +285,39 @@ def check_agreement(
     with _LOCK:
         signature = _SIGNATURES.get(ident)
         verified = signature is not None and (gid, signature) in _VERIFIED
-    if verified:
+    if verified and not every:
         assert signature is not None
-        if every:
-            check_call_order(ex, signature, key=key, device=ex.comm_device(x.device))
         return signature
-    fields = {
-        "codec fingerprint": int(fp[:15], 16),
-        "tensor key": name_hash(key),
-        "numel": x.numel(),
-        "shape": name_hash(repr(shape)),
-        "dtype": dtype_code(x.dtype),
-        "strategy": name_hash(strategy),
-        "op": name_hash(op),
-        "bucket elements": bucket_elems,
-        "local size": local_size,
-        "pipeline depth": depth,
-        "offload": int(offload),
-        "check mode": int(every),
-    }
-    digest = hashlib.blake2b(repr(tuple(fields.values())).encode(), digest_size=8).digest()
-    signature = int.from_bytes(digest, "little") >> 1
+
+    def signature_fields() -> dict[str, int]:
+        return {
+            "codec fingerprint": int(fp[:15], 16),
+            "tensor key": name_hash(key),
+            "numel": x.numel(),
+            "shape": name_hash(repr(shape)),
+            "dtype": dtype_code(x.dtype),
+            "strategy": name_hash(strategy),
+            "op": name_hash(op),
+            "bucket elements": bucket_elems,
+            "local size": local_size,
+            "pipeline depth": depth,
+            "offload": int(offload),
+            "check mode": int(every),
+        }
+
+    fields = None
+    if signature is None:
+        fields = signature_fields()
+        digest = hashlib.blake2b(repr(tuple(fields.values())).encode(), digest_size=8).digest()
+        signature = int.from_bytes(digest, "little") >> 1
+    device = ex.comm_device(x.device)
+    # the same first collective at a new call in either mode and at every call with ``every``
+    if not check_call_order(ex, signature, key=key, device=device, first=not verified):
+        return signature  # every rank at the same, verified call
     agree(
         ex,
-        fields,
-        device=ex.comm_device(x.device),
+        fields if fields is not None else signature_fields(),
+        device=device,
         hint=(
             f"This rank has codec {codec} (fingerprint {fp}), key {key!r}, shape "
             f"{tuple(x.shape)} {x.dtype}, strategy {strategy!r}, op {op!r}. Every rank must "
@@ -284,24 +333,31 @@ def check_agreement(
     return signature
 
 
-def check_call_order(ex: Exchange, signature: int, *, key: str, device: torch.device) -> None:
-    """Make sure every rank is at the same call: one tiny all-reduce (MAX of ``[s, -s]``).
+def check_call_order(
+    ex: Exchange, signature: int, *, key: str, device: torch.device, first: bool = False
+) -> bool:
+    """Make sure every rank is at the same call: one tiny all-reduce (MAX of ``[s, -s, f]``,
+    ``f`` = 1 where ``first``, this rank's first call with the signature ``s``).
 
     Calls whose signature was verified once (:func:`check_agreement`) can still be issued in a
     different order on different ranks (threads racing to submit); that would silently pair
     different tensors. The maximum and the negated minimum of the signatures are equal on
-    every rank, so a disagreement raises the same :class:`CommpressError` everywhere.
+    every rank, so a disagreement is seen the same way everywhere. Returns whether any rank
+    is at a first call: the caller then compares the fields on every rank (which names what
+    differs). Otherwise, a disagreement raises the same :class:`CommpressError` everywhere.
     """
     if ex.world_size == 1:
-        return
-    t = torch.tensor([signature, -signature], dtype=torch.int64, device=device)
+        return first
+    t = torch.tensor([signature, -signature, int(first)], dtype=torch.int64, device=device)
     ex.wait(
         Pending(
             [dist.all_reduce(t, dist.ReduceOp.MAX, group=ex.group, async_op=True)],
             "call order check",
         )
     )
-    hi, neg_lo = t.cpu().tolist()
+    hi, neg_lo, any_first = t.cpu().tolist()
+    if any_first:
+        return True
     if hi != -neg_lo:
         raise MismatchError(
             f"{ex.label}: ranks are at different calls (this rank {ex.rank} reduces key {key!r} "
@@ -309,6 +365,7 @@ def check_call_order(ex: Exchange, signature: int, *, key: str, device: torch.de
             "group must be made in the same order on every rank: submit them from one thread, "
             "or in a fixed order; check='first' skips this per-call check"
         )
+    return False
 
 
 __all__ = [

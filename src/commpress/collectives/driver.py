@@ -420,7 +420,9 @@ def classify_failure(
         return PeerLostError, "A peer died or closed its connection"
     if any(s in text for s in _TIMED_OUT) or (timeout is not None and elapsed >= timeout):
         return ExchangeTimeoutError, (
-            "A peer did not answer in time: it is stuck, slow, or never made this call"
+            "A peer did not answer in time: it is stuck, slow, or never made this call (or "
+            "made another one: check='every', or COMMPRESS_CHECK=every, compares every call "
+            "across ranks and names the difference)"
         )
     if any(s in text for s in _MISMATCH):
         return MismatchError, "Ranks issued different operations"

@@ -322,7 +322,11 @@ class ReduceOptions:
 
     def __post_init__(self) -> None:
         checks.reduce_options(
-            op=self.op, key=self.key, bucket_bytes=self.bucket_bytes, depth=self.pipeline_depth
+            op=self.op, key=self.key, bucket_bytes=self.bucket_bytes, depth=self.pipeline_depth,
+            group=self.group, ctx=self.ctx, stats=self.stats, step=self.step,
+            local_size=self.local_size,
+            flags={"need_local": self.need_local, "offload": self.offload,
+                   "inplace": self.inplace},
         )
 
 

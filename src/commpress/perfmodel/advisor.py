@@ -333,7 +333,8 @@ def advise(
         min_speedup: predicted speedup over the baseline needed to recommend compression.
         strategy, algorithm, speeds, platform, offload: as in
             :func:`~commpress.perfmodel.model.predict`.
-        max_passes: coordinate-descent passes over the buckets.
+        max_passes: coordinate-descent passes over the buckets (0: the best uniform choice,
+            one codec for every bucket).
         progress: called with ``(done, total)`` trial counts.
         bucket_names: parameter names per bucket, in the workload's bucket order (see
             :func:`~commpress.perfmodel.model.ddp_bucket_indices`), for :meth:`Advice.policy`.
@@ -345,8 +346,8 @@ def advise(
     cl = cluster if isinstance(cluster, Cluster) else Cluster.from_measured(cluster)
     if min_speedup <= 0:
         raise CommpressError(f"min_speedup must be > 0, got {min_speedup!r}")
-    if isinstance(max_passes, bool) or not isinstance(max_passes, int) or max_passes < 1:
-        raise CommpressError(f"max_passes must be an integer >= 1, got {max_passes!r}")
+    if isinstance(max_passes, bool) or not isinstance(max_passes, int) or max_passes < 0:
+        raise CommpressError(f"max_passes must be an integer >= 0, got {max_passes!r}")
     if max_nmse is not None and not max_nmse >= 0:
         raise CommpressError(f"max_nmse must be >= 0 or None, got {max_nmse!r}")
     specs = list(candidates) if candidates is not None else default_candidates()
@@ -376,7 +377,7 @@ def advise(
         return predict(workload, cl, assignment, **kwargs)
 
     feasible_specs = [o.spec for o in options if o.feasible]
-    choices_pool = [BASELINE_CODEC, *feasible_specs]
+    choices_pool = [BASELINE_CODEC, *dict.fromkeys(feasible_specs)]  # a spec given twice: once
     n = len(workload.buckets)
     best_total = baseline.total
     assign = [BASELINE_CODEC] * n
