@@ -902,7 +902,9 @@ class Codec(ABC):
             names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
             raise ConfigError(
                 f"{self.codec_id}.encode expects a floating-point tensor ({names}), "
-                f"got {str(tensor.dtype).replace('torch.', '')}"
+                f"got {str(tensor.dtype).replace('torch.', '')}; integer and bool tensors "
+                "(token ids, labels, masks) are not compressed: send or reduce them with "
+                "torch.distributed itself"
             )
         return tensor.detach()
 
